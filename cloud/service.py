@@ -1,0 +1,249 @@
+"""The cloud aggregator service (DESIGN section 2).
+
+Waits for device registrations, then runs synchronous rounds: samples participants with
+ratio kappa from its own seeded RNG, assigns each to its edge, sends the global model when
+there is a new one, collects one report per edge (deadline-bounded), aggregates every
+``r_g`` rounds with the algorithm's cloud step and checkpoints atomically. Flat FL is the
+one-edge case. No algorithm maths here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.algorithms import Algorithm, Update
+from shared.bus import Bus, Timer
+from shared.checkpoint import model_digest, save_checkpoint
+from shared.codec import spec_of
+from shared.config import RunConfig
+from shared.messages import BlobRef, CloudState, DeviceHello, EdgeUpdate, RoundStart
+from shared.service import RoleService, TensorDict
+
+log = logging.getLogger(__name__)
+
+
+def edge_ids(cfg: RunConfig) -> list[str]:
+    """Names of the configured edges: ``edge0``, ``edge1``, ..."""
+    return [f"edge{i}" for i in range(cfg.federation.num_edges)]
+
+
+def sample_participants(devices: list[str], kappa: float, seed: int, round_: int) -> list[str]:
+    """ceil(kappa * N) devices drawn without replacement by a per-round seeded RNG
+    (derived from (seed, round) so a resumed run draws the same devices)."""
+    rng = np.random.default_rng([seed, round_, 0xC10D])
+    k = max(1, math.ceil(kappa * len(devices) - 1e-9))
+    chosen = rng.choice(len(devices), size=min(k, len(devices)), replace=False)
+    return sorted(devices[i] for i in chosen)
+
+
+@dataclass
+class RoundSummary:
+    """What the cloud saw of one round."""
+
+    round: int
+    participants: int
+    updates: int
+    mean_loss: float | None
+    cloud_aggregated: bool
+    model_sha256: str
+    round_seconds: float
+    aggregation_seconds: float
+    train_seconds: float
+    rejected: int
+    edges: dict[str, int] = field(default_factory=dict)
+
+
+class CloudServer(RoleService):
+    """The cloud: owns the global model and the round counter."""
+
+    role = "cloud"
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        bus: Bus,
+        algorithm: Algorithm,
+        *,
+        initial_model: TensorDict,
+        start_round: int = 0,
+        checkpoint_dir: Path | None = None,
+        on_round_end: Callable[[RoundSummary], None] | None = None,
+    ) -> None:
+        super().__init__("cloud", cfg, bus)
+        self.algorithm = algorithm
+        self.model = initial_model
+        self.spec = spec_of(initial_model)
+        self.model_sha = model_digest(initial_model)
+        self.edges = edge_ids(cfg)
+        self.devices: dict[str, DeviceHello] = {}
+        self.round = start_round
+        self.fresh_global = True  # the edges have not received the current global yet
+        self.global_ref: BlobRef | None = None
+        self.assignment: dict[str, list[str]] = {}
+        self.reports: dict[str, tuple[EdgeUpdate, TensorDict | None]] = {}
+        self.timer: Timer | None = None
+        self.started = False
+        self.done = False
+        self.opened_at = 0.0
+        self.aggregations = 0
+        self.checkpoint_dir = checkpoint_dir
+        self.on_round_end = on_round_end
+
+    def start(self) -> None:
+        """Subscribe to registrations and edge reports; wait for devices."""
+        self.on(self.topics.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
+        self.on(self.topics.all_edge_up, EdgeUpdate, self.on_edge_update, "msg_edge_update")
+        self._publish_state("waiting")
+        self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
+
+    def _publish_state(self, phase: str) -> None:
+        state = CloudState(
+            round=self.round, phase=phase, model_ref=self.global_ref,  # type: ignore[arg-type]
+            config_digest=self.cfg.digest(),
+        )
+        self.send(self.topics.cloud_state, state, retain=True)
+
+    # -- registration ------------------------------------------------------------------
+    def on_hello(self, msg: DeviceHello) -> None:
+        """Record a device; start the first round once every configured device is in."""
+        if msg.home_edge not in self.edges:
+            self.reject("unknown_edge", f"{msg.device} names edge {msg.home_edge!r}")
+            return
+        if len(msg.label_counts) and sum(msg.label_counts) != msg.n_samples:
+            self.reject("bad_label_counts", msg.device)
+            return
+        self.devices[msg.device] = msg
+        if not self.started and len(self.devices) >= self.cfg.federation.num_devices:
+            self._begin()
+
+    def _registration_timeout(self) -> None:
+        if not self.started and self.devices:
+            log.warning("starting with %d/%d devices", len(self.devices), self.cfg.federation.num_devices)
+            self._begin()
+        elif not self.started:
+            log.error("no device registered within the registration timeout; stopping")
+            self.done = True
+            self._publish_state("done")
+
+    def _begin(self) -> None:
+        self.started = True
+        if self.round >= self.cfg.run.rounds:
+            self._finish()
+        else:
+            self._open_round()
+
+    # -- rounds ------------------------------------------------------------------------
+    def _open_round(self) -> None:
+        r = self.round
+        participants = sample_participants(sorted(self.devices), self.cfg.federation.participation,
+                                           self.cfg.run.seed, r)
+        self.assignment = {e: [] for e in self.edges}
+        for dev in participants:
+            self.assignment[self.devices[dev].home_edge].append(dev)
+        if self.fresh_global:
+            self.global_ref = self.put_tensors(self.model, "global_model")
+        msg = RoundStart(
+            round=r,
+            assignment=self.assignment,
+            global_ref=self.global_ref if self.fresh_global else None,
+            deadline_s=self.cfg.federation.round_deadline_s,
+            config_digest=self.cfg.digest(),
+        )
+        self.fresh_global = False
+        self.reports = {}
+        self.opened_at = time.perf_counter()
+        self.send(self.topics.cloud_round, msg)
+        self._publish_state("training")
+        # edges close at their deadline; give them time to aggregate and report
+        self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s * 1.5 + 10, self._on_deadline)
+
+    def on_edge_update(self, msg: EdgeUpdate) -> None:
+        """Collect one report per edge for the open round."""
+        if msg.round != self.round or not self.started or self.done:
+            self.reject("late" if msg.round < self.round else "unexpected_round", msg.edge)
+            return
+        if msg.edge not in self.assignment:
+            self.reject("unknown_edge", msg.edge)
+            return
+        if msg.edge in self.reports:
+            self.reject("duplicate", f"{msg.edge} round {msg.round}")
+            return
+        tensors = None
+        if msg.model_ref is not None:
+            tensors = self.fetch_tensors(msg.model_ref, self.spec)
+            if tensors is None:
+                return
+        self.reports[msg.edge] = (msg, tensors)
+        if len(self.reports) == len(self.assignment):
+            self._close_round()
+
+    def _on_deadline(self) -> None:
+        if not self.done and self.reports is not None:
+            log.warning("cloud round %d deadline: %d/%d edges", self.round, len(self.reports),
+                        len(self.assignment))
+            self._close_round()
+
+    def _close_round(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        r = self.round
+        agg_seconds = 0.0
+        aggregated = False
+        if (r + 1) % self.cfg.federation.cloud_every == 0:
+            updates = [
+                Update(m.edge, t, m.n_samples, tuple(m.label_counts))
+                for m, t in self.reports.values() if t is not None and m.n_samples > 0
+            ]
+            if updates:
+                t0 = time.perf_counter()
+                self.model = self.algorithm.cloud_aggregate(updates, self.model)
+                agg_seconds = time.perf_counter() - t0
+                self.model_sha = model_digest(self.model)
+                self.fresh_global, aggregated = True, True
+                self.aggregations += 1
+                self._checkpoint(r)
+        summary = self._summarize(r, aggregated, agg_seconds)
+        self.round = r + 1
+        if self.on_round_end is not None:
+            self.on_round_end(summary)
+        if self.round >= self.cfg.run.rounds:
+            self._finish()
+        else:
+            self._open_round()
+
+    def _checkpoint(self, r: int) -> None:
+        every = self.cfg.eval.checkpoint_every
+        last = r + 1 >= self.cfg.run.rounds
+        if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
+            save_checkpoint(self.checkpoint_dir, r, self.model, self.cfg)
+
+    def _summarize(self, r: int, aggregated: bool, agg_seconds: float) -> RoundSummary:
+        reports = [m for m, _ in self.reports.values()]
+        losses = [(m.mean_loss, len(m.devices)) for m in reports if m.mean_loss is not None]
+        n_up = sum(len(m.devices) for m in reports)
+        return RoundSummary(
+            round=r,
+            participants=sum(len(v) for v in self.assignment.values()),
+            updates=n_up,
+            mean_loss=sum(lo * k for lo, k in losses) / n_up if n_up else None,
+            cloud_aggregated=aggregated,
+            model_sha256=self.model_sha,
+            round_seconds=time.perf_counter() - self.opened_at,
+            aggregation_seconds=agg_seconds,
+            train_seconds=sum(m.train_seconds for m in reports),
+            rejected=sum(m.rejected for m in reports),
+            edges={m.edge: len(m.devices) for m in reports},
+        )
+
+    def _finish(self) -> None:
+        self.done = True
+        self._publish_state("done")
+        log.info("run finished after %d rounds; global model %s", self.round, self.model_sha[:12])

@@ -1,0 +1,170 @@
+"""The edge-server aggregator service (DESIGN section 2).
+
+Per round: adopt the global model when the cloud sends one, announce the edge model to the
+devices the cloud assigned here, collect their updates until all arrived or the deadline
+passed (with at least ``min_updates``), aggregate every ``r_e`` rounds with the algorithm's
+edge step, and report to the cloud (with the edge model every ``r_g`` rounds). Duplicate
+and late updates are dropped and counted; aggregation happens at most once per round.
+It also keeps the label counts of the devices it served since the last cloud aggregation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shared.algorithms import Algorithm, Update
+from shared.bus import Bus, Timer
+from shared.codec import TensorSpec, spec_of
+from shared.config import RunConfig
+from shared.data import NUM_CLASSES
+from shared.messages import BlobRef, DeviceUpdate, EdgeRound, EdgeUpdate, RoundStart
+from shared.models import build_unet
+from shared.service import RoleService, TensorDict
+
+log = logging.getLogger(__name__)
+
+
+class EdgeServer(RoleService):
+    """One edge aggregator, named ``edge_id``."""
+
+    role = "edge"
+
+    def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Algorithm, *, edge_id: str) -> None:
+        super().__init__(edge_id, cfg, bus)
+        self.algorithm = algorithm
+        dense = build_unet(cfg.model.preset).state_dict()
+        self.spec: dict[str, TensorSpec] = spec_of(dense)
+        self.update_spec = {k: self.spec[k] for k in algorithm.upload_names(list(dense))}
+        self.model: TensorDict | None = None
+        self.model_ref: BlobRef | None = None
+        self.round: int | None = None
+        self.closed = True
+        self.assigned: list[str] = []
+        self.upload = True
+        self.updates: dict[str, Update] = {}
+        self.reported: dict[str, DeviceUpdate] = {}
+        self.timer: Timer | None = None
+        self.opened_at = 0.0
+        self.rejected_this_round = 0
+        self.acc_counts = [0] * NUM_CLASSES
+        self.acc_n = 0
+
+    def start(self) -> None:
+        """Subscribe to round starts and device updates."""
+        self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
+        self.on(self.topics.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
+
+    # -- round start -------------------------------------------------------------------
+    def on_round_start(self, msg: RoundStart) -> None:
+        """Open round ``msg.round`` for the devices the cloud assigned to this edge."""
+        if self.round is not None and msg.round <= self.round:
+            self.reject("duplicate", f"round {msg.round} already opened")
+            return
+        if msg.global_ref is not None:
+            state = self.fetch_tensors(msg.global_ref, self.spec)
+            if state is None:
+                return
+            self.model, self.model_ref = state, None
+            self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
+        if self.model is None:
+            self.reject("no_model", f"round {msg.round} started before any global model")
+            return
+        self.round, self.closed = msg.round, False
+        self.assigned = list(msg.assignment.get(self.name, []))
+        self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
+        self.updates, self.reported, self.rejected_this_round = {}, {}, 0
+        self.opened_at = time.perf_counter()
+        if not self.assigned:
+            self._close()
+            return
+        if self.model_ref is None:
+            self.model_ref = self.put_tensors(self.model, "edge_model")
+        announce = EdgeRound(
+            round=msg.round,
+            edge=self.name,
+            devices=self.assigned,
+            model_ref=self.model_ref,
+            upload=self.upload,
+            deadline_s=self.cfg.federation.round_deadline_s,
+        )
+        self.send(self.topics.edge_round(self.name), announce)
+        self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s, self._on_deadline)
+
+    # -- device updates ----------------------------------------------------------------
+    def on_device_update(self, msg: DeviceUpdate) -> None:
+        """Accept one update per assigned device for the open round."""
+        if msg.edge != self.name:
+            return  # addressed to another edge
+        reason = self._check_update(msg)
+        if reason:
+            self.rejected_this_round += 1
+            self.reject(reason, f"{msg.device} round {msg.round}")
+            return
+        if self.upload:
+            if msg.update_ref is None:
+                self.reject("missing_update", f"{msg.device} round {msg.round}")
+                return
+            tensors = self.fetch_tensors(msg.update_ref, self.update_spec)
+            if tensors is None:
+                self.rejected_this_round += 1
+                return
+            self.updates[msg.device] = Update(
+                msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
+            )
+        self.reported[msg.device] = msg
+        if len(self.reported) == len(self.assigned):
+            self._close()
+
+    def _check_update(self, msg: DeviceUpdate) -> str:
+        if self.round is None or msg.round != self.round or self.closed:
+            return "late" if self.round is not None and msg.round <= self.round else "unexpected_round"
+        if msg.device not in self.assigned:
+            return "unexpected_device"
+        if msg.device in self.reported:
+            return "duplicate"
+        if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
+            return "bad_label_counts"
+        return ""
+
+    def _on_deadline(self) -> None:
+        if self.closed:
+            return
+        log.warning(
+            "%s round %s deadline: %d/%d updates", self.name, self.round,
+            len(self.reported), len(self.assigned),
+        )
+        self._close()
+
+    # -- close and report --------------------------------------------------------------
+    def _close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.closed = True
+        if self.round is None or self.model is None:
+            raise RuntimeError("edge closed a round it never opened")
+        agg_start = time.perf_counter()
+        enough = len(self.reported) >= min(self.cfg.federation.min_updates, len(self.assigned))
+        if self.upload and self.updates and enough:
+            self.model = self.algorithm.edge_aggregate(list(self.updates.values()), self.model)
+            self.model_ref = None
+        for msg in self.reported.values():
+            self.acc_n += msg.n_samples
+            self.acc_counts = [a + b for a, b in zip(self.acc_counts, msg.label_counts, strict=True)]
+        cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
+        ref = self.put_tensors(self.model, "edge_update") if cloud_round and self.acc_n else None
+        losses = [(m.train_loss, m.n_samples) for m in self.reported.values()]
+        report = EdgeUpdate(
+            round=self.round,
+            edge=self.name,
+            model_ref=ref,
+            n_samples=self.acc_n,
+            label_counts=self.acc_counts,
+            devices=sorted(self.reported),
+            mean_loss=sum(lo for lo, _ in losses) / len(losses) if losses else None,
+            train_seconds=sum(m.train_seconds for m in self.reported.values()),
+            rejected=self.rejected_this_round,
+        )
+        log.debug("%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start)
+        self.send(self.topics.edge_up(self.name), report)

@@ -1,0 +1,110 @@
+"""``estuary`` command line: simulate, eval, model-info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from shared.errors import EstuaryError
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from estuary.simulate import simulate
+    from shared.config import load_config
+
+    cfg = load_config(args.config)
+    result = simulate(cfg, Path(args.out) if args.out else None, progress=not args.quiet,
+                      evaluate=not args.no_eval)
+    losses = [r["train_loss"] for r in result.rows if r["train_loss"] is not None]
+    print(f"run directory: {result.run_dir}")
+    if losses:
+        print(f"train loss: first round {losses[0]:.4f} -> last round {losses[-1]:.4f}")
+    quality = [r["quality"] for r in result.rows if r.get("quality")]
+    if quality:
+        q = quality[-1]
+        print(f"final FID ({q['extractor']} features, {q['n_fake']} samples): {q['fid']:.2f}")
+    print(f"final global model sha256: {result.final_model_sha256}")
+    print(f"report: {result.run_dir / 'report.png'}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from shared.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.evaluation import Evaluator, model_from_state
+
+    run_dir = Path(args.run_dir)
+    path = latest_checkpoint_path(run_dir / "checkpoints") if run_dir.is_dir() else run_dir
+    if path is None or not path.is_file():
+        raise EstuaryError(f"no checkpoint found in {run_dir}/checkpoints")
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    if args.num_samples:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_samples": args.num_samples})})
+    metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model))
+    out = {"checkpoint": str(path), "round": ckpt.round, "model_sha256": ckpt.model_sha256, **metrics}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in out.items():
+            print(f"{k:>14}: {v}")
+    return 0
+
+
+def _cmd_model_info(args: argparse.Namespace) -> int:
+    from shared.models import model_info
+
+    info = model_info(args.preset).to_dict()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"{info['preset']}: {info['params_m']} M params, {info['gmacs']} GMACs, "
+              f"{info['fp32_mb']} MiB fp32")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    p = argparse.ArgumentParser(prog="estuary", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="run a federation in one process (MemoryBus)")
+    s.add_argument("config", help="TOML config (see configs/)")
+    s.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    s.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    s.set_defaults(func=_cmd_simulate)
+
+    e = sub.add_parser("eval", help="quality metrics of a run's latest checkpoint")
+    e.add_argument("run_dir", help="run directory (or a checkpoint file)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--num-samples", type=int, default=0, help="override eval.num_samples")
+    e.set_defaults(func=_cmd_eval)
+
+    m = sub.add_parser("model-info", help="params, MACs and fp32 bytes of a preset")
+    m.add_argument("--preset", required=True)
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_model_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``estuary`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except EstuaryError as err:
+        print(f"estuary: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("estuary: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

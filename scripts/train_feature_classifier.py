@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Train the Fashion-MNIST feature extractor used by ``shared.quality`` (FID and friends).
+
+Usage (from the repository root)::
+
+    python scripts/train_feature_classifier.py --epochs 5 --seed 0
+
+Trains :class:`shared.quality.FeatureNet` on the 60k train split, reports accuracy on the 10k
+test split and, only if it reaches ``--min-accuracy`` (0.90), writes the weights atomically
+as safetensors (never pickle) plus a ``.json`` sidecar, and prints the file's sha256. Put that
+hash into ``FEATURE_WEIGHTS_SHA256`` in ``shared/quality.py``.
+
+All randomness (initialisation, shuffling, augmentation) comes from one ``torch.Generator``
+seeded with ``--seed``; global RNGs are never seeded or used. With the same seed, thread
+count and torch build the output file is byte-identical (the safetensors metadata is a single
+JSON string so its serialisation order is fixed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from safetensors.torch import save_file
+
+from shared.data import load_fashion_mnist, to_model_input
+from shared.errors import EstuaryError
+from shared.quality import DEFAULT_WEIGHTS, EXTRACTOR_NAME, FeatureNet
+
+MIN_ACCURACY = 0.90
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=5, help="passes over the train split")
+    p.add_argument("--seed", type=int, default=0, help="seed of the one torch.Generator used")
+    p.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file to write")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (one-cycle AdamW)")
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--no-augment", action="store_true", help="disable random horizontal flips")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--data", default=None, help="directory with the Fashion-MNIST IDX files")
+    p.add_argument("--min-accuracy", type=float, default=MIN_ACCURACY)
+    args = p.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or args.threads < 1:
+        p.error("--epochs, --batch-size and --threads must be >= 1")
+    return args
+
+
+@torch.no_grad()
+def accuracy(model: FeatureNet, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
+    """Top-1 accuracy of ``model`` (eval mode) on uint8 images ``(N, 28, 28)``."""
+    model.eval()
+    correct = 0
+    for s in range(0, len(labels), batch):
+        pred = model(to_model_input(images[s : s + batch])).argmax(dim=1).numpy()
+        correct += int((pred == labels[s : s + batch]).sum())
+    return correct / len(labels)
+
+
+def train(args: argparse.Namespace) -> tuple[FeatureNet, float]:
+    """Train from scratch; return the model (eval mode) and its test accuracy."""
+    gen = torch.Generator().manual_seed(args.seed)
+    train_set = load_fashion_mnist("train", args.data)
+    test_set = load_fashion_mnist("test", args.data)
+    model = FeatureNet()
+    model.init_weights(gen)
+    n = len(train_set)
+    steps_per_epoch = (n + args.batch_size - 1) // args.batch_size
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch
+    )
+    labels_all = torch.from_numpy(train_set.labels)
+    for epoch in range(args.epochs):
+        model.train()
+        t0 = time.perf_counter()
+        perm = torch.randperm(n, generator=gen)
+        loss_sum, correct = 0.0, 0
+        for s in range(0, n, args.batch_size):
+            idx = perm[s : s + args.batch_size]
+            x = to_model_input(train_set.images[idx.numpy()])
+            y = labels_all[idx]
+            if not args.no_augment:
+                flip = torch.rand(len(idx), generator=gen) < 0.5
+                x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss_sum += loss.item() * len(idx)
+            correct += int((logits.argmax(1) == y).sum())
+        print(
+            f"epoch {epoch + 1}/{args.epochs}: loss {loss_sum / n:.4f} "
+            f"train acc {correct / n:.4f} ({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
+    acc = accuracy(model, test_set.images, test_set.labels)
+    model.eval()
+    return model, acc
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_weights(model: FeatureNet, out: Path, info: dict[str, object]) -> str:
+    """Write safetensors atomically (tmp file + rename); return the file's sha256."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        # One metadata key: safetensors writes a dict's keys in hash order, breaking byte-identity.
+        save_file(tensors, str(tmp), metadata={"estuary": json.dumps(info, sort_keys=True)})
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return digest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, check the accuracy gate, write weights + sidecar JSON, print the sha256."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        model, acc = train(args)
+    except EstuaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"test accuracy: {acc:.4f} (trained in {time.perf_counter() - t0:.0f}s)")
+    if acc < args.min_accuracy:
+        print(
+            f"refusing to write {args.out}: test accuracy {acc:.4f} < {args.min_accuracy:.2f}; "
+            "train longer (--epochs) or try another --seed",
+            file=sys.stderr,
+        )
+        return 1
+    info: dict[str, object] = {
+        "extractor": EXTRACTOR_NAME,
+        "test_accuracy": round(acc, 4),
+        "seed": args.seed,
+        "epochs": args.epochs,
+    }
+    digest = save_weights(model, args.out, info)
+    sidecar = {"sha256": digest, **info}
+    _atomic_write_bytes(
+        args.out.with_suffix(".json"), (json.dumps(sidecar, indent=2) + "\n").encode()
+    )
+    print(f"wrote {args.out}")
+    print(f"sha256: {digest}")
+    print("set FEATURE_WEIGHTS_SHA256 in shared/quality.py to this value")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

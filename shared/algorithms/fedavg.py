@@ -1,0 +1,42 @@
+"""FedAvg (McMahan et al., 2017) for DDPM training, the FEDDIFF "FULL" variant (seed 001,
+Algorithm 3): every device trains the whole U-Net for E local epochs (or S steps) with the
+DDPM loss and uploads it; edges and the cloud average weighted by sample counts.
+FedAvg(E=1) is the config ``train.local_epochs = 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from shared.aggregation import fedavg
+from shared.algorithms.base import (
+    Algorithm,
+    DeviceContext,
+    LocalResult,
+    TensorDict,
+    Update,
+    register,
+)
+from shared.training import train_local
+
+
+@register
+class FedAvg(Algorithm):
+    """Sample-weighted averaging at both tiers; plain DDPM loss on devices."""
+
+    name = "fedavg"
+
+    def device_round(
+        self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
+    ) -> LocalResult:
+        result = train_local(model, ctx.data, self.cfg.train, self.scheduler, ctx.generator)
+        tensors = {k: v.detach().clone() for k, v in model.state_dict().items()} if upload else None
+        return LocalResult(tensors, result)
+
+    def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
+
+    def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])

@@ -1,0 +1,108 @@
+"""Atomic checkpoints: safetensors weights plus the config used and the round, written to a
+temporary file and renamed into place so a crash never leaves a half-written checkpoint.
+
+Layout under ``DIR``: ``round_000004.safetensors`` files and ``latest.json`` pointing at the
+newest one (written after it, also atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.codec import decode_tensors, encode_tensors, read_metadata, sha256_hex
+from shared.config import RunConfig, config_from_dict
+from shared.errors import CodecError
+
+MODEL_PREFIX = "model/"
+STATE_PREFIX = "algo/"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint."""
+
+    round: int
+    model: dict[str, torch.Tensor]
+    algo_state: dict[str, torch.Tensor]
+    config: RunConfig
+    model_sha256: str
+    path: Path
+
+
+def model_digest(model: dict[str, torch.Tensor]) -> str:
+    """sha256 of the canonical safetensors encoding of a model state."""
+    return sha256_hex(encode_tensors(model))
+
+
+def save_checkpoint(
+    directory: Path,
+    round_: int,
+    model: dict[str, torch.Tensor],
+    cfg: RunConfig,
+    algo_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path."""
+    tensors = {MODEL_PREFIX + k: v for k, v in model.items()}
+    tensors.update({STATE_PREFIX + k: v for k, v in (algo_state or {}).items()})
+    meta = {
+        "round": str(round_),
+        "config": cfg.to_json(),
+        "model_sha256": model_digest(model),
+        "format": "estuary-checkpoint-v1",
+    }
+    path = directory / f"round_{round_:06d}.safetensors"
+    atomic_write(path, encode_tensors(tensors, meta))
+    pointer = {"round": round_, "file": path.name, "model_sha256": meta["model_sha256"]}
+    atomic_write(directory / "latest.json", json.dumps(pointer, indent=2).encode())
+    return path
+
+
+def latest_checkpoint_path(directory: Path) -> Path | None:
+    """Path named by ``latest.json`` (or the newest round file), or None."""
+    pointer = directory / "latest.json"
+    if pointer.is_file():
+        try:
+            name = json.loads(pointer.read_text())["file"]
+            if (directory / name).is_file():
+                return directory / name
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    files = sorted(directory.glob("round_*.safetensors"))
+    return files[-1] if files else None
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load and verify a checkpoint file (safetensors only; nothing is unpickled)."""
+    data = path.read_bytes()
+    meta = read_metadata(data)
+    if meta.get("format") != "estuary-checkpoint-v1":
+        raise CodecError(f"{path} is not an Estuary checkpoint")
+    tensors = decode_tensors(data)
+    model = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+    state = {k[len(STATE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
+    digest = model_digest(model)
+    if digest != meta.get("model_sha256"):
+        raise CodecError(f"{path}: model hash {digest[:12]}… differs from the recorded one")
+    cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata")
+    return Checkpoint(int(meta["round"]), model, state, cfg, digest, path)

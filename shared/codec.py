@@ -1,0 +1,103 @@
+"""Tensor codecs: safetensors bytes with a sha256, and nothing else (never pickle).
+
+``encode_tensors`` produces deterministic bytes for a ``{name: tensor}`` dict (sorted keys,
+contiguous CPU tensors); ``decode_tensors`` checks the hash when given one, parses with
+safetensors, refuses non-finite values and, given an ``expected`` spec, wrong names, shapes
+or dtypes. Every failure is a :class:`~shared.errors.CodecError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from shared.errors import CodecError
+
+TensorDict = dict[str, torch.Tensor]
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected dtype and shape of one named tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The spec a decoder should enforce for tensors shaped like ``tensors``."""
+    return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize to safetensors bytes; identical inputs give identical bytes."""
+    ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
+    meta = dict(metadata or {})
+    if len(json.dumps(meta)) > MAX_METADATA_BYTES:
+        raise CodecError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
+    return st_save(ordered, metadata=meta or None)
+
+
+def decode_tensors(
+    data: bytes,
+    *,
+    sha256: str | None = None,
+    expected: Mapping[str, TensorSpec] | None = None,
+    allow_nonfinite: bool = False,
+) -> TensorDict:
+    """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec."""
+    if sha256 is not None and sha256_hex(data) != sha256:
+        raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as err:
+        raise CodecError(f"not a valid safetensors payload: {err}") from None
+    if expected is not None:
+        _check_spec(tensors, expected)
+    if not allow_nonfinite:
+        for name, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CodecError(f"tensor {name!r} holds NaN or Inf")
+    return tensors
+
+
+def _check_spec(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec]) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise CodecError(f"tensor names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, spec in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise CodecError(
+                f"tensor {name!r}: expected {spec.dtype} {list(spec.shape)}, "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors payload, without loading tensors."""
+    if len(data) < 8:
+        raise CodecError("payload too short for safetensors")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, 100 * 2**20):
+        raise CodecError("safetensors header length out of range")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CodecError(f"bad safetensors header: {err}") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    return {str(k): str(v) for k, v in meta.items()}

@@ -1,0 +1,229 @@
+"""Typed run configuration: a TOML file plus ``ESTUARY__SECTION__KEY`` environment overrides.
+
+Every section is a frozen pydantic model that forbids unknown keys, so a typo is an error
+that names the key, not a silently ignored setting. ``load_config`` returns a validated
+:class:`RunConfig`; ``RunConfig.to_json`` is what gets saved beside every checkpoint.
+
+Example override: ``ESTUARY__TRAIN__LR=3e-4 estuary simulate configs/fedavg_iid_tiny.toml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shared.errors import ConfigError
+
+ENV_PREFIX = "ESTUARY__"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunSection(_Section):
+    """Identity and length of a run."""
+
+    name: str = Field("estuary", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    rounds: int = Field(10, ge=1, le=1_000_000)
+
+
+class FederationSection(_Section):
+    """Shape of the hierarchy and the round protocol (DESIGN section 2)."""
+
+    num_devices: int = Field(8, ge=1, le=100_000)
+    num_edges: int = Field(2, ge=1, le=10_000)
+    participation: float = Field(1.0, gt=0.0, le=1.0, description="kappa: devices per round")
+    edge_every: int = Field(1, ge=1, description="r_e: edge aggregation every r_e rounds")
+    cloud_every: int = Field(1, ge=1, description="r_g: cloud aggregation every r_g rounds")
+    min_updates: int = Field(1, ge=1, description="updates an edge needs to close at deadline")
+    round_deadline_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    registration_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    assignment: Literal["static"] = "static"
+
+    @model_validator(mode="after")
+    def _check(self) -> FederationSection:
+        if self.cloud_every % self.edge_every != 0:
+            raise ValueError(
+                f"cloud_every (r_g={self.cloud_every}) must be a multiple of "
+                f"edge_every (r_e={self.edge_every}) so edges hold a fresh aggregate "
+                "whenever the cloud aggregates"
+            )
+        if self.num_edges > self.num_devices:
+            raise ValueError(
+                f"num_edges ({self.num_edges}) exceeds num_devices ({self.num_devices}); "
+                "every edge needs at least one device"
+            )
+        return self
+
+
+PartitionName = Literal["iid", "dirichlet", "classes", "shards", "quantity", "dominant"]
+
+
+class DataSection(_Section):
+    """Dataset and how it is split across devices (DESIGN section 3)."""
+
+    dataset: Literal["fashion-mnist", "synthetic"] = "fashion-mnist"
+    path: str = Field("", description="directory with the IDX .gz files; empty = search")
+    partition: PartitionName = "iid"
+    classes_per_device: int = Field(2, ge=1, le=10)
+    dirichlet_beta: float = Field(0.5, gt=0.0)
+    shards_per_device: int = Field(4, ge=1)
+    dominant_uniform_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    quantity_sigma: float = Field(1.0, gt=0.0)
+    max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
+    synthetic_size: int = Field(512, ge=10, le=1_000_000)
+
+
+class ModelSection(_Section):
+    """Which U-Net preset to train."""
+
+    preset: Literal["fmnist-tiny", "fmnist-small", "ddpm-cifar10"] = "fmnist-tiny"
+
+
+class DiffusionSection(_Section):
+    """DDPM training schedule and DDIM sampling (DESIGN section 3)."""
+
+    num_train_timesteps: int = Field(1000, ge=10, le=10_000)
+    beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
+    beta_end: float = Field(0.02, gt=0.0, lt=1.0)
+    sample_steps: int = Field(100, ge=1, le=10_000)
+    eta: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DiffusionSection:
+        if self.beta_end <= self.beta_start:
+            raise ValueError(f"beta_end ({self.beta_end}) must exceed beta_start ({self.beta_start})")
+        if self.sample_steps > self.num_train_timesteps:
+            raise ValueError("sample_steps cannot exceed num_train_timesteps")
+        return self
+
+
+class TrainSection(_Section):
+    """Local training on each device."""
+
+    local_epochs: int = Field(1, ge=0, le=10_000)
+    local_steps: int = Field(0, ge=0, description="> 0 overrides local_epochs")
+    batch_size: int = Field(64, ge=1, le=65_536)
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    threads: int = Field(0, ge=0, description="torch threads; 0 = leave as is")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSection:
+        if self.local_epochs == 0 and self.local_steps == 0:
+            raise ValueError("set local_epochs >= 1 or local_steps >= 1")
+        return self
+
+
+class AlgorithmSection(_Section):
+    """Federated algorithm by registered name."""
+
+    name: Literal["fedavg"] = "fedavg"
+
+
+class EvalSection(_Section):
+    """Evaluation, sampling and checkpoint cadence."""
+
+    every: int = Field(5, ge=0, description="quality evaluation every k rounds; 0 = off")
+    sample_every: int = Field(5, ge=0, description="sample grid every k rounds; 0 = off")
+    grid_size: int = Field(64, ge=1, le=1024)
+    num_samples: int = Field(500, ge=10, le=100_000, description="generated images for FID")
+    sample_steps: int = Field(50, ge=1, le=10_000, description="DDIM steps for eval sampling")
+    checkpoint_every: int = Field(1, ge=0, description="checkpoint every k cloud aggregations")
+
+
+class RunConfig(_Section):
+    """The whole configuration of one federated run."""
+
+    run: RunSection = RunSection()
+    federation: FederationSection = FederationSection()
+    data: DataSection = DataSection()
+    model: ModelSection = ModelSection()
+    diffusion: DiffusionSection = DiffusionSection()
+    train: TrainSection = TrainSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    eval: EvalSection = EvalSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every value (defaults included)."""
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys), the form saved with checkpoints."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    def digest(self) -> str:
+        """Short sha256 of the canonical JSON; identifies the config on the wire."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  - {loc}: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Parse an override as a TOML value (numbers, booleans, arrays), else keep the string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_env_overrides(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with ``ESTUARY__SECTION__KEY`` values applied."""
+    merged: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(
+                f"environment override {name} must look like {ENV_PREFIX}SECTION__KEY"
+            )
+        section, key = parts
+        merged.setdefault(section, {})
+        if not isinstance(merged[section], dict):
+            raise ConfigError(f"environment override {name}: {section} is not a section")
+        merged[section][key] = _parse_env_value(raw)
+    return merged
+
+
+def config_from_dict(
+    data: Mapping[str, Any], *, env: Mapping[str, str] | None = None, source: str = "dict"
+) -> RunConfig:
+    """Validate a mapping (plus optional env overrides) into a :class:`RunConfig`."""
+    merged = apply_env_overrides(data, env or {})
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> RunConfig:
+    """Load a TOML (or a saved JSON) config; ``env`` defaults to ``os.environ``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot parse {p}: {err}") from None
+    return config_from_dict(data, env=os.environ if env is None else env, source=str(p))

@@ -1,0 +1,183 @@
+"""Datasets: Fashion-MNIST from IDX files, and a small synthetic set for unit tests.
+
+Images are returned as ``uint8`` arrays ``(N, 28, 28)`` plus ``int64`` labels; ``to_model_input``
+turns them into float tensors in [-1, 1], padded to 32x32 so U-Nets can downsample three times.
+
+Search order for Fashion-MNIST (first directory holding all four files wins):
+an explicit path, ``$ESTUARY_FMNIST_DIR``, ``/usr/share/datasets/fashion-mnist`` (Debian's
+``dataset-fashion-mnist``), then ``~/.cache/estuary/fashion-mnist`` (downloaded into when a
+network exists and ``download=True``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import struct
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.errors import DataError
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "ESTUARY_FMNIST_DIR"
+SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+CACHE_DIR = Path.home() / ".cache" / "estuary" / "fashion-mnist"
+MIRROR = "https://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)  # fmt: skip
+NUM_CLASSES = 10
+IMAGE_SIZE = 32  # model resolution (28x28 padded by 2 on each side)
+MAX_IDX_BYTES = 200 * 2**20
+
+
+@dataclass(frozen=True)
+class ImageDataset:
+    """Images ``(N, H, W)`` uint8 and labels ``(N,)`` int64, held in memory."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 3 or self.images.dtype != np.uint8:
+            raise DataError(f"{self.name}: images must be uint8 (N, H, W), got {self.images.shape}")
+        if self.labels.shape != (self.images.shape[0],):
+            raise DataError(f"{self.name}: {len(self.labels)} labels for {len(self.images)} images")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, indices: np.ndarray) -> ImageDataset:
+        """A new dataset holding ``indices`` (copied)."""
+        return ImageDataset(self.images[indices], self.labels[indices], self.name)
+
+
+def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
+    """Parse one gzipped IDX file (magic, dims, big-endian sizes, raw uint8 data)."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read(MAX_IDX_BYTES + 1)
+    except (OSError, EOFError) as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+    if len(raw) > MAX_IDX_BYTES:
+        raise DataError(f"{path} is larger than {MAX_IDX_BYTES} bytes; not an IDX file?")
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic)")
+    ndim = raw[3]
+    if ndim != expect_dims:
+        raise DataError(f"{path}: expected {expect_dims} dimensions, file says {ndim}")
+    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(shape)):
+        raise DataError(f"{path}: header says {shape} but holds {data.size} bytes")
+    return data.reshape(shape).copy()
+
+
+def _candidate_dirs(path: str | Path | None) -> list[Path]:
+    dirs = []
+    if path:
+        dirs.append(Path(path))
+    if os.environ.get(ENV_DIR):
+        dirs.append(Path(os.environ[ENV_DIR]))
+    dirs += [SYSTEM_DIR, CACHE_DIR]
+    return dirs
+
+
+def _download(dest: Path, timeout_s: float = 30.0) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FILES["train"] + FILES["test"]:
+        target = dest / name
+        if target.exists():
+            continue
+        tmp = target.with_suffix(".part")
+        with urllib.request.urlopen(MIRROR + name, timeout=timeout_s) as resp:
+            tmp.write_bytes(resp.read(MAX_IDX_BYTES))
+        tmp.replace(target)
+
+
+def find_fashion_mnist(path: str | Path | None = None, *, download: bool = False) -> Path:
+    """Return the first directory holding all four Fashion-MNIST IDX files."""
+    needed = FILES["train"] + FILES["test"]
+    tried = _candidate_dirs(path)
+    for d in tried:
+        if all((d / f).is_file() for f in needed):
+            return d
+    if download:
+        try:
+            _download(CACHE_DIR)
+            return CACHE_DIR
+        except OSError as err:
+            log.warning("download of Fashion-MNIST failed: %s", err)
+    raise DataError(
+        "Fashion-MNIST not found. Looked in: "
+        + ", ".join(str(d) for d in tried)
+        + ". Install it with `apt-get install dataset-fashion-mnist`, or set "
+        f"{ENV_DIR}=/dir/with/the/4/idx.gz/files, or pass data.path in the config."
+    )
+
+
+def load_fashion_mnist(
+    split: str = "train", path: str | Path | None = None, *, download: bool = False
+) -> ImageDataset:
+    """Load the ``train`` (60k) or ``test`` (10k) split as uint8 images and int64 labels."""
+    if split not in FILES:
+        raise DataError(f"unknown split {split!r}; use 'train' or 'test'")
+    root = find_fashion_mnist(path, download=download)
+    img_file, lbl_file = FILES[split]
+    images = _read_idx(root / img_file, 3)
+    labels = _read_idx(root / lbl_file, 1).astype(np.int64)
+    if labels.max(initial=0) >= NUM_CLASSES:
+        raise DataError(f"{root / lbl_file}: label {labels.max()} out of range")
+    return ImageDataset(images, labels, f"fashion-mnist/{split}")
+
+
+def synthetic_dataset(n: int = 512, *, seed: int = 0, num_classes: int = NUM_CLASSES) -> ImageDataset:
+    """Tiny, learnable stand-in for Fashion-MNIST: one blurred shape per class plus noise."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, size=n).astype(np.int64)
+    yy, xx = np.mgrid[0:28, 0:28].astype(np.float32)
+    protos = []
+    for c in range(num_classes):
+        angle = 2 * np.pi * c / num_classes
+        cy, cx = 14 + 7 * np.sin(angle), 14 + 7 * np.cos(angle)
+        protos.append(np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * (2 + c % 3) ** 2)))
+    base = np.stack(protos)[labels] * 230
+    noisy = base + rng.normal(0, 12, size=base.shape)
+    return ImageDataset(np.clip(noisy, 0, 255).astype(np.uint8), labels, "synthetic")
+
+
+def load_dataset(name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0) -> ImageDataset:
+    """Dataset by config name (``fashion-mnist`` or ``synthetic``)."""
+    if name == "fashion-mnist":
+        return load_fashion_mnist(split, path or None)
+    if name == "synthetic":
+        return synthetic_dataset(size, seed=seed + (0 if split == "train" else 1))
+    raise DataError(f"unknown dataset {name!r}")
+
+
+def to_model_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 ``(N, 28, 28)`` -> float32 ``(N, 1, 32, 32)`` in [-1, 1] (zero pixels map to -1)."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(127.5).sub_(1.0)
+    pad = (IMAGE_SIZE - x.shape[-1]) // 2
+    if pad > 0:
+        x = torch.nn.functional.pad(x, (pad, pad, pad, pad), value=-1.0)
+    return x.unsqueeze(1)
+
+
+def from_model_output(x: torch.Tensor) -> np.ndarray:
+    """float ``(N, 1, 32, 32)`` in [-1, 1] -> uint8 ``(N, 32, 32)``."""
+    y = ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return y[:, 0].cpu().numpy()

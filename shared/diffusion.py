@@ -1,0 +1,81 @@
+"""DDPM training loss and DDIM sampling with diffusers' schedulers (DESIGN section 3).
+
+T = 1000, linear betas 1e-4..0.02, epsilon prediction, MSE loss (FedPhD eq. 6); DDIM with
+eta = 0 for sampling. Every random draw takes a ``torch.Generator`` the caller owns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler
+from torch import nn
+
+from shared.config import DiffusionSection
+
+
+def make_train_scheduler(cfg: DiffusionSection) -> DDPMScheduler:
+    """The forward-noising schedule used for training."""
+    return DDPMScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        beta_start=cfg.beta_start,
+        beta_end=cfg.beta_end,
+        beta_schedule="linear",
+        prediction_type="epsilon",
+    )
+
+
+def make_sample_scheduler(cfg: DiffusionSection) -> DDIMScheduler:
+    """The DDIM sampler matching :func:`make_train_scheduler`'s schedule."""
+    return DDIMScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        beta_start=cfg.beta_start,
+        beta_end=cfg.beta_end,
+        beta_schedule="linear",
+        prediction_type="epsilon",
+        clip_sample=True,
+        set_alpha_to_one=True,
+    )
+
+
+def ddpm_loss(
+    model: nn.Module, x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
+) -> torch.Tensor:
+    """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t)||^2."""
+    n = x0.shape[0]
+    t = torch.randint(
+        0, scheduler.config.num_train_timesteps, (n,), generator=generator, device=x0.device
+    )
+    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+    noisy = scheduler.add_noise(x0, noise, t)
+    pred = model(noisy, t).sample
+    return F.mse_loss(pred, noise)
+
+
+@torch.no_grad()
+def ddim_sample(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    cfg: DiffusionSection,
+    generator: torch.Generator,
+    *,
+    steps: int | None = None,
+    batch_size: int = 256,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Draw ``shape[0]`` images in [-1, 1] with DDIM (eta from ``cfg``), in batches."""
+    scheduler = make_sample_scheduler(cfg)
+    scheduler.set_timesteps(steps or cfg.sample_steps)
+    was_training = model.training
+    model.eval()
+    if noise is None:
+        noise = torch.randn(shape, generator=generator)
+    out = []
+    for start in range(0, shape[0], batch_size):
+        x = noise[start : start + batch_size].clone()
+        for t in scheduler.timesteps:
+            eps = model(x, t).sample
+            x = scheduler.step(eps, t, x, eta=cfg.eta, generator=generator).prev_sample
+        out.append(x.clamp(-1, 1))
+    model.train(was_training)
+    return torch.cat(out)

@@ -1,0 +1,45 @@
+"""Exception tree for Estuary.
+
+::
+
+    EstuaryError
+    ├── ConfigError          a configuration value is missing or invalid
+    ├── DataError            a dataset cannot be found or read
+    ├── CodecError           bytes that do not decode to what they claim (bad hash, bad tensors)
+    ├── MessageError         a wire message fails validation (carries a short ``reason``)
+    └── TransportError       the bus cannot deliver (timeout, blob missing, too large)
+
+Library exceptions (safetensors, pydantic, OS errors) are converted at the boundary so
+callers only need to catch ``EstuaryError``.
+"""
+
+from __future__ import annotations
+
+
+class EstuaryError(Exception):
+    """Root of every error Estuary raises on purpose."""
+
+
+class ConfigError(EstuaryError):
+    """A configuration value is missing or invalid; the message names it and the fix."""
+
+
+class DataError(EstuaryError):
+    """A dataset cannot be found or parsed; the message says how to get it."""
+
+
+class CodecError(EstuaryError):
+    """Encoded bytes are corrupt, mismatch their hash, or hold unexpected tensors."""
+
+
+class MessageError(EstuaryError):
+    """A wire message was rejected. ``reason`` is a short metric label (e.g. ``bad_json``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class TransportError(EstuaryError):
+    """The bus could not deliver a message or a blob in time or within limits."""

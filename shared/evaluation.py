@@ -1,0 +1,63 @@
+"""Sampling and scoring a global model: sample grids and quality metrics against real images.
+
+Used by ``estuary simulate`` during a run and by ``estuary eval`` on a finished one. Sample
+noise comes from generators seeded by the run seed, so the same model gives the same images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.config import RunConfig
+from shared.data import from_model_output, load_dataset, to_model_input
+from shared.diffusion import ddim_sample
+from shared.models import build_unet, image_shape
+from shared.report import save_grid
+
+
+def model_from_state(cfg: RunConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The configured preset holding ``state``, in eval mode."""
+    model = build_unet(cfg.model.preset, seed=cfg.run.seed)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def sample_images(
+    cfg: RunConfig, model: torch.nn.Module, n: int, *, steps: int, salt: int = 0
+) -> torch.Tensor:
+    """``n`` DDIM samples in [-1, 1] from noise seeded by (run seed, salt)."""
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0]))
+    shape = (n, *image_shape(cfg.model.preset))
+    return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
+
+
+def write_grid(cfg: RunConfig, model: torch.nn.Module, path: Path) -> Path:
+    """Sample ``eval.grid_size`` images (fixed noise) and save them as a PNG grid."""
+    images = sample_images(cfg, model, cfg.eval.grid_size, steps=cfg.eval.sample_steps, salt=1)
+    return save_grid(from_model_output(images), path)
+
+
+class Evaluator:
+    """Scores models against a fixed set of real test images (features cached once)."""
+
+    def __init__(self, cfg: RunConfig, *, n_real: int | None = None) -> None:
+        from shared import quality
+
+        self.cfg = cfg
+        self._quality = quality
+        real = load_dataset(cfg.data.dataset, cfg.data.path, split="test",
+                            size=cfg.data.synthetic_size, seed=cfg.run.seed)
+        n = min(len(real), n_real or max(cfg.eval.num_samples, 1000))
+        self.reference = quality.reference_stats(to_model_input(real.images[:n]))
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Quality metrics of ``eval.num_samples`` samples from ``model``."""
+        fake = sample_images(self.cfg, model, self.cfg.eval.num_samples,
+                             steps=self.cfg.eval.sample_steps, salt=2)
+        out = dict(self._quality.evaluate(fake, self.reference))
+        out["sample_steps"] = self.cfg.eval.sample_steps
+        return out

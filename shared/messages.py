@@ -1,0 +1,199 @@
+"""Versioned wire messages (DESIGN section 2) and the topic layout.
+
+Every message is a small JSON document with ``v`` (schema version) and ``kind``; tensors never
+travel inside it, only :class:`BlobRef` s to content-addressed safetensors blobs. ``decode``
+turns bytes into the right model or raises :class:`~shared.errors.MessageError` whose
+``reason`` is a short label for the rejected-messages metric.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from shared.errors import MessageError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 256 * 1024
+ROOT = "estuary/v1"
+
+Id = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+Round = Annotated[int, Field(ge=0, le=10_000_000)]
+Count = Annotated[int, Field(ge=0, le=10**12)]
+LabelCounts = Annotated[list[Count], Field(max_length=1000)]
+
+
+class Topics:
+    """Topic names for one run; the only place topic strings are spelled."""
+
+    def __init__(self, run: str) -> None:
+        self.base = f"{ROOT}/{run}"
+
+    @property
+    def cloud_state(self) -> str:
+        """Retained cloud state (round, phase, model ref)."""
+        return f"{self.base}/cloud/state"
+
+    @property
+    def cloud_round(self) -> str:
+        """Cloud -> everyone: round start with device assignment."""
+        return f"{self.base}/cloud/round"
+
+    def edge_state(self, edge: str) -> str:
+        """Retained edge state (accumulated label counts, load)."""
+        return f"{self.base}/edge/{edge}/state"
+
+    def edge_round(self, edge: str) -> str:
+        """Edge -> its devices: round start with the model to train."""
+        return f"{self.base}/edge/{edge}/round"
+
+    def edge_up(self, edge: str) -> str:
+        """Edge -> cloud: edge result for a round."""
+        return f"{self.base}/edge/{edge}/up"
+
+    def device_hello(self, device: str) -> str:
+        """Retained device registration."""
+        return f"{self.base}/device/{device}/hello"
+
+    def device_up(self, device: str) -> str:
+        """Device -> edge: update for a round."""
+        return f"{self.base}/device/{device}/up"
+
+    @property
+    def all_edge_up(self) -> str:
+        """Subscription pattern for every edge's results."""
+        return f"{self.base}/edge/+/up"
+
+    @property
+    def all_device_up(self) -> str:
+        """Subscription pattern for every device's updates."""
+        return f"{self.base}/device/+/up"
+
+    @property
+    def all_device_hello(self) -> str:
+        """Subscription pattern for every device's registration."""
+        return f"{self.base}/device/+/hello"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    v: Literal[1] = VERSION
+
+
+class BlobRef(BaseModel):
+    """Pointer to a content-addressed blob: sha256 and size in bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0, le=2**40)
+    kind: str = Field(min_length=1, max_length=32, pattern=r"^[a-z_]+$")
+
+
+class DeviceHello(_Msg):
+    """A device registers: its data size, label histogram and home edge."""
+
+    kind: Literal["hello"] = "hello"
+    device: Id
+    home_edge: Id
+    n_samples: Count
+    label_counts: LabelCounts
+
+
+class RoundStart(_Msg):
+    """Cloud opens a round: who trains where, and the new global model when there is one."""
+
+    kind: Literal["round_start"] = "round_start"
+    round: Round
+    assignment: dict[Id, list[Id]] = Field(max_length=10_000)
+    global_ref: BlobRef | None = None
+    deadline_s: float = Field(gt=0, le=86_400)
+    config_digest: str = Field(max_length=64)
+
+
+class EdgeRound(_Msg):
+    """Edge tells its assigned devices which model to train this round."""
+
+    kind: Literal["edge_round"] = "edge_round"
+    round: Round
+    edge: Id
+    devices: list[Id] = Field(max_length=100_000)
+    model_ref: BlobRef
+    upload: bool = True
+    deadline_s: float = Field(gt=0, le=86_400)
+
+
+class DeviceUpdate(_Msg):
+    """A device's result for a round (``update_ref`` is None when nothing is uploaded)."""
+
+    kind: Literal["device_update"] = "device_update"
+    round: Round
+    device: Id
+    edge: Id
+    update_ref: BlobRef | None
+    n_samples: Count
+    label_counts: LabelCounts
+    train_loss: float = Field(allow_inf_nan=False)
+    steps: Count
+    train_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
+class EdgeUpdate(_Msg):
+    """An edge's result for a round; ``model_ref`` only on cloud-aggregation rounds."""
+
+    kind: Literal["edge_update"] = "edge_update"
+    round: Round
+    edge: Id
+    model_ref: BlobRef | None
+    n_samples: Count
+    label_counts: LabelCounts
+    devices: list[Id] = Field(max_length=100_000)
+    mean_loss: float | None = Field(default=None, allow_inf_nan=False)
+    train_seconds: float = Field(ge=0, allow_inf_nan=False)
+    rejected: Count = 0
+
+
+class CloudState(_Msg):
+    """Retained cloud state so late joiners know where the run is."""
+
+    kind: Literal["cloud_state"] = "cloud_state"
+    round: Round
+    phase: Literal["waiting", "training", "done"]
+    model_ref: BlobRef | None = None
+    config_digest: str = Field(max_length=64)
+
+
+Message = DeviceHello | RoundStart | EdgeRound | DeviceUpdate | EdgeUpdate | CloudState
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(
+    Annotated[Message, Field(discriminator="kind")]
+)
+
+
+def encode(msg: _Msg) -> bytes:
+    """Compact JSON bytes of ``msg``."""
+    return msg.model_dump_json().encode()
+
+
+def decode(payload: bytes, expect: type[_Msg] | None = None) -> Any:
+    """Validate ``payload``; raise MessageError(reason) on anything unexpected."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise MessageError("too_large", f"{len(payload)} bytes > {MAX_MESSAGE_BYTES}")
+    try:
+        raw = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MessageError("bad_json", str(err)) from None
+    if not isinstance(raw, dict):
+        raise MessageError("bad_json", "top level must be an object")
+    if raw.get("v") != VERSION:
+        raise MessageError("bad_version", f"v={raw.get('v')!r}, this build speaks v={VERSION}")
+    try:
+        msg = _ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        reason = "missing_field" if first["type"] == "missing" else "bad_field"
+        raise MessageError(reason, f"{loc}: {first['msg']}") from None
+    if expect is not None and not isinstance(msg, expect):
+        raise MessageError("wrong_kind", f"expected {expect.__name__}, got {raw.get('kind')!r}")
+    return msg

@@ -1,0 +1,127 @@
+"""U-Net presets (diffusers ``UNet2DModel``) and their size: parameters, MACs, fp32 bytes.
+
+``ddpm-cifar10`` is the DDPM U-Net of Ho et al. (2020) as used by FedPhD's Tables III-IV:
+35.7 M parameters and 6.06 GMACs for one 32x32 forward pass. The Fashion-MNIST presets are
+one-channel 32x32 models (28x28 images padded by two pixels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import UNet2DModel
+from torch import nn
+
+from shared.errors import ConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "fmnist-tiny": {
+        "sample_size": 32,
+        "in_channels": 1,
+        "out_channels": 1,
+        "block_out_channels": (16, 32, 64),
+        "layers_per_block": 1,
+        "down_block_types": ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D"),
+        "up_block_types": ("AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 8,
+        "attention_head_dim": 32,
+    },
+    "fmnist-small": {
+        "sample_size": 32,
+        "in_channels": 1,
+        "out_channels": 1,
+        "block_out_channels": (64, 128, 128, 128),
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 32,
+        "attention_head_dim": None,
+    },
+    "ddpm-cifar10": {
+        "sample_size": 32,
+        "in_channels": 3,
+        "out_channels": 3,
+        "block_out_channels": (128, 256, 256, 256),
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 32,
+        "attention_head_dim": None,
+        "flip_sin_to_cos": False,
+        "freq_shift": 1,
+    },
+}
+
+
+def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
+    """A freshly initialized U-Net of ``preset``; the init is drawn from ``seed`` only."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    devices: list[int] = []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
+        return UNet2DModel(**PRESETS[preset])
+
+
+def image_shape(preset: str) -> tuple[int, int, int]:
+    """(channels, height, width) the preset expects."""
+    cfg = PRESETS[preset]
+    return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Size of a model: parameters, multiply-accumulates per image, fp32 bytes."""
+
+    preset: str
+    params: int
+    macs: int
+    fp32_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form with human-readable millions/giga figures too."""
+        return {
+            "preset": self.preset,
+            "params": self.params,
+            "params_m": round(self.params / 1e6, 3),
+            "macs": self.macs,
+            "gmacs": round(self.macs / 1e9, 3),
+            "fp32_bytes": self.fp32_bytes,
+            "fp32_mb": round(self.fp32_bytes / 2**20, 2),
+        }
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of trainable and frozen parameters."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> int:
+    """Multiply-accumulates of one forward pass on ``sample``, per image.
+
+    Uses Torch-Pruning's operation counter, the convention behind FedPhD's Table III
+    (module operations; the attention score products are not counted), so pruned models
+    can be compared with the paper's figures.
+    """
+    import torch_pruning as tp
+
+    t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        ops, _ = tp.utils.count_ops_and_params(model, example_inputs={"sample": sample, "timestep": t})
+    return int(ops) // sample.shape[0]
+
+
+def model_info(preset: str, *, model_fn: Callable[[], nn.Module] | None = None) -> ModelInfo:
+    """Params, MACs (one image at the preset's resolution) and fp32 bytes of ``preset``."""
+    model = model_fn() if model_fn is not None else build_unet(preset)
+    model.eval()
+    c, h, w = image_shape(preset)
+    params = count_params(model)
+    macs = count_macs(model, torch.zeros(1, c, h, w))
+    return ModelInfo(preset=preset, params=params, macs=macs, fp32_bytes=params * 4)

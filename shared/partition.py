@@ -1,0 +1,142 @@
+"""Seeded splits of a labelled dataset across devices (DESIGN section 3).
+
+Each function returns one sorted index array per device and draws only from the
+``numpy.random.Generator`` it is given. ``label_count_matrix`` gives the (devices x classes)
+table every run prints and saves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.config import DataSection
+from shared.errors import ConfigError
+
+Parts = list[np.ndarray]
+
+
+def iid(labels: np.ndarray, n: int, rng: np.random.Generator) -> Parts:
+    """Uniformly shuffled, equal-sized parts."""
+    return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), n)]
+
+
+def dirichlet(labels: np.ndarray, n: int, beta: float, rng: np.random.Generator) -> Parts:
+    """Label skew: each class is split over devices with proportions ~ Dir(beta)."""
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        cuts = (np.cumsum(rng.dirichlet(np.full(n, beta)))[:-1] * len(idx)).astype(int)
+        for dev, chunk in enumerate(np.split(idx, cuts)):
+            parts[dev].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def classes_per_device(labels: np.ndarray, n: int, k: int, rng: np.random.Generator) -> Parts:
+    """Each device holds exactly ``k`` classes (FedPhD: 2); classes are used evenly.
+
+    Class slots are dealt from a cycle over a seeded permutation of the classes, so every
+    class goes to about ``n * k / C`` devices; each class's images are split evenly among
+    the devices holding it.
+    """
+    classes = np.unique(labels)
+    if k > len(classes):
+        raise ConfigError(f"classes_per_device={k} but the dataset has {len(classes)} classes")
+    order = rng.permutation(classes)
+    owners: dict[int, list[int]] = {int(c): [] for c in classes}
+    slot = 0
+    for dev in range(n):
+        chosen: list[int] = []
+        while len(chosen) < k:
+            c = int(order[slot % len(order)])
+            slot += 1
+            if c not in chosen:
+                chosen.append(c)
+        for c in chosen:
+            owners[c].append(dev)
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c, devs in owners.items():
+        if not devs:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for dev, chunk in zip(devs, np.array_split(idx, len(devs)), strict=True):
+            parts[dev].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def shards(labels: np.ndarray, n: int, per_device: int, rng: np.random.Generator) -> Parts:
+    """Sort by label, cut into ``n * per_device`` shards, deal ``per_device`` to each (PRISM)."""
+    order = np.argsort(labels, kind="stable")
+    pieces = np.array_split(order, n * per_device)
+    deal = rng.permutation(len(pieces))
+    return [
+        np.sort(np.concatenate([pieces[j] for j in deal[d * per_device : (d + 1) * per_device]]))
+        for d in range(n)
+    ]
+
+
+def quantity(labels: np.ndarray, n: int, sigma: float, rng: np.random.Generator) -> Parts:
+    """IID labels, log-normal part sizes (every device gets at least one sample)."""
+    weights = rng.lognormal(0.0, sigma, size=n)
+    sizes = np.maximum(1, np.floor(weights / weights.sum() * len(labels))).astype(int)
+    cuts = np.cumsum(sizes)[:-1]
+    cuts = np.minimum(cuts, len(labels))
+    return [np.sort(p) for p in np.split(rng.permutation(len(labels)), cuts)]
+
+
+def dominant(labels: np.ndarray, n: int, uniform: float, rng: np.random.Generator) -> Parts:
+    """``uniform`` of each part drawn from all classes, the rest from one dominant class
+    (pFedGPA's "s % uniform + dominant classes"; device d's dominant class is d mod C)."""
+    classes = np.unique(labels)
+    size = len(labels) // n
+    pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    parts = []
+    for d in range(n):
+        n_uni = int(round(size * uniform))
+        dom = int(classes[d % len(classes)])
+        take: list[int] = []
+        uni_classes = rng.choice(classes, size=n_uni)
+        for c in [dom] * (size - n_uni) + [int(c) for c in uni_classes]:
+            pool = pools[c] or pools[max(pools, key=lambda k: len(pools[k]))]
+            if pool:
+                take.append(int(pool.pop()))
+        parts.append(np.sort(np.asarray(take, dtype=np.int64)))
+    return parts
+
+
+def make_partition(labels: np.ndarray, n: int, cfg: DataSection, seed: int) -> Parts:
+    """Partition named by ``cfg.partition``; the same (labels, n, cfg, seed) give the same split."""
+    if n > len(labels):
+        raise ConfigError(f"{n} devices but only {len(labels)} samples")
+    rng = np.random.default_rng([seed, 0x9A27])
+    if cfg.partition == "iid":
+        parts = iid(labels, n, rng)
+    elif cfg.partition == "dirichlet":
+        parts = dirichlet(labels, n, cfg.dirichlet_beta, rng)
+    elif cfg.partition == "classes":
+        parts = classes_per_device(labels, n, cfg.classes_per_device, rng)
+    elif cfg.partition == "shards":
+        parts = shards(labels, n, cfg.shards_per_device, rng)
+    elif cfg.partition == "quantity":
+        parts = quantity(labels, n, cfg.quantity_sigma, rng)
+    else:
+        parts = dominant(labels, n, cfg.dominant_uniform_fraction, rng)
+    if cfg.max_samples_per_device:
+        parts = [np.sort(rng.permutation(p)[: cfg.max_samples_per_device]) for p in parts]
+    return parts
+
+
+def label_count_matrix(labels: np.ndarray, parts: Parts, num_classes: int) -> np.ndarray:
+    """(devices x classes) int matrix of label counts."""
+    return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts]).astype(np.int64)
+
+
+def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> str:
+    """Fixed-width table of a label-count matrix with row and column totals."""
+    rows = names or [f"dev{i}" for i in range(matrix.shape[0])]
+    width = max(6, len(str(int(matrix.max(initial=0)))) + 1)
+    head = "device".ljust(10) + "".join(f"{c:>{width}}" for c in range(matrix.shape[1]))
+    lines = [head + "   total"]
+    for name, row in zip(rows, matrix, strict=True):
+        lines.append(name.ljust(10) + "".join(f"{v:>{width}}" for v in row) + f"{row.sum():>8}")
+    lines.append("total".ljust(10) + "".join(f"{v:>{width}}" for v in matrix.sum(0)) + f"{matrix.sum():>8}")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""Run reports: sample grids and the ``report.png`` summary figure (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from shared.checkpoint import atomic_write
+
+
+def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
+    """Tile uint8 images ``(N, H, W)`` into a square-ish grid PNG."""
+    n, h, w = images.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad), 255, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, cols)
+        y, x = pad + r * (h + pad), pad + c * (w + pad)
+        canvas[y : y + h, x : x + w] = img
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = Image.fromarray(canvas).resize((canvas.shape[1] * 3, canvas.shape[0] * 3), Image.NEAREST)
+    big.save(path)
+    return path
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    rounds = [r["round"] for r in rows]
+    loss = [r.get("train_loss") for r in rows]
+    ax = axes[0]
+    ax.plot([x for x, y in zip(rounds, loss, strict=True) if y is not None],
+            [y for y in loss if y is not None], marker="o", ms=3)
+    ax.set(title="mean device training loss", xlabel="round", ylabel="DDPM loss (MSE)")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    up = np.array([r.get("bytes_up", 0) for r in rows]) / 2**20
+    down = np.array([r.get("bytes_down", 0) for r in rows]) / 2**20
+    ax.bar(rounds, up, label="up (devices→edges→cloud)")
+    ax.bar(rounds, down, bottom=up, label="down (cloud→edges→devices)")
+    ax.set(title="traffic per round", xlabel="round", ylabel="MiB")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+
+    ax = axes[2]
+    q = [(r["round"], r["quality"]) for r in rows if r.get("quality")]
+    if q:
+        ax.plot([x for x, _ in q], [m["fid"] for _, m in q], marker="o", color="C3", label="FID")
+        ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
+        ax2 = ax.twinx()
+        ax2.plot([x for x, _ in q], [m["precision"] for _, m in q], "--", color="C2", label="precision")
+        ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", color="C4", label="recall")
+        ax2.set(ylim=(0, 1), ylabel="precision / recall")
+        ax2.legend(fontsize=8, loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no quality evaluation in this run", ha="center", va="center")
+    ax.set(title="sample quality", xlabel="round")
+    ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    atomic_write(path, tmp.read_bytes())
+    tmp.unlink()
+    return path

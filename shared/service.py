@@ -1,0 +1,74 @@
+"""Glue every role service shares: decoding inbound messages safely, rejecting bad ones with
+a reason and a count, and moving tensors through blobs.
+
+Role services subclass :class:`RoleService`; their handlers receive validated messages only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from shared.bus import Bus, Endpoint
+from shared.codec import TensorSpec, decode_tensors, encode_tensors
+from shared.config import RunConfig
+from shared.errors import CodecError, MessageError, TransportError
+from shared.messages import BlobRef, Topics, decode, encode
+from shared.telemetry import Traffic
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+TensorDict = dict[str, Any]
+
+
+class RoleService:
+    """Base of the cloud, edge and device services: one endpoint, one name, one config."""
+
+    role = "role"
+
+    def __init__(self, name: str, cfg: RunConfig, bus: Bus) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.ep: Endpoint = bus.endpoint(name)
+        self.topics = Topics(cfg.run.name)
+        self.traffic: Traffic = bus.traffic
+
+    def reject(self, reason: str, detail: str = "") -> None:
+        """Count and log a rejected input; the service carries on."""
+        self.traffic.reject(self.role, reason)
+        log.warning("%s rejected input (%s): %s", self.name, reason, detail)
+
+    def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
+        """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``."""
+
+        def wrapped(topic: str, payload: bytes) -> None:
+            try:
+                msg = decode(payload, msg_type)  # type: ignore[arg-type]
+            except MessageError as err:
+                self.reject(err.reason, f"{topic}: {err.detail}")
+                return
+            handler(msg)
+
+        self.ep.subscribe(pattern, wrapped, kind=kind)
+
+    def send(self, topic: str, msg: Any, *, retain: bool = False) -> None:
+        """Publish a message; its traffic is counted under ``msg_<kind>``."""
+        self.ep.publish(topic, encode(msg), kind=f"msg_{msg.kind}", retain=retain)
+
+    def put_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
+        """Encode tensors as safetensors and upload them as a blob."""
+        data = encode_tensors(tensors)
+        return BlobRef(sha256=self.ep.put_blob(data, kind=kind), size=len(data), kind=kind)
+
+    def fetch_tensors(self, ref: BlobRef, spec: Mapping[str, TensorSpec] | None) -> TensorDict | None:
+        """Download and validate a tensor blob; ``None`` (rejected and counted) if bad."""
+        try:
+            data = self.ep.get_blob(ref.sha256, ref.size, kind=ref.kind)
+            return decode_tensors(data, sha256=ref.sha256, expected=spec)
+        except CodecError as err:
+            self.reject("bad_tensors", str(err))
+        except TransportError as err:
+            self.reject("blob_unavailable", str(err))
+        return None

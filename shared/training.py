@@ -1,0 +1,78 @@
+"""The device's local training loop: one screen, obvious order (nanoGPT-style)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from diffusers import DDPMScheduler
+from torch import nn
+
+from shared.config import TrainSection
+from shared.diffusion import ddpm_loss
+
+ExtraLoss = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one local training phase did."""
+
+    mean_loss: float
+    steps: int
+    seconds: float
+
+
+def num_local_steps(n_samples: int, cfg: TrainSection) -> int:
+    """``local_steps`` when set, else ``local_epochs`` passes over the data."""
+    if cfg.local_steps:
+        return cfg.local_steps
+    return cfg.local_epochs * max(1, math.ceil(n_samples / cfg.batch_size))
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: TrainSection) -> torch.optim.Optimizer:
+    """A fresh optimizer of the configured type (never shared between devices)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_local(
+    model: nn.Module,
+    data: torch.Tensor,
+    cfg: TrainSection,
+    scheduler: DDPMScheduler,
+    generator: torch.Generator,
+    *,
+    extra_loss: ExtraLoss | None = None,
+    steps: int | None = None,
+) -> TrainResult:
+    """Minimize the DDPM loss (plus ``extra_loss``) on ``data`` for the configured steps."""
+    start = time.perf_counter()
+    n = data.shape[0]
+    steps = steps if steps is not None else num_local_steps(n, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg)
+    model.train()
+    order = torch.randperm(n, generator=generator)
+    cursor, total = 0, 0.0
+    for _ in range(steps):
+        if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
+            order, cursor = torch.randperm(n, generator=generator), 0
+        batch = data[order[cursor : cursor + cfg.batch_size]]
+        cursor += cfg.batch_size
+        loss = ddpm_loss(model, batch, scheduler, generator)
+        if extra_loss is not None:
+            loss = loss + extra_loss(model)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        total += float(loss.detach())
+    return TrainResult(total / max(1, steps), steps, time.perf_counter() - start)
