@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES, load_dataset, to_model_input
+from shared.data import NUM_CLASSES, ImageDataset, load_dataset, to_model_input
 from shared.evaluation import Evaluator, model_from_state, write_grid
 from shared.models import build_unet
 from shared.partition import format_label_counts, label_count_matrix, make_partition
@@ -124,6 +125,50 @@ def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
     return run_dir
 
 
+@dataclass
+class Federation:
+    """Every service of an in-process federation, wired to one bus."""
+
+    cloud: CloudServer
+    edges: list[EdgeServer]
+    devices: list[DeviceAgent]
+
+    def start(self) -> None:
+        """Start the cloud, then the edges, then the devices."""
+        for service in [self.cloud, *self.edges, *self.devices]:
+            service.start()
+
+
+def build_federation(
+    cfg: RunConfig,
+    bus: MemoryBus,
+    data: ImageDataset,
+    parts: list[np.ndarray],
+    *,
+    checkpoint_dir: Path | None = None,
+    on_round_end: Callable[[RoundSummary], None] | None = None,
+) -> Federation:
+    """Cloud, edges and devices (device i's private data is ``data[parts[i]]``).
+
+    Every service gets its own algorithm instance; nothing is shared but the bus.
+    """
+    initial = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    cloud = CloudServer(
+        cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
+        checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,
+    )  # fmt: skip
+    edges = [EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=e) for e in edge_ids(cfg)]
+    devices = [
+        DeviceAgent(
+            cfg, bus, make_algorithm(cfg), device_id=f"dev{i:03d}", index=i,
+            home_edge=edges[i % len(edges)].name,
+            data=to_model_input(data.images[p]), labels=torch.from_numpy(data.labels[p]),
+        )  # fmt: skip
+        for i, p in enumerate(parts)
+    ]
+    return Federation(cloud, edges, devices)
+
+
 def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
@@ -132,31 +177,17 @@ def simulate(
         torch.set_num_threads(cfg.train.threads)
     run_dir = prepare_run_dir(cfg, out)
     data = load_dataset(cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    fed = cfg.federation
-    parts = make_partition(data.labels, fed.num_devices, cfg.data, cfg.run.seed)
-    device_names = [f"dev{i:03d}" for i in range(fed.num_devices)]
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    device_names = [f"dev{i:03d}" for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     _save_label_counts(run_dir, matrix, device_names, show=progress)
 
     bus = MemoryBus()
     recorder = RunRecorder(cfg, run_dir, bus.traffic, evaluate=evaluate)
-    initial = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
-    cloud = CloudServer(
-        cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
-        checkpoint_dir=run_dir / "checkpoints", on_round_end=recorder.on_round_end,
-    )  # fmt: skip
-    recorder.cloud = cloud
-    edges = [EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=e) for e in edge_ids(cfg)]
-    devices = [
-        DeviceAgent(
-            cfg, bus, make_algorithm(cfg), device_id=name, index=i,
-            home_edge=edges[i % len(edges)].name,
-            data=to_model_input(data.images[parts[i]]), labels=torch.from_numpy(data.labels[parts[i]]),
-        )  # fmt: skip
-        for i, name in enumerate(device_names)
-    ]
-    for service in [cloud, *edges, *devices]:
-        service.start()
+    fed = build_federation(cfg, bus, data, parts, checkpoint_dir=run_dir / "checkpoints",
+                           on_round_end=recorder.on_round_end)
+    cloud = recorder.cloud = fed.cloud
+    fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
         recorder.bar = bar
         bus.run(lambda: cloud.done)

@@ -12,8 +12,8 @@ hash into ``FEATURE_WEIGHTS_SHA256`` in ``shared/quality.py``.
 
 All randomness (initialisation, shuffling, augmentation) comes from one ``torch.Generator``
 seeded with ``--seed``; global RNGs are never seeded or used. With the same seed, thread
-count and torch build the output file is byte-identical (the safetensors metadata is a single
-JSON string so its serialisation order is fixed).
+count and torch build the output file should be byte-identical (the safetensors metadata is a
+single JSON string, so its serialisation order is fixed).
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def save_weights(model: FeatureNet, out: Path, info: dict[str, object]) -> str:
         # One metadata key: safetensors writes a dict's keys in hash order, breaking byte-identity.
         save_file(tensors, str(tmp), metadata={"estuary": json.dumps(info, sort_keys=True)})
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        os.chmod(tmp, 0o644)  # a shipped asset, readable by all
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -44,7 +44,7 @@ EXTRACTOR_NAME = "fmnist-cnn-v1"
 FEATURE_DIM = 128
 NUM_CLASSES = 10
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "assets" / "fmnist_features.safetensors"
-FEATURE_WEIGHTS_SHA256 = "0000000000000000000000000000000000000000000000000000000000000000"
+FEATURE_WEIGHTS_SHA256 = "eae95f2da038669f14477f3ef8051f5bc8f5ff2cf9e5f622086b080829695afb"
 RETRAIN_HINT = "Retrain it with `python scripts/train_feature_classifier.py`"
 _DIST_CHUNK = 512  # rows per block of a distance matrix (512 x 10k float64 = 40 MB)
 

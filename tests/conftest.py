@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny configs and a check for the Fashion-MNIST files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from shared.config import RunConfig, config_from_dict
+from shared.data import DataError, find_fashion_mnist
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def have_fmnist() -> bool:
+    """Whether the Fashion-MNIST IDX files can be found."""
+    try:
+        find_fashion_mnist()
+    except DataError:
+        return False
+    return True
+
+
+needs_fmnist = pytest.mark.skipif(
+    not have_fmnist(), reason="Fashion-MNIST missing: apt-get install dataset-fashion-mnist"
+)
+
+
+def tiny_config(**overrides: dict[str, Any]) -> RunConfig:
+    """2 edges x 4 devices x 3 rounds, a few steps each, no evaluation."""
+    base: dict[str, dict[str, Any]] = {
+        "run": {"name": "test", "seed": 0, "rounds": 3},
+        "federation": {"num_devices": 8, "num_edges": 2, "round_deadline_s": 60},
+        "data": {"dataset": "synthetic", "synthetic_size": 256, "partition": "iid"},
+        "model": {"preset": "fmnist-tiny"},
+        "train": {"local_steps": 2, "batch_size": 8, "lr": 2e-3},
+        "eval": {"every": 0, "sample_every": 0, "checkpoint_every": 1},
+    }
+    for section, values in overrides.items():
+        base.setdefault(section, {}).update(values)
+    return config_from_dict(base)
+
+
+@pytest.fixture
+def tiny_cfg() -> RunConfig:
+    """The default tiny config."""
+    return tiny_config()

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.aggregation import fedavg, normalize, weighted_average
+from shared.errors import EstuaryError
+
+
+def test_fedavg_hand_computed() -> None:
+    s0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}
+    s1 = {"w": torch.tensor([4.0, 8.0]), "b": torch.tensor(0.0)}
+    out = fedavg([s0, s1], [1, 2])  # (1*s0 + 2*s1) / 3
+    assert torch.allclose(out["w"], torch.tensor([3.0, 6.0]))
+    assert torch.allclose(out["b"], torch.tensor(1.0))
+
+
+def test_weights_sum_to_one_and_dtype_kept() -> None:
+    assert normalize([2, 6]) == [0.25, 0.75]
+    s = {"h": torch.ones(2, dtype=torch.float16)}
+    out = weighted_average([s, s], [0.3, 0.7])
+    assert out["h"].dtype == torch.float16
+    assert torch.equal(out["h"], s["h"])
+
+
+def test_integer_buffers_are_not_averaged() -> None:
+    out = fedavg([{"n": torch.tensor(5)}, {"n": torch.tensor(9)}], [1, 1])
+    assert out["n"].item() == 5
+
+
+def test_errors() -> None:
+    with pytest.raises(EstuaryError):
+        fedavg([], [])
+    with pytest.raises(EstuaryError):
+        fedavg([{"a": torch.zeros(1)}], [0])
+    with pytest.raises(EstuaryError):
+        weighted_average([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], [1, 1])
+    with pytest.raises(EstuaryError):
+        normalize([1, -1])

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import RunConfig, config_from_dict, load_config
+from shared.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_round_trip() -> None:
+    cfg = RunConfig()
+    again = config_from_dict(cfg.to_dict())
+    assert again == cfg
+    assert again.digest() == cfg.digest()
+
+
+def test_bad_value_is_named() -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"lr": -1.0}})
+    assert "train.lr" in str(err.value)
+    assert "-1.0" in str(err.value)
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"federation\.num_device"):
+        config_from_dict({"federation": {"num_device": 3}})
+
+
+def test_bad_choice_lists_the_problem() -> None:
+    with pytest.raises(ConfigError, match="model.preset"):
+        config_from_dict({"model": {"preset": "resnet"}})
+
+
+def test_cross_field_rule() -> None:
+    with pytest.raises(ConfigError, match="cloud_every"):
+        config_from_dict({"federation": {"edge_every": 2, "cloud_every": 3}})
+
+
+def test_env_overrides_parse_types() -> None:
+    env = {"ESTUARY__TRAIN__LR": "3e-4", "ESTUARY__RUN__NAME": "from-env", "OTHER": "x"}
+    cfg = config_from_dict({}, env=env)
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.run.name == "from-env"
+
+
+def test_bad_env_override_is_named() -> None:
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        config_from_dict({}, env={"ESTUARY__TRAIN__BATCH_SIZE": "many"})
+    with pytest.raises(ConfigError, match="SECTION__KEY"):
+        config_from_dict({}, env={"ESTUARY__LR": "1"})
+
+
+def test_config_is_frozen() -> None:
+    cfg = RunConfig()
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises ValidationError
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname=")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    cfg = load_config(path, env={})
+    assert cfg.run.rounds >= 1
