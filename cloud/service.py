@@ -105,7 +105,9 @@ class CloudServer(RoleService):
 
     def _publish_state(self, phase: str) -> None:
         state = CloudState(
-            round=self.round, phase=phase, model_ref=self.global_ref,  # type: ignore[arg-type]
+            round=self.round,
+            phase=phase,
+            model_ref=self.global_ref,  # type: ignore[arg-type]
             config_digest=self.cfg.digest(),
         )
         self.send(self.topics.cloud_state, state, retain=True)
@@ -125,7 +127,9 @@ class CloudServer(RoleService):
 
     def _registration_timeout(self) -> None:
         if not self.started and self.devices:
-            log.warning("starting with %d/%d devices", len(self.devices), self.cfg.federation.num_devices)
+            log.warning(
+                "starting with %d/%d devices", len(self.devices), self.cfg.federation.num_devices
+            )
             self._begin()
         elif not self.started:
             log.error("no device registered within the registration timeout; stopping")
@@ -142,8 +146,9 @@ class CloudServer(RoleService):
     # -- rounds ------------------------------------------------------------------------
     def _open_round(self) -> None:
         r = self.round
-        participants = sample_participants(sorted(self.devices), self.cfg.federation.participation,
-                                           self.cfg.run.seed, r)
+        participants = sample_participants(
+            sorted(self.devices), self.cfg.federation.participation, self.cfg.run.seed, r
+        )
         self.assignment = {e: [] for e in self.edges}
         for dev in participants:
             self.assignment[self.devices[dev].home_edge].append(dev)
@@ -162,7 +167,9 @@ class CloudServer(RoleService):
         self.send(self.topics.cloud_round, msg)
         self._publish_state("training")
         # edges close at their deadline; give them time to aggregate and report
-        self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s * 1.5 + 10, self._on_deadline)
+        self.timer = self.ep.call_later(
+            self.cfg.federation.round_deadline_s * 1.5 + 10, self._on_deadline
+        )
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""
@@ -186,8 +193,12 @@ class CloudServer(RoleService):
 
     def _on_deadline(self) -> None:
         if not self.done and self.reports is not None:
-            log.warning("cloud round %d deadline: %d/%d edges", self.round, len(self.reports),
-                        len(self.assignment))
+            log.warning(
+                "cloud round %d deadline: %d/%d edges",
+                self.round,
+                len(self.reports),
+                len(self.assignment),
+            )
             self._close_round()
 
     def _close_round(self) -> None:
@@ -200,7 +211,8 @@ class CloudServer(RoleService):
         if (r + 1) % self.cfg.federation.cloud_every == 0:
             updates = [
                 Update(m.edge, t, m.n_samples, tuple(m.label_counts))
-                for m, t in self.reports.values() if t is not None and m.n_samples > 0
+                for m, t in self.reports.values()
+                if t is not None and m.n_samples > 0
             ]
             if updates:
                 t0 = time.perf_counter()

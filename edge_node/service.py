@@ -117,12 +117,14 @@ class EdgeServer(RoleService):
             self._close()
 
     def _check_update(self, msg: DeviceUpdate) -> str:
+        if msg.round == self.round and msg.device in self.reported:
+            return "duplicate"
         if self.round is None or msg.round != self.round or self.closed:
-            return "late" if self.round is not None and msg.round <= self.round else "unexpected_round"
+            return (
+                "late" if self.round is not None and msg.round <= self.round else "unexpected_round"
+            )
         if msg.device not in self.assigned:
             return "unexpected_device"
-        if msg.device in self.reported:
-            return "duplicate"
         if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
             return "bad_label_counts"
         return ""
@@ -131,8 +133,11 @@ class EdgeServer(RoleService):
         if self.closed:
             return
         log.warning(
-            "%s round %s deadline: %d/%d updates", self.name, self.round,
-            len(self.reported), len(self.assigned),
+            "%s round %s deadline: %d/%d updates",
+            self.name,
+            self.round,
+            len(self.reported),
+            len(self.assigned),
         )
         self._close()
 
@@ -151,7 +156,9 @@ class EdgeServer(RoleService):
             self.model_ref = None
         for msg in self.reported.values():
             self.acc_n += msg.n_samples
-            self.acc_counts = [a + b for a, b in zip(self.acc_counts, msg.label_counts, strict=True)]
+            self.acc_counts = [
+                a + b for a, b in zip(self.acc_counts, msg.label_counts, strict=True)
+            ]
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = self.put_tensors(self.model, "edge_update") if cloud_round and self.acc_n else None
         losses = [(m.train_loss, m.n_samples) for m in self.reported.values()]
@@ -166,5 +173,7 @@ class EdgeServer(RoleService):
             train_seconds=sum(m.train_seconds for m in self.reported.values()),
             rejected=self.rejected_this_round,
         )
-        log.debug("%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start)
+        log.debug(
+            "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
+        )
         self.send(self.topics.edge_up(self.name), report)

@@ -16,8 +16,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from shared.config import load_config
 
     cfg = load_config(args.config)
-    result = simulate(cfg, Path(args.out) if args.out else None, progress=not args.quiet,
-                      evaluate=not args.no_eval)
+    result = simulate(
+        cfg,
+        Path(args.out) if args.out else None,
+        progress=not args.quiet,
+        evaluate=not args.no_eval,
+    )
     losses = [r["train_loss"] for r in result.rows if r["train_loss"] is not None]
     print(f"run directory: {result.run_dir}")
     if losses:
@@ -42,9 +46,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(path)
     cfg = ckpt.config
     if args.num_samples:
-        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_samples": args.num_samples})})
+        cfg = cfg.model_copy(
+            update={"eval": cfg.eval.model_copy(update={"num_samples": args.num_samples})}
+        )
     metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model))
-    out = {"checkpoint": str(path), "round": ckpt.round, "model_sha256": ckpt.model_sha256, **metrics}
+    out = {
+        "checkpoint": str(path),
+        "round": ckpt.round,
+        "model_sha256": ckpt.model_sha256,
+        **metrics,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -60,8 +71,10 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(f"{info['preset']}: {info['params_m']} M params, {info['gmacs']} GMACs, "
-              f"{info['fp32_mb']} MiB fp32")
+        print(
+            f"{info['preset']}: {info['params_m']} M params, {info['gmacs']} GMACs, "
+            f"{info['fp32_mb']} MiB fp32"
+        )
     return 0
 
 
@@ -94,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``estuary`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.func(args))
     except EstuaryError as err:

@@ -109,7 +109,9 @@ class RunRecorder:
             return
         model = model_from_state(self.cfg, self.cloud.model)
         if want_grid:
-            path = write_grid(self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png")
+            path = write_grid(
+                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"
+            )
             row["grid"] = str(path.relative_to(self.run_dir))
         if want_eval and self.evaluator is not None:
             t0 = time.perf_counter()
@@ -119,7 +121,9 @@ class RunRecorder:
 
 def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
     """``out`` or ``runs/<name>-<UTC timestamp>``, created, with the config saved."""
-    run_dir = out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    run_dir = (
+        out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "config.json", cfg.to_json().encode())
     return run_dir
@@ -160,10 +164,15 @@ def build_federation(
     edges = [EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=e) for e in edge_ids(cfg)]
     devices = [
         DeviceAgent(
-            cfg, bus, make_algorithm(cfg), device_id=f"dev{i:03d}", index=i,
+            cfg,
+            bus,
+            make_algorithm(cfg),
+            device_id=f"dev{i:03d}",
+            index=i,
             home_edge=edges[i % len(edges)].name,
-            data=to_model_input(data.images[p]), labels=torch.from_numpy(data.labels[p]),
-        )  # fmt: skip
+            data=to_model_input(data.images[p]),
+            labels=torch.from_numpy(data.labels[p]),
+        )
         for i, p in enumerate(parts)
     ]
     return Federation(cloud, edges, devices)
@@ -176,7 +185,9 @@ def simulate(
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     run_dir = prepare_run_dir(cfg, out)
-    data = load_dataset(cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    data = load_dataset(
+        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
+    )
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
     device_names = [f"dev{i:03d}" for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
@@ -184,8 +195,14 @@ def simulate(
 
     bus = MemoryBus()
     recorder = RunRecorder(cfg, run_dir, bus.traffic, evaluate=evaluate)
-    fed = build_federation(cfg, bus, data, parts, checkpoint_dir=run_dir / "checkpoints",
-                           on_round_end=recorder.on_round_end)
+    fed = build_federation(
+        cfg,
+        bus,
+        data,
+        parts,
+        checkpoint_dir=run_dir / "checkpoints",
+        on_round_end=recorder.on_round_end,
+    )
     cloud = recorder.cloud = fed.cloud
     fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
@@ -193,19 +210,25 @@ def simulate(
         bus.run(lambda: cloud.done)
     if not cloud.done:
         raise RuntimeError("simulation stopped before the cloud finished (no events left)")
-    plot_report(recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} ({cfg.algorithm.name})")
+    plot_report(
+        recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} ({cfg.algorithm.name})"
+    )
     summary = {
         "rounds": cloud.round,
         "final_model_sha256": cloud.model_sha,
         "traffic": bus.traffic.snapshot(),
     }
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
-    return SimulationResult(run_dir, cloud.round, cloud.model_sha, recorder.rows, summary["traffic"])
+    return SimulationResult(
+        run_dir, cloud.round, cloud.model_sha, recorder.rows, summary["traffic"]
+    )
 
 
 def _save_label_counts(run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool) -> None:
     header = "device," + ",".join(str(c) for c in range(matrix.shape[1]))
-    lines = [header] + [f"{n}," + ",".join(str(int(v)) for v in row) for n, row in zip(names, matrix, strict=True)]
+    lines = [header] + [
+        f"{n}," + ",".join(str(int(v)) for v in row) for n, row in zip(names, matrix, strict=True)
+    ]
     atomic_write(run_dir / "label_counts.csv", ("\n".join(lines) + "\n").encode())
     if show:
         print("label counts per device (rows) and class (columns):")

@@ -28,7 +28,9 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> TensorDict:
+def weighted_average(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> TensorDict:
     """sum_k w_k * state_k / sum_k w_k, key by key; every state must have the same keys."""
     if len(states) != len(weights):
         raise EstuaryError(f"{len(states)} states but {len(weights)} weights")

@@ -42,7 +42,9 @@ def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in tensors.items()}
 
 
-def encode_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+def encode_tensors(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> bytes:
     """Serialize to safetensors bytes; identical inputs give identical bytes."""
     ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
     meta = dict(metadata or {})

@@ -101,7 +101,9 @@ class DiffusionSection(_Section):
     @model_validator(mode="after")
     def _check(self) -> DiffusionSection:
         if self.beta_end <= self.beta_start:
-            raise ValueError(f"beta_end ({self.beta_end}) must exceed beta_start ({self.beta_start})")
+            raise ValueError(
+                f"beta_end ({self.beta_end}) must exceed beta_start ({self.beta_start})"
+            )
         if self.sample_steps > self.num_train_timesteps:
             raise ValueError("sample_steps cannot exceed num_train_timesteps")
         return self
@@ -139,6 +141,7 @@ class EvalSection(_Section):
     sample_every: int = Field(5, ge=0, description="sample grid every k rounds; 0 = off")
     grid_size: int = Field(64, ge=1, le=1024)
     num_samples: int = Field(500, ge=10, le=100_000, description="generated images for FID")
+    num_reference: int = Field(2000, ge=10, le=100_000, description="real train images for FID")
     sample_steps: int = Field(50, ge=1, le=10_000, description="DDIM steps for eval sampling")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k cloud aggregations")
 

@@ -144,7 +144,9 @@ def load_fashion_mnist(
     return ImageDataset(images, labels, f"fashion-mnist/{split}")
 
 
-def synthetic_dataset(n: int = 512, *, seed: int = 0, num_classes: int = NUM_CLASSES) -> ImageDataset:
+def synthetic_dataset(
+    n: int = 512, *, seed: int = 0, num_classes: int = NUM_CLASSES
+) -> ImageDataset:
     """Tiny, learnable stand-in for Fashion-MNIST: one blurred shape per class plus noise."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, num_classes, size=n).astype(np.int64)
@@ -159,7 +161,9 @@ def synthetic_dataset(n: int = 512, *, seed: int = 0, num_classes: int = NUM_CLA
     return ImageDataset(np.clip(noisy, 0, 255).astype(np.uint8), labels, "synthetic")
 
 
-def load_dataset(name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0) -> ImageDataset:
+def load_dataset(
+    name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0
+) -> ImageDataset:
     """Dataset by config name (``fashion-mnist`` or ``synthetic``)."""
     if name == "fashion-mnist":
         return load_fashion_mnist(split, path or None)

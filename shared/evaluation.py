@@ -30,7 +30,9 @@ def sample_images(
     cfg: RunConfig, model: torch.nn.Module, n: int, *, steps: int, salt: int = 0
 ) -> torch.Tensor:
     """``n`` DDIM samples in [-1, 1] from noise seeded by (run seed, salt)."""
-    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0]))
+    gen = torch.Generator().manual_seed(
+        int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
+    )
     shape = (n, *image_shape(cfg.model.preset))
     return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
 
@@ -41,23 +43,40 @@ def write_grid(cfg: RunConfig, model: torch.nn.Module, path: Path) -> Path:
     return save_grid(from_model_output(images), path)
 
 
-class Evaluator:
-    """Scores models against a fixed set of real test images (features cached once)."""
+def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
+    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed."""
+    real = load_dataset(
+        cfg.data.dataset,
+        cfg.data.path,
+        split=split,
+        size=cfg.data.synthetic_size,
+        seed=cfg.run.seed,
+    )
+    count = min(len(real), n or cfg.eval.num_reference)
+    idx = np.sort(np.random.default_rng([0xF1D, len(real)]).choice(len(real), count, replace=False))
+    return to_model_input(real.images[idx])
 
-    def __init__(self, cfg: RunConfig, *, n_real: int | None = None) -> None:
+
+class Evaluator:
+    """Scores models against a fixed random set of real training images (features cached).
+
+    The protocol (``eval.num_samples`` generated vs ``eval.num_reference`` real, extractor
+    ``fmnist-cnn-v1``) is the one the README's reference numbers use; FID is biased by
+    sample size, so only compare numbers measured with the same counts.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
         from shared import quality
 
         self.cfg = cfg
         self._quality = quality
-        real = load_dataset(cfg.data.dataset, cfg.data.path, split="test",
-                            size=cfg.data.synthetic_size, seed=cfg.run.seed)
-        n = min(len(real), n_real or max(cfg.eval.num_samples, 1000))
-        self.reference = quality.reference_stats(to_model_input(real.images[:n]))
+        self.reference = quality.reference_stats(reference_images(cfg))
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
         """Quality metrics of ``eval.num_samples`` samples from ``model``."""
-        fake = sample_images(self.cfg, model, self.cfg.eval.num_samples,
-                             steps=self.cfg.eval.sample_steps, salt=2)
+        fake = sample_images(
+            self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps, salt=2
+        )
         out = dict(self._quality.evaluate(fake, self.reference))
         out["sample_steps"] = self.cfg.eval.sample_steps
         return out

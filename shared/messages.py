@@ -165,9 +165,7 @@ class CloudState(_Msg):
 
 
 Message = DeviceHello | RoundStart | EdgeRound | DeviceUpdate | EdgeUpdate | CloudState
-_ADAPTER: TypeAdapter[Any] = TypeAdapter(
-    Annotated[Message, Field(discriminator="kind")]
-)
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
 
 
 def encode(msg: _Msg) -> bytes:

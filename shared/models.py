@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +112,9 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
 
     t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        ops, _ = tp.utils.count_ops_and_params(model, example_inputs={"sample": sample, "timestep": t})
+        ops, _ = tp.utils.count_ops_and_params(
+            model, example_inputs={"sample": sample, "timestep": t}
+        )
     return int(ops) // sample.shape[0]
 
 

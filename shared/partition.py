@@ -91,7 +91,7 @@ def dominant(labels: np.ndarray, n: int, uniform: float, rng: np.random.Generato
     pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
     parts = []
     for d in range(n):
-        n_uni = int(round(size * uniform))
+        n_uni = round(size * uniform)
         dom = int(classes[d % len(classes)])
         take: list[int] = []
         uni_classes = rng.choice(classes, size=n_uni)
@@ -138,5 +138,7 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
     lines = [head + "   total"]
     for name, row in zip(rows, matrix, strict=True):
         lines.append(name.ljust(10) + "".join(f"{v:>{width}}" for v in row) + f"{row.sum():>8}")
-    lines.append("total".ljust(10) + "".join(f"{v:>{width}}" for v in matrix.sum(0)) + f"{matrix.sum():>8}")
+    lines.append(
+        "total".ljust(10) + "".join(f"{v:>{width}}" for v in matrix.sum(0)) + f"{matrix.sum():>8}"
+    )
     return "\n".join(lines)

@@ -45,8 +45,12 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     rounds = [r["round"] for r in rows]
     loss = [r.get("train_loss") for r in rows]
     ax = axes[0]
-    ax.plot([x for x, y in zip(rounds, loss, strict=True) if y is not None],
-            [y for y in loss if y is not None], marker="o", ms=3)
+    ax.plot(
+        [x for x, y in zip(rounds, loss, strict=True) if y is not None],
+        [y for y in loss if y is not None],
+        marker="o",
+        ms=3,
+    )
     ax.set(title="mean device training loss", xlabel="round", ylabel="DDPM loss (MSE)")
     ax.grid(alpha=0.3)
 
@@ -65,7 +69,9 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
         ax.plot([x for x, _ in q], [m["fid"] for _, m in q], marker="o", color="C3", label="FID")
         ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
         ax2 = ax.twinx()
-        ax2.plot([x for x, _ in q], [m["precision"] for _, m in q], "--", color="C2", label="precision")
+        ax2.plot(
+            [x for x, _ in q], [m["precision"] for _, m in q], "--", color="C2", label="precision"
+        )
         ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", color="C4", label="recall")
         ax2.set(ylim=(0, 1), ylabel="precision / recall")
         ax2.legend(fontsize=8, loc="upper right")

@@ -62,7 +62,9 @@ class RoleService:
         data = encode_tensors(tensors)
         return BlobRef(sha256=self.ep.put_blob(data, kind=kind), size=len(data), kind=kind)
 
-    def fetch_tensors(self, ref: BlobRef, spec: Mapping[str, TensorSpec] | None) -> TensorDict | None:
+    def fetch_tensors(
+        self, ref: BlobRef, spec: Mapping[str, TensorSpec] | None
+    ) -> TensorDict | None:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad."""
         try:
             data = self.ep.get_blob(ref.sha256, ref.size, kind=ref.kind)

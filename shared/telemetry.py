@@ -43,7 +43,9 @@ class Traffic:
     def total(self, direction: str, kind: str | None = None) -> int:
         """Bytes in ``direction``, for one kind or all kinds."""
         with self._lock:
-            return sum(v for (d, k), v in self._bytes.items() if d == direction and kind in (None, k))
+            return sum(
+                v for (d, k), v in self._bytes.items() if d == direction and kind in (None, k)
+            )
 
 
 def diff_counts(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

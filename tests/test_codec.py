@@ -5,7 +5,14 @@ import pickle
 import pytest
 import torch
 
-from shared.codec import TensorSpec, decode_tensors, encode_tensors, read_metadata, sha256_hex, spec_of
+from shared.codec import (
+    TensorSpec,
+    decode_tensors,
+    encode_tensors,
+    read_metadata,
+    sha256_hex,
+    spec_of,
+)
 from shared.errors import CodecError
 
 T = {"b": torch.arange(3, dtype=torch.float32), "a": torch.ones(2, 2, dtype=torch.float16)}

@@ -30,7 +30,7 @@ def test_unknown_key_is_named() -> None:
 
 
 def test_bad_choice_lists_the_problem() -> None:
-    with pytest.raises(ConfigError, match="model.preset"):
+    with pytest.raises(ConfigError, match=r"model\.preset"):
         config_from_dict({"model": {"preset": "resnet"}})
 
 
@@ -47,7 +47,7 @@ def test_env_overrides_parse_types() -> None:
 
 
 def test_bad_env_override_is_named() -> None:
-    with pytest.raises(ConfigError, match="train.batch_size"):
+    with pytest.raises(ConfigError, match=r"train\.batch_size"):
         config_from_dict({}, env={"ESTUARY__TRAIN__BATCH_SIZE": "many"})
     with pytest.raises(ConfigError, match="SECTION__KEY"):
         config_from_dict({}, env={"ESTUARY__LR": "1"})

@@ -23,13 +23,29 @@ def test_message_round_trip() -> None:
         (json.dumps({"v": 9, "kind": "hello"}).encode(), "bad_version"),
         (json.dumps({"v": 1, "kind": "hello", "device": "d"}).encode(), "missing_field"),
         (
-            json.dumps({"v": 1, "kind": "hello", "device": "d/../x", "home_edge": "e",
-                        "n_samples": 1, "label_counts": []}).encode(),
+            json.dumps(
+                {
+                    "v": 1,
+                    "kind": "hello",
+                    "device": "d/../x",
+                    "home_edge": "e",
+                    "n_samples": 1,
+                    "label_counts": [],
+                }
+            ).encode(),
             "bad_field",
         ),
         (
-            json.dumps({"v": 1, "kind": "hello", "device": "d", "home_edge": "e",
-                        "n_samples": -1, "label_counts": []}).encode(),
+            json.dumps(
+                {
+                    "v": 1,
+                    "kind": "hello",
+                    "device": "d",
+                    "home_edge": "e",
+                    "n_samples": -1,
+                    "label_counts": [],
+                }
+            ).encode(),
             "bad_field",
         ),
         (b"x" * 300_000, "too_large"),

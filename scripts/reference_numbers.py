@@ -1,0 +1,51 @@
+"""Reference FIDs for the README, with the evaluation protocol ``estuary eval`` uses.
+
+FID(held-out test images vs train reference) is the floor a perfect generator would reach;
+FID(untrained fmnist-tiny samples vs train reference) is where training starts.
+
+    python scripts/reference_numbers.py [--config configs/fedavg_iid_tiny.toml] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from shared import quality
+from shared.config import load_config
+from shared.evaluation import Evaluator, model_from_state, reference_images
+from shared.models import build_unet
+
+
+def main() -> None:
+    """Print the reference numbers."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default="configs/fedavg_iid_tiny.toml")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    ev = Evaluator(cfg)
+    test = reference_images(cfg, "test", cfg.eval.num_samples)
+    held_out = quality.evaluate(test, ev.reference)
+    untrained = ev.evaluate(
+        model_from_state(cfg, build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict())
+    )
+    out = {
+        "protocol": {
+            "n_fake": cfg.eval.num_samples,
+            "n_real_train": cfg.eval.num_reference,
+            "sample_steps": cfg.eval.sample_steps,
+            "extractor": quality.EXTRACTOR_NAME,
+        },
+        "test_vs_train": held_out,
+        "untrained_vs_train": untrained,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"FID(test vs train)              = {held_out['fid']:.2f}")
+        print(f"FID(untrained samples vs train) = {untrained['fid']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up Estuary on a fresh Debian/Ubuntu machine (idempotent; fast when already done):
+#   - Fashion-MNIST from Debian's dataset-fashion-mnist (when root and missing),
+#   - PyTorch 2.13.0 CPU build first (so no CUDA wheels get pulled in),
+#   - this package in editable mode with the dev extras (pytest, ruff, mypy).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z "${ESTUARY_FMNIST_DIR:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> installing Fashion-MNIST (apt: dataset-fashion-mnist)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  else
+    echo "warning: Fashion-MNIST not found; install dataset-fashion-mnist or set ESTUARY_FMNIST_DIR" >&2
+  fi
+fi
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "==> installing torch==2.13.0 (CPU)"
+  "$PYTHON" -m pip install -q "torch==2.13.0"
+fi
+
+echo "==> installing estuary (editable, dev extras)"
+"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[dev]"
