@@ -72,7 +72,7 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8, help="local steps per device per round")
+    ap.add_argument("--steps", type=int, default=16, help="local steps per device per round")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     args = ap.parse_args()

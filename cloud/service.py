@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -103,11 +104,11 @@ class CloudServer(RoleService):
         self._publish_state("waiting")
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
 
-    def _publish_state(self, phase: str) -> None:
+    def _publish_state(self, phase: Literal["waiting", "training", "done"]) -> None:
         state = CloudState(
             round=self.round,
             phase=phase,
-            model_ref=self.global_ref,  # type: ignore[arg-type]
+            model_ref=self.global_ref,
             config_digest=self.cfg.digest(),
         )
         self.send(self.topics.cloud_state, state, retain=True)

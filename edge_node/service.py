@@ -18,7 +18,7 @@ from shared.bus import Bus, Timer
 from shared.codec import TensorSpec, spec_of
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
-from shared.messages import BlobRef, DeviceUpdate, EdgeRound, EdgeUpdate, RoundStart
+from shared.messages import BlobRef, DeviceUpdate, EdgeRound, EdgeState, EdgeUpdate, RoundStart
 from shared.models import build_unet
 from shared.service import RoleService, TensorDict
 
@@ -54,6 +54,7 @@ class EdgeServer(RoleService):
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
         self.on(self.topics.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
+        self._publish_state()
 
     # -- round start -------------------------------------------------------------------
     def on_round_start(self, msg: RoundStart) -> None:
@@ -177,3 +178,14 @@ class EdgeServer(RoleService):
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
         self.send(self.topics.edge_up(self.name), report)
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        state = EdgeState(
+            edge=self.name,
+            round=self.round,
+            n_samples=self.acc_n,
+            label_counts=self.acc_counts,
+            devices_last_round=len(self.reported),
+        )
+        self.send(self.topics.edge_state(self.name), state, retain=True)

@@ -139,8 +139,11 @@ class Federation:
 
     def start(self) -> None:
         """Start the cloud, then the edges, then the devices."""
-        for service in [self.cloud, *self.edges, *self.devices]:
-            service.start()
+        self.cloud.start()
+        for edge in self.edges:
+            edge.start()
+        for device in self.devices:
+            device.start()
 
 
 def build_federation(
@@ -213,15 +216,10 @@ def simulate(
     plot_report(
         recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} ({cfg.algorithm.name})"
     )
-    summary = {
-        "rounds": cloud.round,
-        "final_model_sha256": cloud.model_sha,
-        "traffic": bus.traffic.snapshot(),
-    }
+    traffic = bus.traffic.snapshot()
+    summary = {"rounds": cloud.round, "final_model_sha256": cloud.model_sha, "traffic": traffic}
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
-    return SimulationResult(
-        run_dir, cloud.round, cloud.model_sha, recorder.rows, summary["traffic"]
-    )
+    return SimulationResult(run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic)
 
 
 def _save_label_counts(run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool) -> None:

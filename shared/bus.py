@@ -12,6 +12,7 @@ real bytes, so codec bugs surface here first.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -244,7 +245,7 @@ class MemoryBus(Bus):
                 return True
             if self._queue:
                 handler, topic, payload = self._queue.popleft()
-                self._call(lambda h=handler, t=topic, p=payload: h(t, p))
+                self._call(functools.partial(handler, topic, payload))
             elif not self._fire_next_timer():
                 return until()
         raise TransportError(f"MemoryBus.run exceeded {max_events} events")

@@ -96,7 +96,7 @@ def _candidate_dirs(path: str | Path | None) -> list[Path]:
     return dirs
 
 
-def _download(dest: Path, timeout_s: float = 30.0) -> None:
+def _download(dest: Path, timeout_s: float = 20.0) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in FILES["train"] + FILES["test"]:
         target = dest / name
@@ -166,7 +166,7 @@ def load_dataset(
 ) -> ImageDataset:
     """Dataset by config name (``fashion-mnist`` or ``synthetic``)."""
     if name == "fashion-mnist":
-        return load_fashion_mnist(split, path or None)
+        return load_fashion_mnist(split, path or None, download=True)
     if name == "synthetic":
         return synthetic_dataset(size, seed=seed + (0 if split == "train" else 1))
     raise DataError(f"unknown dataset {name!r}")

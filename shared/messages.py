@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from shared.errors import MessageError
 
-VERSION = 1
+VERSION: Literal[1] = 1
 MAX_MESSAGE_BYTES = 256 * 1024
 ROOT = "estuary/v1"
 
@@ -154,6 +154,17 @@ class EdgeUpdate(_Msg):
     rejected: Count = 0
 
 
+class EdgeState(_Msg):
+    """Retained edge state: label counts served since the last cloud aggregation, and load."""
+
+    kind: Literal["edge_state"] = "edge_state"
+    edge: Id
+    round: Round | None  # last closed round; None before the first
+    n_samples: Count
+    label_counts: LabelCounts
+    devices_last_round: Count
+
+
 class CloudState(_Msg):
     """Retained cloud state so late joiners know where the run is."""
 
@@ -164,7 +175,7 @@ class CloudState(_Msg):
     config_digest: str = Field(max_length=64)
 
 
-Message = DeviceHello | RoundStart | EdgeRound | DeviceUpdate | EdgeUpdate | CloudState
+Message = DeviceHello | RoundStart | EdgeRound | DeviceUpdate | EdgeUpdate | EdgeState | CloudState
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
 
 

@@ -472,12 +472,12 @@ class ReferenceStats:
         """Write to ``.npz`` (no pickle), atomically."""
         p = Path(path)
         tmp = p.with_name(p.name + ".tmp.npz")
-        arrays = {f"radius_{k}": v for k, v in self.radii.items()}
-        np.savez(
-            tmp, features=self.features, mu=self.mu, sigma=self.sigma,
+        arrays: dict[str, np.ndarray] = {f"radius_{k}": v for k, v in self.radii.items()}
+        arrays.update(
+            features=self.features, mu=self.mu, sigma=self.sigma,
             extractor=np.array(self.extractor), weights_sha256=np.array(self.weights_sha256),
-            **arrays,
         )  # fmt: skip
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]
         tmp.replace(p)
 
     @classmethod

@@ -24,7 +24,9 @@ def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
         y, x = pad + r * (h + pad), pad + c * (w + pad)
         canvas[y : y + h, x : x + w] = img
     path.parent.mkdir(parents=True, exist_ok=True)
-    big = Image.fromarray(canvas).resize((canvas.shape[1] * 3, canvas.shape[0] * 3), Image.NEAREST)
+    big = Image.fromarray(canvas).resize(
+        (canvas.shape[1] * 3, canvas.shape[0] * 3), Image.Resampling.NEAREST
+    )
     big.save(path)
     return path
 
@@ -60,7 +62,7 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     ax.bar(rounds, up, label="up (devices→edges→cloud)")
     ax.bar(rounds, down, bottom=up, label="down (cloud→edges→devices)")
     ax.set(title="traffic per round", xlabel="round", ylabel="MiB")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="y")
 
     ax = axes[2]
@@ -79,6 +81,10 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
         ax.text(0.5, 0.5, "no quality evaluation in this run", ha="center", va="center")
     ax.set(title="sample quality", xlabel="round")
     ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    for a in axes:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -31,7 +31,7 @@ class Traffic:
         with self._lock:
             self._rejected[(who, reason)] += 1
 
-    def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+    def snapshot(self) -> dict[str, dict[str, int]]:
         """``{"bytes": {"sent:kind": n}, "messages": {...}, "rejected": {"who:reason": n}}``."""
         with self._lock:
             return {

@@ -75,4 +75,5 @@ def train_local(
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         total += float(loss.detach())
+    opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     return TrainResult(total / max(1, steps), steps, time.perf_counter() - start)

@@ -159,3 +159,21 @@ def test_bad_update_rejected_round_still_completes() -> None:
     assert bus.traffic.snapshot()["rejected"]["edge:bad_tensors"] == 1
     assert summaries[0].updates == 7
     assert np.isfinite(float(next(iter(fed.cloud.model.values())).sum()))
+
+
+def test_edge_state_is_retained_for_late_joiners() -> None:
+    """After a run, a newcomer reading edge state gets the accumulated label counts."""
+    cfg = tiny_config(run={"rounds": 2}, federation={"cloud_every": 2})
+    bus, summaries = MemoryBus(), []
+    fed = _federation(cfg, bus, summaries)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    got: list[bytes] = []
+    bus.endpoint("late").subscribe(Topics("test").edge_state("edge0"), lambda t, p: got.append(p))
+    bus.run(lambda: bool(got))
+    state = decode(got[0])
+    served = [d for d in fed.devices if d.home_edge == "edge0"]
+    # counts accumulate over both rounds (no cloud aggregation reset in between)
+    per_class = zip(*(d.label_counts for d in served), strict=True)
+    assert state.label_counts == [2 * sum(c) for c in per_class]
+    assert state.round == 1 and state.devices_last_round == len(served)
