@@ -193,7 +193,7 @@ class CloudServer(RoleService):
             self._close_round()
 
     def _on_deadline(self) -> None:
-        if not self.done and self.reports is not None:
+        if not self.done:
             log.warning(
                 "cloud round %d deadline: %d/%d edges",
                 self.round,

@@ -55,7 +55,6 @@ class DeviceAgent(RoleService):
         self.spec = spec_of(self.model.state_dict())
         self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
         self.rounds_done: set[int] = set()
-        self.last_loss: float | None = None
         self.kept_local: tuple[int, str] | None = None
 
     def start(self) -> None:
@@ -91,7 +90,6 @@ class DeviceAgent(RoleService):
         ref = None
         if result.tensors is not None:
             ref = self.put_tensors(result.tensors, "device_update")
-        self.last_loss = result.train.mean_loss
         update = DeviceUpdate(
             round=msg.round,
             device=self.name,

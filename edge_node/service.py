@@ -45,7 +45,6 @@ class EdgeServer(RoleService):
         self.updates: dict[str, Update] = {}
         self.reported: dict[str, DeviceUpdate] = {}
         self.timer: Timer | None = None
-        self.opened_at = 0.0
         self.rejected_this_round = 0
         self.acc_counts = [0] * NUM_CLASSES
         self.acc_n = 0
@@ -75,7 +74,6 @@ class EdgeServer(RoleService):
         self.assigned = list(msg.assignment.get(self.name, []))
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
-        self.opened_at = time.perf_counter()
         if not self.assigned:
             self._close()
             return

@@ -7,7 +7,7 @@ its own file (``fedavg.py``, ...) and registers itself with :func:`register`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -103,5 +103,3 @@ def registered() -> list[str]:
     """Names of every registered algorithm."""
     return sorted(_REGISTRY)
 
-
-AlgorithmFactory = Callable[[RunConfig], Algorithm]
