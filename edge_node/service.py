@@ -15,11 +15,11 @@ import time
 
 from shared.algorithms import Algorithm, Update
 from shared.bus import Bus, Timer
-from shared.codec import TensorSpec, spec_of
+from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
 from shared.messages import BlobRef, DeviceUpdate, EdgeRound, EdgeState, EdgeUpdate, RoundStart
-from shared.models import build_unet
+from shared.models import state_spec
 from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,8 @@ class EdgeServer(RoleService):
     def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Algorithm, *, edge_id: str) -> None:
         super().__init__(edge_id, cfg, bus)
         self.algorithm = algorithm
-        dense = build_unet(cfg.model.preset).state_dict()
-        self.spec: dict[str, TensorSpec] = spec_of(dense)
-        self.update_spec = {k: self.spec[k] for k in algorithm.upload_names(list(dense))}
+        self.spec: dict[str, TensorSpec] = state_spec(cfg.model.preset)
+        self.update_spec = {k: self.spec[k] for k in algorithm.upload_names(list(self.spec))}
         self.model: TensorDict | None = None
         self.model_ref: BlobRef | None = None
         self.round: int | None = None

@@ -129,6 +129,11 @@ def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
     return run_dir
 
 
+def device_name(index: int) -> str:
+    """Name of the ``index``-th simulated device: ``dev000``, ``dev001``, ..."""
+    return f"dev{index:03d}"
+
+
 @dataclass
 class Federation:
     """Every service of an in-process federation, wired to one bus."""
@@ -170,7 +175,7 @@ def build_federation(
             cfg,
             bus,
             make_algorithm(cfg),
-            device_id=f"dev{i:03d}",
+            device_id=device_name(i),
             index=i,
             home_edge=edges[i % len(edges)].name,
             data=to_model_input(data.images[p]),
@@ -192,7 +197,7 @@ def simulate(
         cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
     )
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    device_names = [f"dev{i:03d}" for i in range(len(parts))]
+    device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     _save_label_counts(run_dir, matrix, device_names, show=progress)
 

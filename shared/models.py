@@ -17,6 +17,7 @@ import torch
 from diffusers import UNet2DModel
 from torch import nn
 
+from shared.codec import TensorSpec, spec_of
 from shared.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -66,6 +67,14 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
     with torch.random.fork_rng(devices=devices):
         torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
         return UNet2DModel(**PRESETS[preset])
+
+
+def state_spec(preset: str) -> dict[str, TensorSpec]:
+    """Names, shapes and dtypes of the preset's state dict, without initializing weights."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    with torch.device("meta"):
+        return spec_of(UNet2DModel(**PRESETS[preset]).state_dict())
 
 
 def image_shape(preset: str) -> tuple[int, int, int]:

@@ -102,4 +102,3 @@ def make_algorithm(cfg: RunConfig) -> Algorithm:
 def registered() -> list[str]:
     """Names of every registered algorithm."""
     return sorted(_REGISTRY)
-
