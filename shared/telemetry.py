@@ -18,6 +18,7 @@ class Traffic:
     _bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     _messages: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     _rejected: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    _transport: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, direction: str, kind: str, nbytes: int) -> None:
@@ -30,6 +31,16 @@ class Traffic:
         """Record one rejected message with its reason label."""
         with self._lock:
             self._rejected[(who, reason)] += 1
+
+    def note(self, name: str, value: float = 1.0) -> None:
+        """Add ``value`` to the transport counter ``name`` (reconnects, chunks resent, ...)."""
+        with self._lock:
+            self._transport[name] += value
+
+    def transport(self) -> dict[str, float]:
+        """Transport counters by name (wire bytes, reconnects, blob cache hits, ...)."""
+        with self._lock:
+            return dict(sorted(self._transport.items()))
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{"bytes": {"sent:kind": n}, "messages": {...}, "rejected": {"who:reason": n}}``."""
