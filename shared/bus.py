@@ -65,7 +65,7 @@ class Bus(ABC):
     def _put_blob(self, data: bytes) -> str: ...
 
     @abstractmethod
-    def _get_blob(self, sha256: str, size: int, timeout_s: float) -> bytes: ...
+    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes: ...
 
     @abstractmethod
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -75,9 +75,12 @@ class Bus(ABC):
     def now(self) -> float:
         """Seconds on the bus's clock (virtual for MemoryBus)."""
 
-    def endpoint(self, name: str) -> Endpoint:
-        """A counted view of this bus for one role instance."""
-        return Endpoint(self, name)
+    def endpoint(self, name: str, home: str = "") -> Endpoint:
+        """A counted view of this bus for one role instance writing under ``home``."""
+        return Endpoint(self, name, home or name)
+
+    def close(self, timeout_s: float = 5.0) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads (no-op for in-process buses)."""
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Endpoint:
 
     bus: Bus
     name: str
+    home: str
 
     def publish(self, topic: str, payload: bytes, *, kind: str, retain: bool = False) -> None:
         """Publish ``payload`` on ``topic``; counted as ``sent:kind``."""
@@ -104,17 +108,32 @@ class Endpoint:
     def put_blob(self, data: bytes, *, kind: str) -> str:
         """Upload a blob once; returns its sha256."""
         if len(data) > self.bus.max_blob_bytes:
-            raise TransportError(f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}")
+            raise TransportError(
+                f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}",
+                reason="blob_too_large",
+            )
         self.bus.traffic.count("sent", kind, len(data))
         return self.bus._put_blob(data)
 
-    def get_blob(self, sha256: str, size: int, *, kind: str, timeout_s: float = 60.0) -> bytes:
-        """Download a blob and verify its hash and size."""
+    def get_blob(
+        self,
+        sha256: str,
+        size: int,
+        *,
+        kind: str,
+        src: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> bytes:
+        """Download a blob served by ``src`` and verify its hash and size."""
         if size > self.bus.max_blob_bytes:
-            raise TransportError(f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}")
-        data = self.bus._get_blob(sha256, size, timeout_s)
+            raise TransportError(
+                f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
+            )
+        data = self.bus._get_blob(sha256, size, timeout_s, src)
         if len(data) != size or sha256_hex(data) != sha256:
-            raise CodecError(f"blob {sha256[:12]}… does not match its hash or size")
+            raise CodecError(
+                f"blob {sha256[:12]}… does not match its hash or size", reason="blob_hash_mismatch"
+            )
         self.bus.traffic.count("received", kind, len(data))
         return data
 
@@ -202,7 +221,7 @@ class MemoryBus(Bus):
             self._blob_bytes -= len(old)
         return digest
 
-    def _get_blob(self, sha256: str, size: int, timeout_s: float) -> bytes:
+    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
         data = self._blobs.get(sha256)
         if data is None:
             raise TransportError(f"blob {sha256[:12]}… is not on the bus (evicted or never put)")

@@ -146,6 +146,58 @@ class EvalSection(_Section):
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k cloud aggregations")
 
 
+class BrokerSection(_Section):
+    """MQTT broker connection and blob-transfer limits (deployment settings, not in the digest).
+
+    The password never lives in the config: it comes from ``password_file`` or the
+    ``ESTUARY_MQTT_PASSWORD`` environment variable.
+    """
+
+    host: str = Field("127.0.0.1", min_length=1, max_length=253)
+    port: int = Field(1883, ge=1, le=65_535)
+    protocol: Literal["5", "3.1.1"] = "5"
+    username: str = Field("", max_length=128)
+    password_file: str = ""
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    keepalive_s: int = Field(30, ge=5, le=3600)
+    connect_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    reconnect_min_s: int = Field(1, ge=1, le=60)
+    reconnect_max_s: int = Field(30, ge=1, le=3600)
+    session_expiry_s: int = Field(300, ge=0, le=7 * 86_400)
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="blob chunk size")
+    max_blob_bytes: int = Field(1 << 30, ge=1, le=1 << 40)
+    max_inflight_bytes: int = Field(64 << 20, ge=4096, description="sent, not yet acknowledged")
+    max_fetch_bytes: int = Field(2 << 30, ge=4096, description="partial blobs being received")
+    chunk_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="re-ask after silence")
+    fetch_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    cache_dir: str = Field("", description="on-disk blob cache; empty = memory only")
+    cache_limit_bytes: int = Field(8 << 30, ge=0)
+    memory_limit_bytes: int = Field(2 << 30, ge=0, description="blobs kept in memory")
+    max_queue: int = Field(10_000, ge=10, le=10_000_000, description="inbound messages queued")
+
+    @model_validator(mode="after")
+    def _check(self) -> BrokerSection:
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        if self.max_inflight_bytes < self.chunk_bytes:
+            raise ValueError("max_inflight_bytes must hold at least one chunk")
+        return self
+
+
+class MetricsSection(_Section):
+    """Prometheus ``/metrics`` endpoint of a service process."""
+
+    enabled: bool = True
+    addr: str = "0.0.0.0"
+    port: int = Field(9100, ge=0, le=65_535, description="0 = any free port")
+
+
+DEPLOYMENT_SECTIONS = ("broker", "metrics")
+
+
 class RunConfig(_Section):
     """The whole configuration of one federated run."""
 
@@ -157,6 +209,8 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     eval: EvalSection = EvalSection()
+    broker: BrokerSection = BrokerSection()
+    metrics: MetricsSection = MetricsSection()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""
@@ -167,8 +221,10 @@ class RunConfig(_Section):
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
     def digest(self) -> str:
-        """Short sha256 of the canonical JSON; identifies the config on the wire."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Short sha256 of the canonical JSON without the deployment sections (broker,
+        metrics): identifies the experiment on the wire, wherever each role connects from."""
+        data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

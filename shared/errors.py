@@ -29,7 +29,14 @@ class DataError(EstuaryError):
 
 
 class CodecError(EstuaryError):
-    """Encoded bytes are corrupt, mismatch their hash, or hold unexpected tensors."""
+    """Encoded bytes are corrupt, mismatch their hash, or hold unexpected tensors.
+
+    ``reason`` is the rejected-messages metric label (``bad_tensors``, ``blob_hash_mismatch``).
+    """
+
+    def __init__(self, message: str, reason: str = "bad_tensors") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class MessageError(EstuaryError):
@@ -42,4 +49,11 @@ class MessageError(EstuaryError):
 
 
 class TransportError(EstuaryError):
-    """The bus could not deliver a message or a blob in time or within limits."""
+    """The bus could not deliver a message or a blob in time or within limits.
+
+    ``reason`` is the metric label (``blob_unavailable``, ``blob_too_large``, ``timeout``).
+    """
+
+    def __init__(self, message: str, reason: str = "blob_unavailable") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -23,6 +23,15 @@ Id = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+
 Round = Annotated[int, Field(ge=0, le=10_000_000)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 LabelCounts = Annotated[list[Count], Field(max_length=1000)]
+Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+Home = Annotated[
+    str, Field(max_length=80, pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64})$")
+]
+
+
+def home_of(role: str, name: str) -> str:
+    """Topic subtree a role instance may write under: ``cloud``, ``edge/{e}``, ``device/{d}``."""
+    return "cloud" if role == "cloud" else f"{role}/{name}"
 
 
 class Topics:
@@ -61,6 +70,32 @@ class Topics:
         """Device -> edge: update for a round."""
         return f"{self.base}/device/{device}/up"
 
+    def status(self, home: str) -> str:
+        """Retained presence of one role instance (LWT publishes ``online: false``)."""
+        return f"{self.base}/{home}/status"
+
+    @property
+    def all_device_status(self) -> str:
+        """Subscription pattern for every device's presence."""
+        return f"{self.base}/device/+/status"
+
+    @property
+    def all_edge_status(self) -> str:
+        """Subscription pattern for every edge's presence."""
+        return f"{self.base}/edge/+/status"
+
+    def blob_chunk(self, src: str, sha256: str, chunk_bytes: int, index: int | str) -> str:
+        """Chunk ``index`` of a blob served by ``src`` (``index`` may be ``+`` or ``missing``)."""
+        return f"{self.base}/{src}/blob/{sha256}/{chunk_bytes}/{index}"
+
+    def blob_want(self, requester: str, src: str) -> str:
+        """A request from ``requester`` for chunks of a blob served by ``src``."""
+        return f"{self.base}/{requester}/want/{src}"
+
+    def blob_want_patterns(self, src: str) -> list[str]:
+        """Subscriptions a blob server ``src`` needs to see every request addressed to it."""
+        return [f"{self.base}/cloud/want/{src}", f"{self.base}/+/+/want/{src}"]
+
     @property
     def all_edge_up(self) -> str:
         """Subscription pattern for every edge's results."""
@@ -83,12 +118,36 @@ class _Msg(BaseModel):
 
 
 class BlobRef(BaseModel):
-    """Pointer to a content-addressed blob: sha256 and size in bytes."""
+    """Pointer to a content-addressed blob: sha256, size in bytes, and who serves it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0, le=2**40)
     kind: str = Field(min_length=1, max_length=32, pattern=r"^[a-z_]+$")
+    src: Home | None = None
+
+
+class BlobWant(BaseModel):
+    """A request for chunks of a blob (``chunks``: [first, last] index ranges, inclusive)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    v: Literal[1] = VERSION
+    kind: Literal["blob_want"] = "blob_want"
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0, le=2**40)
+    chunk_bytes: int = Field(ge=4096, le=64 << 20)
+    chunks: list[tuple[int, int]] = Field(min_length=1, max_length=4096)
+
+
+class Presence(BaseModel):
+    """Retained online/offline flag; the broker publishes ``online: false`` as the LWT."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    v: Literal[1] = VERSION
+    kind: Literal["presence"] = "presence"
+    name: Id
+    role: Literal["cloud", "edge", "device", "observer"]
+    online: bool
 
 
 class DeviceHello(_Msg):
@@ -106,8 +165,10 @@ class RoundStart(_Msg):
 
     kind: Literal["round_start"] = "round_start"
     round: Round
+    session: Session
     assignment: dict[Id, list[Id]] = Field(max_length=10_000)
-    global_ref: BlobRef | None = None
+    global_ref: BlobRef
+    new_global: bool
     deadline_s: float = Field(gt=0, le=86_400)
     config_digest: str = Field(max_length=64)
 
@@ -117,6 +178,7 @@ class EdgeRound(_Msg):
 
     kind: Literal["edge_round"] = "edge_round"
     round: Round
+    session: Session
     edge: Id
     devices: list[Id] = Field(max_length=100_000)
     model_ref: BlobRef
@@ -129,6 +191,7 @@ class DeviceUpdate(_Msg):
 
     kind: Literal["device_update"] = "device_update"
     round: Round
+    session: Session
     device: Id
     edge: Id
     update_ref: BlobRef | None
@@ -144,6 +207,7 @@ class EdgeUpdate(_Msg):
 
     kind: Literal["edge_update"] = "edge_update"
     round: Round
+    session: Session
     edge: Id
     model_ref: BlobRef | None
     n_samples: Count
@@ -170,21 +234,32 @@ class CloudState(_Msg):
 
     kind: Literal["cloud_state"] = "cloud_state"
     round: Round
+    session: Session
     phase: Literal["waiting", "training", "done"]
     model_ref: BlobRef | None = None
     config_digest: str = Field(max_length=64)
 
 
-Message = DeviceHello | RoundStart | EdgeRound | DeviceUpdate | EdgeUpdate | EdgeState | CloudState
+Message = (
+    DeviceHello
+    | RoundStart
+    | EdgeRound
+    | DeviceUpdate
+    | EdgeUpdate
+    | EdgeState
+    | CloudState
+    | Presence
+    | BlobWant
+)
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
 
 
-def encode(msg: _Msg) -> bytes:
+def encode(msg: BaseModel) -> bytes:
     """Compact JSON bytes of ``msg``."""
     return msg.model_dump_json().encode()
 
 
-def decode(payload: bytes, expect: type[_Msg] | None = None) -> Any:
+def decode(payload: bytes, expect: type[BaseModel] | None = None) -> Any:
     """Validate ``payload``; raise MessageError(reason) on anything unexpected."""
     if len(payload) > MAX_MESSAGE_BYTES:
         raise MessageError("too_large", f"{len(payload)} bytes > {MAX_MESSAGE_BYTES}")

@@ -14,7 +14,7 @@ from shared.bus import Bus, Endpoint
 from shared.codec import TensorSpec, decode_tensors, encode_tensors
 from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
-from shared.messages import BlobRef, Topics, decode, encode
+from shared.messages import BlobRef, Topics, decode, encode, home_of
 from shared.telemetry import Traffic
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ class RoleService:
     def __init__(self, name: str, cfg: RunConfig, bus: Bus) -> None:
         self.name = name
         self.cfg = cfg
-        self.ep: Endpoint = bus.endpoint(name)
+        self.home = home_of(self.role, name)
+        self.ep: Endpoint = bus.endpoint(name, self.home)
         self.topics = Topics(cfg.run.name)
         self.traffic: Traffic = bus.traffic
 
@@ -60,17 +61,16 @@ class RoleService:
     def put_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
         """Encode tensors as safetensors and upload them as a blob."""
         data = encode_tensors(tensors)
-        return BlobRef(sha256=self.ep.put_blob(data, kind=kind), size=len(data), kind=kind)
+        sha = self.ep.put_blob(data, kind=kind)
+        return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
 
     def fetch_tensors(
         self, ref: BlobRef, spec: Mapping[str, TensorSpec] | None
     ) -> TensorDict | None:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad."""
         try:
-            data = self.ep.get_blob(ref.sha256, ref.size, kind=ref.kind)
+            data = self.ep.get_blob(ref.sha256, ref.size, kind=ref.kind, src=ref.src)
             return decode_tensors(data, sha256=ref.sha256, expected=spec)
-        except CodecError as err:
-            self.reject("bad_tensors", str(err))
-        except TransportError as err:
-            self.reject("blob_unavailable", str(err))
+        except (CodecError, TransportError) as err:
+            self.reject(err.reason, str(err))
         return None
