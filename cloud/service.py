@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,15 +25,25 @@ from shared.bus import Bus, Timer
 from shared.checkpoint import model_digest, save_checkpoint
 from shared.codec import spec_of
 from shared.config import RunConfig
-from shared.messages import BlobRef, CloudState, DeviceHello, EdgeUpdate, RoundStart
+from shared.messages import (
+    BlobRef,
+    CloudState,
+    DeviceHello,
+    EdgeUpdate,
+    Presence,
+    RoundStart,
+)
+from shared.naming import edge_ids
 from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
 
 
-def edge_ids(cfg: RunConfig) -> list[str]:
-    """Names of the configured edges: ``edge0``, ``edge1``, ..."""
-    return [f"edge{i}" for i in range(cfg.federation.num_edges)]
+def new_session() -> str:
+    """A fresh cloud session id (16 hex chars); a restarted cloud gets a new one so edges and
+    devices re-run the round it resumes at. An identifier, not a source of randomness for
+    the experiment."""
+    return secrets.token_hex(8)
 
 
 def sample_participants(devices: list[str], kappa: float, seed: int, round_: int) -> list[str]:
@@ -76,8 +87,11 @@ class CloudServer(RoleService):
         start_round: int = 0,
         checkpoint_dir: Path | None = None,
         on_round_end: Callable[[RoundSummary], None] | None = None,
+        session: str | None = None,
     ) -> None:
         super().__init__("cloud", cfg, bus)
+        self.session = session or new_session()
+        self.offline: set[str] = set()
         self.algorithm = algorithm
         self.model = initial_model
         self.spec = spec_of(initial_model)
@@ -101,12 +115,19 @@ class CloudServer(RoleService):
         """Subscribe to registrations and edge reports; wait for devices."""
         self.on(self.topics.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
         self.on(self.topics.all_edge_up, EdgeUpdate, self.on_edge_update, "msg_edge_update")
+        self.on(self.topics.all_device_status, Presence, self.on_presence, "msg_presence")
+        self.on(self.topics.all_edge_status, Presence, self.on_presence, "msg_presence")
+        self.announce_presence(True)
+        self.metrics.model_params.set(sum(t.numel() for t in self.model.values()))
         self._publish_state("waiting")
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
 
     def _publish_state(self, phase: Literal["waiting", "training", "done"]) -> None:
+        self.metrics.phase.state(phase)
+        self.metrics.round.set(self.round)
         state = CloudState(
             round=self.round,
+            session=self.session,
             phase=phase,
             model_ref=self.global_ref,
             config_digest=self.cfg.digest(),
@@ -123,8 +144,19 @@ class CloudServer(RoleService):
             self.reject("bad_label_counts", msg.device)
             return
         self.devices[msg.device] = msg
+        self.offline.discard(msg.device)
         if not self.started and len(self.devices) >= self.cfg.federation.num_devices:
             self._begin()
+
+    def on_presence(self, msg: Presence) -> None:
+        """Track who is online; an edge going offline no longer holds up the round."""
+        if msg.online:
+            self.offline.discard(msg.name)
+            return
+        self.offline.add(msg.name)
+        if msg.role == "edge" and self.started and not self.done and self.timer is not None:
+            log.warning("edge %s went offline during round %d", msg.name, self.round)
+            self._maybe_close()
 
     def _registration_timeout(self) -> None:
         if not self.started and self.devices:
@@ -147,25 +179,30 @@ class CloudServer(RoleService):
     # -- rounds ------------------------------------------------------------------------
     def _open_round(self) -> None:
         r = self.round
+        online = sorted(d for d in self.devices if d not in self.offline)
         participants = sample_participants(
-            sorted(self.devices), self.cfg.federation.participation, self.cfg.run.seed, r
+            online or sorted(self.devices), self.cfg.federation.participation, self.cfg.run.seed, r
         )
         self.assignment = {e: [] for e in self.edges}
         for dev in participants:
             self.assignment[self.devices[dev].home_edge].append(dev)
-        if self.fresh_global:
+        if self.fresh_global or self.global_ref is None:
             self.global_ref = self.put_tensors(self.model, "global_model")
+            self.metrics.model_bytes.set(self.global_ref.size)
         msg = RoundStart(
             round=r,
+            session=self.session,
             assignment=self.assignment,
-            global_ref=self.global_ref if self.fresh_global else None,
+            global_ref=self.global_ref,
+            new_global=self.fresh_global,
             deadline_s=self.cfg.federation.round_deadline_s,
             config_digest=self.cfg.digest(),
         )
         self.fresh_global = False
         self.reports = {}
         self.opened_at = time.perf_counter()
-        self.send(self.topics.cloud_round, msg)
+        # retained: an edge that (re)starts mid-round learns the round from the broker
+        self.send(self.topics.cloud_round, msg, retain=True)
         self._publish_state("training")
         # edges close at their deadline; give them time to aggregate and report
         self.timer = self.ep.call_later(
@@ -174,6 +211,9 @@ class CloudServer(RoleService):
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""
+        if msg.session != self.session:
+            self.reject("stale_session", f"{msg.edge} round {msg.round}")
+            return
         if msg.round != self.round or not self.started or self.done:
             self.reject("late" if msg.round < self.round else "unexpected_round", msg.edge)
             return
@@ -189,7 +229,11 @@ class CloudServer(RoleService):
             if tensors is None:
                 return
         self.reports[msg.edge] = (msg, tensors)
-        if len(self.reports) == len(self.assignment):
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        waiting = [e for e in self.assignment if e not in self.reports and e not in self.offline]
+        if not waiting:
             self._close_round()
 
     def _on_deadline(self) -> None:
@@ -210,20 +254,23 @@ class CloudServer(RoleService):
         agg_seconds = 0.0
         aggregated = False
         if (r + 1) % self.cfg.federation.cloud_every == 0:
-            updates = [
+            updates = [  # sorted: the same float summation order on every bus
                 Update(m.edge, t, m.n_samples, tuple(m.label_counts))
-                for m, t in self.reports.values()
+                for _, (m, t) in sorted(self.reports.items())
                 if t is not None and m.n_samples > 0
             ]
             if updates:
+                self.metrics.phase.state("aggregating")
                 t0 = time.perf_counter()
                 self.model = self.algorithm.cloud_aggregate(updates, self.model)
                 agg_seconds = time.perf_counter() - t0
+                self.metrics.aggregation_seconds.observe(agg_seconds)
                 self.model_sha = model_digest(self.model)
                 self.fresh_global, aggregated = True, True
                 self.aggregations += 1
                 self._checkpoint(r)
         summary = self._summarize(r, aggregated, agg_seconds)
+        self.metrics.round_seconds.observe(summary.round_seconds)
         self.round = r + 1
         if self.on_round_end is not None:
             self.on_round_end(summary)

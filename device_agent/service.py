@@ -54,12 +54,13 @@ class DeviceAgent(RoleService):
         self.model = build_unet(cfg.model.preset, seed=cfg.run.seed)
         self.spec = spec_of(self.model.state_dict())
         self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
-        self.rounds_done: set[int] = set()
+        self.last_update: DeviceUpdate | None = None
         self.kept_local: tuple[int, str] | None = None
 
     def start(self) -> None:
         """Subscribe to edge round announcements and publish the retained registration."""
         self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
+        self.announce_presence(True)
         hello = DeviceHello(
             device=self.name,
             home_edge=self.home_edge,
@@ -72,8 +73,17 @@ class DeviceAgent(RoleService):
         """Train on the announced model if this device is assigned to the round."""
         if self.name not in msg.devices:
             return
-        if msg.round in self.rounds_done:
-            self.reject("duplicate", f"round {msg.round} announced twice by {msg.edge}")
+        last = self.last_update
+        if last is not None and (last.session, last.round) == (msg.session, msg.round):
+            # Announced again (the edge restarted, or a retained replay after a reconnect):
+            # send the same update again; the edge ignores it if it already has it.
+            log.info(
+                "%s: round %d announced again by %s; resending", self.name, msg.round, msg.edge
+            )
+            self.send(self.topics.device_up(self.name), last)
+            return
+        if last is not None and last.session == msg.session and msg.round < last.round:
+            self.reject("late", f"round {msg.round} announced after round {last.round}")
             return
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
         continuing = self.kept_local == (msg.round - 1, msg.model_ref.sha256)
@@ -82,7 +92,6 @@ class DeviceAgent(RoleService):
             if state is None:
                 return  # rejected and counted; the edge's deadline covers the missing update
             self.model.load_state_dict(state)
-        self.rounds_done.add(msg.round)
         self.kept_local = None if msg.upload else (msg.round, msg.model_ref.sha256)
         gen = torch.Generator().manual_seed(device_seed(self.cfg.run.seed, self.index, msg.round))
         ctx = DeviceContext(self.name, self.data, self.labels, gen)
@@ -92,6 +101,7 @@ class DeviceAgent(RoleService):
             ref = self.put_tensors(result.tensors, "device_update")
         update = DeviceUpdate(
             round=msg.round,
+            session=msg.session,
             device=self.name,
             edge=msg.edge,
             update_ref=ref,
@@ -101,5 +111,8 @@ class DeviceAgent(RoleService):
             steps=result.train.steps,
             train_seconds=result.train.seconds,
         )
+        self.last_update = update
+        self.metrics.round.set(msg.round)
+        self.metrics.training_seconds.observe(result.train.seconds)
         self.send(self.topics.device_up(self.name), update)
         log.debug("%s round %d loss %.4f", self.name, msg.round, result.train.mean_loss)

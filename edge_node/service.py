@@ -18,7 +18,16 @@ from shared.bus import Bus, Timer
 from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
-from shared.messages import BlobRef, DeviceUpdate, EdgeRound, EdgeState, EdgeUpdate, RoundStart
+from shared.messages import (
+    BlobRef,
+    DeviceHello,
+    DeviceUpdate,
+    EdgeRound,
+    EdgeState,
+    EdgeUpdate,
+    Presence,
+    RoundStart,
+)
 from shared.models import state_spec
 from shared.service import RoleService, TensorDict
 
@@ -37,12 +46,17 @@ class EdgeServer(RoleService):
         self.update_spec = {k: self.spec[k] for k in algorithm.upload_names(list(self.spec))}
         self.model: TensorDict | None = None
         self.model_ref: BlobRef | None = None
+        self.global_sha: str | None = None
+        self.session: str | None = None
         self.round: int | None = None
         self.closed = True
         self.assigned: list[str] = []
         self.upload = True
         self.updates: dict[str, Update] = {}
         self.reported: dict[str, DeviceUpdate] = {}
+        self.dropped: set[str] = set()
+        self.offline: set[str] = set()
+        self.my_devices: set[str] = set()
         self.timer: Timer | None = None
         self.rejected_this_round = 0
         self.acc_counts = [0] * NUM_CLASSES
@@ -52,27 +66,60 @@ class EdgeServer(RoleService):
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
         self.on(self.topics.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
+        self.on(self.topics.all_device_status, Presence, self.on_presence, "msg_presence")
+        self.on(self.topics.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
+        self.announce_presence(True)
         self._publish_state()
+
+    def on_hello(self, msg: DeviceHello) -> None:
+        """Count the devices whose home is this edge (for the connected-devices gauge)."""
+        if msg.home_edge == self.name:
+            self.my_devices.add(msg.device)
+            self.offline.discard(msg.device)
+            self._update_device_gauge()
+
+    def on_presence(self, msg: Presence) -> None:
+        """A device that goes offline mid-round (LWT) no longer holds the round open."""
+        if msg.online:
+            self.offline.discard(msg.name)
+        else:
+            self.offline.add(msg.name)
+            if not self.closed and msg.name in self.assigned and msg.name not in self.reported:
+                log.warning("%s: %s went offline in round %s", self.name, msg.name, self.round)
+                self.dropped.add(msg.name)
+                self._maybe_close()
+        self._update_device_gauge()
+
+    def _update_device_gauge(self) -> None:
+        online = len(self.my_devices - self.offline)
+        self.metrics.devices.labels(edge=self.name).set(online)
 
     # -- round start -------------------------------------------------------------------
     def on_round_start(self, msg: RoundStart) -> None:
-        """Open round ``msg.round`` for the devices the cloud assigned to this edge."""
-        if self.round is not None and msg.round <= self.round:
+        """Open round ``msg.round`` for the devices the cloud assigned to this edge.
+
+        A round from a new cloud session (the cloud restarted) is opened even if this edge
+        already saw that round number; a replay within the session is a duplicate.
+        """
+        same_session = msg.session == self.session
+        if same_session and self.round is not None and msg.round <= self.round:
             self.reject("duplicate", f"round {msg.round} already opened")
             return
-        if msg.global_ref is not None:
+        if msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha:
             state = self.fetch_tensors(msg.global_ref, self.spec)
             if state is None:
                 return
-            self.model, self.model_ref = state, None
-            self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
-        if self.model is None:
-            self.reject("no_model", f"round {msg.round} started before any global model")
-            return
-        self.round, self.closed = msg.round, False
+            self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
+            if msg.new_global:
+                self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.session, self.round, self.closed = msg.session, msg.round, False
         self.assigned = list(msg.assignment.get(self.name, []))
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
+        self.dropped = {d for d in self.assigned if d in self.offline}
         if not self.assigned:
             self._close()
             return
@@ -80,14 +127,17 @@ class EdgeServer(RoleService):
             self.model_ref = self.put_tensors(self.model, "edge_model")
         announce = EdgeRound(
             round=msg.round,
+            session=msg.session,
             edge=self.name,
             devices=self.assigned,
             model_ref=self.model_ref,
             upload=self.upload,
             deadline_s=self.cfg.federation.round_deadline_s,
         )
-        self.send(self.topics.edge_round(self.name), announce)
+        # retained: a device that (re)starts mid-round still learns what to train
+        self.send(self.topics.edge_round(self.name), announce, retain=True)
         self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s, self._on_deadline)
+        self._maybe_close()
 
     # -- device updates ----------------------------------------------------------------
     def on_device_update(self, msg: DeviceUpdate) -> None:
@@ -98,6 +148,9 @@ class EdgeServer(RoleService):
         if reason:
             self.rejected_this_round += 1
             self.reject(reason, f"{msg.device} round {msg.round}")
+            self.metrics.updates.labels(
+                outcome=reason if reason in ("late", "duplicate") else "rejected"
+            ).inc()
             return
         if self.upload:
             if msg.update_ref is None:
@@ -106,15 +159,24 @@ class EdgeServer(RoleService):
             tensors = self.fetch_tensors(msg.update_ref, self.update_spec)
             if tensors is None:
                 self.rejected_this_round += 1
+                self.metrics.updates.labels(outcome="rejected").inc()
                 return
             self.updates[msg.device] = Update(
                 msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
             )
         self.reported[msg.device] = msg
-        if len(self.reported) == len(self.assigned):
+        self.dropped.discard(msg.device)
+        self.metrics.updates.labels(outcome="accepted").inc()
+        self.metrics.training_seconds.observe(msg.train_seconds)
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if not self.closed and len(self.reported) + len(self.dropped) >= len(self.assigned):
             self._close()
 
     def _check_update(self, msg: DeviceUpdate) -> str:
+        if msg.session != self.session:
+            return "stale_session"
         if msg.round == self.round and msg.device in self.reported:
             return "duplicate"
         if self.round is None or msg.round != self.round or self.closed:
@@ -150,8 +212,10 @@ class EdgeServer(RoleService):
         agg_start = time.perf_counter()
         enough = len(self.reported) >= min(self.cfg.federation.min_updates, len(self.assigned))
         if self.upload and self.updates and enough:
-            self.model = self.algorithm.edge_aggregate(list(self.updates.values()), self.model)
+            ordered = [self.updates[d] for d in sorted(self.updates)]  # bus-independent order
+            self.model = self.algorithm.edge_aggregate(ordered, self.model)
             self.model_ref = None
+            self.metrics.aggregation_seconds.observe(time.perf_counter() - agg_start)
         for msg in self.reported.values():
             self.acc_n += msg.n_samples
             self.acc_counts = [
@@ -160,8 +224,10 @@ class EdgeServer(RoleService):
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = self.put_tensors(self.model, "edge_update") if cloud_round and self.acc_n else None
         losses = [(m.train_loss, m.n_samples) for m in self.reported.values()]
+        assert self.session is not None
         report = EdgeUpdate(
             round=self.round,
+            session=self.session,
             edge=self.name,
             model_ref=ref,
             n_samples=self.acc_n,
@@ -175,6 +241,7 @@ class EdgeServer(RoleService):
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
         self.send(self.topics.edge_up(self.name), report)
+        self.metrics.round.set(self.round)
         self._publish_state()
 
     def _publish_state(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,6 @@ import torch
 from tqdm import tqdm
 
 from cloud import CloudServer, RoundSummary
-from cloud.service import edge_ids
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
@@ -29,15 +27,13 @@ from shared.bus import MemoryBus
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES, ImageDataset, load_dataset, to_model_input
-from shared.evaluation import Evaluator, model_from_state, write_grid
 from shared.models import build_unet
-from shared.partition import format_label_counts, label_count_matrix, make_partition
+from shared.naming import device_name, edge_ids, home_edge
+from shared.partition import label_count_matrix, make_partition
+from shared.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.report import plot_report
-from shared.telemetry import Traffic, diff_counts
 
 log = logging.getLogger(__name__)
-
-UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
 
 
 @dataclass
@@ -49,89 +45,6 @@ class SimulationResult:
     final_model_sha256: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     traffic: dict[str, Any] = field(default_factory=dict)
-
-
-class RunRecorder:
-    """Turns round summaries into metrics.jsonl rows, grids and evaluations."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, traffic: Traffic, *, evaluate: bool) -> None:
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.traffic = traffic
-        self.before = traffic.snapshot()
-        self.rows: list[dict[str, Any]] = []
-        self.cloud: CloudServer | None = None
-        self.evaluator: Evaluator | None = Evaluator(cfg) if evaluate and cfg.eval.every else None
-        self.bar: tqdm[Any] | None = None
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
-
-    def on_round_end(self, s: RoundSummary) -> None:
-        """Append one metrics row; sample and evaluate when due."""
-        snap = self.traffic.snapshot()
-        nbytes = diff_counts(snap["bytes"], self.before["bytes"])
-        msgs = diff_counts(snap["messages"], self.before["messages"])
-        self.before = snap
-        received = {k.split(":", 1)[1]: v for k, v in nbytes.items() if k.startswith("received:")}
-        row: dict[str, Any] = {
-            "round": s.round,
-            "train_loss": s.mean_loss,
-            "participants": s.participants,
-            "updates": s.updates,
-            "cloud_aggregated": s.cloud_aggregated,
-            "model_sha256": s.model_sha256,
-            "bytes_up": sum(v for k, v in received.items() if k in UP_KINDS),
-            "bytes_down": sum(v for k, v in received.items() if k not in UP_KINDS),
-            "bytes": nbytes,
-            "messages": msgs,
-            "rejected": s.rejected,
-            "durations": {
-                "round_s": round(s.round_seconds, 4),
-                "aggregation_s": round(s.aggregation_seconds, 4),
-                "train_s": round(s.train_seconds, 4),
-            },
-        }
-        self._evaluate(s, row)
-        self.rows.append(row)
-        with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if self.bar is not None:
-            self.bar.update(1)
-            if s.mean_loss is not None:
-                self.bar.set_postfix(loss=f"{s.mean_loss:.4f}", refresh=False)
-
-    def _evaluate(self, s: RoundSummary, row: dict[str, Any]) -> None:
-        ev = self.cfg.eval
-        last = s.round + 1 >= self.cfg.run.rounds
-        want_grid = ev.sample_every and ((s.round + 1) % ev.sample_every == 0 or last)
-        want_eval = self.evaluator is not None and ((s.round + 1) % ev.every == 0 or last)
-        if not (want_grid or want_eval) or self.cloud is None:
-            return
-        model = model_from_state(self.cfg, self.cloud.model)
-        if want_grid:
-            path = write_grid(
-                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"
-            )
-            row["grid"] = str(path.relative_to(self.run_dir))
-        if want_eval and self.evaluator is not None:
-            t0 = time.perf_counter()
-            row["quality"] = self.evaluator.evaluate(model)
-            row["durations"]["eval_s"] = round(time.perf_counter() - t0, 3)
-
-
-def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
-    """``out`` or ``runs/<name>-<UTC timestamp>``, created, with the config saved."""
-    run_dir = (
-        out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "config.json", cfg.to_json().encode())
-    return run_dir
-
-
-def device_name(index: int) -> str:
-    """Name of the ``index``-th simulated device: ``dev000``, ``dev001``, ..."""
-    return f"dev{index:03d}"
 
 
 @dataclass
@@ -177,7 +90,7 @@ def build_federation(
             make_algorithm(cfg),
             device_id=device_name(i),
             index=i,
-            home_edge=edges[i % len(edges)].name,
+            home_edge=home_edge(i, cfg),
             data=to_model_input(data.images[p]),
             labels=torch.from_numpy(data.labels[p]),
         )
@@ -199,7 +112,7 @@ def simulate(
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
-    _save_label_counts(run_dir, matrix, device_names, show=progress)
+    save_label_counts(run_dir, matrix, device_names, show=progress)
 
     bus = MemoryBus()
     recorder = RunRecorder(cfg, run_dir, bus.traffic, evaluate=evaluate)
@@ -211,7 +124,8 @@ def simulate(
         checkpoint_dir=run_dir / "checkpoints",
         on_round_end=recorder.on_round_end,
     )
-    cloud = recorder.cloud = fed.cloud
+    cloud = fed.cloud
+    recorder.model_fn = lambda: cloud.model
     fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
         recorder.bar = bar
@@ -225,14 +139,3 @@ def simulate(
     summary = {"rounds": cloud.round, "final_model_sha256": cloud.model_sha, "traffic": traffic}
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return SimulationResult(run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic)
-
-
-def _save_label_counts(run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool) -> None:
-    header = "device," + ",".join(str(c) for c in range(matrix.shape[1]))
-    lines = [header] + [
-        f"{n}," + ",".join(str(int(v)) for v in row) for n, row in zip(names, matrix, strict=True)
-    ]
-    atomic_write(run_dir / "label_counts.csv", ("\n".join(lines) + "\n").encode())
-    if show:
-        print("label counts per device (rows) and class (columns):")
-        print(format_label_counts(matrix, names))

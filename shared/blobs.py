@@ -116,7 +116,9 @@ class BlobStore:
 
     def _evict_disk(self) -> None:
         assert self.directory is not None
-        files = [p for p in self.directory.glob("??/*") if p.is_file() and not p.name.startswith(".")]
+        files = [
+            p for p in self.directory.glob("??/*") if p.is_file() and not p.name.startswith(".")
+        ]
         sizes = {p: p.stat() for p in files}
         total = sum(st.st_size for st in sizes.values())
         for p in sorted(files, key=lambda q: sizes[q].st_mtime):

@@ -10,8 +10,11 @@
 ``kind="auto"`` picks mosquitto when :func:`find_mosquitto` finds it, else amqtt.
 
 Caveats of the amqtt fallback: it speaks **MQTT 3.1.1 only** (a v5 CONNECT is refused with
-"unacceptable protocol version"), keeps nothing across restarts, and has no password or ACL
-files, so ``persistence``, ``password_file`` and ``acl_file`` require mosquitto.
+"unsupported protocol version", or its socket is simply closed), so clients must use v3.1.1;
+it keeps nothing (retained messages, sessions) across restarts; and it has no password or
+ACL files, so ``persistence``, ``password_file`` and ``acl_file`` require mosquitto. It
+admits every client through our own auth plugin so durable sessions queue QoS 1 messages
+while their client is offline, as mosquitto does.
 
 Start-up waits until the port accepts TCP connections *and* a CONNACK comes back to an MQTT
 handshake; any failure raises :class:`~shared.errors.TransportError` carrying the tail of the
@@ -40,7 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import paho.mqtt.client as mqtt
 
@@ -53,6 +56,8 @@ BROKER_KINDS: tuple[BrokerKind, ...] = ("auto", "mosquitto", "amqtt")
 
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")
 _MAX_QUEUED_MESSAGES = 10_000
+_MAX_QUEUED_BYTES = 512 << 20  # per client: bounds chunks queued for an offline subscriber
+_MAX_PACKET_BYTES = 65 << 20  # the largest allowed chunk (64 MiB) plus headers
 # Outgoing QoS 1/2 messages in flight per client; 20 (mosquitto's default) throttles bursts of
 # 1 MiB blobs, 0 (no limit) lets one slow client hoard memory.
 _MAX_INFLIGHT_MESSAGES = 100
@@ -85,7 +90,10 @@ def find_mosquitto() -> str | None:
 
 def amqtt_available() -> bool:
     """Whether the embedded amqtt fallback can be imported."""
-    return importlib.util.find_spec("amqtt") is not None
+    try:
+        return importlib.util.find_spec("amqtt") is not None
+    except (ImportError, ValueError):  # a broken install, or sys.modules["amqtt"] = None
+        return False
 
 
 class LocalBroker:
@@ -123,8 +131,11 @@ class LocalBroker:
             raise ConfigError(f"broker kind {kind!r} is unknown; use one of {BROKER_KINDS}")
         if not 0 <= port <= 65535:
             raise ConfigError(f"broker port {port} is out of range; use 1-65535, or 0 for any")
-        for name, path in (("workdir", workdir), ("password_file", password_file),
-                           ("acl_file", acl_file)):
+        for name, path in (
+            ("workdir", workdir),
+            ("password_file", password_file),
+            ("acl_file", acl_file),
+        ):
             if path is not None and any(c in str(path) for c in "\r\n"):
                 raise ConfigError(f"broker {name} {str(path)!r} contains a line break")
         self._mosquitto_bin = find_mosquitto()
@@ -249,7 +260,11 @@ class LocalBroker:
         return self.start(timeout_s)
 
     def __enter__(self) -> LocalBroker:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # __exit__ will not run: drop the temporary workdir here
+            raise
 
     def __exit__(
         self,
@@ -270,8 +285,9 @@ class LocalBroker:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("mosquitto at %s ignored SIGTERM for %.1fs; killing", self.url,
-                            timeout_s)
+                log.warning(
+                    "mosquitto at %s ignored SIGTERM for %.1fs; killing", self.url, timeout_s
+                )
                 proc.kill()
                 _wait_quietly(proc, 5.0)
             log.info("mosquitto at %s stopped (exit code %s)", self.url, proc.returncode)
@@ -287,7 +303,7 @@ class LocalBroker:
         conf.write_text(self._mosquitto_conf(workdir), encoding="utf-8")
         # Errors before the log file opens (bad config) go to stderr: keep them too.
         with open(workdir / "mosquitto.out", "ab") as out:
-            self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+            self._proc = subprocess.Popen(
                 [self._mosquitto_bin, "-c", str(conf)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -304,7 +320,9 @@ class LocalBroker:
             if proc.poll() is None:
                 proc.kill()
                 _wait_quietly(proc, 5.0)
-            raise TransportError(f"mosquitto at {self.url}: {exc}\n{self._log_tail()}") from None
+            raise TransportError(
+                f"mosquitto at {self.url} (exit code {proc.returncode}): {exc}\n{self._log_tail()}"
+            ) from None
 
     def _ensure_workdir(self) -> Path:
         if self._workdir is None:
@@ -328,8 +346,10 @@ class LocalBroker:
         if self._acl_file is not None:
             lines.append(f"acl_file {self._acl_file.resolve()}")
         lines += [
-            "# max_packet_size stays at the default (no limit): 1 MiB blobs + headers pass.",
             f"max_queued_messages {_MAX_QUEUED_MESSAGES}",
+            f"max_queued_bytes {_MAX_QUEUED_BYTES}",
+            "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
+            f"max_packet_size {_MAX_PACKET_BYTES}",
             f"max_inflight_messages {_MAX_INFLIGHT_MESSAGES}",
             f"persistence {'true' if self._persistence else 'false'}",
             f"persistence_location {workdir}/",
@@ -366,8 +386,7 @@ class LocalBroker:
         self._amqtt = embedded
         try:
             embedded.start(timeout_s)
-            _wait_ready(self._host, self._port, deadline - time.monotonic(),
-                        lambda: embedded.alive)
+            _wait_ready(self._host, self._port, deadline - time.monotonic(), lambda: embedded.alive)
         except TransportError as exc:
             self._stop_amqtt(2.0)
             raise TransportError(f"amqtt at {self.url}: {exc}") from None
@@ -385,10 +404,8 @@ class _EmbeddedAmqtt:
     def __init__(self, host: str, port: int) -> None:
         self._config: dict[str, Any] = {
             "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
-            # Only anonymous auth: no $SYS publisher, no per-packet logging plugins.
-            "plugins": {
-                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-            },
+            # Only our open auth: no $SYS publisher, no per-packet logging plugins.
+            "plugins": {f"{__name__}.{_AMQTT_AUTH_PLUGIN}": {}},
         }
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -450,6 +467,35 @@ class _EmbeddedAmqtt:
             log.warning("amqtt event loop did not wind down cleanly", exc_info=True)
         finally:
             self._loop.close()
+
+
+_AMQTT_AUTH_PLUGIN = "_AmqttOpenAuth"
+
+
+@functools.cache
+def _amqtt_open_auth() -> type:
+    """amqtt auth plugin admitting every client as authenticated rather than anonymous.
+
+    amqtt's own AnonymousAuthPlugin marks clients anonymous, and amqtt then neither queues
+    QoS 1/2 messages for their offline durable sessions nor keeps those sessions; mosquitto
+    does both, and the bus relies on it across short disconnects.
+    """
+    from amqtt.plugins.base import BaseAuthPlugin
+
+    class _AmqttOpenAuth(BaseAuthPlugin):
+        async def authenticate(self, *, session: Any) -> bool:
+            return True
+
+    return _AmqttOpenAuth
+
+
+if not TYPE_CHECKING:  # hidden from mypy so it cannot mask typos in importers
+
+    def __getattr__(name: str) -> Any:
+        """amqtt loads plugins by dotted path; build ours on first lookup, not at import."""
+        if name == _AMQTT_AUTH_PLUGIN:
+            return _amqtt_open_auth()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ Count = Annotated[int, Field(ge=0, le=10**12)]
 LabelCounts = Annotated[list[Count], Field(max_length=1000)]
 Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 Home = Annotated[
-    str, Field(max_length=80, pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64})$")
+    str,
+    Field(max_length=80, pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64})$"),
 ]
 
 

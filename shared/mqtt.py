@@ -41,12 +41,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.properties import Properties
 from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
 from shared.blobs import BlobStore
@@ -168,6 +168,8 @@ class MqttBus(Bus):
         self._timer_lock = threading.Lock()
         self._seq = itertools.count()
         self._suback: dict[int, threading.Event] = {}
+        self._early_subacks: set[int] = set()
+        self._suback_lock = threading.Lock()
         self._connected = threading.Event()
         self._ever_connected = False
         self._closing = threading.Event()
@@ -275,7 +277,12 @@ class MqttBus(Bus):
             self.traffic.note("disconnects")
 
     def _on_subscribe(self, client: mqtt.Client, _u: Any, mid: int, _rc: Any, _p: Any) -> None:
-        event = self._suback.pop(mid, None)
+        with self._suback_lock:
+            event = self._suback.pop(mid, None)
+            if event is None:
+                self._early_subacks.add(mid)  # raced ahead of _subscribe_wait
+                if len(self._early_subacks) > 10_000:
+                    self._early_subacks.clear()
         if event is not None:
             event.set()
 
@@ -283,7 +290,7 @@ class MqttBus(Bus):
         self._control.put(("ack", mid))
 
     def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        topic, payload = msg.topic, msg.payload
+        topic, payload = msg.topic, cast(bytes, msg.payload)  # paho hands us bytes
         self.traffic.note("wire_bytes_received", len(payload))
         if "/blob/" in topic:
             self._route_chunk(topic, payload)
@@ -400,7 +407,9 @@ class MqttBus(Bus):
         return info.mid, len(data)
 
     # -- publish / subscribe -------------------------------------------------------------
-    def _raw_publish(self, topic: str, payload: bytes, retain: bool = False) -> mqtt.MQTTMessageInfo:
+    def _raw_publish(
+        self, topic: str, payload: bytes, retain: bool = False
+    ) -> mqtt.MQTTMessageInfo:
         info = self.client.publish(topic, payload, qos=QOS, retain=retain)
         self.traffic.note("wire_bytes_sent", len(payload))
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
@@ -428,7 +437,11 @@ class MqttBus(Bus):
         rc, mid = self.client.subscribe(pattern, qos=QOS)
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             return  # not connected: the reconnect path subscribes again
-        self._suback[mid] = event
+        with self._suback_lock:
+            if mid in self._early_subacks:
+                self._early_subacks.discard(mid)
+                return
+            self._suback[mid] = event
         if not event.wait(timeout_s):
             self._suback.pop(mid, None)
             log.warning("%s: no SUBACK for %s within %.0fs", self.client_id, pattern, timeout_s)
@@ -618,4 +631,3 @@ class MqttBus(Bus):
     def pump(self, seconds: float) -> None:
         """Dispatch for ``seconds`` (tests and shutdown paths)."""
         self.run(lambda: False, timeout_s=seconds)
-

@@ -14,7 +14,8 @@ from shared.bus import Bus, Endpoint
 from shared.codec import TensorSpec, decode_tensors, encode_tensors
 from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
-from shared.messages import BlobRef, Topics, decode, encode, home_of
+from shared.messages import BlobRef, Presence, Topics, decode, encode, home_of
+from shared.metrics import RoleMetrics
 from shared.telemetry import Traffic
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,19 @@ class RoleService:
         self.ep: Endpoint = bus.endpoint(name, self.home)
         self.topics = Topics(cfg.run.name)
         self.traffic: Traffic = bus.traffic
+        self.metrics = RoleMetrics(self.role, name, bus.traffic)
+
+    def presence(self, online: bool) -> Presence:
+        """This instance's presence message (the offline one is the MQTT last will)."""
+        return Presence(name=self.name, role=self.role, online=online)  # type: ignore[arg-type]
+
+    def announce_presence(self, online: bool) -> None:
+        """Publish retained presence under this instance's own subtree."""
+        self.send(self.topics.status(self.home), self.presence(online), retain=True)
+
+    def stop(self) -> None:
+        """Say goodbye (retained ``online: false``) before a clean shutdown."""
+        self.announce_presence(False)
 
     def reject(self, reason: str, detail: str = "") -> None:
         """Count and log a rejected input; the service carries on."""

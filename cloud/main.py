@@ -1,0 +1,132 @@
+"""``python -m cloud`` / ``estuary cloud``: the cloud aggregator as a process over MQTT.
+
+It owns the run directory (``--out``): config, ``metrics.jsonl``, checkpoints after every
+global aggregation, sample grids, ``report.png`` and ``summary.json``. Restarted on the same
+run directory (after a crash or SIGKILL) it resumes from the latest checkpoint whose config
+digest matches, at the round after it, with a new session id so edges and devices redo the
+interrupted round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from cloud.service import CloudServer, RoundSummary
+from shared.algorithms import make_algorithm
+from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
+from shared.config import RunConfig
+from shared.errors import EstuaryError
+from shared.models import build_unet
+from shared.recorder import RunRecorder, prepare_run_dir
+from shared.report import plot_report
+from shared.runtime import (
+    EXIT_ERROR,
+    add_common_args,
+    connect_bus,
+    die_with_parent,
+    load_role_config,
+    run_until_done,
+    serve_metrics,
+    setup_logging,
+)
+from shared.service import TensorDict
+
+log = logging.getLogger("cloud")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of the cloud process."""
+    p = argparse.ArgumentParser(prog="estuary cloud", description=__doc__)
+    add_common_args(p)
+    p.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
+    p.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in --out")
+    return p
+
+
+def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, int] | None:
+    """(model, next round) from the latest checkpoint of this config in ``run_dir``."""
+    path = latest_checkpoint_path(run_dir / "checkpoints")
+    if path is None:
+        return None
+    ckpt = load_checkpoint(path)
+    if ckpt.config.digest() != cfg.digest():
+        raise EstuaryError(
+            f"{run_dir} holds checkpoints of a different config "
+            f"({ckpt.config.digest()} != {cfg.digest()}); use another --out or --fresh"
+        )
+    log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
+    return ckpt.model, ckpt.round + 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cloud until the configured rounds are done; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, "cloud")
+    die_with_parent()
+    try:
+        cfg = load_role_config(args)
+        run_dir = prepare_run_dir(cfg, Path(args.out))
+        resumed = None if args.fresh else resume_point(cfg, run_dir)
+        bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
+    except EstuaryError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
+    if resumed is None:
+        model, start_round = dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()), 0
+    else:
+        model, start_round = resumed
+    recorder = RunRecorder(
+        cfg,
+        run_dir,
+        bus.traffic,
+        evaluate=not args.no_eval,
+        resume_after=start_round - 1 if resumed else None,
+    )
+
+    def on_round_end(s: RoundSummary) -> None:
+        recorder.on_round_end(s)
+        row = recorder.rows[-1]
+        loss = f"{s.mean_loss:.4f}" if s.mean_loss is not None else "-"
+        fid = row.get("quality", {}).get("fid")
+        log.info(
+            "round %d/%d done: %d/%d updates, loss %s, %.1f KiB up, %.1f KiB down%s",
+            s.round + 1,
+            cfg.run.rounds,
+            s.updates,
+            s.participants,
+            loss,
+            row["bytes_up"] / 1024,
+            row["bytes_down"] / 1024,
+            f", FID {fid:.1f}" if fid is not None else "",
+        )
+
+    cloud = CloudServer(
+        cfg,
+        bus,
+        make_algorithm(cfg),
+        initial_model=model,
+        start_round=start_round,
+        checkpoint_dir=run_dir / "checkpoints",
+        on_round_end=on_round_end,
+    )
+    recorder.model_fn = lambda: cloud.model
+    serve_metrics(cloud, cfg)
+    cloud.start()
+    log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)
+    code = run_until_done(cloud, bus, lambda: cloud.done)
+    if cloud.done and cloud.round >= cfg.run.rounds:
+        plot_report(recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} (MQTT)")
+        summary = {
+            "rounds": cloud.round,
+            "final_model_sha256": cloud.model_sha,
+            "resumed_from_round": start_round if resumed else None,
+            "traffic": bus.traffic.snapshot(),
+            "transport": bus.traffic.transport(),
+        }
+        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+        log.info("run complete: final global model %s; outputs in %s", cloud.model_sha, run_dir)
+    return code

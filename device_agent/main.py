@@ -1,0 +1,82 @@
+"""``python -m device_agent`` / ``estuary device --id dev000``: one device agent over MQTT.
+
+The device loads the dataset locally and keeps only its own partition (the same seeded
+split ``estuary simulate`` makes); raw data never leaves the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from device_agent.service import DeviceAgent
+from shared.algorithms import make_algorithm
+from shared.data import load_dataset, to_model_input
+from shared.errors import EstuaryError
+from shared.naming import device_index, home_edge
+from shared.partition import make_partition
+from shared.runtime import (
+    EXIT_ERROR,
+    add_common_args,
+    connect_bus,
+    die_with_parent,
+    follow_cloud,
+    load_role_config,
+    run_until_done,
+    serve_metrics,
+    setup_logging,
+)
+
+log = logging.getLogger("device_agent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of the device process."""
+    p = argparse.ArgumentParser(prog="estuary device", description=__doc__)
+    add_common_args(p)
+    p.add_argument("--id", required=True, help="device id: dev000, dev001, ...")
+    p.add_argument("--cache-dir", help="on-disk blob cache (default: memory only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve as device ``--id`` until the cloud says the run is done."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.id)
+    die_with_parent()
+    try:
+        cfg = load_role_config(args)
+        index = device_index(args.id, cfg)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        data = load_dataset(
+            cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
+        )
+        parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+        mine = parts[index]
+        cache = Path(args.cache_dir) if args.cache_dir else None
+        bus = connect_bus(cfg, "device", args.id, cache)
+    except EstuaryError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
+    device = DeviceAgent(
+        cfg,
+        bus,
+        make_algorithm(cfg),
+        device_id=args.id,
+        index=index,
+        home_edge=home_edge(index, cfg),
+        data=to_model_input(data.images[mine]),
+        labels=torch.from_numpy(data.labels[mine]),
+    )
+    del data
+    finished: list[bool] = []
+    if not args.stay:
+        follow_cloud(device, lambda: finished.append(True))
+    serve_metrics(device, cfg)
+    device.start()
+    log.info("%s ready with %d samples (home %s)", args.id, len(mine), device.home_edge)
+    return run_until_done(device, bus, lambda: bool(finished))

@@ -1,0 +1,62 @@
+"""``python -m edge_node`` / ``estuary edge --id edge0``: one edge aggregator over MQTT.
+
+Stateless across restarts by design: a restarted edge reads the cloud's retained round
+start, fetches the global model once into its blob cache and serves it to its devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from edge_node.service import EdgeServer
+from shared.algorithms import make_algorithm
+from shared.errors import ConfigError, EstuaryError
+from shared.naming import edge_ids
+from shared.runtime import (
+    EXIT_ERROR,
+    add_common_args,
+    connect_bus,
+    die_with_parent,
+    follow_cloud,
+    load_role_config,
+    run_until_done,
+    serve_metrics,
+    setup_logging,
+)
+
+log = logging.getLogger("edge_node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of the edge process."""
+    p = argparse.ArgumentParser(prog="estuary edge", description=__doc__)
+    add_common_args(p)
+    p.add_argument("--id", required=True, help="edge id: edge0, edge1, ...")
+    p.add_argument("--cache-dir", help="on-disk blob cache (default: memory only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve as edge ``--id`` until the cloud says the run is done."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.id)
+    die_with_parent()
+    try:
+        cfg = load_role_config(args)
+        if args.id not in edge_ids(cfg):
+            raise ConfigError(f"edge id {args.id!r} is not one of {edge_ids(cfg)}")
+        cache = Path(args.cache_dir) if args.cache_dir else None
+        bus = connect_bus(cfg, "edge", args.id, cache)
+    except EstuaryError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
+    edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=args.id)
+    finished: list[bool] = []
+    if not args.stay:
+        follow_cloud(edge, lambda: finished.append(True))
+    serve_metrics(edge, cfg)
+    edge.start()
+    log.info("%s serving", args.id)
+    return run_until_done(edge, bus, lambda: bool(finished))

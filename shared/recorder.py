@@ -1,0 +1,127 @@
+"""Run directories: the config used, label counts, ``metrics.jsonl`` rows per round, sample
+grids and evaluations, written by whoever owns the global model (``estuary simulate`` or the
+cloud process).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from shared.checkpoint import atomic_write
+from shared.config import RunConfig
+from shared.evaluation import Evaluator, model_from_state, write_grid
+from shared.partition import format_label_counts
+from shared.report import read_metrics
+from shared.service import TensorDict
+from shared.telemetry import Traffic, diff_counts
+
+UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
+
+
+class RunRecorder:
+    """Turns round summaries into metrics.jsonl rows, grids and evaluations."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        traffic: Traffic,
+        *,
+        evaluate: bool,
+        resume_after: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.traffic = traffic
+        self.before = traffic.snapshot()
+        self.rows: list[dict[str, Any]] = []
+        self.model_fn: Callable[[], TensorDict] | None = None
+        self.evaluator: Evaluator | None = Evaluator(cfg) if evaluate and cfg.eval.every else None
+        self.bar: tqdm[Any] | None = None
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if resume_after is not None and self.metrics_path.is_file():
+            # a restarted cloud keeps the rows up to its checkpoint and redoes the rest
+            kept = [r for r in read_metrics(self.metrics_path) if r["round"] <= resume_after]
+            self.rows = kept
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
+
+    def on_round_end(self, s: Any) -> None:
+        """Append one metrics row; sample and evaluate when due."""
+        snap = self.traffic.snapshot()
+        nbytes = diff_counts(snap["bytes"], self.before["bytes"])
+        msgs = diff_counts(snap["messages"], self.before["messages"])
+        self.before = snap
+        received = {k.split(":", 1)[1]: v for k, v in nbytes.items() if k.startswith("received:")}
+        row: dict[str, Any] = {
+            "round": s.round,
+            "train_loss": s.mean_loss,
+            "participants": s.participants,
+            "updates": s.updates,
+            "cloud_aggregated": s.cloud_aggregated,
+            "model_sha256": s.model_sha256,
+            "bytes_up": sum(v for k, v in received.items() if k in UP_KINDS),
+            "bytes_down": sum(v for k, v in received.items() if k not in UP_KINDS),
+            "bytes": nbytes,
+            "messages": msgs,
+            "rejected": s.rejected,
+            "durations": {
+                "round_s": round(s.round_seconds, 4),
+                "aggregation_s": round(s.aggregation_seconds, 4),
+                "train_s": round(s.train_seconds, 4),
+            },
+        }
+        self._evaluate(s, row)
+        self.rows.append(row)
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+            if s.mean_loss is not None:
+                self.bar.set_postfix(loss=f"{s.mean_loss:.4f}", refresh=False)
+
+    def _evaluate(self, s: Any, row: dict[str, Any]) -> None:
+        ev = self.cfg.eval
+        last = s.round + 1 >= self.cfg.run.rounds
+        want_grid = ev.sample_every and ((s.round + 1) % ev.sample_every == 0 or last)
+        want_eval = self.evaluator is not None and ((s.round + 1) % ev.every == 0 or last)
+        if not (want_grid or want_eval) or self.model_fn is None:
+            return
+        model = model_from_state(self.cfg, self.model_fn())
+        if want_grid:
+            path = write_grid(
+                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"
+            )
+            row["grid"] = str(path.relative_to(self.run_dir))
+        if want_eval and self.evaluator is not None:
+            t0 = time.perf_counter()
+            row["quality"] = self.evaluator.evaluate(model)
+            row["durations"]["eval_s"] = round(time.perf_counter() - t0, 3)
+
+
+def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
+    """``out`` or ``runs/<name>-<UTC timestamp>``, created, with the config saved."""
+    run_dir = (
+        out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.json", cfg.to_json().encode())
+    return run_dir
+
+
+def save_label_counts(run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool) -> None:
+    """Write ``label_counts.csv`` (device x class) and optionally print the table."""
+    header = "device," + ",".join(str(c) for c in range(matrix.shape[1]))
+    lines = [header] + [
+        f"{n}," + ",".join(str(int(v)) for v in row) for n, row in zip(names, matrix, strict=True)
+    ]
+    atomic_write(run_dir / "label_counts.csv", ("\n".join(lines) + "\n").encode())
+    if show:
+        print("label counts per device (rows) and class (columns):")
+        print(format_label_counts(matrix, names))

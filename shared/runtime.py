@@ -1,0 +1,163 @@
+"""Plumbing every role process shares: arguments, logging, the MQTT connection, the
+Prometheus endpoint, signals, and a clean goodbye.
+
+``python -m cloud``, ``python -m edge_node`` and ``python -m device_agent`` (and the
+``estuary cloud|edge|device`` subcommands, which call the same functions) are configured by a
+TOML/JSON config file plus ``ESTUARY__SECTION__KEY`` environment variables; the few command
+line options here override the deployment settings (broker address, metrics port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+
+from shared.config import RunConfig, load_config
+from shared.errors import EstuaryError
+from shared.messages import CloudState, Presence, encode, home_of
+from shared.mqtt import MqttBus
+from shared.service import RoleService
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+_PR_SET_PDEATHSIG = 1
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by the three role processes."""
+    p.add_argument("config", help="run config (TOML, or the config.json of a run)")
+    p.add_argument("--broker", help="HOST:PORT of the MQTT broker (overrides broker.host/port)")
+    p.add_argument(
+        "--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port, -1 = off)"
+    )
+    p.add_argument("--log-level", default=os.environ.get("ESTUARY_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep running after the cloud reports the run done (edges and devices)",
+    )
+
+
+def load_role_config(args: argparse.Namespace) -> RunConfig:
+    """The config file plus environment overrides, then the command-line overrides."""
+    cfg = load_config(args.config)
+    updates: dict[str, object] = {}
+    if args.broker:
+        host, _, port = args.broker.rpartition(":")
+        if not host or not port.isdigit():
+            raise EstuaryError(f"--broker must be HOST:PORT, got {args.broker!r}")
+        updates["broker"] = cfg.broker.model_copy(update={"host": host, "port": int(port)})
+    if args.metrics_port is not None:
+        enabled = args.metrics_port >= 0
+        updates["metrics"] = cfg.metrics.model_copy(
+            update={"enabled": enabled, "port": max(0, args.metrics_port)}
+        )
+    return cfg.model_copy(update=updates) if updates else cfg
+
+
+def setup_logging(level: str, name: str) -> None:
+    """Timestamped log lines tagged with the instance name."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans after a crash)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so every shutdown path runs the same ``finally``."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def connect_bus(cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None) -> MqttBus:
+    """The MQTT connection of one role instance, with its presence as the last will."""
+    settings = cfg.broker
+    if cache_dir is not None and not settings.cache_dir:
+        settings = settings.model_copy(update={"cache_dir": str(cache_dir)})
+    home = home_of(service_role, name)
+    will = encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
+    bus = MqttBus(
+        settings, run=cfg.run.name, client_id=f"{cfg.run.name}-{name}", home=home, will=will
+    )
+    return bus.connect()
+
+
+def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
+    """Call ``on_done`` once the cloud's retained state says the run is over."""
+
+    def handler(msg: CloudState) -> None:
+        if msg.phase == "done" and msg.config_digest == service.cfg.digest():
+            on_done()
+
+    service.on(service.topics.cloud_state, CloudState, handler, "msg_cloud_state")
+
+
+def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:
+    """Start ``/metrics`` for ``service`` when enabled; returns the bound port."""
+    if not cfg.metrics.enabled:
+        return None
+    port = service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)
+    log.info("%s: Prometheus metrics on http://%s:%d/metrics", service.name, cfg.metrics.addr, port)
+    return port
+
+
+def run_until_done(
+    service: RoleService,
+    bus: MqttBus,
+    done: Callable[[], bool],
+    *,
+    linger_s: float = 1.0,
+) -> int:
+    """Dispatch until ``done()``; on any exit say goodbye, flush and disconnect.
+
+    Returns the process exit code (0 done, 130 interrupted, 2 error).
+    """
+    code = EXIT_OK
+    try:
+        with interrupts_as_keyboard():
+            bus.run(done)
+            if linger_s > 0:  # let last messages (reports, retained state) go out
+                bus.pump(linger_s)
+    except KeyboardInterrupt as why:
+        log.warning("%s: interrupted (%s); shutting down", service.name, why or "SIGINT")
+        code = EXIT_INTERRUPTED
+    except EstuaryError as err:
+        log.error("%s: %s", service.name, err)
+        code = EXIT_ERROR
+    finally:
+        with contextlib.suppress(Exception):
+            service.stop()
+        t0 = time.monotonic()
+        bus.close()
+        service.metrics.stop()
+        log.info("%s: disconnected (%.2fs)", service.name, time.monotonic() - t0)
+    return code
