@@ -58,6 +58,7 @@ class EdgeServer(RoleService):
         self.offline: set[str] = set()
         self.my_devices: set[str] = set()
         self.timer: Timer | None = None
+        self.deadline_at = 0.0
         self.rejected_this_round = 0
         self.acc_counts = [0] * NUM_CLASSES
         self.acc_n = 0
@@ -65,9 +66,28 @@ class EdgeServer(RoleService):
     def start(self) -> None:
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
-        self.on(self.topics.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
-        self.on(self.topics.all_device_status, Presence, self.on_presence, "msg_presence")
-        self.on(self.topics.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
+        t = self.topics
+        self.on(
+            t.all_device_up,
+            DeviceUpdate,
+            self.on_device_update,
+            "msg_device_update",
+            topic_of=lambda m: t.device_up(m.device),
+        )
+        self.on(
+            t.all_device_status,
+            Presence,
+            self.on_presence,
+            "msg_presence",
+            topic_of=self.presence_topic,
+        )
+        self.on(
+            t.all_device_hello,
+            DeviceHello,
+            self.on_hello,
+            "msg_hello",
+            topic_of=lambda m: t.device_hello(m.device),
+        )
         self.announce_presence(True)
         self._publish_state()
 
@@ -136,6 +156,7 @@ class EdgeServer(RoleService):
         )
         # retained: a device that (re)starts mid-round still learns what to train
         self.send(self.topics.edge_round(self.name), announce, retain=True)
+        self.deadline_at = self.ep.now() + self.cfg.federation.round_deadline_s
         self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s, self._on_deadline)
         self._maybe_close()
 
@@ -154,9 +175,13 @@ class EdgeServer(RoleService):
             return
         if self.upload:
             if msg.update_ref is None:
+                self.rejected_this_round += 1
                 self.reject("missing_update", f"{msg.device} round {msg.round}")
+                self.metrics.updates.labels(outcome="rejected").inc()
                 return
-            tensors = self.fetch_tensors(msg.update_ref, self.update_spec)
+            # never wait on one device's blob past the round's own deadline
+            left = max(1.0, self.deadline_at - self.ep.now())
+            tensors = self.fetch_tensors(msg.update_ref, self.update_spec, timeout_s=left)
             if tensors is None:
                 self.rejected_this_round += 1
                 self.metrics.updates.labels(outcome="rejected").inc()

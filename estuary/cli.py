@@ -1,4 +1,4 @@
-"""``estuary`` command line: simulate, eval, model-info."""
+"""``estuary`` command line: demo, simulate, cloud, edge, device, eval, model-info."""
 
 from __future__ import annotations
 
@@ -33,6 +33,27 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"final global model sha256: {result.final_model_sha256}")
     print(f"report: {result.run_dir / 'report.png'}")
     return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from estuary.demo import print_demo_result, run_demo
+
+    result = run_demo(
+        Path(args.out) if args.out else None,
+        config=Path(args.config) if args.config else None,
+        broker_kind=args.broker,
+        progress=not args.quiet,
+        evaluate=not args.no_eval,
+    )
+    print_demo_result(result)
+    return 0
+
+
+def _role_main(module: str, argv: list[str]) -> int:
+    import importlib
+
+    main = importlib.import_module(f"{module}.main").main
+    return int(main(argv))
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -84,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
+    d = sub.add_parser(
+        "demo", help="local hierarchy as processes over MQTT on Fashion-MNIST (the main job)"
+    )
+    d.add_argument("--out", help="run directory (default runs/demo-<timestamp>)")
+    d.add_argument("--config", help="run config instead of the embedded demo default")
+    d.add_argument("--broker", choices=["auto", "mosquitto", "amqtt"], default="auto")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
+    d.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    d.set_defaults(func=_cmd_demo)
+
+    for role, module, what in (
+        ("cloud", "cloud", "the cloud aggregator process (MQTT)"),
+        ("edge", "edge_node", "one edge aggregator process (MQTT); needs --id"),
+        ("device", "device_agent", "one device agent process (MQTT); needs --id"),
+    ):
+        r = sub.add_parser(role, help=what, add_help=False)
+        r.set_defaults(func=None, role_module=module)
+
     s = sub.add_parser("simulate", help="run a federation in one process (MemoryBus)")
     s.add_argument("config", help="TOML config (see configs/)")
     s.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
@@ -106,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``estuary`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if getattr(args, "role_module", None):
+        return _role_main(args.role_module, rest)  # the role parses its own arguments
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -2,7 +2,9 @@
 # Set up Estuary on a fresh Debian/Ubuntu machine (idempotent; fast when already done):
 #   - Fashion-MNIST from Debian's dataset-fashion-mnist (when root and missing),
 #   - PyTorch 2.13.0 CPU build first (so no CUDA wheels get pulled in),
-#   - this package in editable mode with the dev extras (pytest, ruff, mypy).
+#   - the Mosquitto MQTT broker from Debian (when root and missing; else the embedded amqtt
+#     broker from the "broker" extra is used),
+#   - this package in editable mode with the dev and broker extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,10 +20,23 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z
   fi
 fi
 
+if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> installing the Mosquitto broker (apt: mosquitto)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends mosquitto >/dev/null
+    # we start our own brokers; the packaged system service is not needed
+    (systemctl disable --now mosquitto 2>/dev/null || service mosquitto stop 2>/dev/null) || true
+  else
+    echo "note: mosquitto not found; estuary demo will use the embedded amqtt broker" >&2
+  fi
+fi
+
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   echo "==> installing torch==2.13.0 (CPU)"
   "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
 
-echo "==> installing estuary (editable, dev extras)"
-"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[dev]"
+echo "==> installing estuary (editable, dev and broker extras)"
+"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[dev,broker]"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import io
 import itertools
 import logging
 import math
@@ -112,11 +113,12 @@ class _Fetch:
     chunk_bytes: int
     n: int
     chunks: queue.Queue[tuple[int, bytes]]
-    buf: bytearray
     have: bytearray
+    parked: dict[int, bytes] = field(default_factory=dict)  # arrived ahead of order
     received: int = 0
     hashed: int = 0
     hasher: Any = field(default_factory=hashlib.sha256)
+    out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
     done: threading.Event = field(default_factory=threading.Event)
 
     def expected_len(self, index: int) -> int:
@@ -292,9 +294,16 @@ class MqttBus(Bus):
     def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         topic, payload = msg.topic, cast(bytes, msg.payload)  # paho hands us bytes
         self.traffic.note("wire_bytes_received", len(payload))
-        if "/blob/" in topic:
+        rel = topic[len(self._want_prefix) :].split("/", 3)  # relative to the run's base
+        # a role's subtree is "cloud" or "edge/<id>" / "device/<id>", then the verb
+        verb = rel[1] if rel[0] == "cloud" else rel[2] if len(rel) > 2 else ""
+        if verb == "blob" and topic.startswith(self._want_prefix):
             self._route_chunk(topic, payload)
-        elif topic.endswith(self._want_suffix) and topic.startswith(self._want_prefix):
+        elif (
+            verb == "want"
+            and topic.endswith(self._want_suffix)
+            and topic.startswith(self._want_prefix)
+        ):
             self._control.put(("want", payload))
         else:
             try:
@@ -417,7 +426,7 @@ class MqttBus(Bus):
         return info
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
-        if len(payload) > MAX_MESSAGE_BYTES and "/blob/" not in topic:
+        if len(payload) > MAX_MESSAGE_BYTES:
             raise TransportError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
         if retain:
             if payload:
@@ -485,7 +494,7 @@ class MqttBus(Bus):
                 f"{fetch.hasher.hexdigest()[:12]}…",
                 reason="blob_hash_mismatch",
             )
-        data = bytes(fetch.buf)
+        data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
         self.store.put(data, sha256)
         self.traffic.note("blobs_fetched")
         return data
@@ -506,7 +515,6 @@ class MqttBus(Bus):
                 cs,
                 n,
                 queue.Queue(maxsize=max(64, 4 * self.settings.max_inflight_bytes // cs)),
-                bytearray(size),
                 bytearray(n),
             )
             self._fetches[sha256] = fetch
@@ -528,7 +536,6 @@ class MqttBus(Bus):
 
     def _receive(self, fetch: _Fetch, src: str, deadline: float) -> None:
         self._ask(fetch, src, list(range(fetch.n)))
-        view = memoryview(fetch.buf)
         silence = self.settings.chunk_timeout_s
         while fetch.received < fetch.n:
             left = deadline - time.monotonic()
@@ -549,20 +556,24 @@ class MqttBus(Bus):
             if index == _MISSING:
                 raise TransportError(f"{src} does not have blob {fetch.sha256[:12]}…")
             if not 0 <= index < fetch.n or len(payload) != fetch.expected_len(index):
+                # the sender's blob is not the advertised size: no point waiting for more
                 self.traffic.note("chunks_invalid")
-                continue
+                raise CodecError(
+                    f"blob {fetch.sha256[:12]}… from {src}: chunk {index} has {len(payload)} "
+                    f"bytes, expected {fetch.expected_len(index) if 0 <= index < fetch.n else 0}",
+                    reason="blob_size_mismatch",
+                )
             if fetch.have[index]:
                 self.traffic.note("chunks_duplicate")
                 continue
-            start = index * fetch.chunk_bytes
-            view[start : start + len(payload)] = payload
             fetch.have[index] = 1
             fetch.received += 1
-            while fetch.hashed < fetch.n and fetch.have[fetch.hashed]:
-                a = fetch.hashed * fetch.chunk_bytes
-                fetch.hasher.update(view[a : a + fetch.expected_len(fetch.hashed)])
+            fetch.parked[index] = payload
+            while fetch.hashed in fetch.parked:  # hash and append in order as chunks arrive
+                chunk = fetch.parked.pop(fetch.hashed)
+                fetch.hasher.update(chunk)
+                fetch.out.write(chunk)
                 fetch.hashed += 1
-        view.release()
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:

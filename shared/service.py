@@ -38,6 +38,10 @@ class RoleService:
         self.traffic: Traffic = bus.traffic
         self.metrics = RoleMetrics(self.role, name, bus.traffic)
 
+    def presence_topic(self, msg: Presence) -> str:
+        """The only topic ``msg`` may legitimately arrive on."""
+        return self.topics.status(home_of(msg.role, msg.name))
+
     def presence(self, online: bool) -> Presence:
         """This instance's presence message (the offline one is the MQTT last will)."""
         return Presence(name=self.name, role=self.role, online=online)  # type: ignore[arg-type]
@@ -55,14 +59,30 @@ class RoleService:
         self.traffic.reject(self.role, reason)
         log.warning("%s rejected input (%s): %s", self.name, reason, detail)
 
-    def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
-        """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``."""
+    def on(
+        self,
+        pattern: str,
+        msg_type: type[M],
+        handler: Callable[[M], None],
+        kind: str,
+        *,
+        topic_of: Callable[[M], str] | None = None,
+    ) -> None:
+        """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
+
+        ``topic_of(msg)`` names the only topic such a message may arrive on (the sender's own
+        subtree, which the broker ACL ties to its credentials); anything else is rejected as
+        ``wrong_sender``, so one device cannot speak for another.
+        """
 
         def wrapped(topic: str, payload: bytes) -> None:
             try:
                 msg = decode(payload, msg_type)  # type: ignore[arg-type]
             except MessageError as err:
                 self.reject(err.reason, f"{topic}: {err.detail}")
+                return
+            if topic_of is not None and topic != topic_of(msg):
+                self.reject("wrong_sender", f"{topic} carried a message for {topic_of(msg)}")
                 return
             handler(msg)
 
@@ -79,11 +99,17 @@ class RoleService:
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
 
     def fetch_tensors(
-        self, ref: BlobRef, spec: Mapping[str, TensorSpec] | None
+        self,
+        ref: BlobRef,
+        spec: Mapping[str, TensorSpec] | None,
+        *,
+        timeout_s: float = 600.0,
     ) -> TensorDict | None:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad."""
         try:
-            data = self.ep.get_blob(ref.sha256, ref.size, kind=ref.kind, src=ref.src)
+            data = self.ep.get_blob(
+                ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s
+            )
             return decode_tensors(data, sha256=ref.sha256, expected=spec)
         except (CodecError, TransportError) as err:
             self.reject(err.reason, str(err))

@@ -1,0 +1,235 @@
+"""The same federation over a real mosquitto (one MqttBus per role, one thread each) and over
+MemoryBus: same final model, same messages and blob bytes; plus MqttBus blob-layer behaviour
+(chunking, resume after lost chunks, coalesced fan-out, limits)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from cloud import CloudServer
+from device_agent import DeviceAgent
+from edge_node import EdgeServer
+from estuary.simulate import build_federation
+from shared.algorithms import make_algorithm
+from shared.broker import LocalBroker, find_mosquitto
+from shared.bus import MemoryBus
+from shared.config import BrokerSection, RunConfig
+from shared.data import load_dataset, to_model_input
+from shared.errors import TransportError
+from shared.messages import Presence, encode, home_of
+from shared.models import build_unet
+from shared.mqtt import MqttBus, chunk_count
+from shared.naming import device_name, edge_ids, home_edge
+from shared.partition import make_partition
+from shared.telemetry import Traffic
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+
+TIMING_KINDS = {"msg_device_update", "msg_edge_update"}  # carry wall-clock train_seconds
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[LocalBroker]:
+    """A real mosquitto on a free port for this module."""
+    with LocalBroker(kind="mosquitto") as b:
+        yield b
+
+
+def _bus(
+    broker: LocalBroker, run: str, role: str, name: str, traffic: Traffic, **settings: int
+) -> MqttBus:
+    home = home_of(role, name)
+    will = encode(Presence(name=name, role=role, online=False))  # type: ignore[arg-type]
+    s = BrokerSection(port=broker.port, **settings)  # type: ignore[arg-type]
+    return MqttBus(
+        s, run=run, client_id=f"{run}-{name}", home=home, will=will, traffic=traffic
+    ).connect()
+
+
+def _run_over_mqtt(cfg: RunConfig, broker: LocalBroker) -> tuple[str, Traffic]:
+    """Every role on its own MqttBus and thread; returns (final model sha, shared traffic)."""
+    traffic = Traffic()
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    buses: list[MqttBus] = []
+    try:
+        cbus = _bus(broker, cfg.run.name, "cloud", "cloud", traffic)
+        buses.append(cbus)
+        cloud = CloudServer(
+            cfg,
+            cbus,
+            make_algorithm(cfg),
+            initial_model=dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()),
+        )
+        services: list[tuple[object, MqttBus]] = [(cloud, cbus)]
+        for e in edge_ids(cfg):
+            b = _bus(broker, cfg.run.name, "edge", e, traffic)
+            buses.append(b)
+            services.append((EdgeServer(cfg, b, make_algorithm(cfg), edge_id=e), b))
+        for i, p in enumerate(parts):
+            b = _bus(broker, cfg.run.name, "device", device_name(i), traffic)
+            buses.append(b)
+            dev = DeviceAgent(
+                cfg,
+                b,
+                make_algorithm(cfg),
+                device_id=device_name(i),
+                index=i,
+                home_edge=home_edge(i, cfg),
+                data=to_model_input(data.images[p]),
+                labels=torch.from_numpy(data.labels[p]),
+            )
+            services.append((dev, b))
+        stop = threading.Event()
+        threads = [
+            threading.Thread(
+                target=b.run, args=(lambda: stop.is_set(),), kwargs={"timeout_s": 180}, daemon=True
+            )
+            for _, b in services[1:]
+        ]
+        for svc, _ in services:
+            svc.start()  # type: ignore[attr-defined]
+        for t in threads:
+            t.start()
+        assert cbus.run(lambda: cloud.done, timeout_s=180), "cloud did not finish"
+        stop.set()
+        for t in threads:
+            t.join(10)
+        return cloud.model_sha, traffic
+    finally:
+        for b in buses:
+            b.close()
+
+
+def test_mqtt_and_memory_bus_agree(broker: LocalBroker) -> None:
+    """Same config and seed: identical final model, message counts and blob bytes."""
+    cfg = tiny_config(
+        run={"name": "agree", "rounds": 2},
+        federation={"num_devices": 4, "num_edges": 2},
+        train={"threads": 1},
+    )
+    mem = MemoryBus()
+    fed = build_federation(
+        cfg,
+        mem,
+        load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed),
+        make_partition(
+            load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed).labels,
+            cfg.federation.num_devices,
+            cfg.data,
+            cfg.run.seed,
+        ),
+    )
+    fed.start()
+    assert mem.run(lambda: fed.cloud.done)
+
+    sha, traffic = _run_over_mqtt(cfg, broker)
+    assert sha == fed.cloud.model_sha  # bitwise: same aggregation order on both buses
+
+    m, q = mem.traffic.snapshot(), traffic.snapshot()
+    assert q["messages"] == m["messages"]
+    assert q["rejected"] == m["rejected"] == {}
+    for key, nbytes in m["bytes"].items():
+        kind = key.split(":", 1)[1]
+        if kind in TIMING_KINDS:  # durations are floats whose JSON length varies by a few bytes
+            assert abs(q["bytes"][key] - nbytes) <= 16 * m["messages"][key], key
+        else:
+            assert q["bytes"][key] == nbytes, key
+    transport = traffic.transport()
+    assert transport["blobs_fetched"] > 0 and transport["wire_bytes_sent"] > 0
+
+
+def test_blob_roundtrip_resume_and_fanout(broker: LocalBroker) -> None:
+    """Chunked transfer of a 5.5-chunk blob; lost chunks are asked for again; three receivers
+    fetching at once share the sender's stream (fewer chunks sent than 3 x count)."""
+    traffic = Traffic()
+    cs = 64 * 1024
+    sender = _bus(broker, "blob", "cloud", "cloud", traffic, chunk_bytes=cs, chunk_timeout_s=1)
+    receivers = [
+        _bus(broker, "blob", "edge", f"e{i}", Traffic(), chunk_bytes=cs, chunk_timeout_s=1)
+        for i in range(3)
+    ]
+    try:
+        data = os.urandom(cs * 5 + cs // 2)
+        sha = sender.endpoint("cloud", "cloud").put_blob(data, kind="x")
+        n = chunk_count(len(data), cs)
+
+        # drop the first two chunks the first receiver sees: it must ask again and finish
+        r0 = receivers[0]
+        original = r0._route_chunk
+        dropped: list[str] = []
+
+        def lossy(topic: str, payload: bytes) -> None:
+            if len(dropped) < 2:
+                dropped.append(topic)
+                return
+            original(topic, payload)
+
+        r0._route_chunk = lossy  # type: ignore[method-assign]
+        got = r0.endpoint("e0", "edge/e0").get_blob(sha, len(data), kind="x", src="cloud")
+        assert got == data
+        assert r0.traffic.transport()["chunks_rerequested"] >= 2
+
+        # fan-out: the other two fetch concurrently
+        sent_before = traffic.transport()["chunks_sent"]
+        results: dict[int, bytes] = {}
+
+        def fetch(i: int) -> None:
+            ep = receivers[i].endpoint(f"e{i}", f"edge/e{i}")
+            results[i] = ep.get_blob(sha, len(data), kind="x", src="cloud")
+
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == {1: data, 2: data}
+        assert traffic.transport()["chunks_sent"] - sent_before <= 2 * n
+
+        # a second fetch is served from the receiver's cache
+        ep = receivers[1].endpoint("e1", "edge/e1")
+        assert ep.get_blob(sha, len(data), kind="x", src="cloud") == data
+        assert receivers[1].traffic.transport()["blob_cache_hits"] == 1
+    finally:
+        for b in [sender, *receivers]:
+            b.close()
+
+
+def test_blob_limits_and_missing(broker: LocalBroker) -> None:
+    """Oversized blobs are refused before any byte moves; an unknown hash fails fast."""
+    sender = _bus(broker, "lim", "cloud", "cloud", Traffic())
+    small = _bus(broker, "lim", "edge", "e0", Traffic(), max_blob_bytes=1000, chunk_timeout_s=1)
+    try:
+        data = np.arange(1000, dtype=np.float32).tobytes()
+        sha = sender.endpoint("cloud", "cloud").put_blob(data, kind="x")
+        ep = small.endpoint("e0", "edge/e0")
+        with pytest.raises(TransportError) as err:
+            ep.get_blob(sha, len(data), kind="x", src="cloud")
+        assert err.value.reason == "blob_too_large"
+        with pytest.raises(TransportError, match="does not have"):
+            ep.get_blob("ab" * 32, 10, kind="x", src="cloud", timeout_s=10)
+        with pytest.raises(TransportError) as err:
+            small.endpoint("e0", "edge/e0").put_blob(data, kind="x")
+        assert err.value.reason == "blob_too_large"
+    finally:
+        sender.close()
+        small.close()
+
+
+def test_connect_timeout_names_the_broker() -> None:
+    """No broker on the port: a bounded wait and an error that says where it looked."""
+    from shared.broker import free_port
+
+    port = free_port()
+    bus = MqttBus(
+        BrokerSection(port=port, connect_timeout_s=1.0), run="x", client_id="x", home="cloud"
+    )
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        bus.connect()

@@ -1,0 +1,158 @@
+"""Fault tolerance with every role as its own process on a real mosquitto: the cloud killed
+with SIGKILL resumes to the same final model as an uninterrupted run; a device killed
+mid-round does not stall the round; an edge restart and a broker restart are survived."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from estuary.launcher import Hierarchy
+from estuary.simulate import simulate
+from shared.broker import LocalBroker, find_mosquitto
+from shared.config import RunConfig
+from shared.report import read_metrics
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+
+
+def _setup(tmp_path: Path, name: str, **over: dict[str, Any]) -> tuple[RunConfig, Path]:
+    sections: dict[str, dict[str, Any]] = {
+        "run": {"name": name, "rounds": 4},
+        "federation": {"num_devices": 2, "num_edges": 2, "round_deadline_s": 60},
+        "train": {"local_steps": 4, "batch_size": 8, "threads": 1},
+    }
+    for k, v in over.items():
+        sections.setdefault(k, {}).update(v)
+    cfg = tiny_config(**sections)
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    return cfg, path
+
+
+@pytest.fixture
+def hierarchy(tmp_path: Path) -> Iterator[Callable[[RunConfig, Path], Hierarchy]]:
+    """Builds a Hierarchy on a fresh mosquitto; stops every process and the broker after."""
+    made: list[tuple[Hierarchy, LocalBroker]] = []
+
+    def make(cfg: RunConfig, path: Path) -> Hierarchy:
+        broker = LocalBroker(kind="mosquitto", workdir=tmp_path / "broker").start()
+        hier = Hierarchy(cfg, path, tmp_path / "run", broker, evaluate=False)
+        made.append((hier, broker))
+        return hier
+
+    yield make
+    for hier, broker in made:
+        hier.stop_all(timeout_s=10)
+        broker.stop()
+        assert not [p.name for p in hier.procs.values() if p.alive], "orphan processes"
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str, hier: Hierarchy) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        failed = hier.failed()
+        if failed:
+            pytest.fail(f"{failed[0].name} died: {failed[0].log_tail()}")
+        if time.monotonic() > end:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail(8)}" for p in hier.procs.values())
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}\n{tails}")
+        time.sleep(0.05)
+
+
+def _checkpoint_round(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "checkpoints" / "latest.json").read_text())["round"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _finish(hier: Hierarchy, timeout_s: float = 150) -> dict[str, Any]:
+    code = hier.wait("cloud", timeout_s)
+    assert code == 0, hier.procs["cloud"].log_tail(30)
+    return dict(json.loads((hier.run_dir / "summary.json").read_text()))
+
+
+def test_cloud_sigkill_resumes_to_the_uninterrupted_model(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """SIGKILL the cloud after its second checkpoint; the restarted cloud resumes at the next
+    round and ends with the same global model as an uninterrupted run of the same seed."""
+    cfg, path = _setup(tmp_path, "killcloud", run={"rounds": 5}, train={"local_steps": 12})
+    reference = simulate(cfg, tmp_path / "reference", progress=False, evaluate=False)
+
+    hier = hierarchy(cfg, path)
+    hier.start_all()
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 1, 120, "two checkpoints", hier)
+    scraped = hier.scrape_all()["cloud"]
+    assert any(k.startswith("estuary_bytes_total{") for k in scraped)
+    hier.kill("cloud")
+    killed_after = _checkpoint_round(hier.run_dir)
+    assert killed_after < cfg.run.rounds - 1, "the run finished before the kill; slow it down"
+    hier.start("cloud", "cloud")
+    summary = _finish(hier)
+
+    assert summary["resumed_from_round"] == killed_after + 1
+    assert summary["final_model_sha256"] == reference.final_model_sha256
+    rounds = [r["round"] for r in read_metrics(hier.run_dir / "metrics.jsonl")]
+    assert rounds == list(range(cfg.run.rounds))
+    assert "resuming after round" in hier.procs["cloud"].log_path.read_text()
+
+
+def test_device_killed_mid_round_does_not_stall(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """The edge sees the device's last will and closes the round without waiting for the
+    deadline; later rounds go on without the dead device."""
+    cfg, path = _setup(
+        tmp_path,
+        "killdev",
+        run={"rounds": 3},
+        federation={"num_devices": 4, "round_deadline_s": 300},
+        train={"local_steps": 40},
+    )
+    hier = hierarchy(cfg, path)
+    hier.start_all()
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0, 120, "round 0", hier)
+    hier.kill("dev001")
+    killed = time.monotonic()
+    summary = _finish(hier)
+    assert time.monotonic() - killed < cfg.federation.round_deadline_s / 3
+    assert summary["rounds"] == cfg.run.rounds
+    rows = read_metrics(hier.run_dir / "metrics.jsonl")
+    assert rows[-1]["participants"] == 3  # the offline device is no longer drawn
+    assert sum(r["updates"] for r in rows[1:]) < sum(r["participants"] for r in rows[1:]) + 1
+    assert "went offline" in hier.procs["edge1"].log_path.read_text()
+
+
+def test_edge_restart_and_broker_restart_are_survived(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """SIGKILL and restart an edge, then kill and restart the broker: the run completes and
+    every role reconnected."""
+    cfg, path = _setup(
+        tmp_path,
+        "restarts",
+        run={"rounds": 6},
+        federation={"round_deadline_s": 20},
+        train={"local_steps": 8},
+    )
+    hier = hierarchy(cfg, path)
+    hier.start_all()
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0, 120, "round 0", hier)
+    hier.kill("edge0")
+    hier.start("edge", "edge0")
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 2, 150, "round 2 after the edge restart", hier)
+    hier.broker.kill()
+    time.sleep(1.0)
+    hier.broker.start()
+    summary = _finish(hier, timeout_s=240)
+    assert summary["rounds"] == cfg.run.rounds
+    assert summary["transport"].get("reconnects", 0) >= 1
+    assert hier.procs["edge0"].restarts == 1
