@@ -11,6 +11,9 @@ Two measurements, each against the real alternative in the same run:
    received. The two alternate (layer first on odd repeats, raw first on even ones) so drift
    on a shared machine hits both. Ratio = throughput(layer) / throughput(raw) per repeat;
    the bar is a median ratio of at least 0.8.
+The sending side (the blob layer's sender bus and the raw paho publisher) runs in a child
+process, as the cloud does in a deployment, so the two sides do not share one interpreter.
+
 2. **Fan-out to 8 receivers.** Eight receiver buses fetch the same blob at once from one
    sender (the sender coalesces their requests; its ``chunks_sent`` is compared with
    8 x chunk count), against one paho publisher sending the chunks once to 8 subscribers.
@@ -144,7 +147,7 @@ def run_threads(fns: list[Callable[[], None]], timeout_s: float) -> None:
 
 def layer_fanout(
     settings: BrokerSection,
-    sender: MqttBus,
+    sender: SenderProcess,
     sha: str,
     size: int,
     receivers: int,
@@ -154,7 +157,7 @@ def layer_fanout(
     """Wall seconds until ``receivers`` fresh buses fetching at once all hold the blob."""
     buses: list[MqttBus] = []
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * receivers
-    sent_before = sender.traffic.transport().get("chunks_sent", 0.0)
+    sent_before = sender.chunks_sent()
 
     def fetch(i: int) -> Callable[[], None]:
         def go() -> None:
@@ -173,7 +176,7 @@ def layer_fanout(
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     return {
         "wall_s": wall,
-        "chunks_sent": int(sender.traffic.transport().get("chunks_sent", 0.0) - sent_before),
+        "chunks_sent": int(sender.chunks_sent() - sent_before),
         "chunks_duplicate": int(sum(c.get("chunks_duplicate", 0.0) for c in counters)),
         "chunks_rerequested": int(sum(c.get("chunks_rerequested", 0.0) for c in counters)),
         "chunks_unsolicited": int(sum(c.get("chunks_unsolicited", 0.0) for c in counters)),
@@ -238,12 +241,17 @@ def close_raw(client: mqtt.Client) -> None:
 
 
 def raw_transfer(
-    host: str, port: int, data: bytes, subscribers: int, tag: str, timeout_s: float
+    host: str,
+    port: int,
+    sender: SenderProcess,
+    size: int,
+    subscribers: int,
+    tag: str,
+    timeout_s: float,
 ) -> float:
-    """Seconds from the first publish until every subscriber has every 1 MiB chunk."""
-    n = chunk_count(len(data), MIB)
+    """Seconds from the publish command until every subscriber has every 1 MiB chunk."""
+    n = chunk_count(size, MIB)
     prefix = f"{RUN}/raw/{tag}"
-    publisher = raw_client(host, port, f"bench-rawpub-{tag}", timeout_s)
     sinks = [_Sink(n) for _ in range(subscribers)]
     subs: list[mqtt.Client] = []
     try:
@@ -251,18 +259,98 @@ def raw_transfer(
             subs.append(raw_client(host, port, f"bench-rawsub{i}-{tag}", timeout_s))
             raw_subscribe(subs[-1], f"{prefix}/+", sink, timeout_s)
         start = time.perf_counter()
-        for i in range(n):
-            publisher.publish(f"{prefix}/{i}", data[i * MIB : (i + 1) * MIB], qos=QOS)
+        sender.command(f"raw {tag}")
         deadline = time.monotonic() + timeout_s
         for sink in sinks:
             if not sink.done.wait(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"raw subscriber got {len(sink.seen)}/{n} chunks in time")
+        sender.wait_sent()
     finally:
-        for client in [publisher, *subs]:
+        for client in subs:
             close_raw(client)
-    if any(s.nbytes != len(data) for s in sinks):
+    if any(s.nbytes != size for s in sinks):
         raise RuntimeError("a raw subscriber received the wrong number of bytes")
     return max(s.last for s in sinks) - start
+
+
+# -- the sending side, in its own process (as the cloud is in a deployment) ----------------
+
+
+def serve(port: int, size_mib: float | None, seed: int, timeout_s: float) -> None:
+    """Child mode: hold the blob in a sender bus and a raw publisher; obey stdin commands:
+    ``raw TAG`` publishes the chunks raw on ``bench/raw/TAG/i``; ``stats`` prints the sender's
+    transport counters as JSON; ``quit`` exits."""
+    import sys
+
+    data, _ = make_blob(size_mib, seed)
+    settings = BrokerSection(host="127.0.0.1", port=port)
+    sender = connect_bus(settings, SENDER_HOME, "bench-cloud")
+    publisher = raw_client("127.0.0.1", port, "bench-rawpub", timeout_s)
+    sender.endpoint("cloud", SENDER_HOME).put_blob(data, kind=KIND)
+    n = chunk_count(len(data), MIB)
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            cmd, _, tag = line.strip().partition(" ")
+            if cmd == "raw":
+                for i in range(n):
+                    publisher.publish(
+                        f"{RUN}/raw/{tag}/{i}", data[i * MIB : (i + 1) * MIB], qos=QOS
+                    )
+                print("sent", flush=True)
+            elif cmd == "stats":
+                print(json.dumps(sender.traffic.transport()), flush=True)
+            elif cmd == "quit":
+                break
+    finally:
+        close_raw(publisher)
+        sender.close()
+
+
+class SenderProcess:
+    """The parent's handle on the ``--serve`` child."""
+
+    def __init__(self, port: int, size_mib: float | None, seed: int, timeout_s: float) -> None:
+        import sys
+
+        argv = [sys.executable, __file__, "--serve", str(port), "--seed", str(seed)]
+        argv += ["--timeout", str(timeout_s)]
+        if size_mib is not None:
+            argv += ["--size-mb", str(size_mib)]
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        if self._line() != "ready":
+            raise RuntimeError("the sender process did not start")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def command(self, cmd: str) -> None:
+        """Send one command line (not waiting for its answer)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def chunks_sent(self) -> float:
+        """The sender bus's ``chunks_sent`` counter."""
+        self.command("stats")
+        return float(json.loads(self._line()).get("chunks_sent", 0.0))
+
+    def wait_sent(self) -> None:
+        """Read the ``sent`` answer of a ``raw`` command."""
+        if self._line() != "sent":
+            raise RuntimeError("the sender process did not finish a raw publish")
+
+    def close(self) -> None:
+        """Ask the child to quit; kill it if it does not."""
+        try:
+            self.command("quit")
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -274,7 +362,12 @@ def mib_s(size: int, seconds: float) -> float:
 
 
 def single_repeat(
-    settings: BrokerSection, data: bytes, sha: str, rep: int, timeout_s: float
+    settings: BrokerSection,
+    sender: SenderProcess,
+    data: bytes,
+    sha: str,
+    rep: int,
+    timeout_s: float,
 ) -> dict[str, float]:
     """One layer/raw pair, layer first on even ``rep`` (0-based), raw first otherwise."""
     size = len(data)
@@ -285,7 +378,9 @@ def single_repeat(
         if which == "layer":
             secs[which] = layer_single(settings, sha, size, f"s{rep}", timeout_s)
         else:
-            secs[which] = raw_transfer(settings.host, settings.port, data, 1, f"s{rep}", timeout_s)
+            secs[which] = raw_transfer(
+                settings.host, settings.port, sender, size, 1, f"s{rep}", timeout_s
+            )
     return {
         "layer_s": secs["layer"],
         "raw_s": secs["raw"],
@@ -297,7 +392,7 @@ def single_repeat(
 
 def fanout_repeat(
     settings: BrokerSection,
-    sender: MqttBus,
+    sender: SenderProcess,
     data: bytes,
     sha: str,
     receivers: int,
@@ -316,7 +411,7 @@ def fanout_repeat(
             out.update(layer)
         else:
             out["raw_s"] = raw_transfer(
-                settings.host, settings.port, data, receivers, f"f{rep}", timeout_s
+                settings.host, settings.port, sender, size, receivers, f"f{rep}", timeout_s
             )
     out["layer_aggregate_mib_s"] = mib_s(receivers * size, out["layer_s"])
     out["raw_aggregate_mib_s"] = mib_s(receivers * size, out["raw_s"])
@@ -351,7 +446,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # child mode: port
     args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.size_mb, args.seed, args.timeout)
+        return
     repeats, size_mib = (1, 16.0) if args.quick else (args.repeats, args.size_mb)
     if repeats < 1 or args.receivers < 1:
         ap.error("--repeats and --receivers must be at least 1")
@@ -362,15 +461,13 @@ def main() -> None:
 
     with LocalBroker(kind="mosquitto") as broker:
         settings = BrokerSection(host=broker.host, port=broker.port)
-        sender = connect_bus(settings, SENDER_HOME, "bench-cloud")
+        sender = SenderProcess(broker.port, size_mib, args.seed, args.timeout)
         try:
-            if sender.endpoint("cloud", SENDER_HOME).put_blob(data, kind=KIND) != sha:
-                raise RuntimeError("sender stored the blob under another hash")
-            single_repeat(settings, data, sha, -1, args.timeout)  # warm-up, not recorded
+            single_repeat(settings, sender, data, sha, -1, args.timeout)  # warm-up, not recorded
             single: list[dict[str, float]] = []
             fanout: list[dict[str, float]] = []
             for rep in range(repeats):
-                single.append(single_repeat(settings, data, sha, rep, args.timeout))
+                single.append(single_repeat(settings, sender, data, sha, rep, args.timeout))
                 fanout.append(
                     fanout_repeat(settings, sender, data, sha, args.receivers, rep, args.timeout)
                 )
@@ -426,7 +523,8 @@ def main() -> None:
             "qos": QOS,
             "raw_max_inflight_messages": RAW_INFLIGHT,
             "broker": "mosquitto (shared.broker.LocalBroker) on loopback",
-            "topology": "all buses and paho clients in this one Python process",
+            "topology": "sender bus and raw publisher in one child process; receivers in the "
+            "parent process (fan-out: 8 receiver buses or paho subscribers on threads of it)",
             "bus": settings.model_dump(),
         },
         "host": host_before,
