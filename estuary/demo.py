@@ -24,6 +24,7 @@ from shared.checkpoint import atomic_write
 from shared.config import RunConfig, config_from_dict, load_config
 from shared.errors import EstuaryError
 from shared.report import read_metrics
+from shared.runtime import interrupts_as_keyboard
 
 log = logging.getLogger(__name__)
 
@@ -98,28 +99,13 @@ def run_demo(
     broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker")
     hier: Hierarchy | None = None
     scrapes: dict[str, dict[str, float]] = {}
-    try:
-        broker.start()
-        if progress:
-            print(f"broker: {broker.kind} at {broker.url}")
-        hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
-        hier.start_all()
-        if progress:
-            ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
-            print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
-        scrapes = _follow(hier, cfg, run_dir, progress=progress)
-        code = hier.wait("cloud", 60)
-        if code != 0:
-            raise EstuaryError(
-                f"the cloud exited with code {code}; its log ends with:\n"
-                f"{hier.procs['cloud'].log_tail()}"
-            )
-        for p in hier.procs.values():  # edges and devices leave once they see "done"
-            hier.wait(p.name, 30)
-    finally:
-        if hier is not None:
-            hier.stop_all()
-        broker.stop()
+    with interrupts_as_keyboard():
+        try:
+            hier = _run(cfg, config_path, run_dir, broker, scrapes, progress, evaluate)
+        finally:
+            if hier is not None:
+                hier.stop_all()
+            broker.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     atomic_write(run_dir / "prometheus.json", json.dumps(scrapes, indent=1).encode())
     return DemoResult(
@@ -130,6 +116,42 @@ def run_demo(
         rows=read_metrics(run_dir / "metrics.jsonl"),
         scrapes=scrapes,
     )
+
+
+def _run(
+    cfg: RunConfig,
+    config_path: Path,
+    run_dir: Path,
+    broker: LocalBroker,
+    scrapes: dict[str, dict[str, float]],
+    progress: bool,
+    evaluate: bool,
+) -> Hierarchy:
+    """Broker up, processes up, follow to the end (the caller stops everything)."""
+    hier: Hierarchy | None = None
+    try:
+        broker.start()
+        if progress:
+            print(f"broker: {broker.kind} at {broker.url}")
+        hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
+        hier.start_all()
+        if progress:
+            ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
+            print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
+        scrapes.update(_follow(hier, cfg, run_dir, progress=progress))
+        code = hier.wait("cloud", 60)
+        if code != 0:
+            raise EstuaryError(
+                f"the cloud exited with code {code}; its log ends with:\n"
+                f"{hier.procs['cloud'].log_tail()}"
+            )
+        for p in hier.procs.values():  # edges and devices leave once they see "done"
+            hier.wait(p.name, 30)
+        return hier
+    except BaseException:
+        if hier is not None:
+            hier.stop_all()
+        raise
 
 
 def _follow(

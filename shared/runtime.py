@@ -86,16 +86,18 @@ def die_with_parent() -> None:
 
 @contextlib.contextmanager
 def interrupts_as_keyboard() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C, so every shutdown path runs the same ``finally``."""
+    """SIGTERM and SIGINT raise KeyboardInterrupt (also when SIGINT was inherited as ignored,
+    as in background jobs), so every shutdown path runs the same ``finally``."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def connect_bus(cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None) -> MqttBus:
