@@ -10,7 +10,9 @@ Two measurements, each against the real alternative in the same run:
    one paho subscriber that only counts them: timed from the first publish to the last chunk
    received. The two alternate (layer first on odd repeats, raw first on even ones) so drift
    on a shared machine hits both. Ratio = throughput(layer) / throughput(raw) per repeat;
-   the bar is a median ratio of at least 0.8.
+   the bar is a median ratio of at least 0.8. A diagnostic third leg, "transport only", runs
+   the same request and chunk stream into a bus that only counts chunks (no hashing or
+   assembly), to separate the transport path from the verification work.
 The sending side (the blob layer's sender bus and the raw paho publisher) runs in a child
 process, as the cloud does in a deployment, so the two sides do not share one interpreter.
 
@@ -121,6 +123,41 @@ def layer_single(settings: BrokerSection, sha: str, size: int, tag: str, timeout
     finally:
         receiver.close()
     return end - start
+
+
+def transport_only(
+    settings: BrokerSection, sha: str, size: int, tag: str, timeout_s: float
+) -> float:
+    """Diagnostic: the same request and chunk stream as ``get_blob``, but the receiving bus only
+    counts chunks in its network thread (no hand-off, hashing or assembly). Separates the
+    transport path from the verification work a real fetch does."""
+    import queue as queue_mod
+
+    from shared.mqtt import _Fetch
+
+    n = chunk_count(size, settings.chunk_bytes)
+    receiver = connect_bus(settings, "edge/edge0", f"bench-tonly-{tag}")
+    got = [0]
+    done = threading.Event()
+
+    def count(_topic: str, _payload: bytes) -> None:
+        got[0] += 1
+        if got[0] == n:
+            done.set()
+
+    try:
+        receiver._route_chunk = count  # type: ignore[method-assign,assignment]
+        receiver._subscribe_wait(
+            receiver.topics.blob_chunk(SENDER_HOME, sha, settings.chunk_bytes, "+")
+        )
+        fetch = _Fetch(sha, size, settings.chunk_bytes, n, queue_mod.Queue(), bytearray(n))
+        start = time.perf_counter()
+        receiver._ask(fetch, SENDER_HOME, list(range(n)))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"transport-only receiver got {got[0]}/{n} chunks in time")
+        return time.perf_counter() - start
+    finally:
+        receiver.close()
 
 
 def run_threads(fns: list[Callable[[], None]], timeout_s: float) -> None:
@@ -317,9 +354,7 @@ class SenderProcess:
         argv += ["--timeout", str(timeout_s)]
         if size_mib is not None:
             argv += ["--size-mb", str(size_mib)]
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self._line() != "ready":
             raise RuntimeError("the sender process did not start")
 
@@ -369,14 +404,17 @@ def single_repeat(
     rep: int,
     timeout_s: float,
 ) -> dict[str, float]:
-    """One layer/raw pair, layer first on even ``rep`` (0-based), raw first otherwise."""
+    """One layer/raw pair (plus the transport-only diagnostic), layer first on even ``rep``
+    (0-based), raw first otherwise."""
     size = len(data)
-    order = ("layer", "raw") if rep % 2 == 0 else ("raw", "layer")
+    order = ("layer", "transport", "raw") if rep % 2 == 0 else ("raw", "transport", "layer")
     secs: dict[str, float] = {}
     for which in order:
         gc.collect()
         if which == "layer":
             secs[which] = layer_single(settings, sha, size, f"s{rep}", timeout_s)
+        elif which == "transport":
+            secs[which] = transport_only(settings, sha, size, f"s{rep}", timeout_s)
         else:
             secs[which] = raw_transfer(
                 settings.host, settings.port, sender, size, 1, f"s{rep}", timeout_s
@@ -387,6 +425,8 @@ def single_repeat(
         "layer_mib_s": mib_s(size, secs["layer"]),
         "raw_mib_s": mib_s(size, secs["raw"]),
         "ratio": secs["raw"] / secs["layer"],  # throughput(layer) / throughput(raw)
+        "transport_s": secs["transport"],
+        "transport_ratio": secs["raw"] / secs["transport"],
     }
 
 
@@ -490,6 +530,8 @@ def main() -> None:
             ("layer MiB/s", "layer_mib_s"),
             ("raw MiB/s", "raw_mib_s"),
             ("ratio", "ratio"),
+            ("transport s", "transport_s"),
+            ("transp. ratio", "transport_ratio"),
         ],
     )
     print_table(
