@@ -150,9 +150,11 @@ def transport_only(
         receiver._subscribe_wait(
             receiver.topics.blob_chunk(SENDER_HOME, sha, settings.chunk_bytes, "+")
         )
-        fetch = _Fetch(sha, size, settings.chunk_bytes, n, queue_mod.Queue(), bytearray(n))
+        fetch = _Fetch(
+            sha, SENDER_HOME, size, settings.chunk_bytes, n, queue_mod.Queue(), bytearray(n)
+        )
         start = time.perf_counter()
-        receiver._ask(fetch, SENDER_HOME, list(range(n)))
+        receiver._ask(fetch, list(range(n)))
         if not done.wait(timeout_s):
             raise TimeoutError(f"transport-only receiver got {got[0]}/{n} chunks in time")
         return time.perf_counter() - start

@@ -114,24 +114,10 @@ class CloudServer(RoleService):
     def start(self) -> None:
         """Subscribe to registrations and edge reports; wait for devices."""
         t = self.topics
-        self.on(
-            t.all_device_hello,
-            DeviceHello,
-            self.on_hello,
-            "msg_hello",
-            topic_of=lambda m: t.device_hello(m.device),
-        )
-        self.on(
-            t.all_edge_up,
-            EdgeUpdate,
-            self.on_edge_update,
-            "msg_edge_update",
-            topic_of=lambda m: t.edge_up(m.edge),
-        )
+        self.on(t.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
+        self.on(t.all_edge_up, EdgeUpdate, self.on_edge_update, "msg_edge_update")
         for pattern in (t.all_device_status, t.all_edge_status):
-            self.on(
-                pattern, Presence, self.on_presence, "msg_presence", topic_of=self.presence_topic
-            )
+            self.on(pattern, Presence, self.on_presence, "msg_presence")
         self.announce_presence(True)
         self.metrics.model_params.set(sum(t.numel() for t in self.model.values()))
         self._publish_state("waiting")

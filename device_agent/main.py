@@ -23,10 +23,8 @@ from shared.runtime import (
     add_common_args,
     connect_bus,
     die_with_parent,
-    follow_cloud,
     load_role_config,
-    run_until_done,
-    serve_metrics,
+    serve_until_cloud_done,
     setup_logging,
 )
 
@@ -73,10 +71,5 @@ def main(argv: list[str] | None = None) -> int:
         labels=torch.from_numpy(data.labels[mine]),
     )
     del data
-    finished: list[bool] = []
-    if not args.stay:
-        follow_cloud(device, lambda: finished.append(True))
-    serve_metrics(device, cfg)
-    device.start()
-    log.info("%s ready with %d samples (home %s)", args.id, len(mine), device.home_edge)
-    return run_until_done(device, bus, lambda: bool(finished))
+    log.info("%s has %d samples (home %s)", args.id, len(mine), device.home_edge)
+    return serve_until_cloud_done(device, bus, stay=args.stay)

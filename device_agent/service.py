@@ -59,13 +59,7 @@ class DeviceAgent(RoleService):
 
     def start(self) -> None:
         """Subscribe to edge round announcements and publish the retained registration."""
-        self.on(
-            f"{self.topics.base}/edge/+/round",
-            EdgeRound,
-            self.on_edge_round,
-            "msg_edge_round",
-            topic_of=lambda m: self.topics.edge_round(m.edge),
-        )
+        self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
         self.announce_presence(True)
         hello = DeviceHello(
             device=self.name,

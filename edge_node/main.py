@@ -19,10 +19,8 @@ from shared.runtime import (
     add_common_args,
     connect_bus,
     die_with_parent,
-    follow_cloud,
     load_role_config,
-    run_until_done,
-    serve_metrics,
+    serve_until_cloud_done,
     setup_logging,
 )
 
@@ -53,10 +51,4 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return EXIT_ERROR
     edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=args.id)
-    finished: list[bool] = []
-    if not args.stay:
-        follow_cloud(edge, lambda: finished.append(True))
-    serve_metrics(edge, cfg)
-    edge.start()
-    log.info("%s serving", args.id)
-    return run_until_done(edge, bus, lambda: bool(finished))
+    return serve_until_cloud_done(edge, bus, stay=args.stay)

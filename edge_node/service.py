@@ -67,27 +67,9 @@ class EdgeServer(RoleService):
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
         t = self.topics
-        self.on(
-            t.all_device_up,
-            DeviceUpdate,
-            self.on_device_update,
-            "msg_device_update",
-            topic_of=lambda m: t.device_up(m.device),
-        )
-        self.on(
-            t.all_device_status,
-            Presence,
-            self.on_presence,
-            "msg_presence",
-            topic_of=self.presence_topic,
-        )
-        self.on(
-            t.all_device_hello,
-            DeviceHello,
-            self.on_hello,
-            "msg_hello",
-            topic_of=lambda m: t.device_hello(m.device),
-        )
+        self.on(t.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
+        self.on(t.all_device_status, Presence, self.on_presence, "msg_presence")
+        self.on(t.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
         self.announce_presence(True)
         self._publish_state()
 

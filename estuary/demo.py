@@ -97,14 +97,13 @@ def run_demo(
     atomic_write(config_path, cfg.to_json().encode())
     t0 = time.monotonic()
     broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker")
-    hier: Hierarchy | None = None
+    hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
     scrapes: dict[str, dict[str, float]] = {}
     with interrupts_as_keyboard():
         try:
-            hier = _run(cfg, config_path, run_dir, broker, scrapes, progress, evaluate)
+            _run(hier, scrapes, progress=progress)
         finally:
-            if hier is not None:
-                hier.stop_all()
+            hier.stop_all()
             broker.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     atomic_write(run_dir / "prometheus.json", json.dumps(scrapes, indent=1).encode())
@@ -118,40 +117,24 @@ def run_demo(
     )
 
 
-def _run(
-    cfg: RunConfig,
-    config_path: Path,
-    run_dir: Path,
-    broker: LocalBroker,
-    scrapes: dict[str, dict[str, float]],
-    progress: bool,
-    evaluate: bool,
-) -> Hierarchy:
+def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: bool) -> None:
     """Broker up, processes up, follow to the end (the caller stops everything)."""
-    hier: Hierarchy | None = None
-    try:
-        broker.start()
-        if progress:
-            print(f"broker: {broker.kind} at {broker.url}")
-        hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
-        hier.start_all()
-        if progress:
-            ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
-            print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
-        scrapes.update(_follow(hier, cfg, run_dir, progress=progress))
-        code = hier.wait("cloud", 60)
-        if code != 0:
-            raise EstuaryError(
-                f"the cloud exited with code {code}; its log ends with:\n"
-                f"{hier.procs['cloud'].log_tail()}"
-            )
-        for p in hier.procs.values():  # edges and devices leave once they see "done"
-            hier.wait(p.name, 30)
-        return hier
-    except BaseException:
-        if hier is not None:
-            hier.stop_all()
-        raise
+    hier.broker.start()
+    if progress:
+        print(f"broker: {hier.broker.kind} at {hier.broker.url}")
+    hier.start_all()
+    if progress:
+        ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
+        print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
+    scrapes.update(_follow(hier, hier.cfg, hier.run_dir, progress=progress))
+    code = hier.wait("cloud", 60)
+    if code != 0:
+        raise EstuaryError(
+            f"the cloud exited with code {code}; its log ends with:\n"
+            f"{hier.procs['cloud'].log_tail()}"
+        )
+    for p in hier.procs.values():  # edges and devices leave once they see "done"
+        hier.wait(p.name, 30)
 
 
 def _follow(

@@ -151,7 +151,9 @@ class Endpoint:
 
 
 @dataclass(order=True)
-class _MemTimer(Timer):
+class HeapTimer(Timer):
+    """A timer kept in a heap ordered by (due time, sequence number)."""
+
     due: float
     seq: int
     fn: Callable[[], None] = field(compare=False)
@@ -188,7 +190,7 @@ class MemoryBus(Bus):
         self._queue: deque[tuple[Handler, str, bytes]] = deque()
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
         self._blob_bytes = 0
-        self._timers: list[_MemTimer] = []
+        self._timers: list[HeapTimer] = []
         self._seq = itertools.count()
         self._clock = 0.0
 
@@ -232,7 +234,7 @@ class MemoryBus(Bus):
         return data
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
-        timer = _MemTimer(self._clock + max(0.0, delay_s), next(self._seq), fn)
+        timer = HeapTimer(self._clock + max(0.0, delay_s), next(self._seq), fn)
         heapq.heappush(self._timers, timer)
         return timer
 

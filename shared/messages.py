@@ -97,6 +97,27 @@ class Topics:
         """Subscriptions a blob server ``src`` needs to see every request addressed to it."""
         return [f"{self.base}/cloud/want/{src}", f"{self.base}/+/+/want/{src}"]
 
+    def origin(self, msg: BaseModel) -> str | None:
+        """The only topic ``msg`` may arrive on: its sender's own subtree, which the broker
+        ACL ties to the sender's credentials (None for kinds without a fixed origin)."""
+        if isinstance(msg, DeviceHello):
+            return self.device_hello(msg.device)
+        if isinstance(msg, DeviceUpdate):
+            return self.device_up(msg.device)
+        if isinstance(msg, EdgeRound):
+            return self.edge_round(msg.edge)
+        if isinstance(msg, EdgeUpdate):
+            return self.edge_up(msg.edge)
+        if isinstance(msg, EdgeState):
+            return self.edge_state(msg.edge)
+        if isinstance(msg, Presence):
+            return self.status(home_of(msg.role, msg.name))
+        if isinstance(msg, RoundStart):
+            return self.cloud_round
+        if isinstance(msg, CloudState):
+            return self.cloud_state
+        return None
+
     @property
     def all_edge_up(self) -> str:
         """Subscription pattern for every edge's results."""

@@ -51,7 +51,7 @@ from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
 from shared.blobs import BlobStore
-from shared.bus import Bus, Handler, Timer, topic_matches
+from shared.bus import Bus, Handler, HeapTimer, Timer, topic_matches
 from shared.config import BrokerSection
 from shared.errors import CodecError, TransportError
 from shared.messages import MAX_MESSAGE_BYTES, BlobWant, Topics, encode
@@ -93,22 +93,12 @@ def _ranges(indices: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass(order=True)
-class _Timer(Timer):
-    due: float
-    seq: int
-    fn: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 @dataclass
 class _Fetch:
     """One blob being received."""
 
     sha256: str
+    src: str
     size: int
     chunk_bytes: int
     n: int
@@ -163,10 +153,9 @@ class MqttBus(Bus):
         self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=100_000)
         self._retained: dict[str, bytes] = {}
         self._fetches: dict[str, _Fetch] = {}
-        self._fetch_src: dict[str, str] = {}
         self._fetch_lock = threading.Lock()
         self._fetch_bytes = 0
-        self._timers: list[_Timer] = []
+        self._timers: list[HeapTimer] = []
         self._timer_lock = threading.Lock()
         self._seq = itertools.count()
         self._suback: dict[int, threading.Event] = {}
@@ -460,7 +449,7 @@ class MqttBus(Bus):
         return self.store.put(data)
 
     def _chunk_pattern(self, f: _Fetch) -> str:
-        return self.topics.blob_chunk(self._fetch_src[f.sha256], f.sha256, f.chunk_bytes, "+")
+        return self.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
 
     def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
         data = self.store.get(sha256)
@@ -480,13 +469,12 @@ class MqttBus(Bus):
             return data
         fetch = self._start_fetch(sha256, size, src)
         try:
-            self._receive(fetch, src, deadline)
+            self._receive(fetch, deadline)
         finally:
             with self._fetch_lock:
                 self._fetches.pop(sha256, None)
-                self._fetch_src.pop(sha256, None)
                 self._fetch_bytes -= size
-            self.client.unsubscribe(self.topics.blob_chunk(src, sha256, fetch.chunk_bytes, "+"))
+            self.client.unsubscribe(self._chunk_pattern(fetch))
             fetch.done.set()
         if fetch.hasher.hexdigest() != sha256:
             raise CodecError(
@@ -511,6 +499,7 @@ class MqttBus(Bus):
                 )
             fetch = _Fetch(
                 sha256,
+                src,
                 size,
                 cs,
                 n,
@@ -518,12 +507,11 @@ class MqttBus(Bus):
                 bytearray(n),
             )
             self._fetches[sha256] = fetch
-            self._fetch_src[sha256] = src
             self._fetch_bytes += size
-        self._subscribe_wait(self.topics.blob_chunk(src, sha256, cs, "+"))
+        self._subscribe_wait(self._chunk_pattern(fetch))
         return fetch
 
-    def _ask(self, fetch: _Fetch, src: str, indices: list[int]) -> None:
+    def _ask(self, fetch: _Fetch, indices: list[int]) -> None:
         runs = _ranges(indices)
         for k in range(0, len(runs), 4096):
             want = BlobWant(
@@ -532,17 +520,17 @@ class MqttBus(Bus):
                 chunk_bytes=fetch.chunk_bytes,
                 chunks=runs[k : k + 4096],
             )
-            self._raw_publish(self.topics.blob_want(self.home, src), encode(want))
+            self._raw_publish(self.topics.blob_want(self.home, fetch.src), encode(want))
 
-    def _receive(self, fetch: _Fetch, src: str, deadline: float) -> None:
-        self._ask(fetch, src, list(range(fetch.n)))
+    def _receive(self, fetch: _Fetch, deadline: float) -> None:
+        self._ask(fetch, list(range(fetch.n)))
         silence = self.settings.chunk_timeout_s
         while fetch.received < fetch.n:
             left = deadline - time.monotonic()
             if left <= 0 or self._closing.is_set():
                 raise TransportError(
-                    f"blob {fetch.sha256[:12]}… from {src}: {fetch.received}/{fetch.n} chunks "
-                    "before the fetch timeout",
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: {fetch.received}/{fetch.n} "
+                    "chunks before the fetch timeout",
                     reason="timeout",
                 )
             try:
@@ -550,16 +538,16 @@ class MqttBus(Bus):
             except queue.Empty:
                 missing = fetch.missing()
                 self.traffic.note("chunks_rerequested", len(missing))
-                log.info("%s: re-asking %s for %d chunks", self.client_id, src, len(missing))
-                self._ask(fetch, src, missing)
+                log.info("%s: re-asking %s for %d chunks", self.client_id, fetch.src, len(missing))
+                self._ask(fetch, missing)
                 continue
             if index == _MISSING:
-                raise TransportError(f"{src} does not have blob {fetch.sha256[:12]}…")
+                raise TransportError(f"{fetch.src} does not have blob {fetch.sha256[:12]}…")
             if not 0 <= index < fetch.n or len(payload) != fetch.expected_len(index):
                 # the sender's blob is not the advertised size: no point waiting for more
                 self.traffic.note("chunks_invalid")
                 raise CodecError(
-                    f"blob {fetch.sha256[:12]}… from {src}: chunk {index} has {len(payload)} "
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: chunk {index} has {len(payload)} "
                     f"bytes, expected {fetch.expected_len(index) if 0 <= index < fetch.n else 0}",
                     reason="blob_size_mismatch",
                 )
@@ -577,7 +565,7 @@ class MqttBus(Bus):
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
-        timer = _Timer(time.monotonic() + max(0.0, delay_s), next(self._seq), fn)
+        timer = HeapTimer(time.monotonic() + max(0.0, delay_s), next(self._seq), fn)
         with self._timer_lock:
             heapq.heappush(self._timers, timer)
         return timer
@@ -585,7 +573,7 @@ class MqttBus(Bus):
     def now(self) -> float:
         return time.monotonic()
 
-    def _due_timer(self) -> tuple[_Timer | None, float]:
+    def _due_timer(self) -> tuple[HeapTimer | None, float]:
         """Pop a due timer, or return the seconds until the next one."""
         with self._timer_lock:
             while self._timers and self._timers[0].cancelled:

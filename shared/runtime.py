@@ -132,6 +132,18 @@ def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:
     return port
 
 
+def serve_until_cloud_done(service: RoleService, bus: MqttBus, *, stay: bool) -> int:
+    """Edge/device process body: metrics, start, dispatch until the cloud reports the run
+    done (forever with ``stay``); returns the exit code."""
+    finished: list[bool] = []
+    if not stay:
+        follow_cloud(service, lambda: finished.append(True))
+    serve_metrics(service, service.cfg)
+    service.start()
+    log.info("%s serving", service.name)
+    return run_until_done(service, bus, lambda: bool(finished))
+
+
 def run_until_done(
     service: RoleService,
     bus: MqttBus,

@@ -38,10 +38,6 @@ class RoleService:
         self.traffic: Traffic = bus.traffic
         self.metrics = RoleMetrics(self.role, name, bus.traffic)
 
-    def presence_topic(self, msg: Presence) -> str:
-        """The only topic ``msg`` may legitimately arrive on."""
-        return self.topics.status(home_of(msg.role, msg.name))
-
     def presence(self, online: bool) -> Presence:
         """This instance's presence message (the offline one is the MQTT last will)."""
         return Presence(name=self.name, role=self.role, online=online)  # type: ignore[arg-type]
@@ -49,6 +45,10 @@ class RoleService:
     def announce_presence(self, online: bool) -> None:
         """Publish retained presence under this instance's own subtree."""
         self.send(self.topics.status(self.home), self.presence(online), retain=True)
+
+    def start(self) -> None:
+        """Subscribe to what this role handles and announce it (each role implements it)."""
+        raise NotImplementedError
 
     def stop(self) -> None:
         """Say goodbye (retained ``online: false``) before a clean shutdown."""
@@ -59,20 +59,12 @@ class RoleService:
         self.traffic.reject(self.role, reason)
         log.warning("%s rejected input (%s): %s", self.name, reason, detail)
 
-    def on(
-        self,
-        pattern: str,
-        msg_type: type[M],
-        handler: Callable[[M], None],
-        kind: str,
-        *,
-        topic_of: Callable[[M], str] | None = None,
-    ) -> None:
+    def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
 
-        ``topic_of(msg)`` names the only topic such a message may arrive on (the sender's own
-        subtree, which the broker ACL ties to its credentials); anything else is rejected as
-        ``wrong_sender``, so one device cannot speak for another.
+        A message that arrives on another topic than its sender's own
+        (:meth:`~shared.messages.Topics.origin`) is rejected as ``wrong_sender``, so one
+        device cannot speak for another.
         """
 
         def wrapped(topic: str, payload: bytes) -> None:
@@ -81,8 +73,9 @@ class RoleService:
             except MessageError as err:
                 self.reject(err.reason, f"{topic}: {err.detail}")
                 return
-            if topic_of is not None and topic != topic_of(msg):
-                self.reject("wrong_sender", f"{topic} carried a message for {topic_of(msg)}")
+            origin = self.topics.origin(msg)
+            if origin is not None and topic != origin:
+                self.reject("wrong_sender", f"{topic} carried a message for {origin}")
                 return
             handler(msg)
 

@@ -116,17 +116,9 @@ def test_mqtt_and_memory_bus_agree(broker: LocalBroker) -> None:
         train={"threads": 1},
     )
     mem = MemoryBus()
-    fed = build_federation(
-        cfg,
-        mem,
-        load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed),
-        make_partition(
-            load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed).labels,
-            cfg.federation.num_devices,
-            cfg.data,
-            cfg.run.seed,
-        ),
-    )
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    fed = build_federation(cfg, mem, data, parts)
     fed.start()
     assert mem.run(lambda: fed.cloud.done)
 
