@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cloud.service import CloudServer, RoundSummary
 from shared.algorithms import make_algorithm
+from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
 from shared.errors import EstuaryError
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, int] | None:
-    """(model, next round) from the latest checkpoint of this config in ``run_dir``."""
+def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, Plan | None, int] | None:
+    """(global state, architecture plan, next round) from the latest checkpoint of this
+    config in ``run_dir``."""
     path = latest_checkpoint_path(run_dir / "checkpoints")
     if path is None:
         return None
@@ -59,7 +61,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, int] | None
             f"({ckpt.config.digest()} != {cfg.digest()}); use another --out or --fresh"
         )
     log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
-    return ckpt.model, ckpt.round + 1
+    return ckpt.model, ckpt.plan, ckpt.round + 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR
+    plan: Plan | None = None
     if resumed is None:
         model, start_round = dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()), 0
     else:
-        model, start_round = resumed
+        model, plan, start_round = resumed
     recorder = RunRecorder(
         cfg,
         run_dir,
@@ -109,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         bus,
         make_algorithm(cfg),
         initial_model=model,
+        plan=plan,
         start_round=start_round,
         checkpoint_dir=run_dir / "checkpoints",
         on_round_end=on_round_end,
     )
-    recorder.model_fn = lambda: cloud.model
+    recorder.model_fn = cloud.global_module
     serve_metrics(cloud, cfg)
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = {
             "rounds": cloud.round,
             "final_model_sha256": cloud.model_sha,
+            "model_params": cloud.model_params(),
+            "arch": cloud.plan,
             "resumed_from_round": start_round if resumed else None,
             "traffic": bus.traffic.snapshot(),
             "transport": bus.traffic.transport(),

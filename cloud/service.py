@@ -19,12 +19,16 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import torch
+from torch import nn
 
 from shared.algorithms import Algorithm, Update
+from shared.arch import Plan, build_model, plan_digest
 from shared.bus import Bus, Timer
 from shared.checkpoint import model_digest, save_checkpoint
 from shared.codec import spec_of
 from shared.config import RunConfig
+from shared.data import NUM_CLASSES
 from shared.messages import (
     BlobRef,
     CloudState,
@@ -70,6 +74,8 @@ class RoundSummary:
     train_seconds: float
     rejected: int
     edges: dict[str, int] = field(default_factory=dict)
+    model_params: int = 0  # parameters of the global model after this round
+    arch: str = "dense"  # plan digest of the global model's architecture
 
 
 class CloudServer(RoleService):
@@ -84,6 +90,7 @@ class CloudServer(RoleService):
         algorithm: Algorithm,
         *,
         initial_model: TensorDict,
+        plan: Plan | None = None,
         start_round: int = 0,
         checkpoint_dir: Path | None = None,
         on_round_end: Callable[[RoundSummary], None] | None = None,
@@ -93,15 +100,27 @@ class CloudServer(RoleService):
         self.session = session or new_session()
         self.offline: set[str] = set()
         self.algorithm = algorithm
-        self.model = initial_model
-        self.spec = spec_of(initial_model)
-        self.model_sha = model_digest(initial_model)
+        if start_round == 0 and plan is None:
+            # a fresh run: the algorithm's initial state (and FedPhD-OS prunes it here)
+            state, plan = algorithm.after_cloud_aggregate(
+                -1, algorithm.init_global(initial_model), None
+            )
+        else:
+            state = initial_model  # resumed: already the global state of ``plan``
+        self.model: TensorDict = state
+        self.plan: Plan | None = plan
+        self.spec = spec_of(self.model)
+        self.model_sha = model_digest(self.model)
+        self.edge_counts: dict[str, list[int]] = {}  # per edge since the last aggregation
+        self._params: dict[str, int] = {}
         self.edges = edge_ids(cfg)
+        self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}
         self.devices: dict[str, DeviceHello] = {}
         self.round = start_round
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
         self.assignment: dict[str, list[str]] = {}
+        self.participants: list[str] = []
         self.reports: dict[str, tuple[EdgeUpdate, TensorDict | None]] = {}
         self.timer: Timer | None = None
         self.started = False
@@ -119,9 +138,25 @@ class CloudServer(RoleService):
         for pattern in (t.all_device_status, t.all_edge_status):
             self.on(pattern, Presence, self.on_presence, "msg_presence")
         self.announce_presence(True)
-        self.metrics.model_params.set(sum(t.numel() for t in self.model.values()))
+        self.metrics.model_params.set(self.model_params())
         self._publish_state("waiting")
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
+
+    def global_module(self) -> nn.Module:
+        """The current global model as a module (its architecture rebuilt from the plan)."""
+        module = build_model(self.cfg.model.preset, self.plan, seed=self.cfg.run.seed)
+        keys = set(module.state_dict())
+        module.load_state_dict({k: v for k, v in self.model.items() if k in keys})
+        return module
+
+    def model_params(self) -> int:
+        """Parameters of the global model (the algorithm's extra state not counted)."""
+        key = plan_digest(self.plan)
+        if key not in self._params:
+            with torch.device("meta"):
+                module = build_model(self.cfg.model.preset, self.plan, seed=0)
+            self._params[key] = sum(p.numel() for p in module.parameters())
+        return self._params[key]
 
     def _publish_state(self, phase: Literal["waiting", "training", "done"]) -> None:
         self.metrics.phase.state(phase)
@@ -184,9 +219,12 @@ class CloudServer(RoleService):
         participants = sample_participants(
             online or sorted(self.devices), self.cfg.federation.participation, self.cfg.run.seed, r
         )
+        self.participants = participants
         self.assignment = {e: [] for e in self.edges}
-        for dev in participants:
-            self.assignment[self.devices[dev].home_edge].append(dev)
+        selecting = self.cfg.federation.assignment != "static"
+        if not selecting:
+            for dev in participants:
+                self.assignment[self.devices[dev].home_edge].append(dev)
         if self.fresh_global or self.global_ref is None:
             self.global_ref = self.put_tensors(self.model, "global_model")
             self.metrics.model_bytes.set(self.global_ref.size)
@@ -198,6 +236,9 @@ class CloudServer(RoleService):
             new_global=self.fresh_global,
             deadline_s=self.cfg.federation.round_deadline_s,
             config_digest=self.cfg.digest(),
+            participants=participants if selecting else [],
+            edge_counts=dict(self.edge_counts),
+            arch=self.plan,
         )
         self.fresh_global = False
         self.reports = {}
@@ -254,6 +295,9 @@ class CloudServer(RoleService):
         r = self.round
         agg_seconds = 0.0
         aggregated = False
+        for edge, (m, _t) in self.reports.items():
+            if edge in self.edge_counts and len(m.label_counts) == NUM_CLASSES:
+                self.edge_counts[edge] = list(m.label_counts)
         if (r + 1) % self.cfg.federation.cloud_every == 0:
             updates = [  # sorted: the same float summation order on every bus
                 Update(m.edge, t, m.n_samples, tuple(m.label_counts))
@@ -264,10 +308,16 @@ class CloudServer(RoleService):
                 self.metrics.phase.state("aggregating")
                 t0 = time.perf_counter()
                 self.model = self.algorithm.cloud_aggregate(updates, self.model)
+                self.model, plan = self.algorithm.after_cloud_aggregate(r, self.model, self.plan)
+                if plan_digest(plan) != plan_digest(self.plan):
+                    self.plan, self.spec = plan, spec_of(self.model)
+                    self.metrics.model_params.set(self.model_params())
+                    log.info("global architecture is now %s", plan_digest(plan))
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
                 self.model_sha = model_digest(self.model)
                 self.fresh_global, aggregated = True, True
+                self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
                 self._checkpoint(r)
         summary = self._summarize(r, aggregated, agg_seconds)
@@ -284,7 +334,7 @@ class CloudServer(RoleService):
         every = self.cfg.eval.checkpoint_every
         last = r + 1 >= self.cfg.run.rounds
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
-            save_checkpoint(self.checkpoint_dir, r, self.model, self.cfg)
+            save_checkpoint(self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan)
 
     def _summarize(self, r: int, aggregated: bool, agg_seconds: float) -> RoundSummary:
         reports = [m for m, _ in self.reports.values()]
@@ -292,7 +342,7 @@ class CloudServer(RoleService):
         n_up = sum(len(m.devices) for m in reports)
         return RoundSummary(
             round=r,
-            participants=sum(len(v) for v in self.assignment.values()),
+            participants=len(self.participants),
             updates=n_up,
             mean_loss=sum(lo * k for lo, k in losses) / n_up if n_up else None,
             cloud_aggregated=aggregated,
@@ -302,6 +352,8 @@ class CloudServer(RoleService):
             train_seconds=sum(m.train_seconds for m in reports),
             rejected=sum(m.rejected for m in reports),
             edges={m.edge: len(m.devices) for m in reports},
+            model_params=self.model_params(),
+            arch=plan_digest(self.plan),
         )
 
     def _finish(self) -> None:

@@ -1,26 +1,34 @@
-"""The device agent service: register, train on the edge's model when assigned, upload.
+"""The device agent service: register, (pick an edge,) train on the edge's model when
+assigned, upload.
 
-Raw data never leaves this object; only model tensors (through blobs) and the label
-histogram in the registration message do.
+Raw data never leaves this object; only model tensors (through blobs), the label histogram
+in the registration message and, with device-selected edges, the chosen edge do. With
+``federation.assignment = "select"`` the device draws its edge from FedPhD eq. 25 with its
+own seeded RNG (``"random"``: uniformly), skipping edges it has seen go offline.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
 
 from shared.algorithms import Algorithm, DeviceContext
-from shared.bus import Bus
-from shared.codec import spec_of
+from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
+from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
+from shared.bus import Bus, Timer
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
-from shared.messages import DeviceHello, DeviceUpdate, EdgeRound
-from shared.models import build_unet
+from shared.messages import DeviceHello, DeviceJoin, DeviceUpdate, EdgeRound, Presence, RoundStart
 from shared.service import RoleService
 
 log = logging.getLogger(__name__)
+
+MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
+MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
@@ -51,15 +59,30 @@ class DeviceAgent(RoleService):
         self.algorithm = algorithm
         self.data = data
         self.labels = labels
-        self.model = build_unet(cfg.model.preset, seed=cfg.run.seed)
-        self.spec = spec_of(self.model.state_dict())
+        self.plan: Plan | None = None
+        self.model = build_model(cfg.model.preset, None, seed=cfg.run.seed)
+        self.spec = algorithm.global_spec(model_spec(cfg.model.preset, None))
+        self.algo_state: dict[str, Any] = {}  # the algorithm's per-device state, kept here
         self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
         self.last_update: DeviceUpdate | None = None
         self.kept_local: tuple[int, str] | None = None
+        self.selecting = cfg.federation.assignment != "static"
+        self.offline_edges: set[str] = set()
+        self.offline_devices: set[str] = set()
+        self.selection: RoundStart | None = None  # the round whose choice is pending
+        self.sel_timer: Timer | None = None
+        self.joins: OrderedDict[tuple[str, int, str], DeviceJoin] = OrderedDict()
+        self.choices: OrderedDict[tuple[str, int], str] = OrderedDict()  # (session, round)
+        self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
 
     def start(self) -> None:
-        """Subscribe to edge round announcements and publish the retained registration."""
+        """Subscribe to round announcements and publish the retained registration."""
         self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
+        if self.selecting:
+            self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
+            self.on(self.topics.all_device_join, DeviceJoin, self.on_join, "msg_join")
+            for pattern in (self.topics.all_edge_status, self.topics.all_device_status):
+                self.on(pattern, Presence, self.on_presence, "msg_presence")
         self.announce_presence(True)
         hello = DeviceHello(
             device=self.name,
@@ -69,10 +92,140 @@ class DeviceAgent(RoleService):
         )
         self.send(self.topics.device_hello(self.name), hello, retain=True)
 
+    # -- edge selection (assignment "select" / "random") ----------------------------------
+    def on_presence(self, msg: Presence) -> None:
+        """Remember which edges and devices are offline (their last will): an offline edge
+        is not chosen, an offline earlier participant is not waited for."""
+        target = self.offline_edges if msg.role == "edge" else self.offline_devices
+        if msg.online:
+            target.discard(msg.name)
+        else:
+            target.add(msg.name)
+            if msg.role == "device" and self.selection is not None:
+                self._decide()
+
+    def on_join(self, msg: DeviceJoin) -> None:
+        """Another participant's choice; the choice this device waits for may be complete."""
+        if msg.device == self.name:
+            return
+        self.joins[(msg.session, msg.round, msg.device)] = msg
+        while len(self.joins) > MAX_KEPT_JOINS:
+            self.joins.popitem(last=False)
+        if self.selection is not None and self.selection.session == msg.session:
+            self._decide()
+
+    def on_round_start(self, msg: RoundStart) -> None:
+        """A participant picks its edge once every earlier participant (sorted order) has
+        picked or is offline, or after ``join_timeout_s``; then it tells everyone and trains
+        when that edge's announcement is here (it may already be)."""
+        if self.name not in msg.participants or not msg.edge_counts:
+            return
+        key = (msg.session, msg.round)
+        if key in self.choices:  # a replay (reconnect, restarted edge): repeat the choice
+            self._joined(msg, self.choices[key])
+            return
+        if self.selection is not None and self.sel_timer is not None:
+            self.sel_timer.cancel()
+        self.selection = msg
+        self.sel_timer = self.ep.call_later(
+            self.cfg.federation.join_timeout_s, lambda: self._decide(force=True)
+        )
+        self._decide()
+
+    def _decide(self, force: bool = False) -> None:
+        msg = self.selection
+        if msg is None:
+            return
+        order = sorted(msg.participants)
+        before = order[: order.index(self.name)]
+        known = {d: self.joins.get((msg.session, msg.round, d)) for d in before}
+        waiting = [d for d, j in known.items() if j is None and d not in self.offline_devices]
+        if waiting and not force:
+            return
+        if waiting:
+            log.warning(
+                "%s: round %d: choosing without %d earlier choices", self.name, msg.round,
+                len(waiting),
+            )  # fmt: skip
+        self.selection = None
+        if self.sel_timer is not None:
+            self.sel_timer.cancel()
+            self.sel_timer = None
+        counts = {e: list(c) for e, c in msg.edge_counts.items()}
+        for j in known.values():
+            if j is not None and j.edge in counts and len(j.label_counts) == NUM_CLASSES:
+                counts[j.edge] = [
+                    a + b for a, b in zip(counts[j.edge], j.label_counts, strict=True)
+                ]
+        try:
+            edge = self.choose(msg.round, counts)
+        except ValueError:
+            self.reject("no_edge_online", f"round {msg.round}")
+            return
+        self.choices[(msg.session, msg.round)] = edge
+        while len(self.choices) > MAX_PENDING_ROUNDS:
+            self.choices.popitem(last=False)
+        log.debug("%s round %d picked %s", self.name, msg.round, edge)
+        self._joined(msg, edge)
+
+    def choose(self, round_: int, edge_counts: dict[str, list[int]]) -> str:
+        """This device's edge for ``round_`` (eq. 25 or uniform) among the online edges."""
+        edges = sorted(edge_counts)
+        rng = selection_rng(self.cfg.run.seed, self.index, round_)
+        if self.cfg.federation.assignment == "random":
+            probs = {e: 1.0 / len(edges) for e in edges}
+        else:
+            algo = self.cfg.algorithm
+            target = list(algo.target_distribution) or None
+            probs = selection_probs(edge_counts, self.label_counts, algo.a, algo.b, target)
+        online = {e for e in edges if e not in self.offline_edges}
+        return choose_edge(probs, online, rng)
+
+    def _joined(self, msg: RoundStart, edge: str) -> None:
+        join = DeviceJoin(
+            round=msg.round,
+            session=msg.session,
+            device=self.name,
+            edge=edge,
+            label_counts=self.label_counts,
+        )
+        self.send(self.topics.device_join(self.name), join)
+        pending = self.announced.pop((msg.session, msg.round, edge), None)
+        if pending is not None:
+            self.train_round(pending)
+
+    # -- training ------------------------------------------------------------------------
     def on_edge_round(self, msg: EdgeRound) -> None:
-        """Train on the announced model if this device is assigned to the round."""
+        """Train on the announced model if this device is assigned to (or chose) it."""
         if self.name not in msg.devices:
             return
+        if msg.select:
+            if self.choices.get((msg.session, msg.round)) != msg.edge:
+                # not (yet) this device's choice: keep it in case the choice comes later
+                self.announced[(msg.session, msg.round, msg.edge)] = msg
+                while len(self.announced) > MAX_PENDING_ROUNDS:
+                    self.announced.popitem(last=False)
+                return
+        self.train_round(msg)
+
+    def _adopt_arch(self, plan: Plan | None) -> bool:
+        """Rebuild the module when the architecture changed (pruning); False if refused."""
+        if plan_digest(plan) == plan_digest(self.plan):
+            return True
+        reason = check_plan(self.cfg.model.preset, plan)
+        if reason:
+            self.reject("bad_plan", reason)
+            return False
+        self.plan = plan
+        self.model = build_model(self.cfg.model.preset, plan, seed=self.cfg.run.seed)
+        self.spec = self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+        self.algo_state.clear()  # per-device state of the old architecture no longer fits
+        self.kept_local = None
+        log.info("%s: architecture %s", self.name, plan_digest(plan))
+        return True
+
+    def train_round(self, msg: EdgeRound) -> None:
+        """Train on the edge's model for ``msg.round`` and report (upload when asked)."""
         last = self.last_update
         if last is not None and (last.session, last.round) == (msg.session, msg.round):
             # Announced again (the edge restarted, or a retained replay after a reconnect):
@@ -85,16 +238,27 @@ class DeviceAgent(RoleService):
         if last is not None and last.session == msg.session and msg.round < last.round:
             self.reject("late", f"round {msg.round} announced after round {last.round}")
             return
+        if not self._adopt_arch(msg.arch):
+            return
+        ctx = DeviceContext(
+            self.name,
+            self.data,
+            self.labels,
+            torch.Generator().manual_seed(device_seed(self.cfg.run.seed, self.index, msg.round)),
+            round=msg.round,
+            edge=msg.edge,
+            peers=sorted(msg.devices),
+            seed=self.cfg.run.seed,
+            state=self.algo_state,
+        )
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
         continuing = self.kept_local == (msg.round - 1, msg.model_ref.sha256)
         if not continuing:
             state = self.fetch_tensors(msg.model_ref, self.spec)
             if state is None:
                 return  # rejected and counted; the edge's deadline covers the missing update
-            self.model.load_state_dict(state)
+            self.algorithm.device_load(ctx, self.model, state)
         self.kept_local = None if msg.upload else (msg.round, msg.model_ref.sha256)
-        gen = torch.Generator().manual_seed(device_seed(self.cfg.run.seed, self.index, msg.round))
-        ctx = DeviceContext(self.name, self.data, self.labels, gen)
         result = self.algorithm.device_round(ctx, self.model, msg.round, upload=msg.upload)
         ref = None
         if result.tensors is not None:

@@ -6,14 +6,21 @@ passed (with at least ``min_updates``), aggregate every ``r_e`` rounds with the 
 edge step, and report to the cloud (with the edge model every ``r_g`` rounds). Duplicate
 and late updates are dropped and counted; aggregation happens at most once per round.
 It also keeps the label counts of the devices it served since the last cloud aggregation.
+
+With device-selected edges (``federation.assignment`` "select"/"random") the cloud names the
+round's participants instead of assigning them; each participant announces its choice with a
+``DeviceJoin`` and the edge trains with whoever joined it, closing once every participant
+has joined elsewhere, reported here, or dropped out (or at the deadline).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from shared.algorithms import Algorithm, Update
+from shared.arch import Plan, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
 from shared.codec import TensorSpec
 from shared.config import RunConfig
@@ -21,6 +28,7 @@ from shared.data import NUM_CLASSES
 from shared.messages import (
     BlobRef,
     DeviceHello,
+    DeviceJoin,
     DeviceUpdate,
     EdgeRound,
     EdgeState,
@@ -28,10 +36,11 @@ from shared.messages import (
     Presence,
     RoundStart,
 )
-from shared.models import state_spec
 from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
 
 
 class EdgeServer(RoleService):
@@ -42,15 +51,21 @@ class EdgeServer(RoleService):
     def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Algorithm, *, edge_id: str) -> None:
         super().__init__(edge_id, cfg, bus)
         self.algorithm = algorithm
-        self.spec: dict[str, TensorSpec] = state_spec(cfg.model.preset)
-        self.update_spec = {k: self.spec[k] for k in algorithm.upload_names(list(self.spec))}
+        self.plan: Plan | None = None
+        self.spec: dict[str, TensorSpec] = {}
+        self.update_spec: dict[str, TensorSpec] = {}
+        self._set_arch(None)
+        self.selecting = cfg.federation.assignment != "static"
+        self.joined: set[str] = set()
+        self.elsewhere: set[str] = set()
+        self.early_joins: OrderedDict[tuple[str, int, str], str] = OrderedDict()
         self.model: TensorDict | None = None
         self.model_ref: BlobRef | None = None
         self.global_sha: str | None = None
         self.session: str | None = None
         self.round: int | None = None
         self.closed = True
-        self.assigned: list[str] = []
+        self.candidates: list[str] = []
         self.upload = True
         self.updates: dict[str, Update] = {}
         self.reported: dict[str, DeviceUpdate] = {}
@@ -70,6 +85,8 @@ class EdgeServer(RoleService):
         self.on(t.all_device_up, DeviceUpdate, self.on_device_update, "msg_device_update")
         self.on(t.all_device_status, Presence, self.on_presence, "msg_presence")
         self.on(t.all_device_hello, DeviceHello, self.on_hello, "msg_hello")
+        if self.selecting:
+            self.on(t.all_device_join, DeviceJoin, self.on_join, "msg_join")
         self.announce_presence(True)
         self._publish_state()
 
@@ -86,11 +103,38 @@ class EdgeServer(RoleService):
             self.offline.discard(msg.name)
         else:
             self.offline.add(msg.name)
-            if not self.closed and msg.name in self.assigned and msg.name not in self.reported:
+            if not self.closed and msg.name in self.candidates and msg.name not in self.reported:
                 log.warning("%s: %s went offline in round %s", self.name, msg.name, self.round)
                 self.dropped.add(msg.name)
                 self._maybe_close()
         self._update_device_gauge()
+
+    def _set_arch(self, plan: Plan | None) -> None:
+        self.plan = plan
+        self.spec = self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+        self.update_spec = self.algorithm.upload_spec(self.spec)
+
+    def on_join(self, msg: DeviceJoin) -> None:
+        """A participant's edge choice: ours joins the round, another's releases it."""
+        if msg.session != self.session or msg.round != self.round:
+            if self.round is None or msg.session != self.session or msg.round > self.round:
+                # the join outran the round start: keep it for when the round opens
+                self.early_joins[(msg.session, msg.round, msg.device)] = msg.edge
+                while len(self.early_joins) > MAX_EARLY_JOINS:
+                    self.early_joins.popitem(last=False)
+            return
+        self._apply_join(msg.device, msg.edge)
+
+    def _apply_join(self, device: str, edge: str) -> None:
+        if self.closed or device not in self.candidates:
+            return
+        if edge == self.name:
+            self.joined.add(device)
+            self.elsewhere.discard(device)
+        else:
+            self.elsewhere.add(device)
+            self.joined.discard(device)
+        self._maybe_close()
 
     def _update_device_gauge(self) -> None:
         online = len(self.my_devices - self.offline)
@@ -107,6 +151,13 @@ class EdgeServer(RoleService):
         if same_session and self.round is not None and msg.round <= self.round:
             self.reject("duplicate", f"round {msg.round} already opened")
             return
+        if plan_digest(msg.arch) != plan_digest(self.plan):
+            reason = check_plan(self.cfg.model.preset, msg.arch)
+            if reason:
+                self.reject("bad_plan", reason)
+                return
+            self._set_arch(msg.arch)
+            self.model = None  # the old architecture's state no longer fits
         if msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha:
             state = self.fetch_tensors(msg.global_ref, self.spec)
             if state is None:
@@ -114,15 +165,23 @@ class EdgeServer(RoleService):
             self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
+        counts = msg.edge_counts.get(self.name)
+        if self.round is None and not msg.new_global and not self.acc_n and counts:
+            # a restarted edge takes back what it had accumulated from the cloud's record
+            self.acc_counts, self.acc_n = list(counts), sum(counts)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
         self.session, self.round, self.closed = msg.session, msg.round, False
-        self.assigned = list(msg.assignment.get(self.name, []))
+        if self.selecting:
+            self.candidates = list(msg.participants)
+        else:
+            self.candidates = list(msg.assignment.get(self.name, []))
+        self.joined, self.elsewhere = set(), set()
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
-        self.dropped = {d for d in self.assigned if d in self.offline}
-        if not self.assigned:
+        self.dropped = {d for d in self.candidates if d in self.offline}
+        if not self.candidates:
             self._close()
             return
         if self.model_ref is None:
@@ -131,15 +190,24 @@ class EdgeServer(RoleService):
             round=msg.round,
             session=msg.session,
             edge=self.name,
-            devices=self.assigned,
+            devices=self.candidates,
             model_ref=self.model_ref,
             upload=self.upload,
             deadline_s=self.cfg.federation.round_deadline_s,
+            select=self.selecting,
+            arch=self.plan,
         )
         # retained: a device that (re)starts mid-round still learns what to train
         self.send(self.topics.edge_round(self.name), announce, retain=True)
         self.deadline_at = self.ep.now() + self.cfg.federation.round_deadline_s
         self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s, self._on_deadline)
+        if self.selecting:
+            for device in list(self.candidates):
+                edge = self.early_joins.pop((msg.session, msg.round, device), None)
+                if edge is not None:
+                    self._apply_join(device, edge)
+            for key in [k for k in self.early_joins if k[0] != msg.session or k[1] < msg.round]:
+                del self.early_joins[key]
         self._maybe_close()
 
     # -- device updates ----------------------------------------------------------------
@@ -163,7 +231,12 @@ class EdgeServer(RoleService):
                 return
             # never wait on one device's blob past the round's own deadline
             left = max(1.0, self.deadline_at - self.ep.now())
-            tensors = self.fetch_tensors(msg.update_ref, self.update_spec, timeout_s=left)
+            tensors = self.fetch_tensors(
+                msg.update_ref,
+                self.update_spec,
+                timeout_s=left,
+                partial=self.algorithm.partial_uploads,
+            )
             if tensors is None:
                 self.rejected_this_round += 1
                 self.metrics.updates.labels(outcome="rejected").inc()
@@ -177,8 +250,18 @@ class EdgeServer(RoleService):
         self.metrics.training_seconds.observe(msg.train_seconds)
         self._maybe_close()
 
+    @property
+    def assigned(self) -> list[str]:
+        """Devices training here this round (those that joined, when devices choose)."""
+        if self.selecting:
+            return sorted(self.joined)
+        return self.candidates
+
     def _maybe_close(self) -> None:
-        if not self.closed and len(self.reported) + len(self.dropped) >= len(self.assigned):
+        if self.closed:
+            return
+        settled = set(self.reported) | self.dropped | self.elsewhere
+        if all(d in settled for d in self.candidates):
             self._close()
 
     def _check_update(self, msg: DeviceUpdate) -> str:

@@ -70,7 +70,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(
             update={"eval": cfg.eval.model_copy(update={"num_samples": args.num_samples})}
         )
-    metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model))
+    metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model, ckpt.plan))
     out = {
         "checkpoint": str(path),
         "round": ckpt.round,

@@ -45,6 +45,7 @@ class SimulationResult:
     final_model_sha256: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     traffic: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # the final global model's channel plan (pruned)
 
 
 @dataclass
@@ -125,7 +126,7 @@ def simulate(
         on_round_end=recorder.on_round_end,
     )
     cloud = fed.cloud
-    recorder.model_fn = lambda: cloud.model
+    recorder.model_fn = cloud.global_module
     fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
         recorder.bar = bar
@@ -136,6 +137,14 @@ def simulate(
         recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} ({cfg.algorithm.name})"
     )
     traffic = bus.traffic.snapshot()
-    summary = {"rounds": cloud.round, "final_model_sha256": cloud.model_sha, "traffic": traffic}
+    summary = {
+        "rounds": cloud.round,
+        "final_model_sha256": cloud.model_sha,
+        "model_params": cloud.model_params(),
+        "arch": cloud.plan,
+        "traffic": traffic,
+    }
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
-    return SimulationResult(run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic)
+    return SimulationResult(
+        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan
+    )

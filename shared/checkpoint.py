@@ -12,6 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class Checkpoint:
     config: RunConfig
     model_sha256: str
     path: Path
+    plan: dict[str, Any] | None = None  # channel plan of a pruned model; None = dense
 
 
 def model_digest(model: dict[str, torch.Tensor]) -> str:
@@ -61,6 +63,7 @@ def save_checkpoint(
     model: dict[str, torch.Tensor],
     cfg: RunConfig,
     algo_state: dict[str, torch.Tensor] | None = None,
+    plan: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path."""
     tensors = {MODEL_PREFIX + k: v for k, v in model.items()}
@@ -71,6 +74,8 @@ def save_checkpoint(
         "model_sha256": model_digest(model),
         "format": "estuary-checkpoint-v1",
     }
+    if plan is not None:
+        meta["arch"] = json.dumps(plan, sort_keys=True)
     path = directory / f"round_{round_:06d}.safetensors"
     atomic_write(path, encode_tensors(tensors, meta))
     pointer = {"round": round_, "file": path.name, "model_sha256": meta["model_sha256"]}
@@ -105,4 +110,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if digest != meta.get("model_sha256"):
         raise CodecError(f"{path}: model hash {digest[:12]}… differs from the recorded one")
     cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata")
-    return Checkpoint(int(meta["round"]), model, state, cfg, digest, path)
+    try:
+        plan = json.loads(meta["arch"]) if "arch" in meta else None
+    except json.JSONDecodeError as err:
+        raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
+    return Checkpoint(int(meta["round"]), model, state, cfg, digest, path, plan)

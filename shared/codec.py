@@ -59,8 +59,10 @@ def decode_tensors(
     sha256: str | None = None,
     expected: Mapping[str, TensorSpec] | None = None,
     allow_nonfinite: bool = False,
+    partial: bool = False,
 ) -> TensorDict:
-    """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec."""
+    """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec; with
+    ``partial`` a non-empty subset of the spec's names is accepted."""
     if sha256 is not None and sha256_hex(data) != sha256:
         raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
     try:
@@ -68,7 +70,7 @@ def decode_tensors(
     except (SafetensorError, ValueError, RuntimeError) as err:
         raise CodecError(f"not a valid safetensors payload: {err}") from None
     if expected is not None:
-        _check_spec(tensors, expected)
+        _check_spec(tensors, expected, partial=partial)
     if not allow_nonfinite:
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -76,13 +78,18 @@ def decode_tensors(
     return tensors
 
 
-def _check_spec(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec]) -> None:
-    missing = sorted(set(expected) - set(tensors))
+def _check_spec(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, TensorSpec],
+    *,
+    partial: bool = False,
+) -> None:
+    missing = [] if partial else sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
+    if missing or extra or not tensors:
         raise CodecError(f"tensor names differ: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, spec in expected.items():
-        t = tensors[name]
+    for name, t in tensors.items():
+        spec = expected[name]
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             raise CodecError(
                 f"tensor {name!r}: expected {spec.dtype} {list(spec.shape)}, "

@@ -47,7 +47,14 @@ class FederationSection(_Section):
     min_updates: int = Field(1, ge=1, description="updates an edge needs to close at deadline")
     round_deadline_s: float = Field(600.0, gt=0.0, le=86_400.0)
     registration_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
-    assignment: Literal["static"] = "static"
+    join_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="how long a device waits for earlier choices"
+    )
+    assignment: Literal["static", "select", "random"] = Field(
+        "static",
+        description="static: devices train at their home edge; select: each device picks "
+        "an edge per round by FedPhD eq. 25; random: each device picks one uniformly",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FederationSection:
@@ -128,10 +135,42 @@ class TrainSection(_Section):
         return self
 
 
-class AlgorithmSection(_Section):
-    """Federated algorithm by registered name."""
+AlgorithmName = Literal["fedavg", "fedphd", "feddiffuse", "fedprox", "scaffold", "moon"]
 
-    name: Literal["fedavg"] = "fedavg"
+
+class AlgorithmSection(_Section):
+    """Federated algorithm by registered name, and every algorithm's parameters (DESIGN
+    section 4); each algorithm reads only its own."""
+
+    name: AlgorithmName = "fedavg"
+    # FedPhD (seed 000): SH-weighted aggregation (eqs. 22, 24) and edge selection (eq. 25)
+    a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
+    b: float = Field(0.0, description="offset inside the ReLU of eqs. 22, 24, 25")
+    target_distribution: list[float] = Field(
+        default_factory=list, description="q_u over the 10 labels; empty = uniform"
+    )
+    sparse_rounds: int = Field(0, ge=0, description="R_s: sparse training for rounds < R_s")
+    lambda0: float = Field(1e-4, ge=0.0, description="lambda_0 of the group penalty")
+    prune_ratio: float = Field(0.0, ge=0.0, lt=0.95, description="s_p: params removed")
+    prune_at: Literal["sparse", "init"] = Field(
+        "sparse", description="sparse: at r = R_s (after sparse training); init: OS at r = 0"
+    )
+    prune_method: Literal["l2", "random"] = "l2"
+    # FedDiffuse (seed 001)
+    split: Literal["full", "usplit", "ulatdec", "udec"] = "full"
+    # FedProx and MOON
+    prox_mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
+    moon_mu: float = Field(1.0, ge=0.0, description="MOON contrastive loss weight")
+    moon_tau: float = Field(0.5, gt=0.0, description="MOON temperature")
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmSection:
+        q = self.target_distribution
+        if q and (len(q) != 10 or any(x < 0 for x in q) or abs(sum(q) - 1.0) > 1e-6):
+            raise ValueError("target_distribution must be 10 non-negative numbers summing to 1")
+        if self.prune_ratio > 0 and self.prune_at == "sparse" and self.sparse_rounds == 0:
+            raise ValueError("prune_at = 'sparse' prunes at r = R_s: set sparse_rounds >= 1")
+        return self
 
 
 class EvalSection(_Section):

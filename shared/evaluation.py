@@ -12,17 +12,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.arch import build_model
 from shared.config import RunConfig
 from shared.data import from_model_output, load_dataset, to_model_input
 from shared.diffusion import ddim_sample
-from shared.models import build_unet, image_shape
+from shared.models import image_shape
 from shared.report import save_grid
 
 
-def model_from_state(cfg: RunConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The configured preset holding ``state``, in eval mode."""
-    model = build_unet(cfg.model.preset, seed=cfg.run.seed)
-    model.load_state_dict(state)
+def model_from_state(
+    cfg: RunConfig, state: dict[str, torch.Tensor], plan: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
+    Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
+    variate) are ignored; every module tensor must be present."""
+    model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
+    keys = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in keys})
     return model.eval()
 
 

@@ -24,6 +24,8 @@ Round = Annotated[int, Field(ge=0, le=10_000_000)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 LabelCounts = Annotated[list[Count], Field(max_length=1000)]
 Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+#: a pruned architecture's JSON channel plan (shared.pruning); validated again by its user
+Plan = Annotated[dict[str, Any], Field(max_length=100_000)]
 Home = Annotated[
     str,
     Field(max_length=80, pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64})$"),
@@ -71,6 +73,10 @@ class Topics:
         """Device -> edge: update for a round."""
         return f"{self.base}/device/{device}/up"
 
+    def device_join(self, device: str) -> str:
+        """Device -> edges: the edge this device picked for a round."""
+        return f"{self.base}/device/{device}/join"
+
     def status(self, home: str) -> str:
         """Retained presence of one role instance (LWT publishes ``online: false``)."""
         return f"{self.base}/{home}/status"
@@ -104,6 +110,8 @@ class Topics:
             return self.device_hello(msg.device)
         if isinstance(msg, DeviceUpdate):
             return self.device_up(msg.device)
+        if isinstance(msg, DeviceJoin):
+            return self.device_join(msg.device)
         if isinstance(msg, EdgeRound):
             return self.edge_round(msg.edge)
         if isinstance(msg, EdgeUpdate):
@@ -127,6 +135,11 @@ class Topics:
     def all_device_up(self) -> str:
         """Subscription pattern for every device's updates."""
         return f"{self.base}/device/+/up"
+
+    @property
+    def all_device_join(self) -> str:
+        """Subscription pattern for every device's edge choice."""
+        return f"{self.base}/device/+/join"
 
     @property
     def all_device_hello(self) -> str:
@@ -191,6 +204,12 @@ class RoundStart(_Msg):
     assignment: dict[Id, list[Id]] = Field(max_length=10_000)
     global_ref: BlobRef
     new_global: bool
+    # device-selected edges (federation.assignment "select"/"random"): who trains this
+    # round, and each edge's label counts since the last cloud aggregation (eq. 19), from
+    # which every participant picks its edge (eq. 25)
+    participants: list[Id] = Field(default_factory=list, max_length=100_000)
+    edge_counts: dict[Id, LabelCounts] = Field(default_factory=dict, max_length=10_000)
+    arch: Plan | None = None  # channel plan of a pruned model; None = the dense preset
     deadline_s: float = Field(gt=0, le=86_400)
     config_digest: str = Field(max_length=64)
 
@@ -206,6 +225,20 @@ class EdgeRound(_Msg):
     model_ref: BlobRef
     upload: bool = True
     deadline_s: float = Field(gt=0, le=86_400)
+    select: bool = False  # devices in ``devices`` may join (DeviceJoin) rather than must
+    arch: Plan | None = None
+
+
+class DeviceJoin(_Msg):
+    """A participant tells the edges and the later participants which edge it picked for
+    the round (eq. 25)."""
+
+    kind: Literal["join"] = "join"
+    round: Round
+    session: Session
+    device: Id
+    edge: Id
+    label_counts: LabelCounts  # so participants after this one count it in (eq. 25)
 
 
 class DeviceUpdate(_Msg):
@@ -267,6 +300,7 @@ Message = (
     | RoundStart
     | EdgeRound
     | DeviceUpdate
+    | DeviceJoin
     | EdgeUpdate
     | EdgeState
     | CloudState

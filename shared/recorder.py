@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 from tqdm import tqdm
 
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
-from shared.evaluation import Evaluator, model_from_state, write_grid
+from shared.evaluation import Evaluator, write_grid
 from shared.partition import format_label_counts
 from shared.report import read_metrics
-from shared.service import TensorDict
 from shared.telemetry import Traffic, diff_counts
 
 UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
@@ -42,7 +42,7 @@ class RunRecorder:
         self.traffic = traffic
         self.before = traffic.snapshot()
         self.rows: list[dict[str, Any]] = []
-        self.model_fn: Callable[[], TensorDict] | None = None
+        self.model_fn: Callable[[], nn.Module] | None = None  # the current global module
         self.evaluator: Evaluator | None = Evaluator(cfg) if evaluate and cfg.eval.every else None
         self.bar: tqdm[Any] | None = None
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -71,6 +71,9 @@ class RunRecorder:
             "bytes": nbytes,
             "messages": msgs,
             "rejected": s.rejected,
+            "model_params": s.model_params,
+            "arch": s.arch,
+            "edges": s.edges,
             "durations": {
                 "round_s": round(s.round_seconds, 4),
                 "aggregation_s": round(s.aggregation_seconds, 4),
@@ -93,7 +96,7 @@ class RunRecorder:
         want_eval = self.evaluator is not None and ((s.round + 1) % ev.every == 0 or last)
         if not (want_grid or want_eval) or self.model_fn is None:
             return
-        model = model_from_state(self.cfg, self.model_fn())
+        model = self.model_fn().eval()
         if want_grid:
             path = write_grid(
                 self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"

@@ -97,13 +97,15 @@ class RoleService:
         spec: Mapping[str, TensorSpec] | None,
         *,
         timeout_s: float = 600.0,
+        partial: bool = False,
     ) -> TensorDict | None:
-        """Download and validate a tensor blob; ``None`` (rejected and counted) if bad."""
+        """Download and validate a tensor blob; ``None`` (rejected and counted) if bad.
+        With ``partial`` a non-empty subset of ``spec`` is accepted."""
         try:
             data = self.ep.get_blob(
                 ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s
             )
-            return decode_tensors(data, sha256=ref.sha256, expected=spec)
+            return decode_tensors(data, sha256=ref.sha256, expected=spec, partial=partial)
         except (CodecError, TransportError) as err:
             self.reject(err.reason, str(err))
         return None

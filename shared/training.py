@@ -15,6 +15,10 @@ from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
+#: replaces the DDPM loss: (model, x0 batch, scheduler, generator) -> scalar loss
+LossFn = Callable[[nn.Module, torch.Tensor, DDPMScheduler, torch.Generator], torch.Tensor]
+#: runs between ``backward`` and the optimizer step (e.g. SCAFFOLD's gradient correction)
+GradHook = Callable[[nn.Module], None]
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,12 @@ def train_local(
     generator: torch.Generator,
     *,
     extra_loss: ExtraLoss | None = None,
+    loss_fn: LossFn | None = None,
+    grad_hook: GradHook | None = None,
     steps: int | None = None,
 ) -> TrainResult:
-    """Minimize the DDPM loss (plus ``extra_loss``) on ``data`` for the configured steps."""
+    """Minimize the DDPM loss (or ``loss_fn``), plus ``extra_loss``, on ``data`` for the
+    configured steps; ``grad_hook`` may edit gradients before each optimizer step."""
     start = time.perf_counter()
     n = data.shape[0]
     steps = steps if steps is not None else num_local_steps(n, cfg)
@@ -66,11 +73,13 @@ def train_local(
             order, cursor = torch.randperm(n, generator=generator), 0
         batch = data[order[cursor : cursor + cfg.batch_size]]
         cursor += cfg.batch_size
-        loss = ddpm_loss(model, batch, scheduler, generator)
+        loss = (loss_fn or ddpm_loss)(model, batch, scheduler, generator)
         if extra_loss is not None:
             loss = loss + extra_loss(model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if grad_hook is not None:
+            grad_hook(model)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

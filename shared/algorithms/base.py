@@ -1,25 +1,35 @@
 """The algorithm interface: device, edge and cloud parts of one algorithm in one class.
 
-Services own the rounds and call these steps; algorithms own the maths. A subclass lives in
-its own file (``fedavg.py``, ...) and registers itself with :func:`register`.
+Services own the rounds and the wire; algorithms own the maths. A subclass lives in its own
+file (``fedavg.py``, ``fedphd.py``, ...) and registers itself with :func:`register`.
+
+What travels is a *state*: the model's tensors plus whatever extra tensors the algorithm
+keeps beside them (SCAFFOLD's server control variate, under its own prefix). The cloud
+starts from :meth:`Algorithm.init_global`; every role derives the state's names and shapes
+from the model spec with :meth:`Algorithm.global_spec`, so validation needs no trust in the
+sender. A device loads the state into its module with :meth:`Algorithm.device_load` and
+keeps anything that must survive between rounds (local model parts, control variates, the
+previous local model) in ``DeviceContext.state``, which the device agent owns.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
 from shared.training import TrainResult
 
 TensorDict = dict[str, torch.Tensor]
+Plan = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -34,12 +44,18 @@ class Update:
 
 @dataclass
 class DeviceContext:
-    """Everything a device's local step may use: its private data and its own RNG."""
+    """Everything a device's local step may use: its private data, its own RNG, the round's
+    placement and the algorithm's per-device state (kept by the device across rounds)."""
 
     device: str
     data: torch.Tensor
     labels: torch.Tensor
     generator: torch.Generator
+    round: int = 0
+    edge: str = ""
+    peers: list[str] = field(default_factory=list)  # devices training at this edge (sorted)
+    seed: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,15 +66,40 @@ class LocalResult:
     train: TrainResult
 
 
+def model_state(module: nn.Module) -> TensorDict:
+    """Detached copies of a module's state dict (what a device uploads by default)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 class Algorithm(ABC):
     """A federated algorithm: ``device_round`` on devices, ``edge_aggregate`` on edges,
     ``cloud_aggregate`` on the cloud. Instances hold only their own role's state."""
 
     name: ClassVar[str]
+    #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
+    partial_uploads: ClassVar[bool] = False
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.scheduler = make_train_scheduler(cfg.diffusion)
+
+    # -- shapes of what travels -------------------------------------------------------------
+    def init_global(self, model: TensorDict) -> TensorDict:
+        """The cloud's first global state from the initial model's tensors."""
+        return dict(model)
+
+    def global_spec(self, model_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """Names/shapes of the global (and edge) state for a model of ``model_spec``."""
+        return dict(model_spec)
+
+    def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """Names/shapes a device may upload (all of them when ``partial_uploads``)."""
+        return dict(global_spec)
+
+    # -- device -----------------------------------------------------------------------------
+    def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
+        """Put the edge's state into the device's module (default: the whole model)."""
+        model.load_state_dict(state)
 
     @abstractmethod
     def device_round(
@@ -66,17 +107,22 @@ class Algorithm(ABC):
     ) -> LocalResult:
         """Train ``model`` (already holding the edge model) on the device's data."""
 
+    # -- edge and cloud -----------------------------------------------------------------------
     @abstractmethod
     def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        """Combine device updates into the edge model."""
+        """Combine device updates into the edge state (``current`` is the edge's state)."""
 
     @abstractmethod
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        """Combine edge models into the global model."""
+        """Combine edge states into the global state."""
 
-    def upload_names(self, model_keys: Sequence[str]) -> list[str]:
-        """Tensor names a device uploads (all of them unless the algorithm says otherwise)."""
-        return list(model_keys)
+    def after_cloud_aggregate(
+        self, round_: int, state: TensorDict, plan: Plan | None
+    ) -> tuple[TensorDict, Plan | None]:
+        """Hook after the cloud aggregated round ``round_`` (FedPhD prunes here); also
+        called with ``round_ = -1`` on the initial state before round 0. Returns the state
+        and the architecture plan (None = the dense preset)."""
+        return state, plan
 
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
