@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"final FID ({q['extractor']} features, {q['n_fake']} samples): {q['fid']:.2f}")
     print(f"final global model sha256: {result.final_model_sha256}")
     print(f"report: {result.run_dir / 'report.png'}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from estuary.compare import load_compare, run_compare
+
+    spec = load_compare(args.config)
+    out = Path(args.out) if args.out else Path("runs") / spec.name
+    result = run_compare(spec, out, evaluate=not args.no_eval, progress=not args.quiet)
+    print((result.out / "table.md").read_text())
+    print(f"tables and plots: {result.out}")
     return 0
 
 
@@ -86,14 +98,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from shared.models import model_info
+    from shared.models import build_unet, model_info
 
-    info = model_info(args.preset).to_dict()
+    if args.prune_sp is None:
+        info = model_info(args.preset).to_dict()
+    else:
+        from torch import nn
+
+        from shared.models import state_spec
+        from shared.pruning import prune_unet
+
+        def pruned() -> nn.Module:
+            dense = build_unet(args.preset, seed=args.prune_seed)
+            return prune_unet(dense, args.prune_sp, method=args.prune_method, seed=args.prune_seed)
+
+        info = model_info(args.preset, model_fn=pruned).to_dict()
+        dense = sum(math.prod(s.shape) for s in state_spec(args.preset).values())
+        info["prune"] = {
+            "sp": args.prune_sp,
+            "method": args.prune_method,
+            "seed": args.prune_seed,
+            "removed": round(1 - info["params"] / dense, 4),
+        }
     if args.json:
         print(json.dumps(info, indent=2))
     else:
+        pruned_by = f" (pruned {args.prune_sp:g} by {args.prune_method})" if "prune" in info else ""
         print(
-            f"{info['preset']}: {info['params_m']} M params, {info['gmacs']} GMACs, "
+            f"{info['preset']}{pruned_by}: {info['params_m']} M params, {info['gmacs']} GMACs, "
             f"{info['fp32_mb']} MiB fp32"
         )
     return 0
@@ -130,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     s.set_defaults(func=_cmd_simulate)
 
+    c = sub.add_parser("compare", help="run several methods on one split; table and plots")
+    c.add_argument("config", help="comparison TOML (see configs/compare_*.toml)")
+    c.add_argument("--out", help="output directory (default runs/<compare name>)")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
+    c.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    c.set_defaults(func=_cmd_compare)
+
     e = sub.add_parser("eval", help="quality metrics of a run's latest checkpoint")
     e.add_argument("run_dir", help="run directory (or a checkpoint file)")
     e.add_argument("--json", action="store_true")
@@ -138,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model-info", help="params, MACs and fp32 bytes of a preset")
     m.add_argument("--preset", required=True)
+    m.add_argument(
+        "--prune-sp", type=float, help="report the preset pruned by this fraction of parameters"
+    )
+    m.add_argument("--prune-method", choices=["l2", "random"], default="l2")
+    m.add_argument("--prune-seed", type=int, default=0, help="init (and random ranking) seed")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_cmd_model_info)
     return p

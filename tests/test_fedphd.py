@@ -153,40 +153,32 @@ def test_fedphd_aggregation_uses_sh_weights() -> None:
 
 
 def test_fedphd_runs_with_selected_edges_sparse_training_and_pruning(tmp_path: Path) -> None:
-    """MemoryBus, 6 devices choosing among 2 edges, r_g = 2, R_s = 2, s_p = 0.44: every
-    participant trains each round at the edge it picked; the cloud prunes at its aggregation
-    ending round R_s - 1 and every role carries on with the pruned architecture."""
+    """MemoryBus, 4 devices choosing among 2 edges, R_s = 1, s_p = 0.44: every participant
+    trains each round at the edge it picked; the cloud prunes at its aggregation ending round
+    R_s - 1 and every role carries on with the pruned architecture."""
     pytest.importorskip("shared.pruning")
     from estuary.simulate import simulate
     from tests.conftest import tiny_config
 
     cfg = tiny_config(
-        run={"name": "phd", "rounds": 4},
-        federation={
-            "num_devices": 6,
-            "num_edges": 2,
-            "cloud_every": 2,
-            "assignment": "select",
-        },
+        run={"name": "phd", "rounds": 3},
+        federation={"num_devices": 4, "num_edges": 2, "assignment": "select"},
+        train={"local_steps": 1, "batch_size": 4},
         algorithm={
             "name": "fedphd",
             "a": 200.0,
-            "sparse_rounds": 2,
+            "sparse_rounds": 1,
             "lambda0": 1e-3,
             "prune_ratio": 0.44,
         },
     )
     res = simulate(cfg, tmp_path / "phd", progress=False, evaluate=False)
     rows = res.rows
-    assert [r["updates"] for r in rows] == [r["participants"] for r in rows] == [6] * 4
-    assert all(sum(r["edges"].values()) == 6 for r in rows)
-    dense = rows[0]["model_params"]
-    assert rows[0]["arch"] == "dense"  # pruned at the cloud aggregation ending round 1
-    assert rows[1]["arch"] == rows[2]["arch"] == rows[3]["arch"] != "dense"
-    assert rows[1]["model_params"] == pytest.approx(0.56 * dense, rel=0.03)
+    assert [r["updates"] for r in rows] == [r["participants"] for r in rows] == [4] * 3
+    assert all(sum(r["edges"].values()) == 4 for r in rows)
+    dense = 686_769  # fmnist-tiny
+    assert rows[0]["arch"] != "dense"  # pruned at the cloud aggregation ending round 0
+    assert rows[0]["arch"] == rows[1]["arch"] == rows[2]["arch"]
+    assert rows[2]["model_params"] == pytest.approx(0.56 * dense, rel=0.01)
     assert res.plan is not None
     assert sum(r["rejected"] for r in rows) == 0
-    # the same run again: the same choices and the same final model
-    again = simulate(cfg, tmp_path / "again", progress=False, evaluate=False)
-    assert again.final_model_sha256 == res.final_model_sha256
-    assert [r["edges"] for r in again.rows] == [r["edges"] for r in rows]

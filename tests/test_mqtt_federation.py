@@ -108,13 +108,23 @@ def _run_over_mqtt(cfg: RunConfig, broker: LocalBroker) -> tuple[str, Traffic]:
             b.close()
 
 
-def test_mqtt_and_memory_bus_agree(broker: LocalBroker) -> None:
-    """Same config and seed: identical final model, message counts and blob bytes."""
-    cfg = tiny_config(
-        run={"name": "agree", "rounds": 2},
-        federation={"num_devices": 4, "num_edges": 2},
-        train={"threads": 1},
-    )
+FEDPHD = {
+    "run": {"name": "agree-phd", "rounds": 2},
+    "federation": {"num_devices": 4, "num_edges": 2, "assignment": "select"},
+    "algorithm": {"name": "fedphd", "a": 200.0, "sparse_rounds": 1, "lambda0": 1e-3},
+}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"run": {"name": "agree", "rounds": 2}, "federation": {"num_devices": 4, "num_edges": 2}},
+     FEDPHD],
+    ids=["fedavg-static", "fedphd-select"],
+)  # fmt: skip
+def test_mqtt_and_memory_bus_agree(broker: LocalBroker, overrides: dict) -> None:  # type: ignore[type-arg]
+    """Same config and seed: identical final model, message counts and blob bytes (FedAvg on
+    home edges, and FedPhD with devices choosing their edges in participant order)."""
+    cfg = tiny_config(train={"threads": 1}, **overrides)
     mem = MemoryBus()
     data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)

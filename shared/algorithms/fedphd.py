@@ -61,9 +61,7 @@ def target_of(target: Sequence[float] | None, classes: int) -> np.ndarray:
     return np.full(classes, 1.0 / classes)
 
 
-def sh_score(
-    counts: Sequence[float] | np.ndarray, target: Sequence[float] | None = None
-) -> float:
+def sh_score(counts: Sequence[float] | np.ndarray, target: Sequence[float] | None = None) -> float:
     """Statistical homogeneity, eqs. 18/20: ``2 - ||q - q_u||_2``."""
     q = distribution(counts)
     return float(2.0 - np.linalg.norm(q - target_of(target, len(q))))

@@ -1,0 +1,611 @@
+"""``estuary compare``: several methods on the same data split and seed, one table, two plots.
+
+The config is TOML: a base run config and a list of methods, each a label plus overrides::
+
+    [compare]
+    name = "my-compare"    # default: the file's stem (and runs/<name> without --out)
+    reference = "FedAvg"   # ratios and the equal-compute window (default: first federated)
+    d_e = 1.0              # distances of the weighted cost (FedPhD: d_c = 10 d_e)
+    d_c = 10.0
+
+    [base.run]             # any run config (or: base = "configs/some_run.toml")
+    seed = 0
+    ...
+
+    [[method]]
+    label = "FedPhD"
+    overrides = {"algorithm.name" = "fedphd", "federation.cloud_every" = 5}
+
+    [[method]]
+    label = "Centralized"
+    centralized = true     # one model on the pooled data of all devices, same local steps
+
+Overrides are dotted ``section.key`` names (an ``[method.overrides]`` sub-table, or nested
+tables, work too); an unknown section or key is a :class:`ConfigError` naming it.
+
+``ESTUARY__SECTION__KEY`` environment overrides apply to the base; a method's overrides win.
+Methods may not change the split (``data.*``, ``federation.num_devices``, ``run.seed``).
+The output directory gets one run directory per method, ``table.md``/``.csv``/``.json``
+(:mod:`shared.accounting` defines every byte and cost column) and ``quality.png`` /
+``bytes.png``. Rounds differ in length between methods (FedAvg with E = 5 trains five times
+longer per round than E = 1), so both plots put total local steps (all devices) on the x axis.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import time
+import tomllib
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cloud.service import sample_participants
+from shared import accounting as acc
+from shared.accounting import Distances
+from shared.arch import build_model
+from shared.checkpoint import atomic_write, save_checkpoint
+from shared.config import RunConfig, apply_env_overrides, config_from_dict
+from shared.data import load_dataset, to_model_input
+from shared.diffusion import make_train_scheduler
+from shared.errors import ConfigError
+from shared.evaluation import Evaluator
+from shared.models import build_unet, model_info
+from shared.naming import device_name
+from shared.partition import make_partition
+from shared.recorder import prepare_run_dir
+from shared.report import plot_report
+from shared.training import num_local_steps, train_local
+
+SPLIT_KEYS = ("data", "federation.num_devices", "run.seed")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: a label, its run config, and how it trains."""
+
+    label: str
+    slug: str
+    cfg: RunConfig
+    centralized: bool = False
+
+
+@dataclass(frozen=True)
+class CompareSpec:
+    """A parsed comparison config."""
+
+    name: str
+    methods: list[Method]
+    reference: str
+    distances: Distances = field(default_factory=Distances)
+
+
+@dataclass
+class MethodRun:
+    """What running one method produced."""
+
+    method: Method
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    traffic: dict[str, Any]
+    plan: dict[str, Any] | None
+    wall_s: float
+    steps: list[int]  # local steps per round, all devices
+
+
+# -- config ----------------------------------------------------------------------------------
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any], label: str) -> dict[str, Any]:
+    """A copy of ``base`` with dotted ``section.key`` overrides set; unknown keys are errors."""
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in _flatten(overrides).items():
+        section, _, name = key.partition(".")
+        fields = RunConfig.model_fields
+        if section not in fields or not name or "." in name:
+            raise ConfigError(
+                f"method {label!r}: unknown override key {key!r}; use 'section.key' with a "
+                f"section of {sorted(fields)}"
+            )
+        known = fields[section].annotation.model_fields  # type: ignore[union-attr]
+        if name not in known:
+            raise ConfigError(
+                f"method {label!r}: unknown override key {key!r} (no {name!r} in [{section}]; "
+                f"known: {', '.join(sorted(known))})"
+            )
+        merged.setdefault(section, {})[name] = value
+    return merged
+
+
+def _slug(label: str, taken: set[str]) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:48] or "method"
+    out, i = slug, 2
+    while out in taken:
+        out, i = f"{slug}-{i}", i + 1
+    taken.add(out)
+    return out
+
+
+def _split_of(cfg: RunConfig) -> dict[str, Any]:
+    return {
+        "data": cfg.data.model_dump(),
+        "federation.num_devices": cfg.federation.num_devices,
+        "run.seed": cfg.run.seed,
+    }
+
+
+def _read_base(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    base = raw.get("base", {})
+    if isinstance(base, str):
+        file = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        try:
+            base = tomllib.loads(file.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read base config {file}: {err}") from None
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: 'base' must be a table of run-config sections or a path")
+    return base
+
+
+def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str]) -> Method:
+    if not isinstance(entry, dict) or not isinstance(entry.get("label"), str):
+        raise ConfigError(f"{path}: [[method]] #{i + 1} needs a string 'label'")
+    label = entry["label"].strip()
+    unknown = set(entry) - {"label", "overrides", "centralized"}
+    if not label or unknown:
+        raise ConfigError(
+            f"{path}: method {label!r}: empty label or unknown keys {sorted(unknown)}"
+        )
+    overrides = entry.get("overrides", {})
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{path}: method {label!r}: 'overrides' must be a table")
+    slug = _slug(label, taken)
+    data = apply_overrides(base, {"run.name": slug, **overrides}, label)
+    cfg = config_from_dict(data, source=f"{path} method {label!r}")
+    return Method(label, slug, cfg, bool(entry.get("centralized", False)))
+
+
+def parse_compare(
+    raw: dict[str, Any], path: Path, env: dict[str, str] | None = None
+) -> CompareSpec:
+    """Validate a comparison config (already parsed TOML); see the module docstring."""
+    unknown = set(raw) - {"compare", "base", "method"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}")
+    opts = raw.get("compare", {})
+    extra = set(opts) - {"name", "reference", "d_e", "d_c"}
+    if extra:
+        raise ConfigError(f"{path}: unknown keys in [compare]: {sorted(extra)}")
+    base = apply_env_overrides(_read_base(raw, path), env or {})
+    entries = raw.get("method", [])
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{path}: no [[method]] entries")
+    taken: set[str] = set()
+    methods = [_method(e, i, base, path, taken) for i, e in enumerate(entries)]
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"{path}: duplicate method labels in {labels}")
+    split = _split_of(methods[0].cfg)
+    for m in methods[1:]:
+        for key, value in _split_of(m.cfg).items():
+            if value != split[key]:
+                raise ConfigError(
+                    f"{path}: method {m.label!r} changes {key}; every method must use the same "
+                    f"split and seed ({', '.join(SPLIT_KEYS)} belong in the base)"
+                )
+    federated = [m.label for m in methods if not m.centralized]
+    reference = opts.get("reference", federated[0] if federated else labels[0])
+    if reference not in federated:
+        raise ConfigError(f"{path}: reference {reference!r} is not a federated method {federated}")
+    try:
+        dist = Distances(float(opts.get("d_e", 1.0)), float(opts.get("d_c", 10.0)))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path}: bad distances in [compare]: {err}") from None
+    return CompareSpec(str(opts.get("name", path.stem)), methods, reference, dist)
+
+
+def load_compare(path: str | Path) -> CompareSpec:
+    """Read and validate a comparison TOML."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"comparison config not found: {p}")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot parse {p}: {err}") from None
+    return parse_compare(raw, p, dict(os.environ))
+
+
+# -- running ---------------------------------------------------------------------------------
+def steps_per_round(cfg: RunConfig, sizes: list[int]) -> list[int]:
+    """Local steps of every round, summed over that round's participants (as the cloud
+    samples them)."""
+    names = [device_name(i) for i in range(len(sizes))]
+    out = []
+    for r in range(cfg.run.rounds):
+        chosen = sample_participants(names, cfg.federation.participation, cfg.run.seed, r)
+        out.append(sum(num_local_steps(sizes[names.index(d)], cfg.train) for d in chosen))
+    return out
+
+
+def _split(cfg: RunConfig) -> tuple[Any, list[np.ndarray]]:
+    data = load_dataset(
+        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
+    )
+    return data, make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+
+
+def run_centralized(
+    cfg: RunConfig, run_dir: Path, *, evaluate: bool, progress: bool
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The ceiling: one model on the pooled data of every device, trained for the local
+    steps the federation would run (round by round), evaluated at the same rounds.
+
+    ``train_local`` is called once per evaluation interval, so Adam restarts there (a
+    device's optimizer restarts every round)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    prepare_run_dir(cfg, run_dir)
+    data, parts = _split(cfg)
+    pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
+    steps = steps_per_round(cfg, [len(p) for p in parts])
+    model = build_unet(cfg.model.preset, seed=cfg.run.seed)
+    scheduler = make_train_scheduler(cfg.diffusion)
+    gen = torch.Generator().manual_seed(
+        int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
+    )
+    every = cfg.eval.every
+    evaluator = Evaluator(cfg) if evaluate and every else None
+    rows: list[dict[str, Any]] = []
+    pending = 0
+    for r, n in enumerate(steps):
+        pending += n
+        last = r + 1 == len(steps)
+        if not (last or (every and (r + 1) % every == 0)):
+            continue
+        result = train_local(model, pooled, cfg.train, scheduler, gen, steps=pending)
+        row: dict[str, Any] = {"round": r, "train_loss": result.mean_loss, "steps": pending}
+        pending = 0
+        if evaluator is not None:
+            row["quality"] = evaluator.evaluate(model.eval())
+        rows.append(row)
+        if progress:
+            fid = row.get("quality", {}).get("fid")
+            shown = f", FID {fid:.2f}" if fid is not None else ""
+            print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
+    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, model.state_dict(), cfg)
+    atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
+    plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
+    return rows, steps
+
+
+def run_method(m: Method, out: Path, *, evaluate: bool, progress: bool) -> MethodRun:
+    """Simulate (or train centrally) one method into ``out / m.slug``."""
+    from estuary.simulate import simulate
+
+    run_dir = out / m.slug
+    t0 = time.perf_counter()
+    if m.centralized:
+        rows, steps = run_centralized(m.cfg, run_dir, evaluate=evaluate, progress=progress)
+        return MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
+    res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
+    _, parts = _split(m.cfg)
+    steps = steps_per_round(m.cfg, [len(p) for p in parts])
+    return MethodRun(m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps)
+
+
+@dataclass
+class CompareResult:
+    """Where the comparison went and its table rows."""
+
+    out: Path
+    rows: list[dict[str, Any]]
+    runs: list[MethodRun]
+
+
+def run_compare(
+    spec: CompareSpec, out: Path, *, evaluate: bool = True, progress: bool = True
+) -> CompareResult:
+    """Run every method, then write the tables and the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i, m in enumerate(spec.methods, 1):
+        if progress:
+            kind = "centralized" if m.centralized else m.cfg.algorithm.name
+            print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
+        runs.append(run_method(m, out, evaluate=evaluate, progress=progress))
+        if progress:
+            print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")
+    rows = summarize(runs, spec)
+    write_tables(rows, spec, out)
+    write_plots(runs, out)
+    return CompareResult(out, rows, runs)
+
+
+# -- the table -------------------------------------------------------------------------------
+#: (key, header, decimals) of every table column; table.md, .csv and .json share the keys
+COLUMNS: list[tuple[str, str, int]] = [
+    ("method", "method", 0),
+    ("algorithm", "algorithm", 0),
+    ("fid", "FID", 2),
+    ("fid_best", "best FID", 2),
+    ("is", "IS", 2),
+    ("params_m", "params (M)", 3),
+    ("gmacs", "MACs (G)", 4),
+    ("model_mib", "model MiB (V)", 3),
+    ("cloud_mib_per_agg", "cloud-link MiB/agg", 3),
+    ("cloud_mib_per_agg_analytic", "cloud-link MiB/agg (analytic)", 3),
+    ("edge_mib_per_agg", "edge-link MiB/agg", 3),
+    ("weighted_per_window", "weighted cost/window", 3),
+    ("paper_cost_per_window", "Table IV rule/window", 3),
+    ("total_mib", "total MiB", 2),
+    ("rounds", "rounds", 0),
+    ("central_aggs", "central aggs", 0),
+    ("local_steps", "local steps", 0),
+    ("wall_s", "wall s", 1),
+]
+
+
+def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    q = [r["quality"] for r in rows if r.get("quality")]
+    if not q:
+        return {"fid": None, "fid_best": None, "is": None, "extractor": None, "n_fake": None}
+    return {
+        "fid": q[-1]["fid"],
+        "fid_best": min(x["fid"] for x in q),
+        "is": q[-1].get("is_mean"),
+        "extractor": q[-1].get("extractor"),
+        "n_fake": q[-1].get("n_fake"),
+    }
+
+
+def _algorithm(m: Method) -> str:
+    if m.centralized:
+        return "centralized"
+    a, f = m.cfg.algorithm, m.cfg.federation
+    text = f"{a.name} r_e={f.edge_every} r_g={f.cloud_every}"
+    if a.name == "feddiffuse":
+        text += f" {a.split}"
+    if a.prune_ratio > 0 and a.name == "fedphd":
+        text += f" s_p={a.prune_ratio} " + (
+            "OS" if a.prune_at == "init" else f"R_s={a.sparse_rounds}"
+        )
+    return text
+
+
+def _per_participant_steps(run: MethodRun) -> float:
+    c = acc.participants_per_round(run.method.cfg.federation)
+    return sum(run.steps) / (len(run.steps) * c)
+
+
+def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str, Any]:
+    """Byte and cost columns of a federated run (see :mod:`shared.accounting`)."""
+    cfg, d = run.method.cfg, spec.distances
+    fed, flat = cfg.federation, acc.is_flat(cfg.federation)
+    ps = acc.periods(run.rows)
+    mean = acc.mean_bytes(acc.steady_periods(ps, str(run.rows[-1].get("arch", "dense"))))
+    cloud, edge = acc.long_link_bytes(mean, flat=flat)
+    pl = acc.payloads(cfg, run.plan)
+    predicted = acc.analytic_period(
+        fed, down=pl.down, up=pl.up, edge_state=pl.edge_state, global_state=pl.global_state
+    )
+    everything = acc.split_received(run.traffic.get("bytes", {}))
+    s = _per_participant_steps(run)
+    k_c, k_e = acc.aggregations_per_window(fed, steps_per_round=s, window_steps=window)
+    paper = acc.paper_comm_cost(
+        acc.mib(v), acc.participants_per_round(fed), cloud_aggs=k_c, edge_aggs=k_e,
+        payload=pl.payload, d=d,
+    )  # fmt: skip
+    return {
+        "cloud_bytes_per_agg": cloud,
+        "edge_bytes_per_agg": edge,
+        "cloud_mib_per_agg": acc.mib(cloud),
+        "cloud_mib_per_agg_analytic": acc.mib(acc.long_link_bytes(predicted, flat=flat)[0]),
+        "edge_mib_per_agg": acc.mib(edge),
+        "weighted_per_window": acc.weighted_cost(mean, flat=flat, d=d) * k_c,
+        "paper_cost_per_window": paper,
+        "payload": pl.payload,
+        "total_bytes": everything.total,
+        "total_mib": acc.mib(everything.total),
+        "central_aggs": len(ps),
+        "steady_periods": len(acc.steady_periods(ps, str(run.rows[-1].get("arch", "dense")))),
+        "flat": flat,
+    }
+
+
+def _no_comm() -> dict[str, Any]:
+    zero = ("cloud_bytes_per_agg", "edge_bytes_per_agg", "cloud_mib_per_agg", "total_bytes")
+    rest = ("cloud_mib_per_agg_analytic", "edge_mib_per_agg", "weighted_per_window")
+    return {
+        **dict.fromkeys(zero + rest, 0),
+        "paper_cost_per_window": 0.0,
+        "total_mib": 0.0,
+        "central_aggs": 0,
+    }
+
+
+def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
+    """One table row per run; windows of equal compute are the reference's central
+    aggregation period (per-participant local steps per round x its r_g)."""
+    ref = next(r for r in runs if r.method.label == spec.reference)
+    window = _per_participant_steps(ref) * ref.method.cfg.federation.cloud_every
+    out = []
+    for run in runs:
+        cfg = run.method.cfg
+        info = model_info(
+            cfg.model.preset, model_fn=partial(build_model, cfg.model.preset, run.plan)
+        )
+        row: dict[str, Any] = {
+            "method": run.method.label,
+            "algorithm": _algorithm(run.method),
+            **_quality(run.rows),
+            "params": info.params,
+            "params_m": info.params / 1e6,
+            "macs": info.macs,
+            "gmacs": info.macs / 1e9,
+            "model_bytes": acc.fp32_bytes(info.params),
+            "model_mib": acc.mib(acc.fp32_bytes(info.params)),
+            **(_no_comm() if run.method.centralized else _comm(run, spec, window, info.fp32_bytes)),
+            "rounds": cfg.run.rounds,
+            "local_steps": sum(run.steps),
+            "wall_s": run.wall_s,
+            "run_dir": run.run_dir.name,
+        }
+        out.append(row)
+    return out
+
+
+def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
+    ref = next(r for r in rows if r["method"] == reference)
+    keys = ("cloud_mib_per_agg", "weighted_per_window", "paper_cost_per_window", "total_mib")
+    out = []
+    for r in rows:
+        if r["method"] == reference or r["algorithm"] == "centralized":
+            continue
+        ratio = {k: (r[k] / ref[k] if ref[k] else None) for k in keys}
+        out.append({"method": r["method"], **ratio})
+    return out
+
+
+def _fmt(value: Any, decimals: int) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{decimals}f}"
+    return str(value)
+
+
+def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
+    """``table.md``: the table, the ratios to the reference and what the columns mean."""
+    lines = [
+        f"# {spec.name}",
+        "",
+        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in COLUMNS) + " |")
+    lines += ["", f"Relative to {spec.reference}:", ""]
+    lines += [
+        "| method | cloud-link bytes/agg | weighted cost/window | Table IV rule | total bytes |"
+    ]
+    lines += ["|---|---|---|---|---|"]
+    for q in _ratios(rows, spec.reference):
+        cells = [_fmt(q[k], 3) for k in list(q)[1:]]
+        lines.append(f"| {q['method']} | " + " | ".join(cells) + " |")
+    ex = next((r for r in rows if r.get("extractor")), None)
+    d = spec.distances
+    lines += [
+        "",
+        f"FID / IS: last evaluation ({ex['extractor']} features, {ex['n_fake']} samples)"
+        if ex
+        else "FID / IS: not evaluated",
+        "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "
+        "agg = one central aggregation period; per-agg and per-window figures are means over the "
+        "periods trained on the final architecture, totals cover the whole run. "
+        "cloud-link = bytes over the link to the cloud (edge<->cloud when r_e < r_g; "
+        "device<->edge when r_e = r_g, the edges being the cloud's ingress); "
+        f"weighted cost = 0.02*d_c*MiB(cloud link) + 0.002*d_e*MiB(edge link), d_e = {d.d_e}, "
+        f"d_c = {d.d_c}, per window = {spec.reference}'s central aggregation of local compute; "
+        "Table IV rule = V*C*payload*(k_c*0.02*d_c + k_e*0.002*d_e) (shared/accounting.py). "
+        "total = every byte received (models and control messages).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> None:
+    """``table.md``, ``table.csv`` and ``table.json`` in ``out``."""
+    atomic_write(out / "table.md", markdown(rows, spec).encode())
+    buf = io.StringIO()
+    keys = [k for k, _, _ in COLUMNS]
+    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out / "table.csv", buf.getvalue().encode())
+    doc = {
+        "name": spec.name,
+        "reference": spec.reference,
+        "distances": {"d_e": spec.distances.d_e, "d_c": spec.distances.d_c},
+        "columns": {k: h for k, h, _ in COLUMNS},
+        "rows": rows,
+        "relative": _ratios(rows, spec.reference),
+    }
+    atomic_write(out / "table.json", json.dumps(doc, indent=2).encode())
+
+
+# -- the plots -------------------------------------------------------------------------------
+def _curves(run: MethodRun) -> dict[str, list[float]]:
+    done = np.cumsum(run.steps)
+    flat = acc.is_flat(run.method.cfg.federation)
+    x, fid_x, fid, mib, cost = [], [], [], [], []
+    total = weighted = 0.0
+    for row in run.rows:
+        step = float(done[row["round"]])
+        b = acc.split_received(row.get("bytes", {}))
+        total += acc.mib(b.total)
+        weighted += acc.weighted_cost(b, flat=flat) if not run.method.centralized else 0.0
+        x.append(step)
+        mib.append(total)
+        cost.append(weighted)
+        if row.get("quality"):
+            fid_x.append(step)
+            fid.append(row["quality"]["fid"])
+    return {"x": x, "fid_x": fid_x, "fid": fid, "mib": mib, "cost": cost}
+
+
+def write_plots(runs: list[MethodRun], out: Path) -> None:
+    """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic), every method on each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [(run.method.label, _curves(run)) for run in runs]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, c in curves:
+        if c["fid"]:
+            ax.plot(c["fid_x"], c["fid"], marker="o", ms=3, label=label)
+    if not any(c["fid"] for _, c in curves):
+        ax.text(0.5, 0.5, "no quality evaluation in this comparison", ha="center", va="center")
+    ax.set(xlabel="local training steps, all devices (equal-compute axis)", ylabel="FID")
+    ax.set_title("sample quality (lower is better)")
+    _finish(fig, ax, out / "quality.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for label, c in curves:
+        axes[0].plot(c["x"], c["mib"], label=label)
+        axes[1].plot(c["x"], c["cost"], label=label)
+    axes[0].set(title="cumulative traffic (every byte received)", ylabel="MiB")
+    axes[1].set(title="cumulative weighted cost (C_ne, C_ce)", ylabel="cost (MiB-weighted)")
+    for a in axes:
+        a.set(xlabel="local training steps, all devices")
+    _finish(fig, axes, out / "bytes.png")
+
+
+def _finish(fig: Any, axes: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    for a in np.atleast_1d(axes):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())

@@ -1,0 +1,87 @@
+"""FedProx (Li et al., MLSys 2020, eq. 2) for DDPM training.
+
+A device minimizes ``h(w) = L_DDPM(w) + mu/2 ||w - w_g||^2``, where ``w_g`` is the model it
+received from its edge (the anchor of the proximal term) and ``mu = cfg.algorithm.prox_mu``
+(FedPhD's appendix: mu = 1, the FedProx paper's recommendation). Aggregation at edge and
+cloud is FedAvg. The anchor is taken when the device loads a received state
+(:meth:`FedProx.device_load`) and kept in ``DeviceContext.state``, so between edge
+aggregations (``r_e > 1``, the device continues its own model without a new download) the
+term still pulls towards the last model received, not towards the device's own previous
+round. Only trainable parameters are anchored (buffers are not optimized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shared.aggregation import fedavg
+from shared.algorithms.base import (
+    Algorithm,
+    DeviceContext,
+    LocalResult,
+    TensorDict,
+    Update,
+    model_state,
+    register,
+)
+from shared.training import train_local
+
+#: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
+ANCHOR = "fedprox.anchor"
+
+
+def trainable_snapshot(model: nn.Module) -> TensorDict:
+    """Detached copies of the module's trainable parameters."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """``mu/2 * sum_p ||p - anchor[p]||^2`` over the anchored parameters; its gradient with
+    respect to each parameter is ``mu * (p - anchor[p])``."""
+    total = torch.zeros(())
+    for name, p in model.named_parameters():
+        ref = anchor.get(name)
+        if ref is not None:
+            total = total + (p - ref).pow(2).sum()
+    return 0.5 * mu * total
+
+
+@register
+class FedProx(Algorithm):
+    """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
+
+    name = "fedprox"
+
+    def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
+        model.load_state_dict(state)
+        ctx.state[ANCHOR] = trainable_snapshot(model)
+
+    def device_round(
+        self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
+    ) -> LocalResult:
+        # a caller that put the edge model into ``model`` without device_load: anchor on it
+        if ANCHOR not in ctx.state:
+            ctx.state[ANCHOR] = trainable_snapshot(model)
+        anchor: TensorDict = ctx.state[ANCHOR]
+        mu = self.cfg.algorithm.prox_mu
+        result = train_local(
+            model,
+            ctx.data,
+            self.cfg.train,
+            self.scheduler,
+            ctx.generator,
+            extra_loss=(lambda m: proximal_term(m, anchor, mu)) if mu > 0 else None,
+        )
+        if not upload:
+            return LocalResult(None, result)
+        del ctx.state[ANCHOR]  # the next round loads a fresh state
+        return LocalResult(model_state(model), result)
+
+    def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
+
+    def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])

@@ -1,0 +1,178 @@
+"""``estuary compare``: config validation, and a tiny synthetic comparison end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from estuary.cli import main
+from estuary.compare import COLUMNS, load_compare, parse_compare, run_compare
+from shared.errors import ConfigError
+
+TINY = """
+[compare]
+name = "tiny"
+reference = "FedAvg"
+
+[base.run]
+seed = 0
+rounds = 2
+[base.federation]
+num_devices = 4
+num_edges = 2
+round_deadline_s = 60
+[base.data]
+dataset = "synthetic"
+synthetic_size = 32
+[base.model]
+preset = "fmnist-tiny"
+[base.train]
+local_steps = 1
+batch_size = 2
+[base.eval]
+every = 2
+sample_every = 0
+num_samples = 12
+num_reference = 12
+sample_steps = 2
+
+[[method]]
+label = "FedAvg"
+overrides = {"algorithm.name" = "fedavg"}
+
+[[method]]
+label = "FedPhD (select)"
+[method.overrides]
+"federation.assignment" = "select"
+"federation.cloud_every" = 2
+[method.overrides.algorithm]
+name = "fedphd"
+
+[[method]]
+label = "Centralized"
+centralized = true
+"""
+
+
+def _raw(**changes: Any) -> dict[str, Any]:
+    import tomllib
+
+    raw = tomllib.loads(TINY)
+    raw.update(changes)
+    return raw
+
+
+def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    spec = load_compare(cfg)
+    assert [m.slug for m in spec.methods] == ["fedavg", "fedphd-select", "centralized"]
+    res = run_compare(spec, tmp_path / "out", progress=False)
+    out = res.out
+    for name in ("table.md", "table.csv", "table.json", "quality.png", "bytes.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for slug in ("fedavg", "fedphd-select", "centralized"):
+        assert (out / slug / "metrics.jsonl").is_file(), slug
+    keys = [k for k, _, _ in COLUMNS]
+    with (out / "table.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == keys and [r["method"] for r in rows] == [m.label for m in spec.methods]
+    assert all(r[k] != "" for r in rows for k in keys)
+    md = (out / "table.md").read_text()
+    assert all(header in md for _, header, _ in COLUMNS)
+    doc = json.loads((out / "table.json").read_text())
+    by = {r["method"]: r for r in doc["rows"]}
+    assert all(k in r for r in doc["rows"] for k in keys)
+
+    fedavg, fedphd, central = by["FedAvg"], by["FedPhD (select)"], by["Centralized"]
+    assert all(r["fid"] is not None and r["is"] is not None for r in doc["rows"])
+    # the same local compute everywhere: 2 rounds x 4 devices x 1 step
+    assert fedavg["local_steps"] == fedphd["local_steps"] == central["local_steps"] == 8
+    assert fedavg["central_aggs"] == 2 and fedphd["central_aggs"] == 1
+    assert fedavg["cloud_mib_per_agg"] == pytest.approx(fedavg["cloud_mib_per_agg_analytic"])
+    # flat FedAvg: 4 devices down + up cross the cloud link; FedPhD: 2 edges up + down
+    assert fedavg["cloud_bytes_per_agg"] == pytest.approx(2 * fedphd["cloud_bytes_per_agg"], 1e-3)
+    assert central["total_bytes"] == 0 and central["central_aggs"] == 0
+    assert [q["method"] for q in doc["relative"]] == ["FedPhD (select)"]
+
+
+def test_unknown_override_key_is_named() -> None:
+    raw = _raw(method=[{"label": "A", "overrides": {"algorithm.nmae": "fedavg"}}])
+    with pytest.raises(ConfigError, match=r"'A'.*unknown override key 'algorithm.nmae'"):
+        parse_compare(raw, Path("x.toml"))
+    raw = _raw(method=[{"label": "A", "overrides": {"algo.name": "fedavg"}}])
+    with pytest.raises(ConfigError, match=r"unknown override key 'algo.name'"):
+        parse_compare(raw, Path("x.toml"))
+
+
+@pytest.mark.parametrize(
+    ("method", "match"),
+    [
+        ({"label": "A", "overrides": {"algorithm.name": "nope"}}, "algorithm.name"),
+        ({"label": "A", "overrides": {"data.partition": "classes"}}, "changes data"),
+        ({"label": "A", "overrides": {"run.seed": 3}}, "changes run.seed"),
+        ({"label": "A", "overides": {}}, "unknown keys"),
+        ({"overrides": {}}, "needs a string 'label'"),
+    ],
+)
+def test_bad_methods_rejected(method: dict[str, Any], match: str) -> None:
+    raw = _raw(method=[{"label": "B"}, method])
+    with pytest.raises(ConfigError, match=match):
+        parse_compare(raw, Path("x.toml"))
+
+
+def test_bad_compare_sections_rejected() -> None:
+    with pytest.raises(ConfigError, match="no \\[\\[method\\]\\]"):
+        parse_compare(_raw(method=[]), Path("x.toml"))
+    with pytest.raises(ConfigError, match="duplicate method labels"):
+        parse_compare(_raw(method=[{"label": "A"}, {"label": "A"}]), Path("x.toml"))
+    with pytest.raises(ConfigError, match="reference 'Z'"):
+        parse_compare(_raw(compare={"reference": "Z"}), Path("x.toml"))
+    with pytest.raises(ConfigError, match="unknown top-level keys"):
+        parse_compare(_raw(methods=[]), Path("x.toml"))
+
+
+def test_env_overrides_apply_to_the_base() -> None:
+    spec = parse_compare(_raw(), Path("x.toml"), {"ESTUARY__TRAIN__LR": "0.01"})
+    assert all(m.cfg.train.lr == 0.01 for m in spec.methods)
+
+
+def test_cli_reports_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(TINY.replace('"algorithm.name" = "fedavg"', '"federation.edges" = 3'))
+    assert main(["compare", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "unknown override key 'federation.edges'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["compare_cpu_tiny.toml", "compare_gpu_small.toml"])
+def test_shipped_comparisons_load(name: str) -> None:
+    spec = parse_compare(_toml(REPO / "configs" / name), REPO / "configs" / name)
+    labels = [m.label for m in spec.methods]
+    assert {"FedAvg", "FedAvg (E=1)", "FedPhD", "FedPhD (OS)", "Centralized"} <= set(labels)
+    steps = {
+        m.label: m.cfg.run.rounds * (m.cfg.train.local_steps or m.cfg.train.local_epochs)
+        for m in spec.methods
+    }
+    assert len(set(steps.values())) == 1, steps  # equal local computation
+    phd = next(m.cfg for m in spec.methods if m.label == "FedPhD")
+    assert phd.algorithm.prune_ratio == 0.44 and phd.federation.cloud_every == 5
+
+
+def test_cifar10_comparison_waits_for_a_cifar10_loader() -> None:
+    path = REPO / "configs" / "compare_gpu_cifar10.toml"
+    with pytest.raises(ConfigError, match=r"data\.dataset"):
+        parse_compare(_toml(path), path)
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
