@@ -1,4 +1,4 @@
-"""``estuary`` command line: demo, simulate, cloud, edge, device, eval, model-info."""
+"""``estuary`` command line: demo, simulate, compare, cloud, edge, device, eval, model-info."""
 
 from __future__ import annotations
 

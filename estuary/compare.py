@@ -552,7 +552,8 @@ def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> No
 def _curves(run: MethodRun) -> dict[str, list[float]]:
     done = np.cumsum(run.steps)
     flat = acc.is_flat(run.method.cfg.federation)
-    x, fid_x, fid, mib, cost = [], [], [], [], []
+    x, mib, cost = [0.0], [0.0], [0.0]  # cumulative curves start at the origin
+    fid_x, fid = [], []
     total = weighted = 0.0
     for row in run.rows:
         step = float(done[row["round"]])
