@@ -42,14 +42,21 @@ def ddpm_loss(
     model: nn.Module, x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
 ) -> torch.Tensor:
     """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t)||^2."""
-    n = x0.shape[0]
-    t = torch.randint(
-        0, scheduler.config.num_train_timesteps, (n,), generator=generator, device=x0.device
-    )
-    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
-    noisy = scheduler.add_noise(x0, noise, t)
+    noisy, noise, t = noise_batch(x0, scheduler, generator)
     pred = model(noisy, t).sample
     return F.mse_loss(pred, noise)
+
+
+def noise_batch(
+    x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_t, eps, t) for a training step: t ~ U{0..T-1}, then eps ~ N(0, I), from ``generator``."""
+    t = torch.randint(
+        0, scheduler.config.num_train_timesteps, (x0.shape[0],), generator=generator,
+        device=x0.device,
+    )  # fmt: skip
+    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+    return scheduler.add_noise(x0, noise, t), noise, t
 
 
 @torch.no_grad()

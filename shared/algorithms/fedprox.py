@@ -12,21 +12,19 @@ round. Only trainable parameters are anchored (buffers are not optimized).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from shared.aggregation import fedavg
 from shared.algorithms.base import (
-    Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
-    Update,
     model_state,
     register,
 )
+from shared.algorithms.fedavg import FedAvg
 from shared.training import train_local
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
@@ -50,7 +48,7 @@ def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor], mu: floa
 
 
 @register
-class FedProx(Algorithm):
+class FedProx(FedAvg):
     """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
 
     name = "fedprox"
@@ -79,9 +77,3 @@ class FedProx(Algorithm):
             return LocalResult(None, result)
         del ctx.state[ANCHOR]  # the next round loads a fresh state
         return LocalResult(model_state(model), result)
-
-    def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
-
-    def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])

@@ -27,7 +27,7 @@ term the constant log 2 with zero gradient: the same training).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -35,16 +35,15 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from torch import nn
 
-from shared.aggregation import fedavg
 from shared.algorithms.base import (
-    Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
-    Update,
     model_state,
     register,
 )
+from shared.algorithms.fedavg import FedAvg
+from shared.diffusion import noise_batch
 from shared.errors import ConfigError
 from shared.training import LossFn, train_local
 
@@ -114,12 +113,7 @@ def moon_ddpm_loss(glob: nn.Module | None, prev: nn.Module | None, mu: float, ta
     def loss(
         model: nn.Module, x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
     ) -> torch.Tensor:
-        n = x0.shape[0]
-        t = torch.randint(
-            0, scheduler.config.num_train_timesteps, (n,), generator=generator, device=x0.device
-        )
-        noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
-        noisy = scheduler.add_noise(x0, noise, t)
+        noisy, noise, t = noise_batch(x0, scheduler, generator)
         with capture_features(model) as captured:
             pred = model(noisy, t).sample
         total = F.mse_loss(pred, noise)
@@ -141,7 +135,7 @@ def frozen_copy(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Modul
 
 
 @register
-class Moon(Algorithm):
+class Moon(FedAvg):
     """FedAvg aggregation; DDPM loss plus the model-contrastive loss on devices."""
 
     name = "moon"
@@ -175,9 +169,3 @@ class Moon(Algorithm):
         ctx.state[PREVIOUS] = {k: v.clone() for k, v in tensors.items()}
         del ctx.state[GLOBAL]  # the next round loads a fresh one
         return LocalResult(tensors, result)
-
-    def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
-
-    def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
