@@ -13,7 +13,9 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
+from cloud.deploy import deploy_when_trained
 from cloud.service import CloudServer, RoundSummary
 from shared.algorithms import make_algorithm
 from shared.arch import Plan
@@ -62,6 +64,14 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, Plan | None
         )
     log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
     return ckpt.model, ckpt.plan, ckpt.round + 1
+
+
+def last_quality(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest quality evaluation of a run (for the deployed model's card)."""
+    for row in reversed(rows):
+        if row.get("quality"):
+            return {"round": row["round"], **row["quality"]}
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         on_round_end=on_round_end,
     )
     recorder.model_fn = cloud.global_module
+    try:
+        deploy_when_trained(cloud, run_dir, quality=lambda: last_quality(recorder.rows))
+    except EstuaryError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
     serve_metrics(cloud, cfg)
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)

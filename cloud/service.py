@@ -129,6 +129,9 @@ class CloudServer(RoleService):
         self.aggregations = 0
         self.checkpoint_dir = checkpoint_dir
         self.on_round_end = on_round_end
+        #: called once the last round is aggregated; it deploys and then calls
+        #: :meth:`complete` (the run is "deploying" until then). None: complete at once.
+        self.on_trained: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Subscribe to registrations and edge reports; wait for devices."""
@@ -158,7 +161,7 @@ class CloudServer(RoleService):
             self._params[key] = sum(p.numel() for p in module.parameters())
         return self._params[key]
 
-    def _publish_state(self, phase: Literal["waiting", "training", "done"]) -> None:
+    def _publish_state(self, phase: Literal["waiting", "training", "deploying", "done"]) -> None:
         self.metrics.phase.state(phase)
         self.metrics.round.set(self.round)
         state = CloudState(
@@ -357,6 +360,16 @@ class CloudServer(RoleService):
         )
 
     def _finish(self) -> None:
+        if self.on_trained is not None:
+            self._publish_state("deploying")
+            self.on_trained()
+            return
+        self.complete()
+
+    def complete(self) -> None:
+        """Declare the run done (edges and devices then leave)."""
+        if self.done:
+            return
         self.done = True
         self._publish_state("done")
         log.info("run finished after %d rounds; global model %s", self.round, self.model_sha[:12])

@@ -1,7 +1,9 @@
 """``python -m device_agent`` / ``estuary device --id dev000``: one device agent over MQTT.
 
 The device loads the dataset locally and keeps only its own partition (the same seeded
-split ``estuary simulate`` makes); raw data never leaves the process.
+split ``estuary simulate`` makes); raw data never leaves the process. It also serves the
+generator the cloud deploys (verified, then sampled with ONNX Runtime). With
+``--sample-only`` it does nothing else, and never imports torch.
 """
 
 from __future__ import annotations
@@ -9,15 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from device_agent.service import DeviceAgent
-from shared.algorithms import make_algorithm
-from shared.data import load_dataset, to_model_input
+from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
 from shared.errors import EstuaryError
-from shared.naming import device_index, home_edge
-from shared.partition import make_partition
 from shared.runtime import (
     EXIT_ERROR,
     add_common_args,
@@ -37,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p)
     p.add_argument("--id", required=True, help="device id: dev000, dev001, ...")
     p.add_argument("--cache-dir", help="on-disk blob cache (default: memory only)")
+    p.add_argument(
+        "--sample-only",
+        action="store_true",
+        help="do not train: only serve deployed generators (no torch needed)",
+    )
+    p.add_argument("--out-dir", help="deployed models and sample grids (default: deploy.out_dir)")
     return p
 
 
@@ -47,19 +50,42 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         cfg = load_role_config(args)
-        index = device_index(args.id, cfg)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        data = load_dataset(
-            cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
-        )
-        parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-        mine = parts[index]
+        out_dir = Path(args.out_dir) if args.out_dir else device_out_dir(cfg, args.id)
         cache = Path(args.cache_dir) if args.cache_dir else None
-        bus = connect_bus(cfg, "device", args.id, cache)
+        if args.sample_only:
+            bus = connect_bus(cfg, "device", args.id, cache)
+            agent = SamplingAgent(cfg, bus, device_id=args.id, out_dir=out_dir)
+            log.info("%s: sampling only; grids go to %s", args.id, out_dir)
+            return serve_until_cloud_done(agent, bus, stay=args.stay)
+        device, bus = _training_agent(args, cfg, cache)
+        receiver = DeploymentReceiver(device, out_dir) if cfg.deploy.enabled else None
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR
+    if receiver is not None:
+        receiver.start()
+    return serve_until_cloud_done(device, bus, stay=args.stay)
+
+
+def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> tuple[Any, Any]:
+    """The training device of ``--id`` with its private partition, connected."""
+    import torch
+
+    from device_agent.service import DeviceAgent
+    from shared.algorithms import make_algorithm
+    from shared.data import load_dataset, to_model_input
+    from shared.naming import device_index, home_edge
+    from shared.partition import make_partition
+
+    index = device_index(args.id, cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    data = load_dataset(
+        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
+    )
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    mine = parts[index]
+    bus = connect_bus(cfg, "device", args.id, cache)
     device = DeviceAgent(
         cfg,
         bus,
@@ -72,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
     )
     del data
     log.info("%s has %d samples (home %s)", args.id, len(mine), device.home_edge)
-    return serve_until_cloud_done(device, bus, stay=args.stay)
+    return device, bus

@@ -1,4 +1,5 @@
-"""``estuary`` command line: demo, simulate, compare, cloud, edge, device, eval, model-info."""
+"""``estuary`` command line: demo, simulate, compare, cloud, edge, device, eval, model-info,
+keys, export, sample, deploy."""
 
 from __future__ import annotations
 
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prune-seed", type=int, default=0, help="init (and random ranking) seed")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_cmd_model_info)
+
+    from estuary.deploy_cli import add_parsers
+
+    add_parsers(sub)
     return p
 
 

@@ -39,6 +39,7 @@ DEMO_CONFIG: dict[str, dict[str, Any]] = {
     "data": {"dataset": "fashion-mnist", "partition": "iid"},
     "model": {"preset": "fmnist-tiny"},
     "train": {"local_steps": 25, "batch_size": 32, "lr": 2e-3, "threads": 1},
+    "deploy": {"threads": 1, "grid_size": 16, "sample_steps": 50},
     "eval": {"every": 4, "sample_every": 2, "num_samples": 250, "sample_steps": 25},
 }
 """The embedded default: 6 devices x 25 steps x 4 rounds of fmnist-tiny, a few minutes on
@@ -57,6 +58,7 @@ class DemoResult:
     seconds: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     scrapes: dict[str, dict[str, float]] = field(default_factory=dict)
+    deployment: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> report
 
 
 def demo_config(path: Path | None) -> RunConfig:
@@ -93,6 +95,7 @@ def run_demo(
         out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = with_deploy_keys(cfg, run_dir)
     config_path = run_dir / "launch_config.json"
     atomic_write(config_path, cfg.to_json().encode())
     t0 = time.monotonic()
@@ -107,6 +110,7 @@ def run_demo(
             broker.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     atomic_write(run_dir / "prometheus.json", json.dumps(scrapes, indent=1).encode())
+    reports = run_dir / "deploy" / "reports.json"
     return DemoResult(
         run_dir=run_dir,
         rounds=summary["rounds"],
@@ -114,7 +118,28 @@ def run_demo(
         seconds=time.monotonic() - t0,
         rows=read_metrics(run_dir / "metrics.jsonl"),
         scrapes=scrapes,
+        deployment=json.loads(reports.read_text()) if reports.is_file() else {},
     )
+
+
+def with_deploy_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """Give the demo a deployment key pair (``run_dir/keys``) and a device output folder
+    (``run_dir/devices``) unless the config names its own."""
+    if not cfg.deploy.enabled or cfg.deploy.signing_key:
+        return cfg
+    from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
+
+    keys = run_dir / "keys"
+    if not (keys / PRIVATE_KEY_FILE).is_file():
+        generate_keys(keys, overwrite=True)
+    deploy = cfg.deploy.model_copy(
+        update={
+            "signing_key": str((keys / PRIVATE_KEY_FILE).resolve()),
+            "verify_key": cfg.deploy.verify_key or str((keys / PUBLIC_KEY_FILE).resolve()),
+            "out_dir": cfg.deploy.out_dir or str((run_dir / "devices").resolve()),
+        }
+    )
+    return cfg.model_copy(update={"deploy": deploy})
 
 
 def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: bool) -> None:
@@ -193,10 +218,24 @@ def print_demo_result(result: DemoResult) -> None:
         for name, v in sorted(by_role.items()):
             mib = {k: x / 2**20 for k, x in v.items()}
             print(f"  {name:>8}: sent {mib['sent']:8.2f} MiB  received {mib['received']:8.2f} MiB")
+    if result.deployment:
+        sampled = {k: r for k, r in result.deployment.items() if r["event"] == "sampled"}
+        speeds = sorted(r["images_per_s"] for r in sampled.values())
+        card = d / "deploy" / "card.json"
+        print(
+            f"deployed {d / 'deploy' / 'model.onnx'} (signed; card {card}): "
+            f"{len(sampled)}/{len(result.deployment)} devices sampled from it"
+            + (f", median {speeds[len(speeds) // 2]:.1f} images/s (ONNX Runtime)" if speeds else "")
+        )
+        for name, r in sorted(result.deployment.items()):
+            if r["event"] != "sampled":
+                print(f"  {name}: {r['event']} {r['reason']}")
     print(f"run directory: {d}")
     print(f"  report:      {d / 'report.png'}")
     if grids:
         print(f"  samples:     {d / grids[-1]}")
+    if result.deployment:
+        print(f"  device grids: {d / 'devices'}/<device>/samples/")
     print(f"  metrics:     {d / 'metrics.jsonl'}")
     print(f"  prometheus:  {d / 'prometheus.json'}")
     print(f"  logs:        {d / 'logs'}")

@@ -8,35 +8,27 @@ newest one (written after it, also atomically).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.atomic import atomic_write
 from shared.codec import decode_tensors, encode_tensors, read_metadata, sha256_hex
 from shared.config import RunConfig, config_from_dict
 from shared.errors import CodecError
 
+__all__ = [
+    "Checkpoint",
+    "atomic_write",
+    "latest_checkpoint_path",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
 MODEL_PREFIX = "model/"
 STATE_PREFIX = "algo/"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,16 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import CodecError
 
-TensorDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: the hash helpers and the metadata
+# reader here serve the torch-free sampling path of the device agent (DESIGN section 5).
+TensorDict = dict[str, Any]
 MAX_METADATA_BYTES = 64 * 1024
 
 
@@ -46,6 +47,8 @@ def encode_tensors(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> bytes:
     """Serialize to safetensors bytes; identical inputs give identical bytes."""
+    from safetensors.torch import save as st_save
+
     ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
     meta = dict(metadata or {})
     if len(json.dumps(meta)) > MAX_METADATA_BYTES:
@@ -63,6 +66,10 @@ def decode_tensors(
 ) -> TensorDict:
     """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec; with
     ``partial`` a non-empty subset of the spec's names is accepted."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
     if sha256 is not None and sha256_hex(data) != sha256:
         raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
     try:

@@ -93,7 +93,9 @@ class DataSection(_Section):
 class ModelSection(_Section):
     """Which U-Net preset to train."""
 
-    preset: Literal["fmnist-tiny", "fmnist-small", "ddpm-cifar10"] = "fmnist-tiny"
+    preset: Literal[
+        "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10"
+    ] = "fmnist-tiny"
 
 
 class DiffusionSection(_Section):
@@ -234,7 +236,28 @@ class MetricsSection(_Section):
     port: int = Field(9100, ge=0, le=65_535, description="0 = any free port")
 
 
-DEPLOYMENT_SECTIONS = ("broker", "metrics")
+class DeploySection(_Section):
+    """Shipping the trained generator to the devices (DESIGN section 5)."""
+
+    enabled: bool = Field(True, description="cloud exports and publishes after training")
+    signing_key: str = Field("", description="cloud: Ed25519 private key (PEM) to sign with")
+    verify_key: str = Field("", description="devices: Ed25519 public key (PEM) to verify with")
+    opset: int = Field(17, ge=17, le=23)
+    fp16: bool = False
+    parity_threshold: float = Field(1e-4, gt=0.0, description="max abs error vs torch")
+    parity_steps: int = Field(20, ge=1, le=1000, description="DDIM steps of the parity check")
+    sample_steps: int = Field(50, ge=1, le=1000, description="DDIM steps of device grids")
+    grid_size: int = Field(16, ge=1, le=1024, description="images in a device's sample grid")
+    max_request_images: int = Field(256, ge=1, le=100_000, description="cap per request")
+    provider: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = default")
+    out_dir: str = Field("", description="devices: where grids and models go; empty = ./deploy")
+    wait_s: float = Field(
+        120.0, ge=0.0, le=86_400.0, description="cloud: serve the deployment this long for reports"
+    )
+
+
+DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy")
 
 
 class RunConfig(_Section):
@@ -250,6 +273,7 @@ class RunConfig(_Section):
     eval: EvalSection = EvalSection()
     broker: BrokerSection = BrokerSection()
     metrics: MetricsSection = MetricsSection()
+    deploy: DeploySection = DeploySection()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""
@@ -261,7 +285,8 @@ class RunConfig(_Section):
 
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
-        metrics): identifies the experiment on the wire, wherever each role connects from."""
+        metrics, deploy): identifies the experiment on the wire, wherever each role connects
+        from."""
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -39,11 +39,15 @@ def make_sample_scheduler(cfg: DiffusionSection) -> DDIMScheduler:
 
 
 def ddpm_loss(
-    model: nn.Module, x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
+    model: nn.Module,
+    x0: torch.Tensor,
+    scheduler: DDPMScheduler,
+    generator: torch.Generator,
+    class_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t)||^2."""
+    """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t[, y])||^2."""
     noisy, noise, t = noise_batch(x0, scheduler, generator)
-    pred = model(noisy, t).sample
+    pred = model(noisy, t, class_labels=class_labels).sample
     return F.mse_loss(pred, noise)
 
 
@@ -69,19 +73,27 @@ def ddim_sample(
     steps: int | None = None,
     batch_size: int = 256,
     noise: torch.Tensor | None = None,
+    class_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw ``shape[0]`` images in [-1, 1] with DDIM (eta from ``cfg``), in batches."""
+    """Draw ``shape[0]`` images in [-1, 1] with DDIM (eta from ``cfg``), in batches.
+
+    A class-conditional model samples ``class_labels`` (default: 0, 1, ..., 9, 0, 1, ...).
+    """
     scheduler = make_sample_scheduler(cfg)
     scheduler.set_timesteps(steps or cfg.sample_steps)
     was_training = model.training
     model.eval()
     if noise is None:
         noise = torch.randn(shape, generator=generator)
+    classes = int(getattr(getattr(model, "config", None), "num_class_embeds", None) or 0)
+    if classes and class_labels is None:
+        class_labels = torch.arange(shape[0]) % classes
     out = []
     for start in range(0, shape[0], batch_size):
         x = noise[start : start + batch_size].clone()
+        labels = None if class_labels is None else class_labels[start : start + batch_size]
         for t in scheduler.timesteps:
-            eps = model(x, t).sample
+            eps = model(x, t, class_labels=labels).sample
             x = scheduler.step(eps, t, x, eta=cfg.eta, generator=generator).prev_sample
         out.append(x.clamp(-1, 1))
     model.train(was_training)

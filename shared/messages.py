@@ -77,6 +77,25 @@ class Topics:
         """Device -> edges: the edge this device picked for a round."""
         return f"{self.base}/device/{device}/join"
 
+    @property
+    def cloud_deploy(self) -> str:
+        """Retained signed deployment manifest of the generator the devices should serve."""
+        return f"{self.base}/cloud/deploy"
+
+    @property
+    def cloud_sample(self) -> str:
+        """Cloud -> devices: a request to sample from the deployed model."""
+        return f"{self.base}/cloud/sample"
+
+    def device_deploy(self, device: str) -> str:
+        """Retained: the deployment a device serves or refused, and its sampling speed."""
+        return f"{self.base}/device/{device}/deploy"
+
+    @property
+    def all_device_deploy(self) -> str:
+        """Subscription pattern for every device's deployment reports."""
+        return f"{self.base}/device/+/deploy"
+
     def status(self, home: str) -> str:
         """Retained presence of one role instance (LWT publishes ``online: false``)."""
         return f"{self.base}/{home}/status"
@@ -124,6 +143,12 @@ class Topics:
             return self.cloud_round
         if isinstance(msg, CloudState):
             return self.cloud_state
+        if isinstance(msg, Deployment):
+            return self.cloud_deploy
+        if isinstance(msg, SampleRequest):
+            return self.cloud_sample
+        if isinstance(msg, DeploymentReport):
+            return self.device_deploy(msg.device)
         return None
 
     @property
@@ -290,9 +315,49 @@ class CloudState(_Msg):
     kind: Literal["cloud_state"] = "cloud_state"
     round: Round
     session: Session
-    phase: Literal["waiting", "training", "done"]
+    phase: Literal["waiting", "training", "deploying", "done"]
     model_ref: BlobRef | None = None
     config_digest: str = Field(max_length=64)
+
+
+class Deployment(_Msg):
+    """A signed deployment: ``manifest`` is the canonical JSON text the Ed25519
+    ``signature`` covers (shared.signing); the ONNX model travels as the blob ``model_ref``."""
+
+    kind: Literal["deployment"] = "deployment"
+    manifest: str = Field(min_length=2, max_length=64 * 1024)
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$")
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    model_ref: BlobRef
+
+
+class SampleRequest(_Msg):
+    """Cloud asks devices (all when ``devices`` is empty) to sample from their model."""
+
+    kind: Literal["sample_request"] = "sample_request"
+    request_id: Id
+    devices: list[Id] = Field(default_factory=list, max_length=100_000)
+    n: int = Field(16, ge=1, le=100_000)
+    steps: int = Field(50, ge=1, le=1000)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+
+class DeploymentReport(_Msg):
+    """A device's deployment event: a model loaded or refused, or a grid sampled."""
+
+    kind: Literal["deploy_report"] = "deploy_report"
+    device: Id
+    event: Literal["loaded", "refused", "sampled"]
+    model_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    serving: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # model in service
+    reason: str = Field("", max_length=500)
+    request_id: str = Field("", max_length=64)
+    n: Count = 0
+    steps: Count = 0
+    images_per_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    latency_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    provider: str = Field("", max_length=64)
+    grid: str = Field("", max_length=500)
 
 
 Message = (
@@ -306,6 +371,9 @@ Message = (
     | CloudState
     | Presence
     | BlobWant
+    | Deployment
+    | SampleRequest
+    | DeploymentReport
 )
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
 

@@ -48,9 +48,10 @@ from shared.telemetry import Traffic
 log = logging.getLogger(__name__)
 
 ROLES: Final = ("cloud", "edge", "device")
-PHASES: Final = ("idle", "waiting", "training", "aggregating", "done")
+PHASES: Final = ("idle", "waiting", "training", "aggregating", "deploying", "done")
 """States of ``estuary_phase``; the first one is the state a fresh role starts in."""
 UPDATE_OUTCOMES: Final = ("accepted", "rejected", "late", "duplicate")
+DEPLOY_OUTCOMES: Final = ("loaded", "refused")
 
 # Round, aggregation and training times range from a fraction of a second (tiny test models)
 # to about an hour (a real local epoch on a slow device).
@@ -130,8 +131,10 @@ class RoleMetrics:
     The attributes are plain prometheus_client objects for the service to update:
     ``round``, ``phase`` (states :data:`PHASES`), ``round_seconds``, ``aggregation_seconds``,
     ``training_seconds``, ``devices`` (label ``edge``), ``sh_score`` (label ``edge``),
-    ``model_params``, ``model_bytes``, ``images_generated``, ``sampling_seconds`` and
-    ``updates`` (label ``outcome``, one of :data:`UPDATE_OUTCOMES`).
+    ``model_params``, ``model_bytes``, ``images_generated``, ``sampling_seconds``,
+    ``images_per_second``, ``deployments`` (label ``outcome``, :data:`DEPLOY_OUTCOMES`),
+    ``deployed`` (label ``sha256``) and ``updates`` (label ``outcome``, one of
+    :data:`UPDATE_OUTCOMES`).
     """
 
     def __init__(self, role: str, name: str, traffic: Traffic | None = None) -> None:
@@ -187,6 +190,25 @@ class RoleMetrics:
             "estuary_sampling_latency_seconds",
             "Latency of one sampling call.",
             buckets=SAMPLING_BUCKETS,
+            registry=reg,
+        )
+        self.images_per_second = Gauge(
+            "estuary_sampling_images_per_second",
+            "Throughput of the last sampling call.",
+            registry=reg,
+        )
+        self.deployments = Counter(
+            "estuary_deployments",
+            "Deployments received, by outcome (loaded, refused).",
+            ("outcome",),
+            registry=reg,
+        )
+        for outcome in DEPLOY_OUTCOMES:
+            self.deployments.labels(outcome=outcome)
+        self.deployed = Gauge(
+            "estuary_deployed_model",
+            "The model in service (1 for its sha256 prefix).",
+            ("sha256",),
             registry=reg,
         )
         self.updates = Counter(

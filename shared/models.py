@@ -57,6 +57,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "freq_shift": 1,
     },
 }
+# Class-conditional variants: a learned class embedding added to the time embedding
+# (diffusers' ``num_class_embeds``); trained with each image's label, sampled per class.
+PRESETS["fmnist-tiny-cond"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 10}
+PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 10}
 
 
 def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
@@ -75,6 +79,12 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     with torch.device("meta"):
         return spec_of(UNet2DModel(**PRESETS[preset]).state_dict())
+
+
+def num_classes_of(model: nn.Module) -> int:
+    """Number of classes a conditional U-Net embeds (0 for an unconditional one)."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_class_embeds", None) or 0)
 
 
 def image_shape(preset: str) -> tuple[int, int, int]:
@@ -120,10 +130,11 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
     import torch_pruning as tp
 
     t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
+    inputs = {"sample": sample, "timestep": t}
+    if num_classes_of(model):
+        inputs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        ops, _ = tp.utils.count_ops_and_params(
-            model, example_inputs={"sample": sample, "timestep": t}
-        )
+        ops, _ = tp.utils.count_ops_and_params(model, example_inputs=inputs)
     return int(ops) // sample.shape[0]
 
 

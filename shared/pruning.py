@@ -121,10 +121,13 @@ def _example_inputs(model: UNet2DModel) -> dict[str, torch.Tensor]:
     size = cfg.sample_size
     h, w = (size, size) if isinstance(size, int) else tuple(size)
     p = next(model.parameters())
-    return {
+    inputs = {
         "sample": torch.zeros(1, cfg.in_channels, h, w, device=p.device, dtype=p.dtype),
         "timestep": torch.ones(1, dtype=torch.long, device=p.device),
     }
+    if cfg.num_class_embeds:
+        inputs["class_labels"] = torch.zeros(1, dtype=torch.long, device=p.device)
+    return inputs
 
 
 def _dependency_groups(model: UNet2DModel) -> tuple[Any, list[_Group]]:
@@ -361,6 +364,7 @@ def preset_of(model: UNet2DModel) -> str:
         name
         for name, kwargs in PRESETS.items()
         if all(norm(cfg.get(k)) == norm(v) for k, v in kwargs.items())
+        and cfg.get("num_class_embeds") == kwargs.get("num_class_embeds")
     ]
     if len(hits) != 1:
         raise ConfigError(f"model config matches presets {hits}; pass preset= explicitly")
@@ -499,7 +503,9 @@ def _check_forward(preset: str, modules: Mapping[str, Any]) -> None:
             m.register_forward_pre_hook(lambda *_, n=name: entered.append(n))
     try:
         with torch.no_grad():
-            out = model(sample, torch.ones(1, dtype=torch.long, device="meta")).sample
+            one = torch.ones(1, dtype=torch.long, device="meta")
+            labels = one if model.config.num_class_embeds else None
+            out = model(sample, one, class_labels=labels).sample
     except (RuntimeError, ValueError, AssertionError, IndexError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         where = f" at {entered[-1]!r}" if entered else ""

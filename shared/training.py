@@ -13,6 +13,7 @@ from torch import nn
 
 from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
+from shared.errors import ConfigError
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 #: replaces the DDPM loss: (model, x0 batch, scheduler, generator) -> scalar loss
@@ -57,11 +58,22 @@ def train_local(
     loss_fn: LossFn | None = None,
     grad_hook: GradHook | None = None,
     steps: int | None = None,
+    labels: torch.Tensor | None = None,
 ) -> TrainResult:
     """Minimize the DDPM loss (or ``loss_fn``), plus ``extra_loss``, on ``data`` for the
-    configured steps; ``grad_hook`` may edit gradients before each optimizer step."""
+    configured steps; ``grad_hook`` may edit gradients before each optimizer step.
+
+    A class-conditional model (``num_class_embeds``) is trained with each image's label
+    from ``labels``.
+    """
     start = time.perf_counter()
     n = data.shape[0]
+    conditional = bool(getattr(getattr(model, "config", None), "num_class_embeds", None))
+    if conditional and (labels is None or loss_fn is not None):
+        raise ConfigError(
+            "a class-conditional model needs the DDPM loss and the images' labels; this "
+            "algorithm does not pass them (use fedavg, fedphd, fedprox or scaffold)"
+        )
     steps = steps if steps is not None else num_local_steps(n, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, cfg)
@@ -71,9 +83,13 @@ def train_local(
     for _ in range(steps):
         if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
             order, cursor = torch.randperm(n, generator=generator), 0
-        batch = data[order[cursor : cursor + cfg.batch_size]]
+        idx = order[cursor : cursor + cfg.batch_size]
         cursor += cfg.batch_size
-        loss = (loss_fn or ddpm_loss)(model, batch, scheduler, generator)
+        if conditional:
+            assert labels is not None
+            loss = ddpm_loss(model, data[idx], scheduler, generator, class_labels=labels[idx])
+        else:
+            loss = (loss_fn or ddpm_loss)(model, data[idx], scheduler, generator)
         if extra_loss is not None:
             loss = loss + extra_loss(model)
         opt.zero_grad(set_to_none=True)

@@ -31,7 +31,9 @@ class FedAvg(Algorithm):
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
-        result = train_local(model, ctx.data, self.cfg.train, self.scheduler, ctx.generator)
+        result = train_local(
+            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels
+        )
         tensors = {k: v.detach().clone() for k, v in model.state_dict().items()} if upload else None
         return LocalResult(tensors, result)
 

@@ -307,7 +307,9 @@ class FedDiffuse(Algorithm):
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
-        result = train_local(model, ctx.data, self.cfg.train, self.scheduler, ctx.generator)
+        result = train_local(
+            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels
+        )
         trained = model_state(model)
         if self.federated != FEDERATED_PARTS["full"]:
             ctx.state[LOCAL_STATE_KEY] = {

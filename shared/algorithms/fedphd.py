@@ -147,7 +147,13 @@ class FedPhD(Algorithm):
         if round_ < algo.sparse_rounds and algo.lambda0 > 0:
             extra = self._penalty(ctx, model)
         result = train_local(
-            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, extra_loss=extra
+            model,
+            ctx.data,
+            self.cfg.train,
+            self.scheduler,
+            ctx.generator,
+            extra_loss=extra,
+            labels=ctx.labels,
         )
         return LocalResult(model_state(model) if upload else None, result)
 

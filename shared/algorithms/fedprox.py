@@ -72,6 +72,7 @@ class FedProx(FedAvg):
             self.scheduler,
             ctx.generator,
             extra_loss=(lambda m: proximal_term(m, anchor, mu)) if mu > 0 else None,
+            labels=ctx.labels,
         )
         if not upload:
             return LocalResult(None, result)

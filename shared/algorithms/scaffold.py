@@ -176,7 +176,13 @@ class Scaffold(Algorithm):
         c_i: TensorDict = ctx.state.get(C_LOCAL) or {k: torch.zeros_like(v) for k, v in c.items()}
         hook = correction_hook({k: c[k] - c_i[k] for k in c})
         result = train_local(
-            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, grad_hook=hook
+            model,
+            ctx.data,
+            self.cfg.train,
+            self.scheduler,
+            ctx.generator,
+            grad_hook=hook,
+            labels=ctx.labels,
         )
         ctx.state[STEPS] += result.steps
         if not upload:

@@ -1,0 +1,295 @@
+"""On-device sampling without torch: ONNX Runtime for the noise predictor plus a numpy DDIM
+loop (DESIGN section 5).
+
+The DDIM loop reproduces ``diffusers.DDIMScheduler`` as :mod:`shared.diffusion` configures
+it (linear betas, epsilon prediction, "leading" timestep spacing, ``set_alpha_to_one``,
+predicted x0 clipped to [-1, 1], eta = 0), so the same noise gives the same images as
+``shared.diffusion.ddim_sample`` up to float rounding (``tests/test_onnx_export.py``).
+
+Only numpy, onnxruntime and pillow are imported here: a device that only generates images
+never needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import EstuaryError
+from shared.signing import SignatureError, check_model_bytes, read_signed, verify_manifest
+
+log = logging.getLogger(__name__)
+
+#: eps_fn(x [B,C,H,W] float32, t [B] int64, labels [B] int64 or None) -> eps, like x
+EpsFn = Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
+
+
+@dataclass(frozen=True)
+class DdimSchedule:
+    """The scheduler parameters a model card carries (``card["scheduler"]``)."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    prediction_type: str = "epsilon"
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+    set_alpha_to_one: bool = True
+    steps_offset: int = 0
+    timestep_spacing: str = "leading"
+
+    @classmethod
+    def from_card(cls, params: dict[str, Any]) -> DdimSchedule:
+        """Build from a card's ``scheduler`` entry, refusing settings this loop lacks."""
+        known = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
+        sched = cls(**known)
+        if (sched.beta_schedule, sched.prediction_type, sched.timestep_spacing) != (
+            "linear", "epsilon", "leading",
+        ):  # fmt: skip
+            raise EstuaryError(
+                "the numpy DDIM sampler supports linear betas, epsilon prediction and leading "
+                f"timestep spacing; the card asks for {sched}"
+            )
+        return sched
+
+    def alphas_cumprod(self) -> np.ndarray:
+        """abar_t for t = 0..T-1, computed as diffusers does (float32 betas)."""
+        betas = np.linspace(
+            self.beta_start, self.beta_end, self.num_train_timesteps, dtype=np.float32
+        )
+        return np.cumprod(1.0 - betas.astype(np.float64)).astype(np.float32)
+
+    def timesteps(self, steps: int) -> np.ndarray:
+        """The DDIM timesteps for ``steps`` sampling steps, high to low."""
+        if not 1 <= steps <= self.num_train_timesteps:
+            raise EstuaryError(f"steps must be in 1..{self.num_train_timesteps}, got {steps}")
+        ratio = self.num_train_timesteps // steps
+        return (np.arange(steps, dtype=np.int64) * ratio)[::-1] + self.steps_offset
+
+
+def ddim_sample(
+    eps_fn: EpsFn,
+    noise: np.ndarray,
+    schedule: DdimSchedule,
+    steps: int,
+    labels: np.ndarray | None = None,
+) -> np.ndarray:
+    """Deterministic DDIM (eta = 0) from ``noise``; returns images in [-1, 1] (float32)."""
+    abar = schedule.alphas_cumprod()
+    final = np.float32(1.0) if schedule.set_alpha_to_one else abar[0]
+    ratio = schedule.num_train_timesteps // steps
+    x = np.ascontiguousarray(noise, dtype=np.float32)
+    for t in schedule.timesteps(steps):
+        t_batch = np.full((x.shape[0],), t, dtype=np.int64)
+        eps = eps_fn(x, t_batch, labels).astype(np.float32, copy=False)
+        a_t = abar[t]
+        a_prev = abar[t - ratio] if t - ratio >= 0 else final
+        x0 = (x - np.sqrt(1 - a_t) * eps) / np.sqrt(a_t)
+        if schedule.clip_sample:
+            x0 = np.clip(x0, -schedule.clip_sample_range, schedule.clip_sample_range)
+        x = (np.sqrt(a_prev) * x0 + np.sqrt(1 - a_prev) * eps).astype(np.float32, copy=False)
+    return np.clip(x, -1.0, 1.0)
+
+
+def default_providers() -> list[str]:
+    """CUDA when this onnxruntime build has it, else CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    wanted = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return [p for p in wanted if p in available] or ["CPUExecutionProvider"]
+
+
+def make_session(
+    model: bytes | Path, *, provider: str = "auto", threads: int = 0
+) -> Any:  # onnxruntime.InferenceSession
+    """An ONNX Runtime session on ``provider`` ("auto", "cpu" or "cuda")."""
+    import onnxruntime as ort
+
+    if provider == "cpu":
+        providers = ["CPUExecutionProvider"]
+    elif provider == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise EstuaryError("provider 'cuda' asked for, but this onnxruntime has no CUDA EP")
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    else:
+        providers = default_providers()
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads > 0:
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    source = str(model) if isinstance(model, Path) else model
+    try:
+        return ort.InferenceSession(source, sess_options=opts, providers=providers)
+    except Exception as err:  # onnxruntime raises its own exception types
+        raise EstuaryError(f"ONNX Runtime cannot load the model: {err}") from None
+
+
+@dataclass
+class SampleStats:
+    """Timing of one sampling call."""
+
+    n: int
+    steps: int
+    seconds: float
+    batch_size: int
+
+    @property
+    def images_per_s(self) -> float:
+        """Throughput of the whole call."""
+        return self.n / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds per batch of ``batch_size`` images (time to first batch)."""
+        batches = -(-self.n // self.batch_size)
+        return self.seconds / max(1, batches)
+
+    def to_dict(self) -> dict[str, float | int]:
+        """JSON form."""
+        return {
+            "n": self.n,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "seconds": round(self.seconds, 4),
+            "images_per_s": round(self.images_per_s, 3),
+            "latency_s": round(self.latency_s, 4),
+        }
+
+
+class OnnxGenerator:
+    """A deployed generator: an ONNX noise predictor, its card, and the DDIM loop."""
+
+    def __init__(
+        self, model: bytes | Path, card: dict[str, Any], *, provider: str = "auto", threads: int = 0
+    ) -> None:
+        self.card = card
+        self.session = make_session(model, provider=provider, threads=threads)
+        self.schedule = DdimSchedule.from_card(card.get("scheduler", {}))
+        names = {i.name for i in self.session.get_inputs()}
+        if not {"sample", "timestep"} <= names:
+            raise EstuaryError(f"model inputs {sorted(names)} lack 'sample' and 'timestep'")
+        self.num_classes = int(card.get("num_classes") or 0)
+        if ("class_labels" in names) != (self.num_classes > 0):
+            raise EstuaryError("the model's class_labels input and the card's num_classes differ")
+        shape = card.get("image_shape")
+        if not (isinstance(shape, list) and len(shape) == 3 and all(int(s) > 0 for s in shape)):
+            raise EstuaryError(f"card image_shape must be [C, H, W], got {shape!r}")
+        self.image_shape = tuple(int(s) for s in shape)
+
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers the session runs on."""
+        return list(self.session.get_providers())
+
+    def eps(self, x: np.ndarray, t: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+        """One noise prediction."""
+        feed: dict[str, np.ndarray] = {"sample": x, "timestep": t}
+        if self.num_classes:
+            feed["class_labels"] = labels if labels is not None else np.zeros_like(t)
+        return self.session.run(None, feed)[0]
+
+    def noise(self, n: int, seed: int) -> np.ndarray:
+        """Start noise for ``n`` images from ``seed`` (numpy's PCG64)."""
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((n, *self.image_shape), dtype=np.float32)
+
+    def balanced_labels(self, n: int) -> np.ndarray | None:
+        """Class labels 0, 1, ..., 0, 1, ... for a conditional model (None otherwise)."""
+        return np.arange(n, dtype=np.int64) % self.num_classes if self.num_classes else None
+
+    def sample(
+        self,
+        n: int,
+        *,
+        steps: int,
+        seed: int = 0,
+        batch_size: int = 64,
+        labels: np.ndarray | None = None,
+        noise: np.ndarray | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[np.ndarray, SampleStats]:
+        """``n`` images in [-1, 1] and the timing of the call."""
+        if n < 1 or batch_size < 1:
+            raise EstuaryError("n and batch_size must be positive")
+        noise = self.noise(n, seed) if noise is None else noise
+        labels = self.balanced_labels(n) if labels is None else labels
+        if labels is not None and self.num_classes:
+            if labels.shape != (n,) or labels.min() < 0 or labels.max() >= self.num_classes:
+                raise EstuaryError(f"labels must be {n} ints in [0, {self.num_classes})")
+        out = []
+        start = time.perf_counter()
+        for lo in range(0, n, batch_size):
+            hi = min(n, lo + batch_size)
+            lab = labels[lo:hi] if labels is not None else None
+            out.append(ddim_sample(self.eps, noise[lo:hi], self.schedule, steps, lab))
+            if progress is not None:
+                progress(hi - lo)
+        seconds = time.perf_counter() - start
+        return np.concatenate(out), SampleStats(n, steps, seconds, min(batch_size, n))
+
+
+def load_generator(
+    model_dir: Path,
+    *,
+    verify_key: Any = None,
+    require_signature: bool = False,
+    provider: str = "auto",
+    threads: int = 0,
+) -> tuple[OnnxGenerator, dict[str, Any]]:
+    """Load ``model_dir`` (``model.onnx`` + ``manifest.json`` [+ ``manifest.sig``]) after
+    checking the model's hash and size against the manifest and, with ``verify_key`` (an
+    Ed25519 public key), the manifest's signature. Returns (generator, manifest)."""
+    text, signature = read_signed(model_dir)
+    if verify_key is not None:
+        if signature is None:
+            raise SignatureError("bad_signature", f"{model_dir} has no manifest.sig")
+        manifest = verify_manifest(text, signature, verify_key)
+    elif require_signature:
+        raise SignatureError("no_verify_key", "a signature check was required but no key given")
+    else:
+        from shared.signing import check_manifest
+
+        manifest = json.loads(text)
+        check_manifest(manifest)
+    path = model_dir / manifest["model"]["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise SignatureError("bad_manifest", f"cannot read {path}: {err}") from None
+    check_model_bytes(data, manifest)
+    return OnnxGenerator(data, manifest["card"], provider=provider, threads=threads), manifest
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """[-1, 1] float images [N, C, H, W] to uint8 [N, H, W, C]."""
+    x = np.clip((images + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+    return np.transpose(x, (0, 2, 3, 1))
+
+
+def save_grid(images: np.ndarray, path: Path, *, nrow: int | None = None, pad: int = 2) -> Path:
+    """Write images in [-1, 1] ([N, C, H, W]) as one PNG grid."""
+    from PIL import Image
+
+    pixels = to_uint8(images)
+    n, h, w, c = pixels.shape
+    nrow = nrow or max(1, int(np.ceil(np.sqrt(n))))
+    rows = -(-n // nrow)
+    grid = np.zeros((rows * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        y, x = pad + r * (h + pad), pad + col * (w + pad)
+        grid[y : y + h, x : x + w] = pixels[i]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.fromarray(grid[..., 0] if c == 1 else grid)
+    img.save(path)
+    return path

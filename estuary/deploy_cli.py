@@ -1,0 +1,209 @@
+"""``estuary keys``, ``estuary export``, ``estuary sample`` and ``estuary deploy``: the
+deployment commands (DESIGN section 5). ``keys`` and ``sample`` never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from shared.errors import EstuaryError
+
+log = logging.getLogger(__name__)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Generate the Ed25519 deployment key pair."""
+    from shared.signing import generate_keys, key_id, load_public_key
+
+    priv, pub = generate_keys(Path(args.out), overwrite=args.force)
+    out = {"private_key": str(priv), "public_key": str(pub), "key_id": key_id(load_public_key(pub))}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"signing key (cloud only, keep secret): {priv}")
+        print(f"verification key (devices):           {pub}")
+        print(f"key id: {out['key_id']}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a checkpoint or run to ONNX with the parity gate, card and manifest."""
+    from shared.export import export_generator
+    from shared.signing import load_private_key
+
+    key = load_private_key(args.key) if args.key else None
+    result = export_generator(
+        Path(args.source),
+        Path(args.out),
+        fp16=args.fp16,
+        opset=args.opset,
+        threshold=args.threshold,
+        parity_steps=args.parity_steps,
+        signing_key=key,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    p, card = result.parity, result.card
+    size = f"{card['onnx_bytes'] / 2**20:.2f} MiB"
+    params, gmacs = card["params"] / 1e6, card["macs"] / 1e9
+    print(f"exported {card['name']} to {result.model_path} ({size}, {params:.3f} M params, "
+          f"{gmacs:.3f} GMACs, {card['dtype']})")  # fmt: skip
+    print(f"parity vs torch: {p.random_max_abs:.3g} on random inputs, "
+          f"{p.trajectory_max_abs:.3g} over a {p.trajectory_steps}-step DDIM trajectory "
+          f"(threshold {p.threshold:g})")  # fmt: skip
+    signed = "signed" if result.signed else "UNSIGNED (pass --key to sign)"
+    print(f"manifest: {result.manifest_path} ({signed}); card: {result.out_dir / 'card.json'}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Sample a grid from an exported model with ONNX Runtime (no torch)."""
+    from device_agent.sampling import load_generator, save_grid
+    from shared.signing import load_public_key
+
+    key = load_public_key(args.verify_key) if args.verify_key else None
+    gen, manifest = load_generator(
+        Path(args.model), verify_key=key, provider=args.provider, threads=args.threads
+    )
+    if args.warmup:
+        gen.sample(min(args.batch_size, args.n), steps=1, seed=args.seed)
+    bar = _progress(args.n, quiet=args.json or args.quiet)
+    try:
+        images, stats = gen.sample(
+            args.n, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+            progress=bar.update if bar is not None else None,
+        )  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    grid = save_grid(images, Path(args.out))
+    out: dict[str, Any] = {
+        "model": manifest["card"].get("name"),
+        "model_sha256": manifest["model"]["sha256"],
+        "signature": "verified" if key is not None else "not checked",
+        "provider": gen.providers[0],
+        **stats.to_dict(),
+        "grid": str(grid),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{out['n']} images, {out['steps']} DDIM steps on {out['provider']}: "
+              f"{out['images_per_s']:.2f} images/s, {out['latency_s']:.3f} s per batch of "
+              f"{out['batch_size']} -> {grid}")  # fmt: skip
+        if key is None:
+            print("note: signature not checked (pass --verify-key)")
+    return 0
+
+
+def _progress(total: int, *, quiet: bool) -> Any:
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="img", desc="sampling")
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Publish an exported model to the devices of a running federation, as the cloud."""
+    from cloud.deploy import DeploymentPublisher
+    from shared.messages import Presence
+    from shared.runtime import connect_bus, load_role_config
+    from shared.service import RoleService
+    from shared.signing import load_private_key
+
+    cfg = load_role_config(args)
+    key_path = args.key or cfg.deploy.signing_key
+    if not key_path:
+        raise EstuaryError("no signing key: pass --key or set deploy.signing_key")
+    bus = connect_bus(cfg, "cloud", "cloud-deploy", None)
+    try:
+
+        class _Cloud(RoleService):
+            role = "cloud"
+
+            def start(self) -> None:
+                return None
+
+        service = _Cloud("cloud", cfg, bus)
+        online: set[str] = set()
+
+        def presence(msg: Presence) -> None:
+            (online.add if msg.online else online.discard)(msg.name)
+
+        service.on(service.topics.all_device_status, Presence, presence, "msg_presence")
+        publisher = DeploymentPublisher(service, load_private_key(key_path))
+        bus.pump(1.0)  # retained presence of the devices
+        msg = publisher.publish(Path(args.export_dir))
+        targets = sorted(args.devices.split(",")) if args.devices else sorted(online)
+        print(f"published {msg.model_ref.sha256[:12]} to {len(targets)} online devices; "
+              f"waiting up to {args.wait_s:g} s for their reports")  # fmt: skip
+        deadline = time.monotonic() + args.wait_s
+        while time.monotonic() < deadline and not publisher.settled(targets):
+            bus.pump(0.5)
+        if args.request_samples:
+            publisher.request_samples(
+                f"req{int(time.time())}", devices=targets, n=args.request_samples,
+                steps=cfg.deploy.sample_steps,
+            )  # fmt: skip
+            bus.pump(min(args.wait_s, 30.0))
+    finally:
+        bus.close()
+    for device, r in publisher.summary().items():
+        speed = f"{r['images_per_s']:.2f} images/s" if r["event"] == "sampled" else r["reason"]
+        print(f"  {device}: {r['event']:>8}  {speed}")
+    return 0 if publisher.settled(targets) else 1
+
+
+def add_parsers(sub: Any) -> None:
+    """Register the deployment subcommands on ``sub`` (argparse subparsers)."""
+    k = sub.add_parser("keys", help="generate the Ed25519 deployment signing key pair")
+    k.add_argument("--out", required=True, help="directory for the two PEM files")
+    k.add_argument("--force", action="store_true", help="replace existing keys")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_keys)
+
+    e = sub.add_parser("export", help="export a checkpoint or run to ONNX (parity-gated)")
+    e.add_argument("source", help="checkpoint file or run directory")
+    e.add_argument("--out", required=True, help="output directory")
+    e.add_argument("--fp16", action="store_true", help="fp16 weights and compute inside")
+    e.add_argument("--opset", type=int, default=17)
+    e.add_argument(
+        "--threshold", type=float, help="max abs error vs torch (default 1e-4; 5e-2 with --fp16)"
+    )
+    e.add_argument("--parity-steps", type=int, default=20, help="DDIM steps of the check")
+    e.add_argument("--key", help="Ed25519 private key (PEM) to sign the manifest with")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("sample", help="sample a grid from an exported model (ONNX Runtime)")
+    s.add_argument("--model", required=True, help="export directory (model.onnx + manifest)")
+    s.add_argument("--n", type=int, default=64)
+    s.add_argument("--steps", type=int, default=100)
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="grid.png", help="PNG grid path")
+    s.add_argument("--verify-key", help="Ed25519 public key (PEM); refuse unless it verifies")
+    s.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = default)")
+    s.add_argument("--warmup", action="store_true", help="one untimed 1-step batch first")
+    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_sample)
+
+    d = sub.add_parser("deploy", help="publish an exported model to a running federation")
+    d.add_argument("export_dir", help="directory written by `estuary export`")
+    d.add_argument("config", help="run config (broker address and credentials)")
+    d.add_argument("--broker", help="HOST:PORT (overrides broker.host/port)")
+    d.add_argument("--key", help="signing key (default deploy.signing_key)")
+    d.add_argument("--devices", help="comma-separated device ids to wait for (default: online)")
+    d.add_argument("--wait-s", type=float, default=120.0)
+    d.add_argument("--request-samples", type=int, default=0, help="then ask for N more images")
+    d.set_defaults(func=cmd_deploy, metrics_port=-1)

@@ -1,0 +1,207 @@
+"""Signed deployments (DESIGN section 5): Ed25519 keys, the deployment manifest, and its
+signature.
+
+A manifest is a small JSON object naming the model file by sha256 and size and carrying the
+model card. It is signed over its canonical JSON bytes (sorted keys, no whitespace, ASCII),
+so the same manifest verifies whether it arrived as text over MQTT or was re-read from
+``manifest.json`` on disk. Devices verify the signature *before* parsing anything else, then
+the model's hash and size against the manifest, and load nothing that fails.
+
+Torch-free on purpose: the device agent's sampling path imports this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from shared.errors import EstuaryError
+
+MANIFEST_FORMAT = "estuary-deployment-v1"
+MAX_MANIFEST_BYTES = 64 * 1024
+PRIVATE_KEY_FILE = "deploy_ed25519.pem"
+PUBLIC_KEY_FILE = "deploy_ed25519.pub.pem"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
+
+
+class SignatureError(EstuaryError):
+    """A manifest, signature or key that cannot be trusted; ``reason`` labels the metric."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+
+def generate_keys(out_dir: Path, *, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write a new Ed25519 key pair as PEM files into ``out_dir``; the private key is
+    readable by its owner only. Returns (private, public) paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    priv_path, pub_path = out_dir / PRIVATE_KEY_FILE, out_dir / PUBLIC_KEY_FILE
+    if not overwrite and (priv_path.exists() or pub_path.exists()):
+        raise EstuaryError(f"{priv_path} or {pub_path} exists; pass --force to replace them")
+    key = Ed25519PrivateKey.generate()
+    priv = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(priv)
+    pub_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return priv_path, pub_path
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """The Ed25519 signing key in PEM file ``path``."""
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as err:
+        raise EstuaryError(f"cannot read the signing key {path}: {err}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise EstuaryError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def load_public_key(path: str | Path) -> Ed25519PublicKey:
+    """The Ed25519 verification key in PEM file ``path``."""
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError, TypeError) as err:
+        raise EstuaryError(f"cannot read the verification key {path}: {err}") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise EstuaryError(f"{path} is not an Ed25519 public key")
+    return key
+
+
+def key_id(key: Ed25519PublicKey) -> str:
+    """Short fingerprint of a public key (first 16 hex digits of sha256 of its raw bytes)."""
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+# -- manifests ----------------------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The bytes a manifest is signed over: sorted keys, no whitespace, ASCII only."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def make_manifest(
+    model_sha256: str, model_size: int, card: dict[str, Any], *, file: str = "model.onnx"
+) -> dict[str, Any]:
+    """The manifest of a model file: its hash, size, card and creation time."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "model": {"file": file, "sha256": model_sha256, "size": int(model_size)},
+        "card": card,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> tuple[str, str]:
+    """(canonical manifest text, hex Ed25519 signature over its bytes)."""
+    data = canonical_json(manifest)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise EstuaryError(f"manifest is {len(data)} bytes > {MAX_MANIFEST_BYTES}")
+    return data.decode(), key.sign(data).hex()
+
+
+def verify_manifest(text: str, signature: str, key: Ed25519PublicKey) -> dict[str, Any]:
+    """Check ``signature`` over ``text`` with ``key``, then parse and check the manifest.
+
+    Raises :class:`SignatureError` (reasons ``bad_signature``, ``bad_manifest``).
+    """
+    data = text.encode()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SignatureError("bad_manifest", f"manifest is {len(data)} bytes")
+    if not _SIGNATURE.match(signature):
+        raise SignatureError("bad_signature", "signature is not 64 bytes of hex")
+    try:
+        key.verify(bytes.fromhex(signature), data)
+    except InvalidSignature:
+        raise SignatureError("bad_signature", "Ed25519 signature does not verify") from None
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SignatureError("bad_manifest", f"signed text is not JSON: {err}") from None
+    check_manifest(manifest)
+    return manifest
+
+
+def check_manifest(manifest: Any) -> None:
+    """Raise ``SignatureError("bad_manifest")`` unless ``manifest`` has the expected shape."""
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise SignatureError("bad_manifest", f"not an {MANIFEST_FORMAT} manifest")
+    model = manifest.get("model")
+    if not isinstance(model, dict):
+        raise SignatureError("bad_manifest", "manifest has no model entry")
+    sha, size, file = model.get("sha256"), model.get("size"), model.get("file")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise SignatureError("bad_manifest", "model.sha256 is not a sha256")
+    if not isinstance(size, int) or size <= 0:
+        raise SignatureError("bad_manifest", "model.size is not a positive integer")
+    if not isinstance(file, str) or "/" in file or file.startswith("."):
+        raise SignatureError("bad_manifest", "model.file must be a plain file name")
+    if not isinstance(manifest.get("card"), dict):
+        raise SignatureError("bad_manifest", "manifest has no model card")
+
+
+def check_model_bytes(data: bytes, manifest: dict[str, Any]) -> None:
+    """Raise ``SignatureError("hash_mismatch")`` unless ``data`` is the manifest's model."""
+    want = manifest["model"]
+    if len(data) != want["size"]:
+        raise SignatureError("hash_mismatch", f"model is {len(data)} bytes, manifest says "
+                             f"{want['size']}")  # fmt: skip
+    got = hashlib.sha256(data).hexdigest()
+    if got != want["sha256"]:
+        raise SignatureError(
+            "hash_mismatch", f"model sha256 {got[:16]}… differs from the manifest's "
+            f"{want['sha256'][:16]}…",
+        )  # fmt: skip
+
+
+def write_signed(out_dir: Path, text: str, signature: str, signer: str) -> Path:
+    """Write ``manifest.json`` (readable) and ``manifest.sig`` (hex) into ``out_dir``."""
+    manifest = json.loads(text)
+    path = out_dir / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (out_dir / "manifest.sig").write_text(json.dumps({"signature": signature, "key_id": signer}))
+    return path
+
+
+def read_signed(model_dir: Path) -> tuple[str, str | None]:
+    """(canonical manifest text, hex signature or None when unsigned) from ``model_dir``."""
+    try:
+        manifest = json.loads((model_dir / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SignatureError(
+            "bad_manifest", f"cannot read {model_dir}/manifest.json: {err}"
+        ) from None
+    sig_path = model_dir / "manifest.sig"
+    signature = None
+    if sig_path.is_file():
+        try:
+            signature = str(json.loads(sig_path.read_text())["signature"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise SignatureError("bad_signature", f"cannot read {sig_path}: {err}") from None
+    return canonical_json(manifest).decode(), signature
