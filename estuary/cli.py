@@ -12,6 +12,10 @@ from pathlib import Path
 
 from shared.errors import EstuaryError
 
+#: modules of the "train" extra; a sampling-only install lacks them
+TRAIN_MODULES = frozenset({"torch", "diffusers", "torch_pruning", "safetensors", "scipy",
+                           "matplotlib", "onnx"})  # fmt: skip
+
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from estuary.simulate import simulate
@@ -208,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except EstuaryError as err:
         print(f"estuary: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name not in TRAIN_MODULES:
+            raise
+        print(f"estuary: error: `estuary {args.command}` needs {err.name}, from the training "
+              "extra: pip install 'estuary[train]'", file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("estuary: interrupted", file=sys.stderr)

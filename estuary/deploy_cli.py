@@ -1,5 +1,5 @@
-"""``estuary keys``, ``estuary export``, ``estuary sample`` and ``estuary deploy``: the
-deployment commands (DESIGN section 5). ``keys`` and ``sample`` never import torch."""
+"""``estuary keys``, ``export``, ``sample``, ``deploy`` and ``provision``: the deployment
+commands (DESIGN sections 5 and 7). ``keys`` and ``sample`` never import torch."""
 
 from __future__ import annotations
 
@@ -162,6 +162,27 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0 if publisher.settled(targets) else 1
 
 
+def cmd_provision(args: argparse.Namespace) -> int:
+    """Broker credentials, ACL, deployment keys (and TLS) for a federation."""
+    from estuary.provision import provision
+    from shared.config import load_config
+
+    info = provision(load_config(args.config), Path(args.out), tls_hosts=args.tls_host,
+                     force=args.force)  # fmt: skip
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(
+            f"provisioned {len(info['users'])} broker users for run {info['run']!r} in {args.out}:"
+        )
+        print(f"  mosquitto password file {info['passwd']}, ACL {info['acl']}")
+        print(f"  passwords in {args.out}/credentials/<name>.password (one file per instance)")
+        print(f"  deployment keys {info['signing_key']} (cloud), {info['verify_key']} (devices)")
+        if "tls" in info:
+            print(f"  TLS CA {info['tls']['ca']}, server certificate {info['tls']['server_cert']}")
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
     """Register the deployment subcommands on ``sub`` (argparse subparsers)."""
     k = sub.add_parser("keys", help="generate the Ed25519 deployment signing key pair")
@@ -197,6 +218,15 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--quiet", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_sample)
+
+    v = sub.add_parser("provision", help="broker passwords, per-role ACL, keys, TLS")
+    v.add_argument("config", help="run config (run name, edges, devices, assignment)")
+    v.add_argument("--out", required=True, help="output directory")
+    v.add_argument("--tls-host", action="append", help="also make a CA and a server "
+                   "certificate for this broker host name or IP (repeatable)")  # fmt: skip
+    v.add_argument("--force", action="store_true", help="replace an earlier provisioning")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_provision)
 
     d = sub.add_parser("deploy", help="publish an exported model to a running federation")
     d.add_argument("export_dir", help="directory written by `estuary export`")

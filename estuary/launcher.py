@@ -71,6 +71,8 @@ class Hierarchy:
     evaluate: bool = True
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, RoleProcess] = field(default_factory=dict)
+    #: ``estuary provision`` output: each process logs in as itself with its own password
+    credentials: Path | None = None
 
     def __post_init__(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -90,6 +92,10 @@ class Hierarchy:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         if self.broker.kind == "amqtt":
             env["ESTUARY__BROKER__PROTOCOL"] = "3.1.1"  # amqtt speaks MQTT 3.1.1 only
+        if self.credentials is not None:
+            env["ESTUARY__BROKER__USERNAME"] = proc.name
+            password = self.credentials / "credentials" / f"{proc.name}.password"
+            env["ESTUARY__BROKER__PASSWORD_FILE"] = str(password)
         argv = list(proc.argv)
         argv += ["--metrics-port", str(proc.metrics_port if proc.metrics_port else -1)]
         with proc.log_path.open("ab") as fh:

@@ -4,7 +4,7 @@
 #   - PyTorch 2.13.0 CPU build first (so no CUDA wheels get pulled in),
 #   - the Mosquitto MQTT broker from Debian (when root and missing; else the embedded amqtt
 #     broker from the "broker" extra is used),
-#   - this package in editable mode with the dev and broker extras.
+#   - this package in editable mode with the train, dev and broker extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -38,5 +38,5 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
 
-echo "==> installing estuary (editable, dev and broker extras)"
-"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[dev,broker]"
+echo "==> installing estuary (editable, train, dev and broker extras)"
+"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[train,dev,broker]"

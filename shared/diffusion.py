@@ -47,7 +47,8 @@ def ddpm_loss(
 ) -> torch.Tensor:
     """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t[, y])||^2."""
     noisy, noise, t = noise_batch(x0, scheduler, generator)
-    pred = model(noisy, t, class_labels=class_labels).sample
+    cond = {} if class_labels is None else {"class_labels": class_labels}
+    pred = model(noisy, t, **cond).sample
     return F.mse_loss(pred, noise)
 
 
@@ -93,7 +94,7 @@ def ddim_sample(
         x = noise[start : start + batch_size].clone()
         labels = None if class_labels is None else class_labels[start : start + batch_size]
         for t in scheduler.timesteps:
-            eps = model(x, t, class_labels=labels).sample
+            eps = (model(x, t) if labels is None else model(x, t, class_labels=labels)).sample
             x = scheduler.step(eps, t, x, eta=cfg.eta, generator=generator).prev_sample
         out.append(x.clamp(-1, 1))
     model.train(was_training)

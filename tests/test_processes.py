@@ -156,3 +156,44 @@ def test_edge_restart_and_broker_restart_are_survived(
     assert summary["rounds"] == cfg.run.rounds
     assert summary["transport"].get("reconnects", 0) >= 1
     assert hier.procs["edge0"].restarts == 1
+
+
+def test_deployment_reaches_training_and_sampling_only_devices(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """After the last round the cloud exports, signs and publishes the model; both training
+    devices and a sampling-only device (no torch) verify it and write a grid; the cloud
+    waits for the training devices' reports before declaring the run done."""
+    import subprocess
+    import sys
+
+    from shared.signing import generate_keys
+
+    priv, pub = generate_keys(tmp_path / "keys")
+    devices_out = tmp_path / "devices"
+    deploy = {"signing_key": str(priv), "verify_key": str(pub), "out_dir": str(devices_out),
+              "grid_size": 4, "sample_steps": 3, "parity_steps": 5, "threads": 1}  # fmt: skip
+    cfg, path = _setup(tmp_path, "deploy", run={"rounds": 2}, deploy=deploy)
+    hier = hierarchy(cfg, path)
+    hier.start_all()
+    viewer = subprocess.Popen(
+        [sys.executable, "-m", "device_agent", str(path), "--id", "dev900", "--sample-only",
+         "--broker", f"127.0.0.1:{hier.broker.port}", "--metrics-port", "-1", "--stay"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        summary = _finish(hier)
+        reports = json.loads((hier.run_dir / "deploy" / "reports.json").read_text())
+        card = json.loads((hier.run_dir / "deploy" / "card.json").read_text())
+        assert card["parity"]["passed"] and card["source"]["round"] == 1
+        assert summary["rounds"] == 2
+        for d in ("dev000", "dev001"):
+            assert reports[d]["event"] == "sampled" and reports[d]["images_per_s"] > 0
+            assert list((devices_out / d / "samples").glob("deploy-*.png"))
+        end = time.monotonic() + 60
+        while not list((devices_out / "dev900" / "samples").glob("deploy-*.png")):
+            assert viewer.poll() is None and time.monotonic() < end, "sampling-only device"
+            time.sleep(0.2)
+    finally:
+        viewer.terminate()
+        viewer.wait(timeout=20)
