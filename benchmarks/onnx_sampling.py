@@ -63,7 +63,7 @@ def prepare(preset: str, sp: float, train_steps: int, out: Path) -> tuple[nn.Mod
     model.eval()
     plan = channel_plan(model) if sp else None
     result = export_module(cfg, model, plan, out, round_=None, source="benchmark",
-                           threshold=1e-3, parity_steps=20)  # fmt: skip
+                           threshold=1e-4, parity_steps=20)  # fmt: skip
     return model, {"params": count_params(model), "card": result.card,
                    "parity": result.parity.to_dict()}  # fmt: skip
 
