@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,7 +97,6 @@ def test_flipped_byte_on_disk_is_refused(exports: list[Path], keys: tuple[Path, 
                                          tmp_path: Path) -> None:  # fmt: skip
     pub = load_public_key(keys[1])
     load_generator(exports[0], verify_key=pub)  # the untouched export loads
-    import shutil
 
     for name, offset in (("model.onnx", 5000), ("manifest.json", 40)):
         d = tmp_path / name
@@ -110,7 +111,6 @@ def test_flipped_byte_on_disk_is_refused(exports: list[Path], keys: tuple[Path, 
 
 def test_sample_cli_refuses_a_tampered_model(exports: list[Path], keys: tuple[Path, Path],
                                              tmp_path: Path) -> None:  # fmt: skip
-    import shutil
 
     d = tmp_path / "m"
     shutil.copytree(exports[0], d)
@@ -228,3 +228,37 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
     assert (tmp_path / "g.png").is_file()
     assert json.loads((exports[0] / "manifest.sig").read_text())["key_id"]
+
+
+@pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
+                    reason="mosquitto not installed")  # fmt: skip
+def test_estuary_deploy_on_demand_over_mosquitto(exports: list[Path], keys: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    """`estuary deploy` publishes an export as the cloud; a sampling-only device process
+    verifies it, writes a grid, and `estuary deploy` exits 0 once the device reported."""
+    from shared.broker import LocalBroker
+
+    cfg = _federation(tmp_path, keys)
+    path = tmp_path / "cfg.json"
+    path.write_text(cfg.to_json())
+    broker = LocalBroker(kind="mosquitto", workdir=tmp_path / "broker").start()
+    addr = f"127.0.0.1:{broker.port}"
+    device = subprocess.Popen(
+        [sys.executable, "-m", "device_agent", str(path), "--id", "dev000", "--sample-only",
+         "--broker", addr, "--metrics-port", "-1", "--stay", "--out-dir", str(tmp_path / "d")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # the device's retained presence is what `deploy` waits for
+        proc = subprocess.run(
+            [sys.executable, "-m", "estuary", "deploy", str(exports[1]), str(path), "--broker",
+             addr, "--key", str(keys[0]), "--wait-s", "60"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "dev000:  sampled" in proc.stdout
+        assert list((tmp_path / "d" / "samples").glob("deploy-*.png"))
+    finally:
+        device.terminate()
+        device.wait(timeout=20)
+        broker.stop()
