@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shared.atomic import atomic_write
 from shared.errors import EstuaryError
 from shared.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 from shared.service import RoleService
@@ -27,6 +28,16 @@ from shared.signing import (
 log = logging.getLogger(__name__)
 
 MODEL_BLOB_KIND = "onnx_model"
+
+
+class PublisherService(RoleService):
+    """A cloud-role connection that only publishes deployments (``estuary deploy``), for
+    when the cloud process itself is not running."""
+
+    role = "cloud"
+
+    def start(self) -> None:
+        """Nothing to subscribe to beyond what :class:`DeploymentPublisher` adds."""
 
 
 class DeploymentPublisher:
@@ -133,8 +144,6 @@ def deploy_when_trained(
     out = run_dir / "deploy"
 
     def write_reports() -> None:
-        from shared.atomic import atomic_write
-
         atomic_write(out / "reports.json", (json.dumps(publisher.summary(), indent=2)).encode())
 
     def finish() -> None:

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from cloud.deploy import deploy_when_trained
 from cloud.service import CloudServer, RoundSummary
@@ -24,7 +23,7 @@ from shared.config import RunConfig
 from shared.errors import EstuaryError
 from shared.models import build_unet
 from shared.recorder import RunRecorder, prepare_run_dir
-from shared.report import plot_report
+from shared.report import last_quality, plot_report
 from shared.runtime import (
     EXIT_ERROR,
     add_common_args,
@@ -64,14 +63,6 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, Plan | None
         )
     log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
     return ckpt.model, ckpt.plan, ckpt.round + 1
-
-
-def last_quality(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The latest quality evaluation of a run (for the deployed model's card)."""
-    for row in reversed(rows):
-        if row.get("quality"):
-            return {"round": row["round"], **row["quality"]}
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from shared.errors import EstuaryError
-from shared.signing import SignatureError, check_model_bytes, read_signed, verify_manifest
+from shared.signing import (
+    SignatureError,
+    check_manifest,
+    check_model_bytes,
+    read_signed,
+    verify_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +263,6 @@ def load_generator(
     elif require_signature:
         raise SignatureError("no_verify_key", "a signature check was required but no key given")
     else:
-        from shared.signing import check_manifest
-
         manifest = json.loads(text)
         check_manifest(manifest)
     path = model_dir / manifest["model"]["file"]

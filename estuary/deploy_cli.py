@@ -113,10 +113,9 @@ def _progress(total: int, *, quiet: bool) -> Any:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Publish an exported model to the devices of a running federation, as the cloud."""
-    from cloud.deploy import DeploymentPublisher
+    from cloud.deploy import DeploymentPublisher, PublisherService
     from shared.messages import Presence
     from shared.runtime import connect_bus, load_role_config
-    from shared.service import RoleService
     from shared.signing import load_private_key
 
     cfg = load_role_config(args)
@@ -125,14 +124,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise EstuaryError("no signing key: pass --key or set deploy.signing_key")
     bus = connect_bus(cfg, "cloud", "cloud-deploy", None)
     try:
-
-        class _Cloud(RoleService):
-            role = "cloud"
-
-            def start(self) -> None:
-                return None
-
-        service = _Cloud("cloud", cfg, bus)
+        service = PublisherService("cloud", cfg, bus)
         online: set[str] = set()
 
         def presence(msg: Presence) -> None:

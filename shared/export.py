@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
 import json
 import time
@@ -34,7 +35,8 @@ from shared.diffusion import ddim_sample
 from shared.errors import EstuaryError
 from shared.evaluation import model_from_state
 from shared.models import count_macs, count_params, image_shape, num_classes_of
-from shared.signing import make_manifest, sign_manifest, write_signed
+from shared.report import last_quality, read_metrics
+from shared.signing import key_id, make_manifest, sign_manifest, write_signed
 
 MIN_OPSET = 17
 
@@ -227,18 +229,10 @@ def check_parity(
 
 
 def _quality_of(run_dir: Path | None, round_: int) -> dict[str, Any] | None:
-    """The last quality row at or before ``round_`` in the run's metrics.jsonl, if any."""
+    """The run's last quality evaluation at or before ``round_``, if it measured one."""
     if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
         return None
-    best = None
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("quality") and row.get("round", 1 << 30) <= round_:
-            best = {"round": row["round"], **row["quality"]}
-    return best
+    return last_quality(read_metrics(run_dir / "metrics.jsonl"), round_)
 
 
 def model_card(
@@ -364,13 +358,9 @@ def export_module(
     model_path = out_dir / "model.onnx"
     atomic_write(model_path, onnx_bytes)
     atomic_write(out_dir / "card.json", (json.dumps(card, indent=2) + "\n").encode())
-    import hashlib
-
     manifest = make_manifest(hashlib.sha256(onnx_bytes).hexdigest(), len(onnx_bytes), card)
     signed = signing_key is not None
     if signed:
-        from shared.signing import key_id
-
         text, signature = sign_manifest(manifest, signing_key)
         manifest_path = write_signed(out_dir, text, signature, key_id(signing_key.public_key()))
     else:

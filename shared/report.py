@@ -36,6 +36,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_quality(
+    rows: list[dict[str, Any]], up_to_round: int | None = None
+) -> dict[str, Any] | None:
+    """The latest quality evaluation among ``rows`` (at or before ``up_to_round``), with
+    its round, or None."""
+    for row in reversed(rows):
+        if row.get("quality") and (up_to_round is None or row.get("round", 0) <= up_to_round):
+            return {"round": row["round"], **row["quality"]}
+    return None
+
+
 def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
     import matplotlib

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.deploy import DeploymentPublisher
+from cloud.deploy import DeploymentPublisher, PublisherService
 from device_agent.deployment import SamplingAgent
 from device_agent.sampling import load_generator
 from shared.bus import MemoryBus
@@ -23,7 +23,6 @@ from shared.diffusion import make_train_scheduler
 from shared.export import export_module
 from shared.messages import DeploymentReport, SampleRequest
 from shared.models import build_unet
-from shared.service import RoleService
 from shared.signing import (
     SignatureError,
     generate_keys,
@@ -34,13 +33,6 @@ from shared.signing import (
     verify_manifest,
 )
 from shared.training import train_local
-
-
-class _Cloud(RoleService):
-    role = "cloud"
-
-    def start(self) -> None:
-        return None
 
 
 def _flip(text: str, index: int) -> str:
@@ -141,7 +133,7 @@ def test_agent_serves_verified_deployments_and_keeps_old_model_after_refusal(
 ) -> None:
     cfg = _federation(tmp_path, keys)
     bus = MemoryBus()
-    cloud = _Cloud("cloud", cfg, bus)
+    cloud = PublisherService("cloud", cfg, bus)
     publisher = DeploymentPublisher(cloud, load_private_key(keys[0]))
     agent = SamplingAgent(cfg, bus, device_id="dev000", out_dir=tmp_path / "dev000")
     agent.start()
@@ -199,7 +191,7 @@ def test_agent_without_verify_key_refuses(exports: list[Path], keys: tuple[Path,
                                           tmp_path: Path) -> None:  # fmt: skip
     cfg = _federation(tmp_path, keys, verify_key="")
     bus = MemoryBus()
-    cloud = _Cloud("cloud", cfg, bus)
+    cloud = PublisherService("cloud", cfg, bus)
     publisher = DeploymentPublisher(cloud, load_private_key(keys[0]))
     agent = SamplingAgent(cfg, bus, device_id="dev001", out_dir=tmp_path / "d")
     agent.start()

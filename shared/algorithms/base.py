@@ -26,7 +26,7 @@ from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
-from shared.training import TrainResult
+from shared.training import TrainResult, train_local
 
 TensorDict = dict[str, torch.Tensor]
 Plan = dict[str, Any]
@@ -84,6 +84,15 @@ class Algorithm(ABC):
         self.scheduler = make_train_scheduler(cfg.diffusion)
 
     # -- shapes of what travels -------------------------------------------------------------
+    def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
+        """:func:`~shared.training.train_local` on the device's images and labels with this
+        algorithm's schedule and generator; ``hooks``: ``extra_loss``, ``loss_fn``,
+        ``grad_hook``."""
+        return train_local(
+            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels,
+            **hooks,
+        )  # fmt: skip
+
     def init_global(self, model: TensorDict) -> TensorDict:
         """The cloud's first global state from the initial model's tensors."""
         return dict(model)

@@ -19,7 +19,6 @@ from shared.algorithms.base import (
     Update,
     register,
 )
-from shared.training import train_local
 
 
 @register
@@ -31,9 +30,7 @@ class FedAvg(Algorithm):
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
-        result = train_local(
-            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels
-        )
+        result = self.train(ctx, model)
         tensors = {k: v.detach().clone() for k, v in model.state_dict().items()} if upload else None
         return LocalResult(tensors, result)
 

@@ -45,7 +45,6 @@ from shared.algorithms.base import (
 from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.errors import ConfigError, EstuaryError
-from shared.training import train_local
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +306,7 @@ class FedDiffuse(Algorithm):
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
-        result = train_local(
-            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels
-        )
+        result = self.train(ctx, model)
         trained = model_state(model)
         if self.federated != FEDERATED_PARTS["full"]:
             ctx.state[LOCAL_STATE_KEY] = {

@@ -42,7 +42,7 @@ from shared.algorithms.base import (
     model_state,
     register,
 )
-from shared.training import ExtraLoss, train_local
+from shared.training import ExtraLoss
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +146,7 @@ class FedPhD(Algorithm):
         extra = None
         if round_ < algo.sparse_rounds and algo.lambda0 > 0:
             extra = self._penalty(ctx, model)
-        result = train_local(
-            model,
-            ctx.data,
-            self.cfg.train,
-            self.scheduler,
-            ctx.generator,
-            extra_loss=extra,
-            labels=ctx.labels,
-        )
+        result = self.train(ctx, model, extra_loss=extra)
         return LocalResult(model_state(model) if upload else None, result)
 
     def _penalty(self, ctx: DeviceContext, model: nn.Module) -> ExtraLoss:

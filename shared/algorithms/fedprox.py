@@ -25,7 +25,6 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
-from shared.training import train_local
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
 ANCHOR = "fedprox.anchor"
@@ -65,14 +64,8 @@ class FedProx(FedAvg):
             ctx.state[ANCHOR] = trainable_snapshot(model)
         anchor: TensorDict = ctx.state[ANCHOR]
         mu = self.cfg.algorithm.prox_mu
-        result = train_local(
-            model,
-            ctx.data,
-            self.cfg.train,
-            self.scheduler,
-            ctx.generator,
-            extra_loss=(lambda m: proximal_term(m, anchor, mu)) if mu > 0 else None,
-            labels=ctx.labels,
+        result = self.train(
+            ctx, model, extra_loss=(lambda m: proximal_term(m, anchor, mu)) if mu > 0 else None
         )
         if not upload:
             return LocalResult(None, result)

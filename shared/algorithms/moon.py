@@ -45,7 +45,7 @@ from shared.algorithms.base import (
 from shared.algorithms.fedavg import FedAvg
 from shared.diffusion import noise_batch
 from shared.errors import ConfigError
-from shared.training import LossFn, train_local
+from shared.training import LossFn
 
 # DeviceContext.state keys
 GLOBAL = "moon.global"  # the state received last (the positive pair's model)
@@ -155,13 +155,8 @@ class Moon(FedAvg):
         if prev_state is not None and cfg.moon_mu > 0:  # else l_con is skipped: no copies
             glob = frozen_copy(model, ctx.state[GLOBAL])
             prev = frozen_copy(model, prev_state)
-        result = train_local(
-            model,
-            ctx.data,
-            self.cfg.train,
-            self.scheduler,
-            ctx.generator,
-            loss_fn=moon_ddpm_loss(glob, prev, cfg.moon_mu, cfg.moon_tau),
+        result = self.train(
+            ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.moon_mu, cfg.moon_tau)
         )
         if not upload:
             return LocalResult(None, result)

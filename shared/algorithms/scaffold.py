@@ -61,7 +61,7 @@ from shared.algorithms.base import (
 )
 from shared.codec import TensorSpec
 from shared.errors import EstuaryError
-from shared.training import GradHook, train_local
+from shared.training import GradHook
 
 C_PREFIX = "scaffold.c."  # server / edge control variate in the state
 DC_PREFIX = "scaffold.dc."  # a device's delta c_i in its upload
@@ -175,15 +175,7 @@ class Scaffold(Algorithm):
         c: TensorDict = ctx.state[C_SERVER]
         c_i: TensorDict = ctx.state.get(C_LOCAL) or {k: torch.zeros_like(v) for k, v in c.items()}
         hook = correction_hook({k: c[k] - c_i[k] for k in c})
-        result = train_local(
-            model,
-            ctx.data,
-            self.cfg.train,
-            self.scheduler,
-            ctx.generator,
-            grad_hook=hook,
-            labels=ctx.labels,
-        )
+        result = self.train(ctx, model, grad_hook=hook)
         ctx.state[STEPS] += result.steps
         if not upload:
             return LocalResult(None, result)
