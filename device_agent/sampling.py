@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,19 +106,48 @@ def ddim_sample(
     return np.clip(x, -1.0, 1.0)
 
 
-def default_providers() -> list[str]:
-    """CUDA when this onnxruntime build has it, else CPU."""
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible to this process (its driver's device nodes exist).
+
+    Inside a container this is true only when the runtime passed a GPU in (compose's GPU
+    reservation, Kubernetes' ``nvidia.com/gpu``); ``$ESTUARY_ASSUME_GPU=1`` forces it.
+    """
+    if os.environ.get("ESTUARY_ASSUME_GPU") == "1":
+        return True
+    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _preload_cuda_libraries() -> None:
+    """Load CUDA and cuDNN from the nvidia-* wheels that PyTorch brings, when the base image
+    lacks them (onnxruntime >= 1.21); nothing happens where they are already loadable."""
     import onnxruntime as ort
 
-    available = ort.get_available_providers()
-    wanted = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return [p for p in wanted if p in available] or ["CPUExecutionProvider"]
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    try:
+        preload(msvc=False)
+    except Exception as err:  # best effort: the session then reports what is missing
+        log.debug("onnxruntime.preload_dlls: %s", err)
+
+
+def default_providers() -> list[str]:
+    """CUDA when this onnxruntime build has it and a GPU is visible, else CPU."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers() and gpu_visible():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 def make_session(
     model: bytes | Path, *, provider: str = "auto", threads: int = 0
 ) -> Any:  # onnxruntime.InferenceSession
-    """An ONNX Runtime session on ``provider`` ("auto", "cpu" or "cuda")."""
+    """An ONNX Runtime session on ``provider`` ("auto", "cpu" or "cuda").
+
+    "auto" uses CUDA where the build has it and a GPU is visible, and otherwise (or when the
+    CUDA provider fails to load) the CPU; "cuda" fails unless the session really runs on CUDA.
+    """
     import onnxruntime as ort
 
     if provider == "cpu":
@@ -128,6 +158,8 @@ def make_session(
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     else:
         providers = default_providers()
+    if "CUDAExecutionProvider" in providers:
+        _preload_cuda_libraries()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads > 0:
@@ -135,9 +167,19 @@ def make_session(
     opts.log_severity_level = 3
     source = str(model) if isinstance(model, Path) else model
     try:
-        return ort.InferenceSession(source, sess_options=opts, providers=providers)
+        session = ort.InferenceSession(source, sess_options=opts, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types
         raise EstuaryError(f"ONNX Runtime cannot load the model: {err}") from None
+    in_use = session.get_providers()
+    if provider == "cuda" and "CUDAExecutionProvider" not in in_use:
+        raise EstuaryError(
+            "provider 'cuda' asked for, but ONNX Runtime could not start its CUDA provider "
+            "(no GPU visible, or CUDA/cuDNN libraries missing); set deploy.provider = 'auto' "
+            "to fall back to the CPU"
+        )
+    if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in in_use:
+        log.warning("ONNX Runtime's CUDA provider did not start; sampling on the CPU")
+    return session
 
 
 @dataclass

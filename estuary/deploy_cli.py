@@ -160,9 +160,12 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from shared.config import load_config
 
     info = provision(load_config(args.config), Path(args.out), tls_hosts=args.tls_host,
-                     force=args.force)  # fmt: skip
+                     force=args.force, keep=args.keep)  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=2))
+    elif info.get("kept"):
+        print(f"kept the provisioning of run {info['run']!r} in {args.out} "
+              f"({len(info['users'])} broker users)")  # fmt: skip
     else:
         print(
             f"provisioned {len(info['users'])} broker users for run {info['run']!r} in {args.out}:"
@@ -217,6 +220,8 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--tls-host", action="append", help="also make a CA and a server "
                    "certificate for this broker host name or IP (repeatable)")  # fmt: skip
     v.add_argument("--force", action="store_true", help="replace an earlier provisioning")
+    v.add_argument("--keep", action="store_true", help="reuse an earlier provisioning of the "
+                   "same run and instances (an error if it differs)")  # fmt: skip
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_provision)
 

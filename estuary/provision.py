@@ -139,15 +139,49 @@ def _tls(out: Path, hosts: list[str]) -> dict[str, str]:
     return {"ca": str(tls / "ca.pem"), "server_cert": str(tls / "server.pem")}
 
 
+def _kept(out: Path, run: str, names: list[str]) -> dict[str, Any]:
+    """The earlier provisioning in ``out`` if it is for ``run`` with users ``names``."""
+    try:
+        info: dict[str, Any] = json.loads((out / "provision.json").read_text())
+    except (OSError, ValueError) as err:
+        raise EstuaryError(
+            f"{out} holds a password file but no readable provision.json: {err}"
+        ) from None
+    if info.get("run") != run or info.get("users") != names:
+        raise EstuaryError(
+            f"{out} is provisioned for run {info.get('run')!r} with users "
+            f"{info.get('users')}, not for run {run!r} with {names}; "
+            "pass --force to replace it (every instance then needs its new password)"
+        )
+    missing = [n for n in names if not (out / "credentials" / f"{n}.password").exists()]
+    if not Path(str(info.get("signing_key", ""))).exists():
+        missing.append("the signing key")
+    if missing:
+        raise EstuaryError(f"{out} is incomplete: missing {', '.join(missing)}")
+    return {**info, "kept": True}
+
+
 def provision(
-    cfg: RunConfig, out: Path, *, tls_hosts: list[str] | None = None, force: bool = False
+    cfg: RunConfig,
+    out: Path,
+    *,
+    tls_hosts: list[str] | None = None,
+    force: bool = False,
+    keep: bool = False,
 ) -> dict[str, Any]:
-    """Write credentials, ACL, keys (and TLS material) for ``cfg``'s federation to ``out``."""
-    if (out / "mosquitto" / "passwd").exists() and not force:
-        raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
+    """Write credentials, ACL, keys (and TLS material) for ``cfg``'s federation to ``out``.
+
+    An existing provisioning is an error unless ``force`` (replace it) or ``keep`` (reuse it
+    when it was made for the same run and instances: what ``docker compose up`` does on every
+    start).
+    """
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
     names = ["cloud", *edges, *devices]
+    if (out / "mosquitto" / "passwd").exists() and not force:
+        if keep:
+            return _kept(out, cfg.run.name, names)
+        raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
     entries = []
     for name in names:
         password = secrets.token_urlsafe(24)

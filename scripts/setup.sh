@@ -39,4 +39,6 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 
 echo "==> installing estuary (editable, train, dev and broker extras)"
-"$PYTHON" -m pip install -q --disable-pip-version-check -e ".[train,dev,broker]"
+# docker/requirements/cloud.txt pins the versions the images install: test against those
+"$PYTHON" -m pip install -q --disable-pip-version-check -c docker/requirements/cloud.txt \
+  -e ".[train,dev,broker]"

@@ -5,20 +5,19 @@ a whole federation, deployment included, runs with each process logged in as its
 from __future__ import annotations
 
 import json
-import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 
 from estuary.cli import main as cli_main
 from estuary.launcher import Hierarchy
 from estuary.provision import mosquitto_hash, provision
 from shared.broker import LocalBroker, find_mosquitto
+from shared.errors import EstuaryError
 from tests.conftest import tiny_config
+from tests.mqtt_probe import close, connect, inbox, login, received
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 BASE = "estuary/v1/acl"
@@ -38,46 +37,9 @@ def secured(tmp_path: Path) -> Iterator[tuple[LocalBroker, Path]]:
     broker.stop()
 
 
-def _client(broker: LocalBroker, user: str | None, password: str | None) -> tuple[mqtt.Client, int]:
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"t-{user}-{time.monotonic_ns()}",
-                    protocol=mqtt.MQTTv5)  # fmt: skip
-    if user is not None:
-        c.username_pw_set(user, password)
-    result: queue.Queue[int] = queue.Queue()
-    c.on_connect = lambda cl, ud, flags, rc, props: result.put(rc.value)
-    c.connect(broker.host, broker.port)
-    c.loop_start()
-    try:
-        code = result.get(timeout=10)
-    except queue.Empty:
-        code = -1
-    return c, code
-
-
 def _login(broker: LocalBroker, out: Path, user: str) -> mqtt.Client:
     password = (out / "credentials" / f"{user}.password").read_text()
-    c, code = _client(broker, user, password)
-    assert code == 0, f"{user} could not log in: {code}"
-    return c
-
-
-def _inbox(c: mqtt.Client, *patterns: str) -> queue.Queue[str]:
-    box: queue.Queue[str] = queue.Queue()
-    c.on_message = lambda cl, ud, msg: box.put(msg.topic)
-    for p in patterns:
-        c.subscribe(p, qos=1)
-    time.sleep(0.3)
-    return box
-
-
-def _received(box: queue.Queue[str], wait_s: float = 0.8) -> set[str]:
-    end, got = time.monotonic() + wait_s, set()
-    while time.monotonic() < end:
-        try:
-            got.add(box.get(timeout=0.05))
-        except queue.Empty:
-            pass
-    return got
+    return login(broker.host, broker.port, user, password)
 
 
 def test_mosquitto_hash_format() -> None:
@@ -89,9 +51,8 @@ def test_mosquitto_hash_format() -> None:
 def test_broker_refuses_anonymous_and_wrong_passwords(secured: tuple[LocalBroker, Path]) -> None:
     broker, _ = secured
     for user, password in ((None, None), ("dev000", "wrong"), ("nobody", "x")):
-        c, code = _client(broker, user, password)
-        c.loop_stop()
-        c.disconnect()
+        c, code = connect(broker.host, broker.port, user, password)
+        close(c)
         assert code != 0, f"{user} logged in with {password!r}"
 
 
@@ -101,10 +62,10 @@ def test_acl_device_cannot_write_cloud_or_read_other_devices(
     broker, out = secured
     cloud, edge0 = _login(broker, out, "cloud"), _login(broker, out, "edge0")
     dev0, dev1 = _login(broker, out, "dev000"), _login(broker, out, "dev001")
-    at_cloud = _inbox(cloud, f"{BASE}/#")
-    at_dev1 = _inbox(dev1, f"{BASE}/device/dev000/up", f"{BASE}/device/+/up",
+    at_cloud = inbox(cloud, f"{BASE}/#")
+    at_dev1 = inbox(dev1, f"{BASE}/device/dev000/up", f"{BASE}/device/+/up",
                      f"{BASE}/device/+/join", f"{BASE}/device/dev000/blob/#")  # fmt: skip
-    at_dev0 = _inbox(dev0, f"{BASE}/+/+/want/device/dev000", f"{BASE}/edge/+/round")
+    at_dev0 = inbox(dev0, f"{BASE}/+/+/want/device/dev000", f"{BASE}/edge/+/round")
     for topic in (f"{BASE}/cloud/round", f"{BASE}/cloud/deploy", f"{BASE}/edge/edge0/round",
                   f"{BASE}/device/dev001/up", f"{BASE}/device/dev000/up",
                   f"{BASE}/device/dev000/join", f"{BASE}/device/dev000/blob/ab/1/0"):  # fmt: skip
@@ -113,7 +74,7 @@ def test_acl_device_cannot_write_cloud_or_read_other_devices(
     edge0.publish(f"{BASE}/edge/edge0/round", b"{}", qos=1)
     edge0.publish(f"{BASE}/edge/edge1/round", b"{}", qos=1)  # not its own subtree
     edge0.publish(f"{BASE}/cloud/state", b"{}", qos=1)
-    got_cloud = _received(at_cloud)
+    got_cloud = received(at_cloud)
     # only what each sender may write reached the cloud, which reads everything
     assert got_cloud == {
         f"{BASE}/device/dev000/up", f"{BASE}/device/dev000/join",
@@ -121,13 +82,11 @@ def test_acl_device_cannot_write_cloud_or_read_other_devices(
         f"{BASE}/edge/edge0/round",
     }  # fmt: skip
     # another device sees dev000's edge choice, never its update or its blobs
-    assert _received(at_dev1) == {f"{BASE}/device/dev000/join"}
+    assert received(at_dev1) == {f"{BASE}/device/dev000/join"}
     # dev000 gets requests for its own blobs and its edge's announcement
-    assert _received(at_dev0, 0.3) == {f"{BASE}/edge/edge0/want/device/dev000",
+    assert received(at_dev0, 0.3) == {f"{BASE}/edge/edge0/want/device/dev000",
                                        f"{BASE}/edge/edge0/round"}  # fmt: skip
-    for c in (cloud, edge0, dev0, dev1):
-        c.loop_stop()
-        c.disconnect()
+    close(cloud, edge0, dev0, dev1)
 
 
 @pytest.mark.parametrize("assignment", ["static", "select"])
@@ -165,3 +124,21 @@ def test_federation_runs_with_per_role_credentials(tmp_path: Path, assignment: s
     finally:
         hier.stop_all(timeout_s=10)
         broker.stop()
+
+
+def test_provision_keep_reuses_matching_and_refuses_other_federations(tmp_path: Path) -> None:
+    cfg = tiny_config(run={"name": "keep"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+    first = provision(cfg, out)
+    password = (out / "credentials" / "dev001.password").read_text()
+    with pytest.raises(EstuaryError, match="already provisioned"):
+        provision(cfg, out)
+    kept = provision(cfg, out, keep=True)  # what `docker compose up` does on every start
+    assert kept["kept"] and kept["users"] == first["users"]
+    assert (out / "credentials" / "dev001.password").read_text() == password
+    bigger = tiny_config(run={"name": "keep"}, federation={"num_devices": 3, "num_edges": 1})
+    with pytest.raises(EstuaryError, match="not for run 'keep'"):
+        provision(bigger, out, keep=True)
+    (out / "credentials" / "dev000.password").unlink()
+    with pytest.raises(EstuaryError, match="missing dev000"):
+        provision(cfg, out, keep=True)

@@ -1,0 +1,149 @@
+"""Static checks of docker/ that need no Docker engine: the dependency lock covers what the
+package needs, the compose file parses (docker-compose v1 when installed) and wires every
+role to the broker, Prometheus and its own credentials, and the Dockerfiles keep the
+properties the docs promise (BASE_IMAGE, air-gapped pip arguments, non-root, healthchecks)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _lock(name: str) -> dict[str, str]:
+    """name -> pinned version of docker/requirements/<name> (following -r includes)."""
+    pins: dict[str, str] = {}
+    for raw in (DOCKER / "requirements" / name).read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line.startswith("-r "):
+            pins.update(_lock(line[3:].strip()))
+        elif line:
+            pkg, sep, version = line.partition("==")
+            assert sep and version, f"{name}: {raw!r} is not pinned with =="
+            pins[_norm(pkg)] = version
+    return pins
+
+
+def test_lock_pins_every_dependency_of_the_package() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["train"]
+    ]
+    for image, ort in (("cloud.txt", "onnxruntime"), ("device.txt", "onnxruntime-gpu")):
+        pins = _lock(image)
+        for req in needed:
+            name = ort if _norm(req.name) == "onnxruntime" else _norm(req.name)
+            if name == "torch":  # installed first, from TORCH_SPEC
+                continue
+            assert name in pins, f"{image} does not pin {name}"
+            if name != "onnxruntime-gpu":
+                assert pins[name] in req.specifier, f"{image}: {name}=={pins[name]} vs {req}"
+    assert "onnxruntime" not in _lock("device.txt"), "onnxruntime and onnxruntime-gpu clash"
+
+
+def test_lock_is_closed_under_the_installed_metadata() -> None:
+    """Every requirement of a locked package (as installed here, at the locked version) is
+    locked too, so the images' pip never resolves an unpinned version."""
+    pins = {**_lock("cloud.txt"), "torch": "2.13.0"}
+    checked = 0
+    for name, version in pins.items():
+        try:
+            if md.version(name).split("+")[0] != version:
+                continue
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        checked += 1
+        for raw in requires:
+            req = Requirement(raw)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            assert _norm(req.name) in pins, f"{name}=={version} needs {req}, not in the lock"
+    assert checked >= len(pins) // 2, "too few locked packages installed here to check"
+
+
+def _compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_wires_every_role() -> None:
+    services = _compose()["services"]
+    fed = tomllib.loads((DOCKER / "config.toml").read_text())["federation"]
+    roles = {"cloud"} | {f"edge{i}" for i in range(fed["num_edges"])}
+    roles |= {f"dev{i:03d}" for i in range(fed["num_devices"])}
+    assert roles | {"provision", "broker", "prometheus"} == set(services)
+    for name in roles:
+        svc = services[name]
+        env = svc["environment"]
+        assert env["ESTUARY__BROKER__USERNAME"] == name
+        assert env["ESTUARY__BROKER__PASSWORD_FILE"] == f"/provision/credentials/{name}.password"
+        assert env["ESTUARY__BROKER__HOST"] == "broker"
+        assert svc["depends_on"]["broker"]["condition"] == "service_healthy"
+        assert svc["depends_on"]["provision"]["condition"] == "service_completed_successfully"
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"]
+        if name.startswith("dev"):
+            assert name in svc["command"] and env["ESTUARY__DEPLOY__VERIFY_KEY"].endswith(
+                ".pub.pem"
+            )
+    assert services["cloud"]["environment"]["ESTUARY__DEPLOY__SIGNING_KEY"].endswith("ed25519.pem")
+    # Prometheus scrapes exactly these roles, on the port the images serve /metrics on
+    prom = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    targets = {
+        t for sc in prom["scrape_configs"] for g in sc["static_configs"] for t in g["targets"]
+    }
+    assert targets == {f"{r}:9100" for r in roles}
+    gpu = yaml.safe_load((DOCKER / "compose.gpu.yaml").read_text())["services"]
+    assert set(gpu) == {r for r in roles if r.startswith("dev")}
+    for svc in gpu.values():
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_compose_config_is_accepted_by_docker_compose() -> None:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose (v1) is not installed")
+    for files in (["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]):
+        args = [exe, "--project-directory", str(DOCKER)]
+        for f in files:
+            args += ["-f", str(DOCKER / f)]
+        proc = subprocess.run([*args, "config", "-q"], capture_output=True, text=True,
+                              timeout=60, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "device.Dockerfile", "broker.Dockerfile",
+                                        "prometheus.Dockerfile"])  # fmt: skip
+def test_dockerfiles_are_buildable_air_gapped_and_unprivileged(dockerfile: str) -> None:
+    text = (DOCKER / dockerfile).read_text()
+    first = next(ln for ln in text.splitlines() if ln and not ln.startswith("#"))
+    assert first.startswith("ARG BASE_IMAGE="), "BASE_IMAGE must come first, before FROM"
+    assert "FROM ${BASE_IMAGE}" in text
+    assert "USER 10001:10001" in text
+    assert "HEALTHCHECK" in text
+    if dockerfile in ("Dockerfile", "device.Dockerfile"):
+        for arg in ("PYPI_INDEX_URL", "PYPI_EXTRA_INDEX_URL", "FIND_LINKS", "OFFLINE",
+                    "TRUSTED_HOST", "TORCH_SPEC", "TORCH_INDEX_URL"):  # fmt: skip
+            assert f"ARG {arg}=" in text, arg
+        assert "COPY docker/wheelhouse/ /wheels/" in text
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in lines, "exclude everything but what the images need"
+    for needed in ("pyproject.toml", "shared/", "docker/"):
+        assert f"!{needed}" in lines
