@@ -106,6 +106,9 @@ def ddim_sample(
     return np.clip(x, -1.0, 1.0)
 
 
+NVIDIA_DEVICE_DIR = Path("/dev")  # where the NVIDIA driver's device nodes appear
+
+
 def gpu_visible() -> bool:
     """Whether an NVIDIA GPU is visible to this process (its driver's device nodes exist).
 
@@ -114,7 +117,8 @@ def gpu_visible() -> bool:
     """
     if os.environ.get("ESTUARY_ASSUME_GPU") == "1":
         return True
-    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+    dev = NVIDIA_DEVICE_DIR
+    return (dev / "nvidiactl").exists() and any(dev.glob("nvidia[0-9]*"))
 
 
 def _preload_cuda_libraries() -> None:

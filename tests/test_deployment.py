@@ -20,6 +20,7 @@ from device_agent.sampling import load_generator
 from shared.bus import MemoryBus
 from shared.config import RunConfig, config_from_dict
 from shared.diffusion import make_train_scheduler
+from shared.errors import EstuaryError
 from shared.export import export_module
 from shared.messages import DeploymentReport, SampleRequest
 from shared.models import build_unet
@@ -254,3 +255,33 @@ def test_estuary_deploy_on_demand_over_mosquitto(exports: list[Path], keys: tupl
         device.terminate()
         device.wait(timeout=20)
         broker.stop()
+
+
+def test_provider_choice_uses_cuda_only_where_a_gpu_is_visible(
+    exports: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """onnxruntime-gpu lists its CUDA provider on every machine; a container without a GPU
+    must still sample on the CPU, and an explicit "cuda" must fail rather than fall back."""
+    import onnxruntime as ort
+
+    from device_agent import sampling
+
+    real_available = ort.get_available_providers()
+    monkeypatch.delenv("ESTUARY_ASSUME_GPU", raising=False)
+    monkeypatch.setattr(sampling, "NVIDIA_DEVICE_DIR", tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(ort, "get_available_providers",
+                  lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])  # fmt: skip
+        assert not sampling.gpu_visible()
+        assert sampling.default_providers() == ["CPUExecutionProvider"]
+        (tmp_path / "nvidiactl").touch()
+        (tmp_path / "nvidia0").touch()
+        assert sampling.gpu_visible()
+        assert sampling.default_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    model = exports[0] / "model.onnx"
+    if "CUDAExecutionProvider" not in real_available:
+        assert sampling.default_providers() == ["CPUExecutionProvider"]
+        with pytest.raises(EstuaryError, match="no CUDA EP"):
+            sampling.make_session(model, provider="cuda")
+    session = sampling.make_session(model, provider="auto")
+    assert session.get_providers()[0] == sampling.default_providers()[0]

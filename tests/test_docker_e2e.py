@@ -316,6 +316,9 @@ def test_run_completes_and_deploys(stack: Stack) -> None:
     reports = json.loads((run / "deploy" / "reports.json").read_text())
     sampled = {d for d, r in reports.items() if r.get("event") == "sampled"}
     assert sampled == set(DEVICES), reports
+    # onnxruntime-gpu lists CUDA everywhere; without a GPU reservation the devices fall back
+    providers = {r.get("provider") for r in reports.values()}
+    assert providers == {"CPUExecutionProvider"}, reports
     assert (run / "deploy" / "model.onnx").stat().st_size > 0
 
 
