@@ -27,7 +27,7 @@ from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.models import build_unet
 from shared.partition import make_partition
-from shared.training import train_local
+from shared.training import resolve_device, train_local
 
 
 def bench_config(rounds: int, steps: int) -> RunConfig:
@@ -53,7 +53,8 @@ def plain_loop(cfg: RunConfig) -> float:
     model = build_unet(cfg.model.preset, seed=cfg.run.seed)
     total = cfg.run.rounds * cfg.federation.num_devices * cfg.train.local_steps
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    train_local(model, pooled, cfg.train, make_train_scheduler(cfg.diffusion), gen, steps=total)
+    train_local(model, pooled, cfg.train, make_train_scheduler(cfg.diffusion), gen, steps=total,
+                device=resolve_device(cfg.compute.device))  # fmt: skip
     return time.perf_counter() - start
 
 

@@ -63,7 +63,7 @@ from shared.naming import device_name
 from shared.partition import make_partition
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
-from shared.training import num_local_steps, train_local
+from shared.training import num_local_steps, resolve_device, train_local
 
 SPLIT_KEYS = ("data", "federation.num_devices", "run.seed")
 
@@ -277,7 +277,8 @@ def run_centralized(
         last = r + 1 == len(steps)
         if not (last or (every and (r + 1) % every == 0)):
             continue
-        result = train_local(model, pooled, cfg.train, scheduler, gen, steps=pending)
+        result = train_local(model, pooled, cfg.train, scheduler, gen, steps=pending,
+                             device=resolve_device(cfg.compute.device))  # fmt: skip
         row: dict[str, Any] = {"round": r, "train_loss": result.mean_loss, "steps": pending}
         pending = 0
         if evaluator is not None:

@@ -236,6 +236,15 @@ class MetricsSection(_Section):
     port: int = Field(9100, ge=0, le=65_535, description="0 = any free port")
 
 
+class ComputeSection(_Section):
+    """Where this process trains: a per-process setting (not part of the config digest), so
+    GPU and CPU devices can serve one federation."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="local training: cuda when available (auto), or forced"
+    )
+
+
 class DeploySection(_Section):
     """Shipping the trained generator to the devices (DESIGN section 5)."""
 
@@ -257,7 +266,7 @@ class DeploySection(_Section):
     )
 
 
-DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy")
+DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
 
 
 class RunConfig(_Section):
@@ -274,6 +283,7 @@ class RunConfig(_Section):
     broker: BrokerSection = BrokerSection()
     metrics: MetricsSection = MetricsSection()
     deploy: DeploySection = DeploySection()
+    compute: ComputeSection = ComputeSection()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""

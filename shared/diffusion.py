@@ -56,11 +56,14 @@ def noise_batch(
     x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_t, eps, t) for a training step: t ~ U{0..T-1}, then eps ~ N(0, I), from ``generator``."""
+    # drawn where the generator lives (the CPU for the devices' seeded generators), then
+    # moved: a run draws the same numbers whether it trains on the CPU or on a GPU
     t = torch.randint(
         0, scheduler.config.num_train_timesteps, (x0.shape[0],), generator=generator,
-        device=x0.device,
-    )  # fmt: skip
-    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+        device=generator.device,
+    ).to(x0.device)  # fmt: skip
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
+    noise = noise.to(x0.device)
     return scheduler.add_noise(x0, noise, t), noise, t
 
 

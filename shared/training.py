@@ -47,6 +47,18 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainSection) -> torch.optim
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``compute.device``: "auto" is CUDA when torch sees a GPU."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "compute.device = 'cuda', but torch sees no CUDA device (a CPU build of torch, no "
+            "GPU passed into the container, or no driver); use 'auto' to fall back to the CPU"
+        )
+    return torch.device("cuda")
+
+
 def train_local(
     model: nn.Module,
     data: torch.Tensor,
@@ -59,12 +71,15 @@ def train_local(
     grad_hook: GradHook | None = None,
     steps: int | None = None,
     labels: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> TrainResult:
     """Minimize the DDPM loss (or ``loss_fn``), plus ``extra_loss``, on ``data`` for the
     configured steps; ``grad_hook`` may edit gradients before each optimizer step.
 
     A class-conditional model (``num_class_embeds``) is trained with each image's label
-    from ``labels``.
+    from ``labels``. With a ``device`` other than the CPU the model trains there (batches
+    are moved step by step; ``data`` stays where it is) and is back on the CPU on return,
+    so its state dict is ready to upload.
     """
     start = time.perf_counter()
     n = data.shape[0]
@@ -75,30 +90,39 @@ def train_local(
             "algorithm does not pass them (use fedavg, fedphd, fedprox or scaffold)"
         )
     steps = steps if steps is not None else num_local_steps(n, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, cfg)
-    model.train()
-    order = torch.randperm(n, generator=generator)
-    cursor, total = 0, 0.0
-    for _ in range(steps):
-        if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
-            order, cursor = torch.randperm(n, generator=generator), 0
-        idx = order[cursor : cursor + cfg.batch_size]
-        cursor += cfg.batch_size
-        if conditional:
-            assert labels is not None
-            loss = ddpm_loss(model, data[idx], scheduler, generator, class_labels=labels[idx])
-        else:
-            loss = (loss_fn or ddpm_loss)(model, data[idx], scheduler, generator)
-        if extra_loss is not None:
-            loss = loss + extra_loss(model)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_hook is not None:
-            grad_hook(model)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        total += float(loss.detach())
-    opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
+    on = device if device is not None and device.type != "cpu" else None
+    if on is not None:
+        model.to(on)
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(params, cfg)
+        model.train()
+        order = torch.randperm(n, generator=generator)
+        cursor, total = 0, 0.0
+        for _ in range(steps):
+            if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
+                order, cursor = torch.randperm(n, generator=generator), 0
+            idx = order[cursor : cursor + cfg.batch_size]
+            cursor += cfg.batch_size
+            x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
+            if conditional:
+                assert labels is not None
+                y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
+                loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
+            else:
+                loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_hook is not None:
+                grad_hook(model)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            total += float(loss.detach())
+        opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
+    finally:
+        if on is not None:
+            model.to("cpu")
     return TrainResult(total / max(1, steps), steps, time.perf_counter() - start)

@@ -53,3 +53,47 @@ def test_model_info_cli(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == model_info("fmnist-tiny").params
     assert {"macs", "fp32_bytes"} <= set(out)
+
+
+def test_compute_device_resolution_and_cpu_fallback_of_hooked_algorithms() -> None:
+    from shared.algorithms import make_algorithm, registered
+    from shared.config import config_from_dict
+    from shared.training import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    # a per-process setting: GPU and CPU devices share one federation (same digest)
+    assert (
+        config_from_dict({"compute": {"device": "cuda"}}).digest() == config_from_dict({}).digest()
+    )
+    # algorithms whose hooks hold tensors of their own keep training on the CPU
+    algos = {n: make_algorithm(config_from_dict({"algorithm": {"name": n}})) for n in registered()}
+    on_cpu = {name for name, algo in algos.items() if not algo.supports_cuda}
+    assert on_cpu == {"fedprox", "moon", "scaffold"}
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+    else:
+        assert resolve_device("auto").type == "cpu"
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resolve_device("cuda")
+
+
+@pytest.mark.gpu
+def test_training_on_cuda_hands_back_cpu_tensors_and_tracks_the_cpu_run() -> None:
+    """Batches and noise come from the same CPU generator, so the GPU run follows the CPU
+    run's trajectory (up to float differences: TF32 convolutions, kernel order)."""
+    from shared.config import config_from_dict
+    from shared.diffusion import make_train_scheduler
+    from shared.training import train_local
+
+    cfg = config_from_dict({"train": {"local_steps": 5, "batch_size": 8}})
+    x = torch.rand(32, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    sched = make_train_scheduler(cfg.diffusion)
+    on_gpu, on_cpu = build_unet("fmnist-tiny", seed=0), build_unet("fmnist-tiny", seed=0)
+    r_gpu = train_local(on_gpu, x, cfg.train, sched, torch.Generator().manual_seed(1),
+                        device=torch.device("cuda"))  # fmt: skip
+    r_cpu = train_local(on_cpu, x, cfg.train, sched, torch.Generator().manual_seed(1))
+    assert all(p.device.type == "cpu" for p in on_gpu.parameters())
+    assert r_gpu.mean_loss == pytest.approx(r_cpu.mean_loss, rel=0.05)
+    init = build_unet("fmnist-tiny", seed=0).state_dict()
+    moved = [not torch.equal(init[k], v) for k, v in on_gpu.state_dict().items()]
+    assert sum(moved) > len(moved) // 2

@@ -14,6 +14,7 @@ previous local model) in ``DeviceContext.state``, which the device agent owns.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
-from shared.training import TrainResult, train_local
+from shared.training import TrainResult, resolve_device, train_local
+
+log = logging.getLogger(__name__)
 
 TensorDict = dict[str, torch.Tensor]
 Plan = dict[str, Any]
@@ -78,19 +81,34 @@ class Algorithm(ABC):
     name: ClassVar[str]
     #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
     partial_uploads: ClassVar[bool] = False
+    #: local training may run on a GPU (``compute.device``); algorithms whose hooks hold
+    #: tensors of their own (control variates, anchors, twin models) train on the CPU
+    supports_cuda: ClassVar[bool] = True
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.scheduler = make_train_scheduler(cfg.diffusion)
+        self._warned_cpu = False
+        self._announced = False
 
     # -- shapes of what travels -------------------------------------------------------------
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
         """:func:`~shared.training.train_local` on the device's images and labels with this
-        algorithm's schedule and generator; ``hooks``: ``extra_loss``, ``loss_fn``,
-        ``grad_hook``."""
+        algorithm's schedule and generator, on ``compute.device``; ``hooks``: ``extra_loss``,
+        ``loss_fn``, ``grad_hook``."""
+        device = resolve_device(self.cfg.compute.device)
+        if device.type != "cpu" and not self.supports_cuda:
+            if not self._warned_cpu:
+                log.warning("%s trains on the CPU: its local terms do not run on %s yet",
+                            self.name, device)  # fmt: skip
+                self._warned_cpu = True
+            device = torch.device("cpu")
+        if device.type == "cuda" and not self._announced:
+            log.info("local training on %s (%s)", device, torch.cuda.get_device_name(device))
+            self._announced = True
         return train_local(
             model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels,
-            **hooks,
+            device=device, **hooks,
         )  # fmt: skip
 
     def init_global(self, model: TensorDict) -> TensorDict:

@@ -51,6 +51,7 @@ class FedProx(FedAvg):
     """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
 
     name = "fedprox"
+    supports_cuda = False  # its term holds CPU tensors of its own
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)

@@ -139,6 +139,7 @@ class Moon(FedAvg):
     """FedAvg aggregation; DDPM loss plus the model-contrastive loss on devices."""
 
     name = "moon"
+    supports_cuda = False  # its term holds CPU tensors of its own
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)

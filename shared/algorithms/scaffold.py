@@ -144,6 +144,7 @@ class Scaffold(Algorithm):
     two-tier rule for ``c``."""
 
     name = "scaffold"
+    supports_cuda = False  # its term holds CPU tensors of its own
 
     # -- shapes of what travels -------------------------------------------------------------
     def init_global(self, model: TensorDict) -> TensorDict:
