@@ -117,8 +117,9 @@ def gpu_visible() -> bool:
     """
     if os.environ.get("ESTUARY_ASSUME_GPU") == "1":
         return True
-    dev = NVIDIA_DEVICE_DIR
-    return (dev / "nvidiactl").exists() and any(dev.glob("nvidia[0-9]*"))
+    return (NVIDIA_DEVICE_DIR / "nvidiactl").exists() and any(
+        NVIDIA_DEVICE_DIR.glob("nvidia[0-9]*")
+    )
 
 
 def _preload_cuda_libraries() -> None:
@@ -174,14 +175,15 @@ def make_session(
         session = ort.InferenceSession(source, sess_options=opts, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types
         raise EstuaryError(f"ONNX Runtime cannot load the model: {err}") from None
-    in_use = session.get_providers()
-    if provider == "cuda" and "CUDAExecutionProvider" not in in_use:
-        raise EstuaryError(
-            "provider 'cuda' asked for, but ONNX Runtime could not start its CUDA provider "
-            "(no GPU visible, or CUDA/cuDNN libraries missing); set deploy.provider = 'auto' "
-            "to fall back to the CPU"
-        )
-    if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" not in in_use:
+    if "CUDAExecutionProvider" in providers and (
+        "CUDAExecutionProvider" not in session.get_providers()
+    ):
+        if provider == "cuda":
+            raise EstuaryError(
+                "provider 'cuda' asked for, but ONNX Runtime could not start its CUDA provider "
+                "(no GPU visible, or CUDA/cuDNN libraries missing); set deploy.provider = "
+                "'auto' to fall back to the CPU"
+            )
         log.warning("ONNX Runtime's CUDA provider did not start; sampling on the CPU")
     return session
 

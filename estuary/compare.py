@@ -265,6 +265,7 @@ def run_centralized(
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = build_unet(cfg.model.preset, seed=cfg.run.seed)
     scheduler = make_train_scheduler(cfg.diffusion)
+    device = resolve_device(cfg.compute.device)
     gen = torch.Generator().manual_seed(
         int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
     )
@@ -278,7 +279,7 @@ def run_centralized(
         if not (last or (every and (r + 1) % every == 0)):
             continue
         result = train_local(model, pooled, cfg.train, scheduler, gen, steps=pending,
-                             device=resolve_device(cfg.compute.device))  # fmt: skip
+                             device=device)  # fmt: skip
         row: dict[str, Any] = {"round": r, "train_loss": result.mean_loss, "steps": pending}
         pending = 0
         if evaluator is not None:

@@ -205,11 +205,23 @@ class Stack:
         assert ids, f"no container for service {service}"
         return ids[0]
 
+    def states(self) -> dict[str, dict[str, object]]:
+        """service -> its container's ``State``, for every container of the project (one
+        ``docker ps`` and one ``docker inspect``)."""
+        ids = _run(["docker", "ps", "-a", "-q",
+                    "--filter", f"label=com.docker.compose.project={self.project}"],
+                   timeout=30).stdout.split()  # fmt: skip
+        if not ids:
+            return {}
+        fmt = '{{index .Config.Labels "com.docker.compose.service"}} {{json .State}}'
+        out = _run(["docker", "inspect", "-f", fmt, *ids], timeout=30).stdout
+        pairs = (line.split(" ", 1) for line in out.splitlines() if line.strip())
+        return {service: json.loads(state) for service, state in pairs}
+
     def state(self, service: str) -> dict[str, object]:
-        out = _run(["docker", "inspect", "-f", "{{json .State}}", self.container(service)],
-                   timeout=30).stdout  # fmt: skip
-        state: dict[str, object] = json.loads(out)
-        return state
+        states = self.states()
+        assert service in states, f"no container for service {service}"
+        return states[service]
 
     def copy_out(self, service: str, path: str) -> Path:
         """``docker cp`` a path out of a (possibly stopped) container into ``out``."""
@@ -289,18 +301,20 @@ def stack(
 
 def _wait_for_run(s: Stack, deadline: float) -> None:
     """Until the cloud, the edges and the devices have exited; fail fast on a crash."""
+
+    def failed(states: dict[str, dict[str, object]]) -> dict[str, object]:
+        exited = {r: states[r] for r in ROLES if states[r].get("Status") == "exited"}
+        return {r: st.get("ExitCode") for r, st in exited.items() if st.get("ExitCode") != 0}
+
     while True:
-        states = {r: s.state(r) for r in ROLES}
-        done = all(st.get("Status") == "exited" for st in states.values())
-        bad = {r: st.get("ExitCode") for r, st in states.items()
-               if st.get("Status") == "exited" and st.get("ExitCode") != 0
-               and st.get("Restarting") is not True}  # fmt: skip
-        if bad and all(states[r].get("Status") == "exited" for r in bad):
+        states = s.states()
+        assert ROLES <= set(states), f"containers missing: {ROLES - set(states)}"
+        if failed(states):
             time.sleep(5)  # `restart: on-failure` may bring them back; look again
-            again = {r: s.state(r) for r in bad}
-            if all(st.get("Status") == "exited" for st in again.values()):
+            states = s.states()
+            if bad := failed(states):
                 raise AssertionError(f"roles failed: {bad}\n{s.logs()}")
-        if done:
+        if all(states[r].get("Status") == "exited" for r in ROLES):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"run not done in {RUN_TIMEOUT_S} s\n{s.logs()}")

@@ -88,28 +88,30 @@ class Algorithm(ABC):
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.scheduler = make_train_scheduler(cfg.diffusion)
-        self._warned_cpu = False
-        self._announced = False
+        self._device: torch.device | None = None  # resolved at the first local round
 
     # -- shapes of what travels -------------------------------------------------------------
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
         """:func:`~shared.training.train_local` on the device's images and labels with this
         algorithm's schedule and generator, on ``compute.device``; ``hooks``: ``extra_loss``,
         ``loss_fn``, ``grad_hook``."""
-        device = resolve_device(self.cfg.compute.device)
-        if device.type != "cpu" and not self.supports_cuda:
-            if not self._warned_cpu:
-                log.warning("%s trains on the CPU: its local terms do not run on %s yet",
-                            self.name, device)  # fmt: skip
-                self._warned_cpu = True
-            device = torch.device("cpu")
-        if device.type == "cuda" and not self._announced:
-            log.info("local training on %s (%s)", device, torch.cuda.get_device_name(device))
-            self._announced = True
+        if self._device is None:
+            self._device = self._training_device()
         return train_local(
             model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels,
-            device=device, **hooks,
+            device=self._device, **hooks,
         )  # fmt: skip
+
+    def _training_device(self) -> torch.device:
+        """``compute.device`` for this algorithm (said once in the log)."""
+        device = resolve_device(self.cfg.compute.device)
+        if device.type != "cpu" and not self.supports_cuda:
+            log.warning("%s trains on the CPU: its local terms do not run on %s yet",
+                        self.name, device)  # fmt: skip
+            return torch.device("cpu")
+        if device.type == "cuda":
+            log.info("local training on %s (%s)", device, torch.cuda.get_device_name(device))
+        return device
 
     def init_global(self, model: TensorDict) -> TensorDict:
         """The cloud's first global state from the initial model's tensors."""
