@@ -83,9 +83,11 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
         ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
         ax2 = ax.twinx()
         ax2.plot(
-            [x for x, _ in q], [m["precision"] for _, m in q], "--", color="C2", label="precision"
+            [x for x, _ in q], [m["precision"] for _, m in q], "--", marker="s", color="C2",
+            label="precision",
         )
-        ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", color="C4", label="recall")
+        ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", marker="^", color="C4",
+                 label="recall")  # fmt: skip
         ax2.set(ylim=(0, 1), ylabel="precision / recall")
         ax2.legend(fontsize=8, loc="upper right")
     else:
@@ -95,7 +97,8 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     from matplotlib.ticker import MaxNLocator
 
     for a in axes:
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # integer rounds, also when a panel has a single point (one evaluation)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
