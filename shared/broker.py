@@ -351,6 +351,8 @@ class LocalBroker:
             "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
             f"max_packet_size {_MAX_PACKET_BYTES}",
             f"max_inflight_messages {_MAX_INFLIGHT_MESSAGES}",
+            "# small packets (SUBACK, PUBACK, blob requests) leave at once, no delayed-ACK wait",
+            "set_tcp_nodelay true",
             f"persistence {'true' if self._persistence else 'false'}",
             f"persistence_location {workdir}/",
             "persistence_file mosquitto.db",

@@ -83,7 +83,11 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
         ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
         ax2 = ax.twinx()
         ax2.plot(
-            [x for x, _ in q], [m["precision"] for _, m in q], "--", marker="s", color="C2",
+            [x for x, _ in q],
+            [m["precision"] for _, m in q],
+            "--",
+            marker="s",
+            color="C2",
             label="precision",
         )
         ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", marker="^", color="C4",

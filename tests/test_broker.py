@@ -136,6 +136,35 @@ def mosquitto() -> Iterator[LocalBroker]:
 
 
 @needs_mosquitto
+def test_bus_connections_turn_nagle_off(mosquitto: LocalBroker) -> None:
+    """MqttBus sockets have TCP_NODELAY (with Nagle on, a blob request after a SUBSCRIBE waited
+    for a 40 ms delayed ACK about half the time); the broker's side is set_tcp_nodelay."""
+    from shared.config import BrokerSection
+    from shared.mqtt import MqttBus
+
+    bus = MqttBus(
+        BrokerSection(port=mosquitto.port, connect_timeout_s=10),
+        run="nodelay",
+        client_id="nodelay-cloud",
+        home="cloud",
+    ).connect()
+    try:
+        sock = bus.client.socket()
+        assert isinstance(sock, socket.socket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        bus.close()
+    plain = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2)
+    plain.connect("127.0.0.1", mosquitto.port)
+    try:  # the control: paho on its own leaves Nagle on
+        raw = plain.socket()
+        assert isinstance(raw, socket.socket)
+        assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+    finally:
+        plain.disconnect()
+
+
+@needs_mosquitto
 def test_start_and_stop_leave_nothing_behind() -> None:
     broker = LocalBroker(kind="mosquitto").start()
     try:

@@ -147,3 +147,29 @@ def test_dockerignore_keeps_the_context_small() -> None:
     assert "*" in lines, "exclude everything but what the images need"
     for needed in ("pyproject.toml", "shared/", "docker/"):
         assert f"!{needed}" in lines
+
+
+def _conf_settings(text: str) -> dict[str, str]:
+    """mosquitto.conf option -> value (comments and blank lines skipped)."""
+    pairs = (ln.split(None, 1) for ln in text.splitlines() if ln.strip() and ln[0] != "#")
+    return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs}
+
+
+def test_mosquitto_configs_share_the_local_brokers_limits(tmp_path: Path) -> None:
+    """The compose and Kubernetes broker configs keep the limits and socket options that
+    shared/broker.py gives the local one (their comments say so; this keeps it true)."""
+    from shared.broker import LocalBroker
+
+    local = _conf_settings(LocalBroker(kind="mosquitto")._mosquitto_conf(tmp_path))
+    keys = (
+        "max_packet_size",
+        "max_queued_messages",
+        "max_queued_bytes",
+        "max_inflight_messages",
+        "set_tcp_nodelay",
+    )
+    assert local["set_tcp_nodelay"] == "true"
+    for path in (DOCKER / "mosquitto.conf", ROOT / "k8s" / "base" / "broker" / "mosquitto.conf"):
+        deployed = _conf_settings(path.read_text())
+        for key in keys:
+            assert deployed.get(key) == local[key], f"{path.relative_to(ROOT)}: {key}"

@@ -868,6 +868,7 @@ def test_broker_config_and_auth_secret(rendered: dict[str, list[Obj]]) -> None:
         "password_file /mosquitto/auth/passwd",
         "acl_file /mosquitto/auth/acl",
         "persistence true",
+        "set_tcp_nodelay true",
     ):
         assert required in lines, f"mosquitto.conf lacks {required!r}"
     c = main_container(broker)
