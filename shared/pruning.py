@@ -22,8 +22,8 @@ GroupNorm groups (and the attention heads) as channel groups.
    holds the same position of every GroupNorm group / head, so removing units keeps every
    ``num_channels`` divisible by ``num_groups`` and every head the same width.
 2. Units are scored by group L2 norm (``tp.importance.GroupMagnitudeImportance(p=2)``, averaged
-   over the channel groups as Torch-Pruning does) or by ``tp.importance.RandomImportance``
-   drawn from ``seed`` in a forked RNG scope.
+   over the channel groups as Torch-Pruning does) or at random, with the draws of
+   ``tp.importance.RandomImportance`` taken from a generator seeded with ``seed``.
 3. Torch-Pruning's local pruner at channel ratio ``r`` removes, in each group of ``U`` units,
    the ``j``-th least important unit iff ``r > j / U``. We order all units by that critical
    ratio ``j / U`` (ties: lower importance relative to the unit's group mean first, then group
@@ -291,24 +291,24 @@ def _check_prune_args(sp: float, method: str) -> None:
 
 def _unit_order(groups: Sequence[_Group], method: str, seed: int) -> list[tuple[int, int]]:
     """Every removable (group, unit), in the order the pruning walk considers them."""
-    importance: Any
-    if method == "l2":
-        importance = tp.importance.GroupMagnitudeImportance(p=2)
-    else:
-        importance = tp.importance.RandomImportance()
+    l2 = tp.importance.GroupMagnitudeImportance(p=2)
+    # random scores are tp.importance.RandomImportance's draws (torch.rand per group), taken
+    # from a generator of our own instead of the global RNG
+    gen = torch.Generator().manual_seed(seed)
     keys = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
-        for gi, g in enumerate(groups):
-            imp = importance(g.tp_group)
+    for gi, g in enumerate(groups):
+        if method == "l2":
+            imp = l2(g.tp_group)
             scores = torch.zeros(g.channels) if imp is None else imp.detach().double().cpu()
-            unit_imp = scores.view(g.ch_groups, -1).mean(0)
-            mean = float(unit_imp.mean())
-            rel = unit_imp / mean if mean > 0 else unit_imp
-            ranked = torch.argsort(unit_imp, stable=True).tolist()
-            n_units = len(ranked)
-            for j, unit in enumerate(ranked[:-1]):  # the best unit of a group always stays
-                keys.append((j / n_units, float(rel[unit]), gi, unit))
+        else:
+            scores = torch.rand(len(g.tp_group[0].idxs), generator=gen).double()
+        unit_imp = scores.view(g.ch_groups, -1).mean(0)
+        mean = float(unit_imp.mean())
+        rel = unit_imp / mean if mean > 0 else unit_imp
+        ranked = torch.argsort(unit_imp, stable=True).tolist()
+        n_units = len(ranked)
+        for j, unit in enumerate(ranked[:-1]):  # the best unit of a group always stays
+            keys.append((j / n_units, float(rel[unit]), gi, unit))
     keys.sort()
     return [(gi, unit) for _, _, gi, unit in keys]
 

@@ -98,7 +98,9 @@ def train_local(
         opt = make_optimizer(params, cfg)
         model.train()
         order = torch.randperm(n, generator=generator)
-        cursor, total = 0, 0.0
+        cursor = 0
+        # summed where the loss lives: no device sync per step (float64, as a Python float)
+        total = torch.zeros((), dtype=torch.float64, device=on)
         for _ in range(steps):
             if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
                 order, cursor = torch.randperm(n, generator=generator), 0
@@ -120,9 +122,9 @@ def train_local(
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
-            total += float(loss.detach())
+            total += loss.detach()
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     finally:
         if on is not None:
             model.to("cpu")
-    return TrainResult(total / max(1, steps), steps, time.perf_counter() - start)
+    return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
