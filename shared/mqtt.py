@@ -4,7 +4,9 @@ Threads and who does what:
 
 * paho's network thread runs the callbacks, which **only enqueue**: application messages go
   to the role's inbound queue, blob chunks to the queue of the fetch waiting for them, blob
-  requests, publish acknowledgements and (re)connect events to the I/O worker's queue.
+  requests, publish acknowledgements and (re)connect events to the I/O worker's queue. The
+  client is :class:`~shared.paho_lean.LeanClient`, paho's own with a PUBLISH decode that
+  copies each payload once (paho's copies a 1 MiB chunk three times, holding the GIL).
 * the I/O worker thread (one per bus) re-subscribes and re-publishes retained state after a
   reconnect, and serves blob chunks to whoever asked, never more than ``max_inflight_bytes``
   unacknowledged at a time.
@@ -56,6 +58,7 @@ from shared.bus import Bus, Handler, HeapTimer, Timer, topic_matches
 from shared.config import BrokerSection
 from shared.errors import CodecError, TransportError
 from shared.messages import MAX_MESSAGE_BYTES, BlobWant, Topics, encode
+from shared.paho_lean import client_class
 from shared.telemetry import Traffic
 
 log = logging.getLogger(__name__)
@@ -189,7 +192,7 @@ class MqttBus(Bus):
     def _make_client(self, will: bytes | None) -> mqtt.Client:
         s = self.settings
         v5 = s.protocol == "5"
-        client = mqtt.Client(
+        client = client_class()(
             callback_api_version=CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
