@@ -16,7 +16,9 @@ Two measurements, each against the real alternative in the same run:
    blob, so it skips the page faults of 136 MB of fresh memory, which cost about 0.08 s on
    the 2-core VM this was written on); "transport only" runs the layer's request and chunk
    stream into a bus that only counts chunks (no hashing or assembly), to separate the
-   transport path from the verification work.
+   transport path from the verification work. The layer's buses receive with
+   :class:`shared.paho_lean.LeanClient` (paho's client with a one-copy PUBLISH decode) as
+   they do in a deployment; the raw legs use paho's own ``mqtt.Client`` unchanged.
 The sending side (the blob layer's sender bus and the raw paho publisher) runs in a child
 process, as the cloud does in a deployment, so the two sides do not share one interpreter.
 
