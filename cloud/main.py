@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         bus.traffic,
         evaluate=not args.no_eval,
         resume_after=start_round - 1 if resumed else None,
+        traffic_scope="cloud",
     )
 
     def on_round_end(s: RoundSummary) -> None:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = f"{s.mean_loss:.4f}" if s.mean_loss is not None else "-"
         fid = row.get("quality", {}).get("fid")
         log.info(
-            "round %d/%d done: %d/%d updates, loss %s, %.1f KiB up, %.1f KiB down%s",
+            "round %d/%d done: %d/%d updates, loss %s, %.1f KiB received, %.1f KiB sent%s",
             s.round + 1,
             cfg.run.rounds,
             s.updates,

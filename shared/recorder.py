@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from torch import nn
@@ -24,6 +24,14 @@ from shared.telemetry import Traffic, diff_counts
 
 UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
 
+TrafficScope = Literal["all", "cloud"]
+"""What a row's ``bytes_up``/``bytes_down`` cover. ``"all"``: one :class:`Traffic` counts every
+role (``estuary simulate`` over MemoryBus), so up and down are what all receivers got, on
+both tiers. ``"cloud"``: the cloud process's own counters (over MQTT every role counts in its
+own process): up is what the cloud received, down what it sent; a blob counts once however
+many edges fetch it, since the broker fans the one stream out. Per-role totals, devices and
+edges included, are in each role's Prometheus metrics."""
+
 
 class RunRecorder:
     """Turns round summaries into metrics.jsonl rows, grids and evaluations."""
@@ -36,8 +44,10 @@ class RunRecorder:
         *,
         evaluate: bool,
         resume_after: int | None = None,
+        traffic_scope: TrafficScope = "all",
     ) -> None:
         self.cfg = cfg
+        self.traffic_scope = traffic_scope
         self.run_dir = run_dir
         self.traffic = traffic
         self.before = traffic.snapshot()
@@ -59,6 +69,10 @@ class RunRecorder:
         msgs = diff_counts(snap["messages"], self.before["messages"])
         self.before = snap
         received = {k.split(":", 1)[1]: v for k, v in nbytes.items() if k.startswith("received:")}
+        if self.traffic_scope == "cloud":
+            down = sum(v for k, v in nbytes.items() if k.startswith("sent:"))
+        else:
+            down = sum(v for k, v in received.items() if k not in UP_KINDS)
         row: dict[str, Any] = {
             "round": s.round,
             "train_loss": s.mean_loss,
@@ -67,7 +81,8 @@ class RunRecorder:
             "cloud_aggregated": s.cloud_aggregated,
             "model_sha256": s.model_sha256,
             "bytes_up": sum(v for k, v in received.items() if k in UP_KINDS),
-            "bytes_down": sum(v for k, v in received.items() if k not in UP_KINDS),
+            "bytes_down": down,
+            "traffic_scope": self.traffic_scope,
             "bytes": nbytes,
             "messages": msgs,
             "rejected": s.rejected,

@@ -47,6 +47,17 @@ def last_quality(
     return None
 
 
+def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """Title and up/down labels of the traffic panel for the rows' ``traffic_scope``."""
+    if rows and all(r.get("traffic_scope") == "cloud" for r in rows):
+        return (
+            "traffic per round at the cloud (every role: its /metrics)",
+            "up: received by the cloud (edges→cloud)",
+            "down: sent by the cloud (cloud→edges, once per blob)",
+        )
+    return "traffic per round", "up (devices→edges→cloud)", "down (cloud→edges→devices)"
+
+
 def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
     import matplotlib
@@ -70,9 +81,10 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     ax = axes[1]
     up = np.array([r.get("bytes_up", 0) for r in rows]) / 2**20
     down = np.array([r.get("bytes_down", 0) for r in rows]) / 2**20
-    ax.bar(rounds, up, label="up (devices→edges→cloud)")
-    ax.bar(rounds, down, bottom=up, label="down (cloud→edges→devices)")
-    ax.set(title="traffic per round", xlabel="round", ylabel="MiB")
+    title, up_label, down_label = traffic_labels(rows)
+    ax.bar(rounds, up, label=up_label)
+    ax.bar(rounds, down, bottom=up, label=down_label)
+    ax.set(title=title, xlabel="round", ylabel="MiB")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="y")
 

@@ -1,0 +1,77 @@
+"""RunRecorder's per-round traffic columns and the report's traffic panel labels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cloud.service import RoundSummary
+from shared.config import RunConfig
+from shared.recorder import RunRecorder
+from shared.report import plot_report, traffic_labels
+from shared.telemetry import Traffic
+
+
+def summary(r: int) -> RoundSummary:
+    return RoundSummary(
+        round=r,
+        participants=4,
+        updates=4,
+        mean_loss=0.5,
+        cloud_aggregated=True,
+        model_sha256="0" * 64,
+        round_seconds=1.0,
+        aggregation_seconds=0.1,
+        train_seconds=0.5,
+        rejected=0,
+    )
+
+
+def test_cloud_scope_counts_what_the_cloud_received_and_sent(
+    tiny_cfg: RunConfig, tmp_path: Path
+) -> None:
+    """Over MQTT the cloud's counters see only its own traffic: the global model leaves as
+    a blob it sends, so "down" must come from its sent bytes (it read ~0 from received)."""
+    traffic = Traffic()
+    rec = RunRecorder(tiny_cfg, tmp_path, traffic, evaluate=False, traffic_scope="cloud")
+    traffic.count("received", "edge_update", 1000)
+    traffic.count("received", "msg_edge_update", 10)
+    traffic.count("received", "msg_presence", 7)  # neither up nor sent
+    traffic.count("sent", "global_model", 500)
+    traffic.count("sent", "msg_round_start", 5)
+    rec.on_round_end(summary(0))
+    traffic.count("received", "edge_update", 1000)
+    traffic.count("sent", "global_model", 500)
+    rec.on_round_end(summary(1))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["bytes_up"], r["bytes_down"]) for r in rows] == [(1010, 505), (1000, 500)]
+    assert all(r["traffic_scope"] == "cloud" for r in rows)
+    title, up, down = traffic_labels(rows)
+    assert "at the cloud" in title and "received by the cloud" in up and "sent by the cloud" in down
+    assert plot_report(rows, tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_all_scope_counts_what_every_receiver_got(tiny_cfg: RunConfig, tmp_path: Path) -> None:
+    """In one process (MemoryBus) every role counts into one Traffic: receptions on both
+    tiers are the traffic, and sends would count every message twice."""
+    traffic = Traffic()
+    rec = RunRecorder(tiny_cfg, tmp_path, traffic, evaluate=False)
+    traffic.count("received", "global_model", 400)  # at two edges
+    traffic.count("received", "edge_model", 800)  # at four devices
+    traffic.count("received", "device_update", 800)
+    traffic.count("received", "edge_update", 400)
+    traffic.count("sent", "global_model", 200)
+    rec.on_round_end(summary(0))
+    row = rec.rows[0]
+    assert (row["bytes_up"], row["bytes_down"], row["traffic_scope"]) == (1200, 1200, "all")
+    assert traffic_labels(rec.rows) == (
+        "traffic per round",
+        "up (devices→edges→cloud)",
+        "down (cloud→edges→devices)",
+    )
+
+
+def test_rows_without_a_scope_keep_the_old_labels() -> None:
+    """metrics.jsonl files written before the scope existed plot as they always did."""
+    assert traffic_labels([{"round": 0, "bytes_up": 1}])[0] == "traffic per round"
+    assert traffic_labels([])[0] == "traffic per round"
