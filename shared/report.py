@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
 
 from shared.checkpoint import atomic_write
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
@@ -58,7 +61,7 @@ def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
     return "traffic per round", "up (devices→edges→cloud)", "down (cloud→edges→devices)"
 
 
-def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
     """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
     import matplotlib
 
@@ -81,10 +84,10 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     ax = axes[1]
     up = np.array([r.get("bytes_up", 0) for r in rows]) / 2**20
     down = np.array([r.get("bytes_down", 0) for r in rows]) / 2**20
-    title, up_label, down_label = traffic_labels(rows)
+    panel_title, up_label, down_label = traffic_labels(rows)
     ax.bar(rounds, up, label=up_label)
     ax.bar(rounds, down, bottom=up, label=down_label)
-    ax.set(title=title, xlabel="round", ylabel="MiB")
+    ax.set(title=panel_title, xlabel="round", ylabel="MiB")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="y")
 
@@ -118,6 +121,14 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Write :func:`report_figure` of ``rows`` to ``path`` as a PNG (atomically)."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(rows, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
