@@ -22,26 +22,26 @@ check this decoder against paho's on every field, QoS, flag and malformed case.
 
 from __future__ import annotations
 
-import struct
 from typing import NamedTuple
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 
 try:  # paho >= 2.2: a decoder module and one exception for every decode error
     from paho.mqtt import _packet as _paho_packet
-    from paho.mqtt.exception import MalformedPacket, MQTTException
+    from paho.mqtt.exception import MalformedPacket
 except ImportError:  # pragma: no cover - older paho: use its own client unchanged
     _paho_packet = None  # type: ignore[assignment]
-    MalformedPacket = MQTTException = None  # type: ignore[assignment,misc]
+    MalformedPacket = None  # type: ignore[assignment,misc]
 
 _CLIENT_HOOKS = ("_handle_publish", "_handle_on_message", "_send_puback", "_easy_log")
 
 LEAN_DECODE: bool = (
     _paho_packet is not None
     and callable(getattr(_paho_packet, "decode_publish", None))
+    and isinstance(getattr(_paho_packet, "DECODE_ERRORS", None), tuple)
     and all(callable(getattr(mqtt.Client, name, None)) for name in _CLIENT_HOOKS)
     and callable(getattr(mqtt, "time_func", None))
 )
@@ -85,24 +85,15 @@ def decode_publish(header: int, packet: bytes | bytearray, v5: bool) -> Publish:
             mid = int.from_bytes(view[pos : pos + 2], "big")
             pos += 2
         properties = None
-        if v5:
-            length, shift, end = 0, 0, pos
-            while True:  # variable byte integer: the properties' length, at most 4 bytes
-                if end >= n or end - pos >= 4:
-                    raise MalformedPacket("PUBLISH properties length is malformed")
-                byte = view[end]
-                end += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            end += length
+        if v5:  # the properties' length is a variable byte integer of at most 4 bytes
+            length, used = VariableByteIntegers.decode(view[pos : pos + 4])
+            end = pos + used + length
             if end > n:
                 raise MalformedPacket("PUBLISH properties run past the packet")
             properties = Properties(PacketTypes.PUBLISH)
             try:
                 properties.unpack(bytes(view[pos:end]))
-            except (struct.error, IndexError, KeyError, ValueError, MQTTException) as err:
+            except _paho_packet.DECODE_ERRORS as err:  # paho's decoder converts the same ones
                 raise MalformedPacket(f"PUBLISH properties: {err}") from err
             pos = end
         payload = bytes(view[pos:])
