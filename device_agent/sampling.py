@@ -90,11 +90,12 @@ def ddim_sample(
     labels: np.ndarray | None = None,
 ) -> np.ndarray:
     """Deterministic DDIM (eta = 0) from ``noise``; returns images in [-1, 1] (float32)."""
+    timesteps = schedule.timesteps(steps)  # validates steps first
     abar = schedule.alphas_cumprod()
     final = np.float32(1.0) if schedule.set_alpha_to_one else abar[0]
     ratio = schedule.num_train_timesteps // steps
     x = np.ascontiguousarray(noise, dtype=np.float32)
-    for t in schedule.timesteps(steps):
+    for t in timesteps:
         t_batch = np.full((x.shape[0],), t, dtype=np.int64)
         eps = eps_fn(x, t_batch, labels).astype(np.float32, copy=False)
         a_t = abar[t]
@@ -155,6 +156,8 @@ def make_session(
     """
     import onnxruntime as ort
 
+    if threads < 0:
+        raise EstuaryError(f"threads must be >= 0 (0 = ONNX Runtime's default), got {threads}")
     if provider == "cpu":
         providers = ["CPUExecutionProvider"]
     elif provider == "cuda":

@@ -201,17 +201,22 @@ def add_parsers(sub: Any) -> None:
 
     s = sub.add_parser("sample", help="sample a grid from an exported model (ONNX Runtime)")
     s.add_argument("--model", required=True, help="export directory (model.onnx + manifest)")
-    s.add_argument("--n", type=int, default=64)
-    s.add_argument("--steps", type=int, default=100)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--n", type=int, default=64, help="images to sample (default 64)")
+    s.add_argument("--steps", type=int, default=100, help="DDIM steps, 1..T (default 100)")
+    s.add_argument("--batch-size", type=int, default=64, help="images per ORT batch")
+    s.add_argument("--seed", type=int, default=0, help="noise (and label) seed")
     s.add_argument("--out", default="grid.png", help="PNG grid path")
     s.add_argument("--verify-key", help="Ed25519 public key (PEM); refuse unless it verifies")
-    s.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument(
+        "--provider",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA where a GPU is visible, else CPU; cuda: fail unless it runs on CUDA",
+    )
     s.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = default)")
     s.add_argument("--warmup", action="store_true", help="one untimed 1-step batch first")
-    s.add_argument("--quiet", action="store_true")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_sample)
 
     v = sub.add_parser("provision", help="broker passwords, per-role ACL, keys, TLS")

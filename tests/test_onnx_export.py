@@ -24,6 +24,7 @@ from shared.checkpoint import save_checkpoint
 from shared.config import RunConfig, config_from_dict
 from shared.data import load_dataset, to_model_input
 from shared.diffusion import ddim_sample, make_train_scheduler
+from shared.errors import EstuaryError
 from shared.export import ExportError, export_module, model_card, to_onnx
 from shared.models import build_unet
 from shared.pruning import channel_plan, prune_unet
@@ -87,6 +88,14 @@ def test_schedule_timesteps_match_diffusers() -> None:
         ref.set_timesteps(steps)
         assert (DdimSchedule().timesteps(steps) == ref.timesteps.numpy()).all()
     assert np.abs(DdimSchedule().alphas_cumprod() - ref.alphas_cumprod.numpy()).max() < 1e-6
+
+
+@pytest.mark.parametrize("steps", [0, -3, 1001])
+def test_numpy_ddim_refuses_step_counts_outside_the_schedule(steps: int) -> None:
+    """A bad step count is an EstuaryError with a reason, not a ZeroDivisionError."""
+    noise = np.zeros((1, 1, 32, 32), dtype=np.float32)
+    with pytest.raises(EstuaryError, match=r"steps must be in 1\.\.1000"):
+        numpy_ddim(lambda x, t, labels: x, noise, DdimSchedule(), steps)
 
 
 @pytest.mark.parametrize(
@@ -188,3 +197,9 @@ def test_export_and_sample_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     stats = json.loads(capsys.readouterr().out)
     assert stats["n"] == 6 and stats["images_per_s"] > 0 and stats["signature"] == "verified"
     assert (tmp_path / "g.png").stat().st_size > 100
+    for bad, reason in ((["--steps", "0"], "steps must be in 1..1000"),
+                        (["--threads", "-1"], "threads must be >= 0")):  # fmt: skip
+        bad_args = ["sample", "--model", str(out), "--out", str(tmp_path / "bad.png"), *bad]
+        assert cli_main(bad_args) == 2
+        assert reason in capsys.readouterr().err
+    assert not (tmp_path / "bad.png").exists()
