@@ -15,6 +15,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -337,6 +338,8 @@ def export_module(
 ) -> ExportResult:
     """:func:`export_generator` for a module in hand (the cloud after training)."""
     start = time.perf_counter() if start is None else start
+    if not (threshold >= 0 and math.isfinite(threshold)):
+        raise ExportError(f"parity threshold must be a finite number >= 0, got {threshold}")
     unet = unet.eval()
     onnx_bytes = to_onnx(unet, opset=opset, fp16=fp16)
     card = model_card(

@@ -42,6 +42,11 @@ are uneven and MACs do not shrink in step with parameters. The walk gives, at ex
 ``s_p`` = 0.25 / 0.44 / 0.61 / 0.74: 26.81 M / 4.193 G, 20.02 M / 3.344 G, 13.94 M / 2.086 G,
 9.29 M / 1.546 G; the last is 3.05 % above the printed 1.5 G, as Torch-Pruning's own figure
 is (the rest are within 1.7 %). ``estuary model-info --prune-sp`` prints these figures.
+They use Torch-Pruning's counter (:func:`shared.models.count_macs`), the one Diff-Pruning
+reports with, which also counts bias additions and two operations per GroupNorm element.
+Counting only the weight multiply-accumulates of convolutions and linear layers gives
+6.054 G dense and 4.185 / 3.336 / 2.081 / 1.541 G for the four ratios (1.541 is 2.7 % above
+1.5); we keep Torch-Pruning's convention because it is the paper's tool.
 
 After pruning, the attributes diffusers keeps beside the weights are re-derived from the
 weights (:func:`sync_attributes`): ``Downsample2D``/``Upsample2D`` ``channels``/``out_channels``,

@@ -149,6 +149,14 @@ def test_export_refused_above_threshold_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "x" / "model.onnx").exists()
 
 
+@pytest.mark.parametrize("threshold", [-1.0, float("nan"), float("inf")])
+def test_export_refuses_a_meaningless_threshold(tmp_path: Path, threshold: float) -> None:
+    with pytest.raises(ExportError, match="threshold must be"):
+        export_module(_cfg("fmnist-tiny"), build_unet("fmnist-tiny"), None, tmp_path / "x",
+                      round_=0, source="t", threshold=threshold)  # fmt: skip
+    assert not (tmp_path / "x").exists()
+
+
 def test_to_onnx_refuses_old_opset() -> None:
     with pytest.raises(ExportError, match="opset"):
         to_onnx(build_unet("fmnist-tiny"), opset=13)
