@@ -74,11 +74,15 @@ class DdimSchedule:
         )
         return np.cumprod(1.0 - betas.astype(np.float64)).astype(np.float32)
 
-    def timesteps(self, steps: int) -> np.ndarray:
-        """The DDIM timesteps for ``steps`` sampling steps, high to low."""
+    def step_ratio(self, steps: int) -> int:
+        """Training timesteps per DDIM step; raises unless ``steps`` is in 1..T."""
         if not 1 <= steps <= self.num_train_timesteps:
             raise EstuaryError(f"steps must be in 1..{self.num_train_timesteps}, got {steps}")
-        ratio = self.num_train_timesteps // steps
+        return self.num_train_timesteps // steps
+
+    def timesteps(self, steps: int) -> np.ndarray:
+        """The DDIM timesteps for ``steps`` sampling steps, high to low."""
+        ratio = self.step_ratio(steps)
         return (np.arange(steps, dtype=np.int64) * ratio)[::-1] + self.steps_offset
 
 
@@ -90,12 +94,11 @@ def ddim_sample(
     labels: np.ndarray | None = None,
 ) -> np.ndarray:
     """Deterministic DDIM (eta = 0) from ``noise``; returns images in [-1, 1] (float32)."""
-    timesteps = schedule.timesteps(steps)  # validates steps first
+    ratio = schedule.step_ratio(steps)
     abar = schedule.alphas_cumprod()
     final = np.float32(1.0) if schedule.set_alpha_to_one else abar[0]
-    ratio = schedule.num_train_timesteps // steps
     x = np.ascontiguousarray(noise, dtype=np.float32)
-    for t in timesteps:
+    for t in schedule.timesteps(steps):
         t_batch = np.full((x.shape[0],), t, dtype=np.int64)
         eps = eps_fn(x, t_batch, labels).astype(np.float32, copy=False)
         a_t = abar[t]

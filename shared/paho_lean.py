@@ -60,6 +60,11 @@ class Publish(NamedTuple):
     payload: bytes
 
 
+def publish_qos(header: int) -> int:
+    """The QoS bits of a PUBLISH packet's first byte."""
+    return (header & 0x06) >> 1
+
+
 def decode_publish(header: int, packet: bytes | bytearray, v5: bool) -> Publish:
     """Decode a PUBLISH: ``header`` is its first byte, ``packet`` everything after the length.
 
@@ -67,7 +72,7 @@ def decode_publish(header: int, packet: bytes | bytearray, v5: bool) -> Publish:
     ``MalformedPacket`` when a field runs past the end of the packet, an MQTT 3.1.1 topic is
     empty or the v5 properties do not parse.
     """
-    qos = (header & 0x06) >> 1
+    qos = publish_qos(header)
     with memoryview(packet) as view:
         n = len(view)
         if n < 2:
@@ -113,7 +118,7 @@ class LeanClient(mqtt.Client):
 
     def _handle_publish(self) -> MQTTErrorCode:
         header: int = self._in_packet["command"]
-        if (header & 0x06) >> 1 == 2:  # exactly-once needs paho's PUBREC bookkeeping
+        if publish_qos(header) == 2:  # exactly-once needs paho's PUBREC bookkeeping
             return super()._handle_publish()
         p = decode_publish(header, self._in_packet["packet"], self._protocol == mqtt.MQTTv5)
         message = mqtt.MQTTMessage(mid=p.mid, topic=p.topic)
