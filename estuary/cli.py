@@ -130,8 +130,8 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
     else:
         pruned_by = f" (pruned {args.prune_sp:g} by {args.prune_method})" if "prune" in info else ""
         print(
-            f"{info['preset']}{pruned_by}: {info['params_m']} M params, {info['gmacs']} GMACs, "
-            f"{info['fp32_mb']} MiB fp32"
+            f"{info['preset']}{pruned_by}: {info['params_m']} M params, {info['gmacs']} GMACs "
+            f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mb']} MiB fp32"
         )
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,11 +96,17 @@ def image_shape(preset: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Size of a model: parameters, multiply-accumulates per image, fp32 bytes."""
+    """Size of a model: parameters, multiply-accumulates per image, fp32 bytes.
+
+    ``macs`` is Torch-Pruning's operation count (FedPhD's convention); ``weight_macs`` counts
+    only the weight multiply-accumulates of convolutions and linear layers (no bias
+    additions, no normalization), the stricter textbook figure.
+    """
 
     preset: str
     params: int
     macs: int
+    weight_macs: int
     fp32_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,6 +117,8 @@ class ModelInfo:
             "params_m": round(self.params / 1e6, 3),
             "macs": self.macs,
             "gmacs": round(self.macs / 1e9, 3),
+            "weight_macs": self.weight_macs,
+            "weight_gmacs": round(self.weight_macs / 1e9, 3),
             "fp32_bytes": self.fp32_bytes,
             "fp32_mb": round(self.fp32_bytes / 2**20, 2),
         }
@@ -138,11 +147,51 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
     return int(ops) // sample.shape[0]
 
 
+def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> int:
+    """Weight multiply-accumulates of one forward pass on ``sample``, per image.
+
+    Counts ``out_elements * in_channels / groups * kernel_area`` for every Conv2d and
+    ``out_elements * in_features`` for every Linear, and nothing else: no bias additions,
+    no normalization or activation operations (which :func:`count_macs` includes).
+    """
+    total = 0
+
+    def conv(m: nn.Conv2d, _inp: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    def linear(m: nn.Linear, _inp: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        total += out.numel() * m.in_features
+
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            hooks.append(m.register_forward_hook(conv))
+        elif isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_hook(linear))
+    t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
+    kwargs = {}
+    if num_classes_of(model):
+        kwargs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
+    try:
+        with torch.no_grad():
+            model(sample, t, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return total // sample.shape[0]
+
+
 def model_info(preset: str, *, model_fn: Callable[[], nn.Module] | None = None) -> ModelInfo:
     """Params, MACs (one image at the preset's resolution) and fp32 bytes of ``preset``."""
     model = model_fn() if model_fn is not None else build_unet(preset)
     model.eval()
     c, h, w = image_shape(preset)
     params = count_params(model)
-    macs = count_macs(model, torch.zeros(1, c, h, w))
-    return ModelInfo(preset=preset, params=params, macs=macs, fp32_bytes=params * 4)
+    sample = torch.zeros(1, c, h, w)
+    macs = count_macs(model, sample)
+    weight_macs = count_weight_macs(model, sample)
+    return ModelInfo(
+        preset=preset, params=params, macs=macs, weight_macs=weight_macs, fp32_bytes=params * 4
+    )

@@ -46,7 +46,8 @@ They use Torch-Pruning's counter (:func:`shared.models.count_macs`), the one Dif
 reports with, which also counts bias additions and two operations per GroupNorm element.
 Counting only the weight multiply-accumulates of convolutions and linear layers gives
 6.054 G dense and 4.185 / 3.336 / 2.081 / 1.541 G for the four ratios (1.541 is 2.7 % above
-1.5); we keep Torch-Pruning's convention because it is the paper's tool.
+1.5; :func:`shared.models.count_weight_macs`, ``weight_gmacs`` in ``model-info``); the
+primary figure keeps Torch-Pruning's convention because it is the paper's tool.
 
 After pruning, the attributes diffusers keeps beside the weights are re-derived from the
 weights (:func:`sync_attributes`): ``Downsample2D``/``Upsample2D`` ``channels``/``out_channels``,

@@ -9,14 +9,35 @@ from estuary.cli import main
 from shared.config import DiffusionSection
 from shared.diffusion import ddim_sample, ddpm_loss, make_train_scheduler
 from shared.errors import ConfigError
-from shared.models import build_unet, model_info
+from shared.models import build_unet, count_weight_macs, model_info
 
 
 def test_ddpm_cifar10_matches_the_paper() -> None:
     info = model_info("ddpm-cifar10")
     assert info.params / 1e6 == pytest.approx(35.7, abs=0.05)
     assert info.macs / 1e9 == pytest.approx(6.06, rel=0.01)
+    # Torch-Pruning's count adds bias additions and GroupNorm operations to the weight MACs
+    assert info.weight_macs / 1e9 == pytest.approx(6.054, abs=0.0005)
+    assert 0 < info.macs - info.weight_macs < 0.01 * info.macs
     assert info.fp32_bytes == info.params * 4
+
+
+def test_weight_macs_by_hand() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)  # 4*8*8 outputs x 3*9 MACs
+            self.dw = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)  # 256 x 9
+            self.norm = torch.nn.GroupNorm(2, 4)  # not a weight multiply-accumulate
+            self.fc = torch.nn.Linear(4, 5)  # 5 outputs x 4 MACs
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            h = self.norm(self.dw(self.conv(x)))
+            return self.fc(h.mean((2, 3)))
+
+    net = Net()
+    assert count_weight_macs(net, torch.zeros(2, 3, 8, 8)) == 256 * 27 + 256 * 9 + 5 * 4
+    assert not net.conv._forward_hooks  # hooks removed
 
 
 def test_tiny_is_well_under_a_million() -> None:
@@ -52,7 +73,8 @@ def test_model_info_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["model-info", "--preset", "fmnist-tiny", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == model_info("fmnist-tiny").params
-    assert {"macs", "fp32_bytes"} <= set(out)
+    assert {"macs", "weight_macs", "fp32_bytes"} <= set(out)
+    assert out["weight_macs"] == model_info("fmnist-tiny").weight_macs > 0
 
 
 def test_compute_device_resolution_and_cpu_fallback_of_hooked_algorithms() -> None:
