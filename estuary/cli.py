@@ -46,7 +46,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     spec = load_compare(args.config)
     out = Path(args.out) if args.out else Path("runs") / spec.name
-    result = run_compare(spec, out, evaluate=not args.no_eval, progress=not args.quiet)
+    result = run_compare(
+        spec, out, evaluate=not args.no_eval, progress=not args.quiet, fresh=args.fresh
+    )
     print((result.out / "table.md").read_text())
     print(f"tables and plots: {result.out}")
     return 0
@@ -172,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="output directory (default runs/<compare name>)")
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    c.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every method again (default: reuse methods already finished in --out)",
+    )
     c.set_defaults(func=_cmd_compare)
 
     e = sub.add_parser("eval", help="quality metrics of a run's latest checkpoint")

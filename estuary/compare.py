@@ -29,6 +29,13 @@ The output directory gets one run directory per method, ``table.md``/``.csv``/``
 (:mod:`shared.accounting` defines every byte and cost column) and ``quality.png`` /
 ``bytes.png``. Rounds differ in length between methods (FedAvg with E = 5 trains five times
 longer per round than E = 1), so both plots put total local steps (all devices) on the x axis.
+
+A finished method leaves ``<slug>/method.json`` (its rows, traffic, plan and timing, keyed by
+the config digest). Running the same comparison into the same directory again reuses every
+method whose record matches and runs the rest, so a long comparison that was interrupted (or
+split over several time-limited sessions) picks up where it stopped; ``fresh=True``
+(``--fresh``) runs everything again. A record that does not parse or belongs to another
+config is ignored with the reason printed, and that method runs.
 """
 
 from __future__ import annotations
@@ -296,18 +303,92 @@ def run_centralized(
 
 
 def run_method(m: Method, out: Path, *, evaluate: bool, progress: bool) -> MethodRun:
-    """Simulate (or train centrally) one method into ``out / m.slug``."""
+    """Simulate (or train centrally) one method into ``out / m.slug``, and record it there
+    (``method.json``) once it has finished."""
     from estuary.simulate import simulate
 
     run_dir = out / m.slug
+    (run_dir / RECORD).unlink(missing_ok=True)  # an interrupted rerun must not look finished
     t0 = time.perf_counter()
     if m.centralized:
         rows, steps = run_centralized(m.cfg, run_dir, evaluate=evaluate, progress=progress)
-        return MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
-    res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
-    _, parts = _split(m.cfg)
-    steps = steps_per_round(m.cfg, [len(p) for p in parts])
-    return MethodRun(m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps)
+        run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
+    else:
+        res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
+        _, parts = _split(m.cfg)
+        steps = steps_per_round(m.cfg, [len(p) for p in parts])
+        run = MethodRun(
+            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
+        )
+    save_record(run, evaluate=evaluate)
+    return run
+
+
+# -- finished-method records ----------------------------------------------------------------
+#: file name of a finished method's record, inside its run directory
+RECORD = "method.json"
+#: version tag of the record; another tag is not reused
+RECORD_FORMAT = "estuary.compare-method/1"
+#: a record larger than this is not read (rows of 10,000 rounds are well under it)
+RECORD_MAX_BYTES = 64 * 2**20
+
+
+def save_record(run: MethodRun, *, evaluate: bool) -> None:
+    """Write ``run``'s record atomically, so a later comparison can reuse it."""
+    doc = {
+        "format": RECORD_FORMAT,
+        "label": run.method.label,
+        "digest": run.method.cfg.digest(),
+        "centralized": run.method.centralized,
+        "evaluate": evaluate,
+        "rows": run.rows,
+        "traffic": run.traffic,
+        "plan": run.plan,
+        "wall_s": run.wall_s,
+        "steps": run.steps,
+    }
+    atomic_write(run.run_dir / RECORD, json.dumps(doc).encode())
+
+
+def load_record(m: Method, run_dir: Path, *, evaluate: bool) -> tuple[MethodRun | None, str]:
+    """``m``'s finished run from ``run_dir / method.json``, or None and why it is not usable."""
+    path = run_dir / RECORD
+    if not path.is_file():
+        return None, "no finished run"
+    if path.stat().st_size > RECORD_MAX_BYTES:
+        return None, f"{path} is larger than {RECORD_MAX_BYTES} bytes"
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{path} is not JSON ({e})"
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+        return None, f"{path} is not a {RECORD_FORMAT} record"
+    want = {
+        "label": m.label,
+        "digest": m.cfg.digest(),
+        "centralized": m.centralized,
+        "evaluate": evaluate,
+    }
+    for key, value in want.items():
+        if doc.get(key) != value:
+            return None, f"{path} has {key} {doc.get(key)!r}, this comparison {value!r}"
+    rows, traffic, plan, wall_s, steps = (
+        doc.get(k) for k in ("rows", "traffic", "plan", "wall_s", "steps")
+    )
+    bad = f"{path}: rows, traffic, plan, wall_s or steps malformed"
+    if not (
+        isinstance(rows, list)
+        and isinstance(traffic, dict)
+        and (plan is None or isinstance(plan, dict))
+        and isinstance(wall_s, (int, float))
+        and isinstance(steps, list)
+    ):
+        return None, bad
+    rows_ok = all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in rows)
+    steps_ok = len(steps) == m.cfg.run.rounds and all(isinstance(n, int) and n >= 0 for n in steps)
+    if not (rows_ok and steps_ok):
+        return None, bad
+    return MethodRun(m, run_dir, rows, traffic, plan, float(wall_s), steps), "finished earlier"
 
 
 @dataclass
@@ -320,12 +401,28 @@ class CompareResult:
 
 
 def run_compare(
-    spec: CompareSpec, out: Path, *, evaluate: bool = True, progress: bool = True
+    spec: CompareSpec,
+    out: Path,
+    *,
+    evaluate: bool = True,
+    progress: bool = True,
+    fresh: bool = False,
 ) -> CompareResult:
-    """Run every method, then write the tables and the plots."""
+    """Run every method (reusing those already finished in ``out`` unless ``fresh``), then
+    write the tables and the plots."""
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for i, m in enumerate(spec.methods, 1):
+        if not fresh:
+            done, why = load_record(m, out / m.slug, evaluate=evaluate)
+            if done is not None:
+                if progress:
+                    print(f"[{i}/{len(spec.methods)}] {m.label}: reusing the run finished "
+                          f"earlier in {done.run_dir} ({done.wall_s:.1f} s)")  # fmt: skip
+                runs.append(done)
+                continue
+            if progress and (out / m.slug / RECORD).exists():
+                print(f"[{i}/{len(spec.methods)}] {m.label}: not reusing ({why})")
         if progress:
             kind = "centralized" if m.centralized else m.cfg.algorithm.name
             print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")

@@ -170,3 +170,41 @@ def _toml(path: Path) -> dict[str, Any]:
     import tomllib
 
     return tomllib.loads(path.read_text())
+
+
+def test_finished_methods_are_reused_and_bad_records_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    out = tmp_path / "out"
+    first = run_compare(load_compare(cfg), out, progress=False)
+    table = (out / "table.json").read_text()
+    stamps = {s: (out / s / "method.json").stat().st_mtime_ns for s in ("fedavg", "centralized")}
+
+    # same config, same directory: nothing trains again, and the table is the same
+    again = run_compare(load_compare(cfg), out, progress=True)
+    said = capsys.readouterr().out
+    assert said.count("reusing the run finished earlier") == 3
+    assert (out / "table.json").read_text() == table
+    assert [r.rows for r in again.runs] == [r.rows for r in first.runs]
+
+    # a changed method, a corrupt record and a malformed record: those methods run again
+    old = 'overrides = {"algorithm.name" = "fedavg"}'
+    cfg.write_text(TINY.replace(old, old[:-1] + ', "train.lr" = 5e-4}'))
+    (out / "fedphd-select" / "method.json").write_text('{"format": "estuary.compare-method/1"')
+    record = json.loads((out / "centralized" / "method.json").read_text())
+    record["steps"] = record["steps"][:-1]  # malformed: one round short
+    (out / "centralized" / "method.json").write_text(json.dumps(record))
+    run_compare(load_compare(cfg), out, progress=True)
+    said = capsys.readouterr().out
+    assert "reusing the run" not in said
+    assert "FedAvg: not reusing" in said and "has digest" in said
+    assert "FedPhD (select): not reusing" in said and "is not JSON" in said
+    assert "Centralized: not reusing" in said and "malformed" in said
+    assert (out / "fedavg" / "method.json").stat().st_mtime_ns != stamps["fedavg"]
+    assert json.loads((out / "centralized" / "method.json").read_text())["steps"] != record["steps"]
+
+    # --fresh runs everything again even when every record matches
+    assert main(["compare", str(cfg), "--out", str(out), "--fresh", "--no-eval"]) == 0
+    assert "reusing the run" not in capsys.readouterr().out
