@@ -331,6 +331,8 @@ RECORD = "method.json"
 RECORD_FORMAT = "estuary.compare-method/1"
 #: a record larger than this is not read (rows of 10,000 rounds are well under it)
 RECORD_MAX_BYTES = 64 * 2**20
+#: :func:`load_record`'s reason when the method has not finished before (nothing to report)
+NO_RECORD = "no finished run"
 
 
 def save_record(run: MethodRun, *, evaluate: bool) -> None:
@@ -354,7 +356,7 @@ def load_record(m: Method, run_dir: Path, *, evaluate: bool) -> tuple[MethodRun 
     """``m``'s finished run from ``run_dir / method.json``, or None and why it is not usable."""
     path = run_dir / RECORD
     if not path.is_file():
-        return None, "no finished run"
+        return None, NO_RECORD
     if path.stat().st_size > RECORD_MAX_BYTES:
         return None, f"{path} is larger than {RECORD_MAX_BYTES} bytes"
     try:
@@ -421,7 +423,7 @@ def run_compare(
                           f"earlier in {done.run_dir} ({done.wall_s:.1f} s)")  # fmt: skip
                 runs.append(done)
                 continue
-            if progress and (out / m.slug / RECORD).exists():
+            if progress and why != NO_RECORD:
                 print(f"[{i}/{len(spec.methods)}] {m.label}: not reusing ({why})")
         if progress:
             kind = "centralized" if m.centralized else m.cfg.algorithm.name

@@ -138,13 +138,21 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
     """
     import torch_pruning as tp
 
-    t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
-    inputs = {"sample": sample, "timestep": t}
-    if num_classes_of(model):
-        inputs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
+    inputs = _forward_inputs(model, sample, timestep)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         ops, _ = tp.utils.count_ops_and_params(model, example_inputs=inputs)
     return int(ops) // sample.shape[0]
+
+
+def _forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
+    """Keyword inputs of one U-Net forward pass on ``sample`` (class 0 when conditional)."""
+    inputs = {
+        "sample": sample,
+        "timestep": torch.full((sample.shape[0],), timestep, dtype=torch.long),
+    }
+    if num_classes_of(model):
+        inputs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
+    return inputs
 
 
 def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> int:
@@ -170,13 +178,10 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
             hooks.append(m.register_forward_hook(conv))
         elif isinstance(m, nn.Linear):
             hooks.append(m.register_forward_hook(linear))
-    t = torch.full((sample.shape[0],), timestep, dtype=torch.long)
-    kwargs = {}
-    if num_classes_of(model):
-        kwargs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
+    inputs = _forward_inputs(model, sample, timestep)
     try:
         with torch.no_grad():
-            model(sample, t, **kwargs)
+            model(inputs.pop("sample"), inputs.pop("timestep"), **inputs)
     finally:
         for h in hooks:
             h.remove()
