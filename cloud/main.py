@@ -21,7 +21,7 @@ from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.models import build_unet
+from shared.models import initial_unet
 from shared.recorder import RunRecorder, prepare_run_dir
 from shared.report import last_quality, plot_report
 from shared.runtime import (
@@ -74,13 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_role_config(args)
         run_dir = prepare_run_dir(cfg, Path(args.out))
         resumed = None if args.fresh else resume_point(cfg, run_dir)
+        # the first global model (model.init is checked before anyone connects)
+        initial = None if resumed else initial_unet(cfg.model.preset, cfg.model.init,
+                                                    seed=cfg.run.seed)  # fmt: skip
         bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR
     plan: Plan | None = None
     if resumed is None:
-        model, start_round = dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()), 0
+        assert initial is not None
+        model, start_round = dict(initial.state_dict()), 0
     else:
         model, plan, start_round = resumed
     recorder = RunRecorder(

@@ -65,7 +65,7 @@ from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
 from shared.evaluation import Evaluator
-from shared.models import build_unet, model_info
+from shared.models import initial_unet, model_info
 from shared.naming import device_name
 from shared.partition import make_partition
 from shared.recorder import prepare_run_dir
@@ -270,7 +270,7 @@ def run_centralized(
     data, parts = _split(cfg)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
     steps = steps_per_round(cfg, [len(p) for p in parts])
-    model = build_unet(cfg.model.preset, seed=cfg.run.seed)
+    model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     scheduler = make_train_scheduler(cfg.diffusion)
     device = resolve_device(cfg.compute.device)
     gen = torch.Generator().manual_seed(

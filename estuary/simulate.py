@@ -27,7 +27,7 @@ from shared.bus import MemoryBus
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES, ImageDataset, load_dataset, to_model_input
-from shared.models import build_unet
+from shared.models import initial_unet
 from shared.naming import device_name, edge_ids, home_edge
 from shared.partition import label_count_matrix, make_partition
 from shared.recorder import RunRecorder, prepare_run_dir, save_label_counts
@@ -78,7 +78,7 @@ def build_federation(
 
     Every service gets its own algorithm instance; nothing is shared but the bus.
     """
-    initial = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    initial = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
     cloud = CloudServer(
         cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
         checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,

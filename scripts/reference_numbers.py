@@ -1,7 +1,9 @@
 """Reference FIDs for the README, with the evaluation protocol ``estuary eval`` uses.
 
 FID(held-out test images vs train reference) is the floor a perfect generator would reach;
-FID(untrained fmnist-tiny samples vs train reference) is where training starts.
+FID(untrained fmnist-tiny samples vs train reference) is where training from a random init
+starts, FID(shipped pretrained generator vs train reference) where ``model.init =
+"pretrained"`` starts (the demo).
 
     python scripts/reference_numbers.py [--config configs/fedavg_iid_tiny.toml] [--json]
 """
@@ -14,7 +16,7 @@ import json
 from shared import quality
 from shared.config import load_config
 from shared.evaluation import Evaluator, model_from_state, reference_images
-from shared.models import build_unet
+from shared.models import PRETRAINED, build_unet, initial_unet
 
 
 def main() -> None:
@@ -30,6 +32,9 @@ def main() -> None:
     untrained = ev.evaluate(
         model_from_state(cfg, build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict())
     )
+    pretrained = None
+    if cfg.model.preset in PRETRAINED:
+        pretrained = ev.evaluate(initial_unet(cfg.model.preset, "pretrained").eval())
     out = {
         "protocol": {
             "n_fake": cfg.eval.num_samples,
@@ -39,12 +44,15 @@ def main() -> None:
         },
         "test_vs_train": held_out,
         "untrained_vs_train": untrained,
+        "pretrained_vs_train": pretrained,
     }
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"FID(test vs train)              = {held_out['fid']:.2f}")
         print(f"FID(untrained samples vs train) = {untrained['fid']:.2f}")
+        if pretrained is not None:
+            print(f"FID(pretrained samples vs train) = {pretrained['fid']:.2f}")
 
 
 if __name__ == "__main__":

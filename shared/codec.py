@@ -77,7 +77,7 @@ def decode_tensors(
     except (SafetensorError, ValueError, RuntimeError) as err:
         raise CodecError(f"not a valid safetensors payload: {err}") from None
     if expected is not None:
-        _check_spec(tensors, expected, partial=partial)
+        check_spec(tensors, expected, partial=partial)
     if not allow_nonfinite:
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -85,12 +85,14 @@ def decode_tensors(
     return tensors
 
 
-def _check_spec(
+def check_spec(
     tensors: Mapping[str, torch.Tensor],
     expected: Mapping[str, TensorSpec],
     *,
     partial: bool = False,
 ) -> None:
+    """CodecError unless ``tensors`` has exactly the names (with ``partial``: a non-empty
+    subset of them), shapes and dtypes of ``expected``."""
     missing = [] if partial else sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra or not tensors:

@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared.errors import ConfigError
 
@@ -91,11 +98,27 @@ class DataSection(_Section):
 
 
 class ModelSection(_Section):
-    """Which U-Net preset to train."""
+    """Which U-Net preset to train, and where its first weights come from."""
 
     preset: Literal[
         "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10"
     ] = "fmnist-tiny"
+    init: str = Field(
+        "random",
+        min_length=1,
+        max_length=4096,
+        description="the first global model: 'random' (drawn from run.seed), 'pretrained' "
+        "(the preset's generator shipped in shared/assets, trained by "
+        "scripts/pretrain_generator.py), or the path of a .safetensors file: an Estuary "
+        "checkpoint of a dense model of this preset, or its bare state dict",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _check_init(cls, value: str) -> str:
+        if value not in ("random", "pretrained") and not value.endswith(".safetensors"):
+            raise ValueError("must be 'random', 'pretrained' or a path ending in .safetensors")
+        return value
 
 
 class DiffusionSection(_Section):

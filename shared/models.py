@@ -12,6 +12,7 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,89 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
     with torch.random.fork_rng(devices=devices):
         torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
         return UNet2DModel(**PRESETS[preset])
+
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+#: generators pretrained by ``scripts/pretrain_generator.py`` and shipped in shared/assets:
+#: preset -> (file name, sha256 of the file). A retrained file needs its new hash here.
+PRETRAINED: dict[str, tuple[str, str]] = {
+    "fmnist-tiny": (
+        "fmnist_tiny_pretrained.safetensors",
+        "cb94f6c712b4607bce09f5a43ade834d019068829b7c12552b6404fc18229109",
+    ),
+}
+#: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
+MAX_INIT_BYTES = 1 << 30
+PRETRAIN_HINT = "Retrain it with `python scripts/pretrain_generator.py`"
+
+
+def pretrained_path(preset: str) -> Path:
+    """The shipped pretrained generator of ``preset`` (ConfigError when there is none)."""
+    if preset not in PRETRAINED:
+        raise ConfigError(
+            f"model.init = 'pretrained': no pretrained generator ships for preset {preset!r} "
+            f"(available: {sorted(PRETRAINED)}); use 'random' or the path of a checkpoint"
+        )
+    return ASSETS / PRETRAINED[preset][0]
+
+
+def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
+    """The state dict ``model.init`` names for a dense ``preset``, verified; None for 'random'.
+
+    'pretrained' is the shipped file, checked against its recorded sha256. A path may hold
+    an Estuary checkpoint (its model part is used; a pruned one is refused) or a bare state
+    dict. Either way the tensors must be exactly the preset's (names, shapes, dtypes) and
+    finite; nothing is unpickled. Raises ConfigError naming the file and what is wrong.
+    """
+    from shared.checkpoint import MODEL_PREFIX, STATE_PREFIX, model_digest
+    from shared.codec import check_spec, decode_tensors, read_metadata, sha256_hex
+    from shared.errors import CodecError
+
+    if init == "random":
+        return None
+    path = pretrained_path(preset) if init == "pretrained" else Path(init)
+    try:
+        size = path.stat().st_size
+        if size > MAX_INIT_BYTES:
+            raise ConfigError(f"model.init {path}: {size} bytes, more than {MAX_INIT_BYTES}")
+        data = path.read_bytes()
+    except OSError as err:
+        hint = f" {PRETRAIN_HINT}." if init == "pretrained" else ""
+        raise ConfigError(f"model.init: cannot read {path}: {err.strerror}.{hint}") from None
+    digest = sha256_hex(data)
+    if init == "pretrained" and digest != PRETRAINED[preset][1]:
+        raise ConfigError(
+            f"model.init: {path} has sha256 {digest[:16]}…, expected "
+            f"{PRETRAINED[preset][1][:16]}…; the file is corrupt or from another training "
+            f"run. {PRETRAIN_HINT} and update PRETRAINED in shared/models.py."
+        )
+    try:
+        meta = read_metadata(data)
+        tensors = decode_tensors(data)
+        if meta.get("format") == "estuary-checkpoint-v1":
+            if "arch" in meta:
+                raise CodecError("it is a checkpoint of a pruned model; init needs a dense one")
+            tensors = {
+                k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)
+            }
+            if model_digest(tensors) != meta.get("model_sha256"):
+                raise CodecError("its model hash differs from the one the checkpoint records")
+        elif any(k.startswith((MODEL_PREFIX, STATE_PREFIX)) for k in tensors):
+            raise CodecError("tensor names look like a checkpoint's, but its metadata is not")
+        check_spec(tensors, state_spec(preset))
+    except CodecError as err:
+        raise ConfigError(f"model.init {path} does not hold a {preset} model: {err}") from None
+    return tensors
+
+
+def initial_unet(preset: str, init: str = "random", *, seed: int = 0) -> UNet2DModel:
+    """The first global model of a run: :func:`build_unet` from ``seed``, then the weights
+    ``init`` names loaded into it (see :func:`load_init_state`)."""
+    model = build_unet(preset, seed=seed)
+    state = load_init_state(preset, init)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
 
 
 def state_spec(preset: str) -> dict[str, TensorSpec]:

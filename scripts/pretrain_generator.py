@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Pretrain a Fashion-MNIST generator for ``model.init = "pretrained"`` (the demo's start).
+
+Usage (from the repository root)::
+
+    python scripts/pretrain_generator.py --steps 4000 --seed 0
+
+Trains the ``fmnist-tiny`` U-Net centrally with the DDPM loss on the Fashion-MNIST **test**
+split (10k images: public data that no device holds; devices partition the train split, and
+FID is measured against train images), keeps an exponential moving average of the weights,
+and scores the average with the project's FID protocol. Only if that FID is at most
+``--max-fid`` are the averaged weights written, atomically, as safetensors (never pickle) with
+a ``.json`` sidecar, and the file's sha256 printed: put it into ``PRETRAINED`` in
+``shared/models.py``. A grid of 64 samples is written as a PNG (``--grid``).
+
+All randomness (initialization from ``--seed``, batch order, noise, timesteps) comes from
+generators seeded with ``--seed``; global RNGs are never used. With the same seed, thread
+count and torch build the tensors should come out identical; the file's metadata also
+records the training time, so its sha256 changes with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from shared.config import config_from_dict
+from shared.data import from_model_output, load_fashion_mnist, to_model_input
+from shared.diffusion import ddpm_loss, make_train_scheduler
+from shared.errors import EstuaryError
+from shared.evaluation import Evaluator, sample_images
+from shared.models import ASSETS, PRETRAINED, build_unet
+from shared.report import save_grid
+
+MAX_FID = 60.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="fmnist-tiny", choices=sorted(PRETRAINED))
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--ema", type=float, default=0.999, help="decay of the weight average")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init and the generators")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--data", default=None, help="directory with the Fashion-MNIST IDX files")
+    p.add_argument("--out", type=Path, default=None, help="weights file (default: the asset)")
+    p.add_argument("--grid", type=Path, default=None, help="sample grid (default: beside --out)")
+    p.add_argument("--eval-samples", type=int, default=500, help="samples scored for the gate")
+    p.add_argument("--max-fid", type=float, default=MAX_FID, help="refuse to write above this")
+    args = p.parse_args(argv)
+    if min(args.steps, args.batch_size, args.threads, args.eval_samples) < 1:
+        p.error("--steps, --batch-size, --threads and --eval-samples must be >= 1")
+    if not 0.0 <= args.ema < 1.0:
+        p.error("--ema must be in [0, 1)")
+    if args.out is None:
+        args.out = ASSETS / PRETRAINED[args.preset][0]
+    if args.grid is None:
+        args.grid = args.out.with_suffix(".png")
+    return args
+
+
+def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
+    """Train from ``--seed``; return the weight average (eval mode) and the last 100 steps'
+    mean loss."""
+    cfg = config_from_dict({"model": {"preset": args.preset}, "run": {"seed": args.seed}})
+    data = to_model_input(load_fashion_mnist("test", args.data).images)
+    model = build_unet(args.preset, seed=args.seed)
+    ema = build_unet(args.preset, seed=args.seed).eval().requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    scheduler = make_train_scheduler(cfg.diffusion)
+    gen = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    n, cursor = len(data), 0
+    order = torch.randperm(n, generator=gen)
+    recent: list[float] = []
+    bar = tqdm(range(args.steps), desc="pretraining", unit="step", mininterval=5.0)
+    for step in bar:
+        if cursor + args.batch_size > n:
+            order, cursor = torch.randperm(n, generator=gen), 0
+        x = data[order[cursor : cursor + args.batch_size]]
+        cursor += args.batch_size
+        loss = ddpm_loss(model, x, scheduler, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay = min(args.ema, (1 + step) / (10 + step))  # short warm-up of the average
+        with torch.no_grad():
+            for a, p in zip(ema.parameters(), model.parameters(), strict=True):
+                a.lerp_(p, 1 - decay)
+        recent = [*recent[-99:], loss.item()]
+        if step % 100 == 99:
+            bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+    for a, b in zip(ema.buffers(), model.buffers(), strict=True):
+        a.copy_(b)
+    return ema, sum(recent) / len(recent)
+
+
+def save_weights(model: torch.nn.Module, out: Path, info: dict[str, object]) -> str:
+    """Write safetensors atomically (tmp file + rename); return the file's sha256."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        # One metadata key: safetensors writes a dict's keys in hash order, breaking byte-identity.
+        save_file(tensors, str(tmp), metadata={"estuary": json.dumps(info, sort_keys=True)})
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        os.chmod(tmp, 0o644)  # a shipped asset, readable by all
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return digest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, score, check the FID gate, write weights + sidecar + grid, print the sha256."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    eval_cfg = config_from_dict(
+        {
+            "model": {"preset": args.preset},
+            "run": {"seed": args.seed},
+            "data": {"path": args.data or ""},
+            "eval": {"num_samples": args.eval_samples, "sample_steps": 50, "grid_size": 64},
+        },
+        source="pretrain",
+    )
+    try:
+        model, loss = train(args)
+        seconds = time.perf_counter() - t0
+        print(f"trained {args.steps} steps in {seconds:.0f}s (last 100 steps: loss {loss:.4f})")
+        quality = Evaluator(eval_cfg).evaluate(model)
+    except EstuaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    fid = float(quality["fid"])
+    print(f"FID {fid:.2f} ({args.eval_samples} DDIM-50 samples vs train images), IS "
+          f"{quality['is_mean']:.2f}")  # fmt: skip
+    grid = save_grid(
+        from_model_output(sample_images(eval_cfg, model, 64, steps=50, salt=1)),
+        args.grid,
+    )
+    print(f"sample grid: {grid}")
+    if fid > args.max_fid:
+        print(
+            f"refusing to write {args.out}: FID {fid:.2f} > {args.max_fid:.1f}; train longer "
+            "(--steps) or try another --seed",
+            file=sys.stderr,
+        )
+        return 1
+    info: dict[str, object] = {
+        "preset": args.preset,
+        "data": "fashion-mnist/test",
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "ema": args.ema,
+        "seed": args.seed,
+        "final_loss": round(loss, 5),
+        "fid": round(fid, 2),
+        "fid_samples": args.eval_samples,
+        "train_seconds": round(seconds),
+        "torch": torch.__version__,
+    }
+    digest = save_weights(model, args.out, info)
+    sidecar = json.dumps({"sha256": digest, **info}, indent=2) + "\n"
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(sidecar)
+    os.replace(tmp, args.out.with_suffix(".json"))
+    print(f"wrote {args.out}")
+    print(f"sha256: {digest}")
+    print(f"set PRETRAINED[{args.preset!r}] in shared/models.py to this value")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
