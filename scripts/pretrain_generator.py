@@ -22,9 +22,6 @@ records the training time, so its sha256 changes with every run.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from safetensors.torch import save_file
 from tqdm import tqdm
 
+from shared.codec import write_asset
 from shared.config import config_from_dict
 from shared.data import from_model_output, load_fashion_mnist, to_model_input
 from shared.diffusion import ddpm_loss, make_train_scheduler
@@ -111,22 +108,6 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     return ema, sum(recent) / len(recent)
 
 
-def save_weights(model: torch.nn.Module, out: Path, info: dict[str, object]) -> str:
-    """Write safetensors atomically (tmp file + rename); return the file's sha256."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        # One metadata key: safetensors writes a dict's keys in hash order, breaking byte-identity.
-        save_file(tensors, str(tmp), metadata={"estuary": json.dumps(info, sort_keys=True)})
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        os.chmod(tmp, 0o644)  # a shipped asset, readable by all
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return digest
-
-
 def main(argv: list[str] | None = None) -> int:
     """Train, score, check the FID gate, write weights + sidecar + grid, print the sha256."""
     args = parse_args(argv)
@@ -178,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": round(seconds),
         "torch": torch.__version__,
     }
-    digest = save_weights(model, args.out, info)
-    sidecar = json.dumps({"sha256": digest, **info}, indent=2) + "\n"
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(sidecar)
-    os.replace(tmp, args.out.with_suffix(".json"))
+    digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")
     print(f"set PRETRAINED[{args.preset!r}] in shared/models.py to this value")

@@ -19,9 +19,6 @@ single JSON string, so its serialisation order is fixed).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,8 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from safetensors.torch import save_file
-
+from shared.codec import write_asset
 from shared.data import load_fashion_mnist, to_model_input
 from shared.errors import EstuaryError
 from shared.quality import DEFAULT_WEIGHTS, EXTRACTOR_NAME, FeatureNet
@@ -115,34 +111,6 @@ def train(args: argparse.Namespace) -> tuple[FeatureNet, float]:
     return model, acc
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def save_weights(model: FeatureNet, out: Path, info: dict[str, object]) -> str:
-    """Write safetensors atomically (tmp file + rename); return the file's sha256."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        # One metadata key: safetensors writes a dict's keys in hash order, breaking byte-identity.
-        save_file(tensors, str(tmp), metadata={"estuary": json.dumps(info, sort_keys=True)})
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        os.chmod(tmp, 0o644)  # a shipped asset, readable by all
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return digest
-
-
 def main(argv: list[str] | None = None) -> int:
     """Train, check the accuracy gate, write weights + sidecar JSON, print the sha256."""
     args = parse_args(argv)
@@ -167,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "epochs": args.epochs,
     }
-    digest = save_weights(model, args.out, info)
-    sidecar = {"sha256": digest, **info}
-    _atomic_write_bytes(
-        args.out.with_suffix(".json"), (json.dumps(sidecar, indent=2) + "\n").encode()
-    )
+    digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")
     print("set FEATURE_WEIGHTS_SHA256 in shared/quality.py to this value")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import CodecError
@@ -54,6 +56,23 @@ def encode_tensors(
     if len(json.dumps(meta)) > MAX_METADATA_BYTES:
         raise CodecError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
     return st_save(ordered, metadata=meta or None)
+
+
+def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
+    """Write weights the repository ships (``shared/assets``): safetensors with ``info`` as
+    one JSON metadata entry (one key, so the bytes do not depend on dict order), atomically
+    and world-readable, plus a ``.json`` sidecar ``{"sha256": ..., **info}``. Returns the
+    file's sha256, the value the loader checks."""
+    from shared.atomic import atomic_write
+
+    data = encode_tensors(tensors, {"estuary": json.dumps(dict(info), sort_keys=True)})
+    atomic_write(path, data)
+    os.chmod(path, 0o644)
+    digest = sha256_hex(data)
+    sidecar = json.dumps({"sha256": digest, **info}, indent=2) + "\n"
+    atomic_write(path.with_suffix(".json"), sidecar.encode())
+    os.chmod(path.with_suffix(".json"), 0o644)
+    return digest
 
 
 def decode_tensors(
