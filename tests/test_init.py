@@ -134,8 +134,8 @@ def test_shipped_pretrained_generator_matches_its_sidecar() -> None:
 def test_pretrained_generator_samples_far_better_than_random_init() -> None:
     """The point of shipping it: FID of the shipped weights against the train split is a
     fraction of a random init's (same protocol, same noise)."""
-    cfg = config_from_dict({"eval": {"num_samples": 200, "num_reference": 2000,
-                                     "sample_steps": 20}})  # fmt: skip
+    cfg = config_from_dict({"eval": {"num_samples": 100, "num_reference": 1000,
+                                     "sample_steps": 10}})  # fmt: skip
     evaluator = Evaluator(cfg)
     fid_random = evaluator.evaluate(initial_unet("fmnist-tiny", "random"))["fid"]
     fid_pretrained = evaluator.evaluate(initial_unet("fmnist-tiny", "pretrained"))["fid"]
