@@ -74,19 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_role_config(args)
         run_dir = prepare_run_dir(cfg, Path(args.out))
         resumed = None if args.fresh else resume_point(cfg, run_dir)
-        # the first global model (model.init is checked before anyone connects)
-        initial = None if resumed else initial_unet(cfg.model.preset, cfg.model.init,
-                                                    seed=cfg.run.seed)  # fmt: skip
+        # without a checkpoint, the first global model (model.init is checked before anyone
+        # connects)
+        start = resumed or (
+            dict(initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()),
+            None,
+            0,
+        )
         bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR
-    plan: Plan | None = None
-    if resumed is None:
-        assert initial is not None
-        model, start_round = dict(initial.state_dict()), 0
-    else:
-        model, plan, start_round = resumed
+    model, plan, start_round = start
     recorder = RunRecorder(
         cfg,
         run_dir,

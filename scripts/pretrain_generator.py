@@ -37,12 +37,11 @@ from tqdm import tqdm
 
 from shared.codec import write_asset
 from shared.config import config_from_dict
-from shared.data import from_model_output, load_fashion_mnist, to_model_input
+from shared.data import load_fashion_mnist, to_model_input
 from shared.diffusion import ddpm_loss, make_train_scheduler
 from shared.errors import EstuaryError
-from shared.evaluation import Evaluator, sample_images
+from shared.evaluation import Evaluator, write_grid
 from shared.models import ASSETS, PRETRAINED, build_unet
-from shared.report import save_grid
 
 MAX_FID = 60.0
 
@@ -136,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     fid = float(quality["fid"])
     print(f"FID {fid:.2f} ({args.eval_samples} DDIM-50 samples vs train images), IS "
           f"{quality['is_mean']:.2f}")  # fmt: skip
-    grid = save_grid(
-        from_model_output(sample_images(eval_cfg, model, 64, steps=50, salt=1)),
-        args.grid,
-    )
+    grid = write_grid(eval_cfg, model, args.grid)
     print(f"sample grid: {grid}")
     if fid > args.max_fid:
         print(

@@ -22,6 +22,8 @@ from shared.errors import CodecError
 __all__ = [
     "Checkpoint",
     "atomic_write",
+    "decode_checkpoint",
+    "is_checkpoint",
     "latest_checkpoint_path",
     "load_checkpoint",
     "save_checkpoint",
@@ -29,6 +31,7 @@ __all__ = [
 
 MODEL_PREFIX = "model/"
 STATE_PREFIX = "algo/"
+CHECKPOINT_FORMAT = "estuary-checkpoint-v1"
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ def save_checkpoint(
         "round": str(round_),
         "config": cfg.to_json(),
         "model_sha256": model_digest(model),
-        "format": "estuary-checkpoint-v1",
+        "format": CHECKPOINT_FORMAT,
     }
     if plan is not None:
         meta["arch"] = json.dumps(plan, sort_keys=True)
@@ -89,21 +92,34 @@ def latest_checkpoint_path(directory: Path) -> Path | None:
     return files[-1] if files else None
 
 
+def is_checkpoint(data: bytes) -> bool:
+    """Whether safetensors bytes carry the Estuary checkpoint format tag."""
+    return read_metadata(data).get("format") == CHECKPOINT_FORMAT
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Load and verify a checkpoint file (safetensors only; nothing is unpickled)."""
-    data = path.read_bytes()
+    return decode_checkpoint(path.read_bytes(), path)
+
+
+def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
+    """Verify and split checkpoint bytes read from ``path`` (named in errors)."""
     meta = read_metadata(data)
-    if meta.get("format") != "estuary-checkpoint-v1":
+    if meta.get("format") != CHECKPOINT_FORMAT:
         raise CodecError(f"{path} is not an Estuary checkpoint")
     tensors = decode_tensors(data)
     model = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
     state = {k[len(STATE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
     digest = model_digest(model)
     if digest != meta.get("model_sha256"):
-        raise CodecError(f"{path}: model hash {digest[:12]}… differs from the recorded one")
-    cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata")
+        raise CodecError(f"{path}: model hash differs from the recorded one ({digest[:12]}…)")
+    try:
+        cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata")
+        round_ = int(meta["round"])
+    except (KeyError, ValueError) as err:
+        raise CodecError(f"{path}: round or config missing from the metadata ({err})") from None
     try:
         plan = json.loads(meta["arch"]) if "arch" in meta else None
     except json.JSONDecodeError as err:
         raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
-    return Checkpoint(int(meta["round"]), model, state, cfg, digest, path, plan)
+    return Checkpoint(round_, model, state, cfg, digest, path, plan)

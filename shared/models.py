@@ -107,8 +107,8 @@ def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
     dict. Either way the tensors must be exactly the preset's (names, shapes, dtypes) and
     finite; nothing is unpickled. Raises ConfigError naming the file and what is wrong.
     """
-    from shared.checkpoint import MODEL_PREFIX, STATE_PREFIX, model_digest
-    from shared.codec import check_spec, decode_tensors, read_metadata, sha256_hex
+    from shared.checkpoint import MODEL_PREFIX, STATE_PREFIX, decode_checkpoint, is_checkpoint
+    from shared.codec import check_spec, decode_tensors, sha256_hex
     from shared.errors import CodecError
 
     if init == "random":
@@ -130,18 +130,15 @@ def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
             f"run. {PRETRAIN_HINT} and update PRETRAINED in shared/models.py."
         )
     try:
-        meta = read_metadata(data)
-        tensors = decode_tensors(data)
-        if meta.get("format") == "estuary-checkpoint-v1":
-            if "arch" in meta:
+        if is_checkpoint(data):
+            ckpt = decode_checkpoint(data, path)
+            if ckpt.plan is not None:
                 raise CodecError("it is a checkpoint of a pruned model; init needs a dense one")
-            tensors = {
-                k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)
-            }
-            if model_digest(tensors) != meta.get("model_sha256"):
-                raise CodecError("its model hash differs from the one the checkpoint records")
-        elif any(k.startswith((MODEL_PREFIX, STATE_PREFIX)) for k in tensors):
-            raise CodecError("tensor names look like a checkpoint's, but its metadata is not")
+            tensors = ckpt.model
+        else:
+            tensors = decode_tensors(data)
+            if any(k.startswith((MODEL_PREFIX, STATE_PREFIX)) for k in tensors):
+                raise CodecError("tensor names look like a checkpoint's, but its metadata is not")
         check_spec(tensors, state_spec(preset))
     except CodecError as err:
         raise ConfigError(f"model.init {path} does not hold a {preset} model: {err}") from None
