@@ -164,7 +164,12 @@ def drain(inbox: queue.Queue[mqtt.MQTTMessage], count: int) -> list[mqtt.MQTTMes
 
 
 def fields(msg: mqtt.MQTTMessage) -> tuple[object, ...]:
+    """What a client saw of ``msg``. The broker counts a message's expiry interval down while
+    it waits in that subscriber's queue, so two subscribers may see 30 and 29: that field
+    is kept only as "still within the 30 s the publisher set"."""
     props = msg.properties.json() if msg.properties is not None else None
+    if props is not None and "MessageExpiryInterval" in props:
+        props["MessageExpiryInterval"] = 0 < props["MessageExpiryInterval"] <= 30
     return (msg.topic, msg.payload, msg.qos, msg.retain, props)
 
 
