@@ -31,11 +31,12 @@ The output directory gets one run directory per method, ``table.md``/``.csv``/``
 longer per round than E = 1), so both plots put total local steps (all devices) on the x axis.
 
 A finished method leaves ``<slug>/method.json`` (its rows, traffic, plan and timing, keyed by
-the config digest). Running the same comparison into the same directory again reuses every
-method whose record matches and runs the rest, so a long comparison that was interrupted (or
-split over several time-limited sessions) picks up where it stopped; ``fresh=True``
-(``--fresh``) runs everything again. A record that does not parse or belongs to another
-config is ignored with the reason printed, and that method runs.
+the config digest and the content hash of the ``model.init`` file). Running the same
+comparison into the same directory again reuses every method whose record matches and runs
+the rest, so a long comparison that was interrupted (or split over several time-limited
+sessions) picks up where it stopped; ``fresh=True`` (``--fresh``) runs everything again. A
+record that does not parse or belongs to another config is ignored with the reason printed,
+and that method runs.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
 from shared.evaluation import Evaluator
-from shared.models import initial_unet, model_info
+from shared.models import init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
 from shared.partition import make_partition
 from shared.recorder import prepare_run_dir
@@ -341,6 +342,7 @@ def save_record(run: MethodRun, *, evaluate: bool) -> None:
         "format": RECORD_FORMAT,
         "label": run.method.label,
         "digest": run.method.cfg.digest(),
+        "init": init_fingerprint(run.method.cfg.model.preset, run.method.cfg.model.init),
         "centralized": run.method.centralized,
         "evaluate": evaluate,
         "rows": run.rows,
@@ -368,6 +370,7 @@ def load_record(m: Method, run_dir: Path, *, evaluate: bool) -> tuple[MethodRun 
     want = {
         "label": m.label,
         "digest": m.cfg.digest(),
+        "init": init_fingerprint(m.cfg.model.preset, m.cfg.model.init),
         "centralized": m.centralized,
         "evaluate": evaluate,
     }

@@ -8,6 +8,7 @@ one-channel 32x32 models (28x28 images padded by two pixels).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import math
 from collections.abc import Callable
@@ -143,6 +144,32 @@ def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
     except CodecError as err:
         raise ConfigError(f"model.init {path} does not hold a {preset} model: {err}") from None
     return tensors
+
+
+def init_fingerprint(preset: str, init: str) -> str:
+    """What ``model.init`` names, by content: ``"random"``, or ``"sha256:<hex>"`` of the file
+    (the recorded hash for ``"pretrained"``, the file's bytes for a path).
+
+    The config digest keys a path by its string, so a record that must notice a file being
+    replaced at the same path (``estuary compare``'s finished runs) keeps this beside it.
+    Never raises: an unreadable or oversized file gives a ``"unreadable: …"`` value that no
+    recorded fingerprint equals, and the run that follows reports the ConfigError.
+    """
+    if init == "random":
+        return "random"
+    if init == "pretrained":
+        return f"sha256:{PRETRAINED[preset][1]}" if preset in PRETRAINED else "unreadable: none"
+    digest = hashlib.sha256()
+    try:
+        with Path(init).open("rb") as f:
+            for _ in range(MAX_INIT_BYTES // (1 << 20) + 1):
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    return f"sha256:{digest.hexdigest()}"
+                digest.update(chunk)
+    except OSError as err:
+        return f"unreadable: {err.strerror}"
+    return f"unreadable: more than {MAX_INIT_BYTES} bytes"
 
 
 def initial_unet(preset: str, init: str = "random", *, seed: int = 0) -> UNet2DModel:

@@ -208,3 +208,49 @@ def test_finished_methods_are_reused_and_bad_records_ignored(
     # --fresh runs everything again even when every record matches
     assert main(["compare", str(cfg), "--out", str(out), "--fresh", "--no-eval"]) == 0
     assert "reusing the run" not in capsys.readouterr().out
+
+
+def test_a_record_is_not_reused_once_the_init_file_changes(tmp_path: Path) -> None:
+    """``model.init`` as a path enters the config digest as a string, so the record keeps the
+    file's content hash beside it: the same path with other weights runs the method again."""
+    from safetensors.torch import save_file
+
+    from estuary.compare import MethodRun, load_record, save_record
+    from shared.models import build_unet
+
+    init = tmp_path / "init.safetensors"
+    save_file(build_unet("fmnist-tiny", seed=1).state_dict(), init)
+    line = 'preset = "fmnist-tiny"'
+    raw = _toml_text(TINY.replace(line, f'{line}\ninit = "{init}"'))
+    m = parse_compare(raw, tmp_path / "x.toml").methods[0]
+    run_dir = tmp_path / m.slug
+    run_dir.mkdir()
+    steps = [1] * m.cfg.run.rounds
+    save_record(MethodRun(m, run_dir, [{"round": 1}], {}, None, 1.0, steps), evaluate=False)
+    assert load_record(m, run_dir, evaluate=False)[0] is not None
+
+    save_file(build_unet("fmnist-tiny", seed=2).state_dict(), init)  # same path, new weights
+    done, why = load_record(m, run_dir, evaluate=False)
+    assert done is None and "has init 'sha256:" in why
+    init.unlink()
+    done, why = load_record(m, run_dir, evaluate=False)
+    assert done is None and "'unreadable: No such file or directory'" in why
+
+
+def test_init_fingerprint(tmp_path: Path) -> None:
+    from shared.models import PRETRAINED, init_fingerprint
+
+    assert init_fingerprint("fmnist-tiny", "random") == "random"
+    assert init_fingerprint("fmnist-tiny", "pretrained") == f"sha256:{PRETRAINED['fmnist-tiny'][1]}"
+    assert init_fingerprint("ddpm-cifar10", "pretrained").startswith("unreadable")
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"abc")
+    sha = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert init_fingerprint("fmnist-tiny", str(f)) == f"sha256:{sha}"
+    assert init_fingerprint("fmnist-tiny", str(tmp_path)).startswith("unreadable: ")
+
+
+def _toml_text(text: str) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(text)
