@@ -303,9 +303,17 @@ def run_centralized(
     return rows, steps
 
 
-def run_method(m: Method, out: Path, *, evaluate: bool, progress: bool) -> MethodRun:
+def run_method(
+    m: Method,
+    out: Path,
+    *,
+    evaluate: bool,
+    progress: bool,
+    sizes: list[int] | None = None,
+) -> MethodRun:
     """Simulate (or train centrally) one method into ``out / m.slug``, and record it there
-    (``method.json``) once it has finished."""
+    (``method.json``) once it has finished. ``sizes`` (the devices' sample counts, shared
+    by every method of a comparison) saves splitting the data again to count steps."""
     from estuary.simulate import simulate
 
     run_dir = out / m.slug
@@ -316,8 +324,9 @@ def run_method(m: Method, out: Path, *, evaluate: bool, progress: bool) -> Metho
         run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
-        _, parts = _split(m.cfg)
-        steps = steps_per_round(m.cfg, [len(p) for p in parts])
+        if sizes is None:
+            sizes = [len(p) for p in _split(m.cfg)[1]]
+        steps = steps_per_round(m.cfg, sizes)
         run = MethodRun(
             m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
         )
@@ -417,6 +426,7 @@ def run_compare(
     write the tables and the plots."""
     out.mkdir(parents=True, exist_ok=True)
     runs = []
+    sizes: list[int] | None = None  # the split is the same for every method: count it once
     for i, m in enumerate(spec.methods, 1):
         if not fresh:
             done, why = load_record(m, out / m.slug, evaluate=evaluate)
@@ -431,7 +441,9 @@ def run_compare(
         if progress:
             kind = "centralized" if m.centralized else m.cfg.algorithm.name
             print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
-        runs.append(run_method(m, out, evaluate=evaluate, progress=progress))
+        if sizes is None and not m.centralized:
+            sizes = [len(p) for p in _split(m.cfg)[1]]
+        runs.append(run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes))
         if progress:
             print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")
     rows = summarize(runs, spec)
