@@ -55,8 +55,8 @@ The printed 1.5 G is not just 1.546 G rounded: Table III's CelebA column (the sa
 this recipe counts 6.18 G at 64x64. Matching 9.3 M and 1.475 G together needs more pruning
 at 32x32 and less below than any local ratio gives (every ``s_p`` from 0.73 to 0.75 lies
 on one smooth curve, 9.29 M / 1.546 G at 0.74), so the paper's last row came from a
-different channel allocation (plausibly weight-dependent, such as global ranking on its
-trained model) that cannot be recovered without its code or weights.
+different channel allocation, which its text does not describe and which cannot be
+recovered without its code.
 
 After pruning, the attributes diffusers keeps beside the weights are re-derived from the
 weights (:func:`sync_attributes`): ``Downsample2D``/``Upsample2D`` ``channels``/``out_channels``,
