@@ -181,6 +181,9 @@ class EdgeServer(RoleService):
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
         self.dropped = {d for d in self.candidates if d in self.offline}
+        if self.dropped:
+            log.warning("%s: %s offline at the start of round %s; not waiting for them",
+                        self.name, ", ".join(sorted(self.dropped)), msg.round)  # fmt: skip
         if not self.candidates:
             self._close()
             return

@@ -5,6 +5,7 @@ mid-round does not stall the round; an edge restart and a broker restart are sur
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,7 +129,10 @@ def test_device_killed_mid_round_does_not_stall(
     rows = read_metrics(hier.run_dir / "metrics.jsonl")
     assert rows[-1]["participants"] == 3  # the offline device is no longer drawn
     assert sum(r["updates"] for r in rows[1:]) < sum(r["participants"] for r in rows[1:]) + 1
-    assert "went offline" in hier.procs["edge1"].log_path.read_text()
+    # the last will reaches the edge mid-round, or before the round starts if the kill was
+    # quick; either way the edge says why it does not wait
+    log = hier.procs["edge1"].log_path.read_text()
+    assert re.search(r"dev001 (went offline in round|offline at the start of round) \d", log)
 
 
 def test_edge_restart_and_broker_restart_are_survived(
