@@ -257,6 +257,11 @@ def _split(cfg: RunConfig) -> tuple[Any, list[np.ndarray]]:
     return data, make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
 
 
+def _device_sizes(cfg: RunConfig) -> list[int]:
+    """How many samples each device holds under ``cfg``'s split."""
+    return [len(p) for p in _split(cfg)[1]]
+
+
 def run_centralized(
     cfg: RunConfig, run_dir: Path, *, evaluate: bool, progress: bool
 ) -> tuple[list[dict[str, Any]], list[int]]:
@@ -324,9 +329,7 @@ def run_method(
         run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
-        if sizes is None:
-            sizes = [len(p) for p in _split(m.cfg)[1]]
-        steps = steps_per_round(m.cfg, sizes)
+        steps = steps_per_round(m.cfg, sizes or _device_sizes(m.cfg))
         run = MethodRun(
             m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
         )
@@ -442,7 +445,7 @@ def run_compare(
             kind = "centralized" if m.centralized else m.cfg.algorithm.name
             print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
         if sizes is None and not m.centralized:
-            sizes = [len(p) for p in _split(m.cfg)[1]]
+            sizes = _device_sizes(m.cfg)
         runs.append(run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes))
         if progress:
             print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.atomic import atomic_write
 from shared.errors import CodecError
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[s
     one JSON metadata entry (one key, so the bytes do not depend on dict order), atomically
     and world-readable, plus a ``.json`` sidecar ``{"sha256": ..., **info}``. Returns the
     file's sha256, the value the loader checks."""
-    from shared.atomic import atomic_write
-
     data = encode_tensors(tensors, {"estuary": json.dumps(dict(info), sort_keys=True)})
     atomic_write(path, data)
     os.chmod(path, 0o644)

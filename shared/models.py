@@ -8,7 +8,6 @@ one-channel 32x32 models (28x28 images padded by two pixels).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import math
 from collections.abc import Callable
@@ -159,17 +158,14 @@ def init_fingerprint(preset: str, init: str) -> str:
         return "random"
     if init == "pretrained":
         return f"sha256:{PRETRAINED[preset][1]}" if preset in PRETRAINED else "unreadable: none"
-    digest = hashlib.sha256()
+    from shared.quality import file_sha256
+
     try:
-        with Path(init).open("rb") as f:
-            for _ in range(MAX_INIT_BYTES // (1 << 20) + 1):
-                chunk = f.read(1 << 20)
-                if not chunk:
-                    return f"sha256:{digest.hexdigest()}"
-                digest.update(chunk)
+        if Path(init).stat().st_size > MAX_INIT_BYTES:
+            return f"unreadable: more than {MAX_INIT_BYTES} bytes"
+        return f"sha256:{file_sha256(init)}"
     except OSError as err:
         return f"unreadable: {err.strerror}"
-    return f"unreadable: more than {MAX_INIT_BYTES} bytes"
 
 
 def initial_unet(preset: str, init: str = "random", *, seed: int = 0) -> UNet2DModel:

@@ -11,7 +11,7 @@ import pytest
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
-from shared.messages import EdgeRound, Presence, RoundStart, decode
+from shared.messages import EdgeRound, Presence, RoundStart, decode, home_of
 from shared.models import build_unet
 from shared.service import RoleService
 from tests.conftest import tiny_config
@@ -55,8 +55,7 @@ def _hierarchy() -> tuple[MemoryBus, EdgeServer, Cloud, list[EdgeRound]]:
 def _will(cloud: Cloud, device: str) -> None:
     """What the broker publishes for a device whose connection died: its retained LWT."""
     msg = Presence(name=device, role="device", online=False)
-    cloud.ep.publish(cloud.topics.status(f"device/{device}"), msg.model_dump_json().encode(),
-                     kind="msg_presence", retain=True)  # fmt: skip
+    cloud.send(cloud.topics.status(home_of("device", device)), msg, retain=True)
 
 
 def test_a_device_offline_before_the_round_is_not_waited_for(
