@@ -58,6 +58,16 @@ on one smooth curve, 9.29 M / 1.546 G at 0.74), so the paper's last row came fro
 different channel allocation, which its text does not describe and which cannot be
 recovered without its code.
 
+Nor does another Torch-Pruning version give it (Diff-Pruning's recipe, ``conv_out`` ignored,
+magnitude importance, counted with each version's own counter). Versions 1.2.2 and 1.3.7
+round GroupNorm units down: ratio 0.3 gives Diff-Pruning's published 19.85 M / 3.39 G, but
+13.9 M comes with 2.70 G there, not Table III's 2.1. Versions 1.4.3 and 1.5.2 round up, as
+1.6.1 does, and reproduce the first three rows at one ratio each: 0.11 gives 26.91 M /
+4.20 G, 0.22 gives 20.29 M / 3.43 G (Table IV prints 20.3 M / 3.42 G) and 0.31 gives
+13.90 M / 2.08 G. But every ratio from 0.38 to 0.49 gives 9.41-9.00 M with 1.555-1.523 G
+(9.30 M / 1.547 G at 0.41). Pruning twice with 1.6.1, at any two of eleven ratios from 0.05
+to 0.5, lands on the same line (9.28 M / 1.545 G) or far below it (8.8 M / 1.13 G).
+
 After pruning, the attributes diffusers keeps beside the weights are re-derived from the
 weights (:func:`sync_attributes`): ``Downsample2D``/``Upsample2D`` ``channels``/``out_channels``,
 ``ResnetBlock2D`` ``in_channels``/``out_channels``, ``Attention`` ``inner_dim``, ``query_dim``,

@@ -7,6 +7,9 @@ import functools
 import io
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -450,6 +453,19 @@ def test_table_iii_params(sp: float) -> None:
 )
 def test_table_iii_macs(sp: float) -> None:
     _check_macs(sp)
+
+
+def test_table_iii_script_runs_diff_pruning_recipe() -> None:
+    """scripts/table_iii_torch_pruning.py (the version comparison in shared/pruning.py) gives
+    the figures the docstring quotes for the installed Torch-Pruning at ratio 0.3, and refuses
+    a ratio outside (0, 1)."""
+    script = Path(__file__).parents[1] / "scripts" / "table_iii_torch_pruning.py"
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300)
+    out = run([sys.executable, str(script), "--ratios", "0.3"])
+    assert out.returncode == 0, out.stderr
+    assert "ratio 0.3: 13.949 M (0.610 removed), 2.0874 G; Table III 61% row" in out.stdout
+    bad = run([sys.executable, str(script), "--ratios", "1.2"])
+    assert bad.returncode == 2 and "ratios must lie in (0, 1)" in bad.stderr
 
 
 def test_model_info_cli_prunes(capsys: pytest.CaptureFixture[str]) -> None:
