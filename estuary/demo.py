@@ -40,7 +40,7 @@ DEMO_CONFIG: dict[str, dict[str, Any]] = {
     "model": {"preset": "fmnist-tiny", "init": "pretrained"},
     "train": {"local_steps": 25, "batch_size": 32, "lr": 2e-4, "threads": 1},
     "deploy": {"threads": 1, "grid_size": 16, "sample_steps": 50},
-    "eval": {"every": 4, "sample_every": 2, "num_samples": 250, "sample_steps": 25},
+    "eval": {"every": 2, "sample_every": 2, "num_samples": 250, "sample_steps": 25},
 }
 """The embedded default: 6 devices x 25 steps x 4 rounds of fmnist-tiny, a few minutes on
 two CPU cores. The devices fine-tune the generator shipped in ``shared/assets`` (pretrained
