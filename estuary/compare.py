@@ -315,12 +315,15 @@ def run_method(
     evaluate: bool,
     progress: bool,
     sizes: list[int] | None = None,
+    init: str | None = None,
 ) -> MethodRun:
     """Simulate (or train centrally) one method into ``out / m.slug``, and record it there
     (``method.json``) once it has finished. ``sizes`` (the devices' sample counts, shared
-    by every method of a comparison) saves splitting the data again to count steps."""
+    by every method of a comparison) saves splitting the data again to count steps; ``init``
+    is the :func:`~shared.models.init_fingerprint` taken before the run (default: now)."""
     from estuary.simulate import simulate
 
+    init = init or _fingerprint(m)
     run_dir = out / m.slug
     (run_dir / RECORD).unlink(missing_ok=True)  # an interrupted rerun must not look finished
     t0 = time.perf_counter()
@@ -333,7 +336,7 @@ def run_method(
         run = MethodRun(
             m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
         )
-    save_record(run, evaluate=evaluate)
+    save_record(run, evaluate=evaluate, init=init)
     return run
 
 
@@ -348,13 +351,18 @@ RECORD_MAX_BYTES = 64 * 2**20
 NO_RECORD = "no finished run"
 
 
-def save_record(run: MethodRun, *, evaluate: bool) -> None:
-    """Write ``run``'s record atomically, so a later comparison can reuse it."""
+def _fingerprint(m: Method) -> str:
+    return init_fingerprint(m.cfg.model.preset, m.cfg.model.init)
+
+
+def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> None:
+    """Write ``run``'s record atomically, so a later comparison can reuse it; ``init`` is the
+    fingerprint of the weights the run started from (default: the file as it is now)."""
     doc = {
         "format": RECORD_FORMAT,
         "label": run.method.label,
         "digest": run.method.cfg.digest(),
-        "init": init_fingerprint(run.method.cfg.model.preset, run.method.cfg.model.init),
+        "init": init or _fingerprint(run.method),
         "centralized": run.method.centralized,
         "evaluate": evaluate,
         "rows": run.rows,
@@ -366,8 +374,11 @@ def save_record(run: MethodRun, *, evaluate: bool) -> None:
     atomic_write(run.run_dir / RECORD, json.dumps(doc).encode())
 
 
-def load_record(m: Method, run_dir: Path, *, evaluate: bool) -> tuple[MethodRun | None, str]:
-    """``m``'s finished run from ``run_dir / method.json``, or None and why it is not usable."""
+def load_record(
+    m: Method, run_dir: Path, *, evaluate: bool, init: str | None = None
+) -> tuple[MethodRun | None, str]:
+    """``m``'s finished run from ``run_dir / method.json``, or None and why it is not usable
+    (``init``: ``m``'s init fingerprint, if the caller has it already)."""
     path = run_dir / RECORD
     if not path.is_file():
         return None, NO_RECORD
@@ -382,7 +393,7 @@ def load_record(m: Method, run_dir: Path, *, evaluate: bool) -> tuple[MethodRun 
     want = {
         "label": m.label,
         "digest": m.cfg.digest(),
-        "init": init_fingerprint(m.cfg.model.preset, m.cfg.model.init),
+        "init": init or _fingerprint(m),
         "centralized": m.centralized,
         "evaluate": evaluate,
     }
@@ -431,8 +442,9 @@ def run_compare(
     runs = []
     sizes: list[int] | None = None  # the split is the same for every method: count it once
     for i, m in enumerate(spec.methods, 1):
+        init = _fingerprint(m)  # once per method, before it runs: the weights it starts from
         if not fresh:
-            done, why = load_record(m, out / m.slug, evaluate=evaluate)
+            done, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
             if done is not None:
                 if progress:
                     print(f"[{i}/{len(spec.methods)}] {m.label}: reusing the run finished "
@@ -446,7 +458,9 @@ def run_compare(
             print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
         if sizes is None and not m.centralized:
             sizes = _device_sizes(m.cfg)
-        runs.append(run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes))
+        runs.append(
+            run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes, init=init)
+        )
         if progress:
             print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")
     rows = summarize(runs, spec)

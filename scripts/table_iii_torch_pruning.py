@@ -58,12 +58,9 @@ def prune(tp: Any, model: Any, ratio: float, inputs: dict[str, Any]) -> Any:
         pruner = tp.pruner.MagnitudePruner(model, inputs, ch_sparsity=ratio, **kwargs)
     for group in pruner.step(interactive=True):
         group.prune()
-    from diffusers.models.downsampling import Downsample2D
-    from diffusers.models.upsampling import Upsample2D
+    from shared.pruning import sync_attributes  # after main() has put --tp first on the path
 
-    for m in model.modules():
-        if isinstance(m, (Upsample2D, Downsample2D)):
-            m.channels = m.conv.in_channels
+    sync_attributes(model)  # diffusers' size attributes, as every pruned model in Estuary
     return model
 
 
