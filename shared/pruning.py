@@ -49,14 +49,14 @@ Counting only the weight multiply-accumulates of convolutions and linear layers 
 1.5; :func:`shared.models.count_weight_macs`, ``weight_gmacs`` in ``model-info``); the
 primary figure keeps Torch-Pruning's convention because it is the paper's tool.
 
-The printed 1.5 G is not just 1.546 G rounded: Table III's CelebA column (the same model on
+The printed 1.5 G may not be just 1.546 G rounded: Table III's CelebA column (the same model on
 64x64 inputs) is 4x the CIFAR-10 figure in every other row (24.3, 16.8, 13.6, 8.3 against
 6.06, 4.2, 3.42, 2.1), and its 5.9 G puts the paper's 74 % model at about 1.475 G, where
 this recipe counts 6.18 G at 64x64. Matching 9.3 M and 1.475 G together needs more pruning
 at 32x32 and less below than any local ratio gives (every ``s_p`` from 0.73 to 0.75 lies
 on one smooth curve, 9.29 M / 1.546 G at 0.74), so the paper's last row came from a
 different channel allocation, which its text does not describe and which cannot be
-recovered without its code.
+recovered without its code (the paper's text, below, points the other way).
 
 Nor does another Torch-Pruning version give it (Diff-Pruning's recipe, ``conv_out`` ignored,
 magnitude importance, counted with each version's own counter). Versions 1.2.2 and 1.3.7
@@ -67,7 +67,7 @@ round GroupNorm units down: ratio 0.3 gives Diff-Pruning's published 19.85 M / 3
 13.90 M / 2.08 G. But every ratio from 0.38 to 0.49 gives 9.41-9.00 M with 1.555-1.523 G
 (9.30 M / 1.547 G at 0.41). Pruning twice with 1.6.1, at any two of eleven ratios from 0.05
 to 0.5, lands on the same line (9.28 M / 1.545 G) or far below it (8.8 M / 1.13 G).
-The paper's text does fit 1.546 G: "parameter and MACs reductions of up to 74% and 75%"
+The paper's text, though, fits 1.546 G: "parameter and MACs reductions of up to 74% and 75%"
 (section V-D) puts the last row, as a whole-percent reduction of the dense 6.064 G, at
 1.486-1.546 G; 1.546 G is a 74.51 % reduction, whereas the CelebA column's 5.9 / 24.3 is
 75.7 %, so the text was computed from the CIFAR-10 column.
