@@ -150,6 +150,9 @@ class TrainSection(_Section):
     lr: float = Field(1e-3, gt=0.0, le=10.0)
     weight_decay: float = Field(0.0, ge=0.0)
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    momentum: float = Field(
+        0.9, ge=0.0, lt=1.0, description="SGD momentum (sgd only); SCAFFOLD as defined needs 0"
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
     threads: int = Field(0, ge=0, description="torch threads; 0 = leave as is")
 

@@ -166,6 +166,36 @@ def test_scaffold_control_update_by_hand() -> None:
     assert torch.allclose(c_new["w"], T([1.5, 0.5]))
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_scaffold_option_ii_recovers_the_gradient_only_without_momentum(
+    momentum: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ten SGD steps on a constant gradient g: option II's c_i+ (c = c_i = 0) is exactly g
+    with plain SGD; momentum 0.9 inflates it (4.14x), and the algorithm says so."""
+    from shared.training import make_optimizer
+
+    cfg = tiny_config(
+        train={"optimizer": "sgd", "momentum": momentum, "lr": 0.01, "grad_clip": 0},
+        algorithm={"name": "scaffold"},
+    )
+    w, g, steps = nn.Parameter(torch.zeros(3)), T([1.0, -2.0, 0.5]), 10
+    opt = make_optimizer([w], cfg.train)
+    for _ in range(steps):
+        opt.zero_grad()
+        (w * g).sum().backward()
+        opt.step()
+    zero = {"w": torch.zeros(3)}
+    c_new = sc.control_update(zero, zero, zero, {"w": w.detach()}, steps, cfg.train.lr)["w"]
+    with caplog.at_level("WARNING", logger="shared.algorithms.scaffold"):
+        make_algorithm(cfg)
+    if momentum == 0:
+        assert torch.allclose(c_new, g, atol=1e-5)
+        assert "momentum" not in caplog.text
+    else:
+        assert torch.allclose(c_new, 4.1381 * g, atol=1e-3)
+        assert "set train.momentum = 0" in caplog.text
+
+
 def test_scaffold_corrected_gradient_hook() -> None:
     lin = nn.Linear(2, 1)
     lin.weight.grad, lin.bias.grad = T([[1.0, 1.0]]), T([2.0])

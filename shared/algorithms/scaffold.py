@@ -38,11 +38,17 @@ direction rather than the raw gradient, and the correction mixes the two scales:
 ``configs/scaffold_2class_tiny.toml`` ``||c||_2`` is ~190 (mean |c| ~0.17 per weight)
 while ``grad_clip = 1`` then scales the corrected gradient to norm 1, so the correction
 dominates the DDPM gradient. This is the baseline as commonly run (FedPhD reports it
-underperforming FedAvg for DMs); ``train.optimizer = "sgd"`` gives the algorithm as defined.
+underperforming FedAvg for DMs). ``train.optimizer = "sgd"`` with ``train.momentum = 0``
+gives the algorithm as defined: option II assumes ``x - y_i = eta * sum_k (g_k - c_i + c)``,
+so ``c_i+`` is then exactly the mean raw gradient over the K steps. SGD's default momentum
+(0.9) moves ``y_i`` up to ``1 / (1 - 0.9)`` times further, and ``c_i+`` overestimates the
+gradient by that factor (4.1x after 10 steps of a constant gradient); the algorithm logs a
+warning for that combination.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
@@ -60,6 +66,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.codec import TensorSpec
+from shared.config import RunConfig
 from shared.errors import EstuaryError
 from shared.training import GradHook
 
@@ -72,6 +79,7 @@ X_START = "scaffold.x"  # the model received with the last loaded state
 STEPS = "scaffold.steps"  # local steps taken since that state was loaded
 
 V = TypeVar("V")
+log = logging.getLogger(__name__)
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[TensorDict, TensorDict]:
@@ -145,6 +153,15 @@ class Scaffold(Algorithm):
 
     name = "scaffold"
     supports_cuda = False  # its term holds CPU tensors of its own
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        if cfg.train.optimizer == "sgd" and cfg.train.momentum > 0:
+            log.warning(
+                "SCAFFOLD with SGD momentum %g: option II's (x - y) / (K lr) then overestimates "
+                "the gradient up to %.0fx; set train.momentum = 0 for the algorithm as defined",
+                cfg.train.momentum, 1 / (1 - cfg.train.momentum),
+            )  # fmt: skip
 
     # -- shapes of what travels -------------------------------------------------------------
     def init_global(self, model: TensorDict) -> TensorDict:
