@@ -311,6 +311,22 @@ class RunConfig(_Section):
     deploy: DeploySection = DeploySection()
     compute: ComputeSection = ComputeSection()
 
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if (
+            self.algorithm.name == "feddiffuse"
+            and self.algorithm.split == "usplit"
+            and self.federation.assignment != "static"
+        ):
+            # USPLIT pairs the devices of one edge; with devices choosing their edge during
+            # the round, no edge knows its devices when it announces the round
+            raise ValueError(
+                "FedDiffuse USPLIT pairs the devices within each edge, which needs a fixed "
+                f"assignment: federation.assignment = {self.federation.assignment!r} lets "
+                "devices pick their edge during the round; use 'static'"
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""
         return self.model_dump(mode="json")

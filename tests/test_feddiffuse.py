@@ -318,3 +318,13 @@ def test_end_to_end_memory_bus(split: str) -> None:
     )
     headers = 6 * (len(encode_tensors(init)) - 4 * sum(v.numel() for v in init.values()))
     assert min(lo, hi) < up <= max(lo, hi) + headers
+
+
+@pytest.mark.parametrize("assignment", ["select", "random"])
+def test_usplit_refuses_devices_choosing_their_edge(assignment: str) -> None:
+    """USPLIT pairs within an edge; with devices picking edges mid-round a pair could straddle
+    two edges and leave an edge without some part, so the config is refused up front."""
+    with pytest.raises(ConfigError, match="USPLIT pairs the devices within each edge"):
+        _cfg("usplit", federation={"assignment": assignment})
+    for split in ("full", "ulatdec", "udec"):  # no pairing: any assignment works
+        assert _cfg(split, federation={"assignment": assignment}).algorithm.split == split
