@@ -92,13 +92,20 @@ def decode_tensors(
         raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
     try:
         tensors = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as err:
-        raise CodecError(f"not a valid safetensors payload: {err}") from None
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        # KeyError: a header dtype this torch has no mapping for (F8_E8M0, F4, ...)
+        raise CodecError(f"not a valid safetensors payload: {type(err).__name__}: {err}") from None
     if expected is not None:
         check_spec(tensors, expected, partial=partial)
     if not allow_nonfinite:
         for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not t.is_floating_point():
+                continue
+            try:
+                finite = bool(torch.isfinite(t).all())
+            except RuntimeError as err:  # a float dtype without isfinite (float8 variants)
+                raise CodecError(f"tensor {name!r} of {t.dtype}: {err}") from None
+            if not finite:
                 raise CodecError(f"tensor {name!r} holds NaN or Inf")
     return tensors
 

@@ -389,8 +389,10 @@ def decode(payload: bytes, expect: type[BaseModel] | None = None) -> Any:
         raise MessageError("too_large", f"{len(payload)} bytes > {MAX_MESSAGE_BYTES}")
     try:
         raw = json.loads(payload)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MessageError("bad_json", str(err)) from None
+    except (ValueError, RecursionError) as err:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and Python's limit on the
+        # digits of an integer; RecursionError a payload of deeply nested arrays
+        raise MessageError("bad_json", f"{type(err).__name__}: {str(err)[:200]}") from None
     if not isinstance(raw, dict):
         raise MessageError("bad_json", "top level must be an object")
     if raw.get("v") != VERSION:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import pickle
+import struct
 
 import pytest
 import torch
@@ -58,3 +60,13 @@ def test_spec_mismatch_named() -> None:
         decode_tensors(data, expected={**spec_of(T), "c": TensorSpec((1,), torch.float32)})
     with pytest.raises(CodecError, match="float64"):
         decode_tensors(data, expected={**spec_of(T), "b": TensorSpec((3,), torch.float64)})
+
+
+@pytest.mark.parametrize(("dtype", "shape", "nbytes"), [("F8_E8M0", [4], 4), ("F4", [2], 1)])
+def test_unknown_header_dtypes_are_codec_errors(dtype: str, shape: list[int], nbytes: int) -> None:
+    """safetensors dtypes this torch cannot map (a KeyError inside safetensors) are refused
+    as CodecError, like any other bad payload, not left to escape as KeyError."""
+    header = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}})
+    payload = struct.pack("<Q", len(header)) + header.encode() + b"\0" * nbytes
+    with pytest.raises(CodecError):
+        decode_tensors(payload)

@@ -49,6 +49,15 @@ def test_message_round_trip() -> None:
             "bad_field",
         ),
         (b"x" * 300_000, "too_large"),
+        # under the size cap, but past json's recursion limit / Python's integer digit limit
+        pytest.param(
+            b'{"v":1,"kind":"hello","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "bad_json",
+            id="deep_nesting",
+        ),
+        pytest.param(
+            b'{"v":1,"kind":"hello","n_samples":' + b"9" * 5000 + b"}", "bad_json", id="huge_int"
+        ),
     ],
 )
 def test_bad_messages_have_reasons(payload: bytes, reason: str) -> None:
