@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_metrics(cloud, cfg)
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)
-    code = run_until_done(cloud, bus, lambda: cloud.done)
+    code = run_until_done(cloud, bus, lambda: cloud.done or cloud.failed is not None)
+    if cloud.failed is not None:
+        log.error("cloud stopped: %s", cloud.failed)
+        return EXIT_ERROR
     if cloud.done and cloud.round >= cfg.run.rounds:
         plot_report(recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} (MQTT)")
         summary = {

@@ -9,11 +9,12 @@ one-edge case. No algorithm maths here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -125,6 +126,9 @@ class CloudServer(RoleService):
         self.timer: Timer | None = None
         self.started = False
         self.done = False
+        #: why a round transition failed; the process then stops (exit 2) instead of waiting
+        #: with no deadline armed, and a restart resumes from the last checkpoint
+        self.failed: str | None = None
         self.opened_at = 0.0
         self.aggregations = 0
         self.checkpoint_dir = checkpoint_dir
@@ -208,12 +212,26 @@ class CloudServer(RoleService):
             self.done = True
             self._publish_state("done")
 
+    @contextlib.contextmanager
+    def _transition(self, what: str) -> Iterator[None]:
+        """Run a round transition. If it raises (a full disk under the checkpoint, a round
+        announcement too large for the transport), no round would be open and no deadline
+        armed, so the cloud would wait forever: record the failure in :attr:`failed`, which
+        stops the process, and re-raise for the bus to count."""
+        try:
+            yield
+        except Exception as err:
+            self.failed = f"round {self.round}: {what}: {type(err).__name__}: {err}"
+            log.error("%s; stopping (a restart resumes from the last checkpoint)", self.failed)
+            raise
+
     def _begin(self) -> None:
         self.started = True
-        if self.round >= self.cfg.run.rounds:
-            self._finish()
-        else:
-            self._open_round()
+        with self._transition("starting"):
+            if self.round >= self.cfg.run.rounds:
+                self._finish()
+            else:
+                self._open_round()
 
     # -- rounds ------------------------------------------------------------------------
     def _open_round(self) -> None:
@@ -268,6 +286,13 @@ class CloudServer(RoleService):
         if msg.edge in self.reports:
             self.reject("duplicate", f"{msg.edge} round {msg.round}")
             return
+        if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
+            self.reject(
+                "bad_label_counts",
+                f"{msg.edge} round {msg.round}: {len(msg.label_counts)} counts summing to "
+                f"{sum(msg.label_counts)} for n_samples={msg.n_samples}",
+            )
+            return
         tensors = None
         if msg.model_ref is not None:
             tensors = self.fetch_tensors(msg.model_ref, self.spec)
@@ -292,6 +317,10 @@ class CloudServer(RoleService):
             self._close_round()
 
     def _close_round(self) -> None:
+        with self._transition("closing the round"):
+            self._close_open_round()
+
+    def _close_open_round(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

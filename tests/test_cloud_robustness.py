@@ -1,0 +1,72 @@
+"""The cloud on a MemoryBus that, like MqttBus, counts handler errors instead of raising: an
+edge report with a malformed label histogram is rejected with a reason and the round still
+closes, and a round transition that fails stops the cloud (``failed``) instead of leaving
+it waiting with no deadline armed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cloud import CloudServer
+from shared.algorithms import make_algorithm
+from shared.bus import MemoryBus
+from shared.messages import DeviceHello, EdgeUpdate, Topics, encode
+from shared.models import initial_unet
+from tests.conftest import tiny_config
+
+
+def _cloud(**algorithm: Any) -> tuple[MemoryBus, CloudServer, Any, Topics]:
+    """A FedPhD cloud with two edges, one device each, its first round open."""
+    cfg = tiny_config(
+        algorithm={"name": "fedphd", **algorithm}, federation={"num_devices": 2, "num_edges": 2}
+    )
+    bus = MemoryBus(raise_errors=False)
+    state = dict(initial_unet(cfg.model.preset, cfg.model.init, seed=0).state_dict())
+    cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
+    cloud.start()
+    topics, ep = Topics(cfg.run.name), bus.endpoint("tester")
+    for i, edge in enumerate(["edge0", "edge1"]):
+        hello = DeviceHello(device=f"dev00{i}", home_edge=edge, n_samples=10, label_counts=[1] * 10)
+        ep.publish(topics.device_hello(f"dev00{i}"), encode(hello), kind="m")
+    assert bus.run(lambda: cloud.started)
+    return bus, cloud, ep, topics
+
+
+def _report(cloud: CloudServer, ep: Any, topics: Topics, edge: str, counts: list[int]) -> None:
+    ref = cloud.put_tensors(cloud.model, "edge_model")
+    msg = EdgeUpdate(
+        round=cloud.round, session=cloud.session, edge=edge, model_ref=ref, n_samples=10,
+        label_counts=counts, devices=[], train_seconds=0.0,
+    )  # fmt: skip
+    ep.publish(topics.edge_up(edge), encode(msg), kind="m")
+
+
+@pytest.mark.parametrize("counts", [[], [1] * 9, [2] * 10], ids=["empty", "nine", "bad_sum"])
+def test_edge_report_with_a_bad_histogram_is_rejected_and_the_round_closes(
+    counts: list[int],
+) -> None:
+    bus, cloud, ep, topics = _cloud()
+    _report(cloud, ep, topics, "edge0", [1] * 10)
+    _report(cloud, ep, topics, "edge1", counts)
+    assert bus.run(lambda: cloud.round == 1)  # closed at the deadline, with edge0's report
+    rejected = bus.traffic.snapshot()["rejected"]
+    assert rejected.get("cloud:bad_label_counts") == 1, rejected
+    assert "bus:handler_error" not in rejected
+    assert cloud.failed is None and cloud.timer is not None  # the next round is open
+
+
+def test_a_failing_round_transition_stops_the_cloud(monkeypatch: pytest.MonkeyPatch) -> None:
+    bus, cloud, ep, topics = _cloud()
+
+    def broken(*_: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cloud.algorithm, "cloud_aggregate", broken)
+    for edge in ("edge0", "edge1"):
+        _report(cloud, ep, topics, edge, [1] * 10)
+    assert bus.run(lambda: cloud.failed is not None)
+    assert cloud.failed is not None and "No space left on device" in cloud.failed
+    assert "closing the round" in cloud.failed and not cloud.done
+    assert bus.traffic.snapshot()["rejected"].get("bus:handler_error") == 1
