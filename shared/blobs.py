@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -66,11 +67,17 @@ class BlobStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as err:  # unreadable (permissions, a directory in its place, I/O)
+            log.warning("cannot read cached blob %s: %s", sha256[:12], err)
+            return None
         if sha256_hex(data) != sha256:
             log.warning("blob cache file %s is corrupt; deleting it", path)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)  # LRU on disk follows access time we set ourselves
+        try:
+            os.utime(path)  # LRU on disk follows access time we set ourselves
+        except OSError:
+            pass  # evicted (or replaced) since we read it: the verified bytes are still good
         with self._lock:
             self._remember(sha256, data)
         return data
@@ -81,6 +88,20 @@ class BlobStore:
             if sha256 in self._mem:
                 return True
         return self.directory is not None and self._path(sha256).is_file()
+
+    def size(self, sha256: str) -> int | None:
+        """Length in bytes of the blob held in memory or on disk (not verified), else None."""
+        with self._lock:
+            data = self._mem.get(sha256)
+            if data is not None:
+                return len(data)
+        if self.directory is None:
+            return None
+        try:
+            st = self._path(sha256).stat()
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def chunk(self, sha256: str, index: int, chunk_bytes: int) -> bytes | None:
         """Bytes of chunk ``index`` (``chunk_bytes`` per chunk), or None if the blob is gone."""
@@ -116,12 +137,18 @@ class BlobStore:
 
     def _evict_disk(self) -> None:
         assert self.directory is not None
-        files = [
-            p for p in self.directory.glob("??/*") if p.is_file() and not p.name.startswith(".")
-        ]
-        sizes = {p: p.stat() for p in files}
+        sizes: dict[Path, os.stat_result] = {}
+        for p in self.directory.glob("??/*"):
+            if p.name.startswith("."):
+                continue
+            try:  # another process sharing the cache may remove files under our feet
+                st = p.stat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes[p] = st
         total = sum(st.st_size for st in sizes.values())
-        for p in sorted(files, key=lambda q: sizes[q].st_mtime):
+        for p in sorted(sizes, key=lambda q: sizes[q].st_mtime):
             if total <= self.disk_limit_bytes:
                 break
             total -= sizes[p].st_size

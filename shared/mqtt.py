@@ -69,6 +69,33 @@ are harmless because every receiver is idempotent (rounds, sessions and hashes).
 
 PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
 _MISSING = -1
+_BAD_INDEX = -2
+
+MAX_PENDING_CHUNKS: Final = 1 << 18
+"""Most chunk indices a blob server keeps queued for sending, over all blobs and requesters
+(an entry costs ~100 bytes; a 1 GiB blob in 4 KiB chunks is 2**18 of them). Beyond it the
+request's remaining chunks are dropped and counted; the requester asks again for whatever
+it still lacks after ``chunk_timeout_s`` of silence."""
+
+MAX_QUEUED_WANTS: Final = 1024
+MAX_QUEUED_WANT_BYTES: Final = 16 << 20
+"""Blob requests waiting for the I/O worker (count and payload bytes); more are dropped."""
+
+_CONTROL_QUEUE: Final = 100_000
+_CONTROL_PUT_TIMEOUT_S: Final = 5.0
+_MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
+
+
+def _parse_index(level: str) -> int:
+    """A chunk topic's last level: ``missing``, a plain ASCII decimal index, or _BAD_INDEX.
+
+    ``str.isdigit`` alone accepts superscripts and non-ASCII digits that ``int`` refuses,
+    and ``int`` refuses very long digit strings; both would raise in paho's thread."""
+    if level == "missing":
+        return _MISSING
+    if not (0 < len(level) <= _MAX_INDEX_DIGITS and level.isascii() and level.isdigit()):
+        return _BAD_INDEX
+    return int(level)
 
 
 def read_password(settings: BrokerSection) -> str | None:
@@ -167,7 +194,14 @@ class MqttBus(Bus):
         self._subs: list[tuple[str, Handler]] = []
         self._subs_lock = threading.Lock()
         self._inbound: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=settings.max_queue)
-        self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=100_000)
+        self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=_CONTROL_QUEUE)
+        self.max_pending_chunks = MAX_PENDING_CHUNKS
+        self.max_queued_wants = MAX_QUEUED_WANTS
+        self.max_queued_want_bytes = MAX_QUEUED_WANT_BYTES
+        self._pending_chunks = 0  # chunk indices queued for sending (I/O worker only)
+        self._wants_queued = 0  # blob requests in _control, and their bytes
+        self._want_bytes_queued = 0
+        self._wants_lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
         self._fetches: dict[str, _Fetch] = {}
         self._fetch_lock = threading.Lock()
@@ -273,7 +307,14 @@ class MqttBus(Bus):
             self._last_error = str(rc)
             self.traffic.note("connect_refused")
             return
-        self._control.put(("connected", bool(getattr(flags, "session_present", False))))
+        try:  # must not be lost (it re-subscribes), but never blocks paho's thread for long
+            self._control.put(
+                ("connected", bool(getattr(flags, "session_present", False))),
+                timeout=_CONTROL_PUT_TIMEOUT_S,
+            )
+        except queue.Full:
+            self.traffic.reject("bus", "control_queue_full")
+            log.error("%s: I/O worker stuck; connect event dropped", self.client_id)
 
     def _on_connect_fail(self, client: mqtt.Client, _u: Any) -> None:
         self._last_error = "connection refused or unreachable"
@@ -296,9 +337,21 @@ class MqttBus(Bus):
             event.set()
 
     def _on_publish(self, client: mqtt.Client, _u: Any, mid: int, _rc: Any, _p: Any) -> None:
-        self._control.put(("ack", mid))
+        try:
+            self._control.put_nowait(("ack", mid))
+        except queue.Full:
+            self.traffic.reject("bus", "control_queue_full")
 
     def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        # paho re-raises callback exceptions, which ends its network thread while the bus
+        # still looks connected: nothing may escape from here
+        try:
+            self._handle_message(msg)
+        except Exception:
+            self.traffic.reject("bus", "callback_error")
+            log.exception("%s: error handling a message on %.200r", self.client_id, msg.topic)
+
+    def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
         topic, payload = msg.topic, cast(bytes, msg.payload)  # paho hands us bytes
         self.traffic.note("wire_bytes_received", len(payload))
         rel = topic[len(self._want_prefix) :].split("/", 3)  # relative to the run's base
@@ -311,7 +364,7 @@ class MqttBus(Bus):
             and topic.endswith(self._want_suffix)
             and topic.startswith(self._want_prefix)
         ):
-            self._control.put(("want", payload))
+            self._enqueue_want(payload)
         else:
             try:
                 self._inbound.put_nowait((topic, payload))
@@ -327,11 +380,35 @@ class MqttBus(Bus):
         if fetch is None or parts[3] != str(fetch.chunk_bytes):
             self.traffic.note("chunks_unsolicited")
             return
-        index = _MISSING if parts[4] == "missing" else int(parts[4]) if parts[4].isdigit() else -2
         try:
-            fetch.chunks.put_nowait((index, payload))
+            fetch.chunks.put_nowait((_parse_index(parts[4]), payload))
         except queue.Full:
             self.traffic.note("chunks_dropped")
+
+    def _enqueue_want(self, payload: bytes) -> None:
+        """Hand a blob request to the I/O worker, or drop it (counted) when too many wait."""
+        with self._wants_lock:
+            if (
+                self._wants_queued >= self.max_queued_wants
+                or self._want_bytes_queued + len(payload) > self.max_queued_want_bytes
+            ):
+                full = True
+            else:
+                full = False
+                self._wants_queued += 1
+                self._want_bytes_queued += len(payload)
+        if not full:
+            try:
+                self._control.put_nowait(("want", payload))
+                return
+            except queue.Full:
+                self._want_done(payload)
+        self.traffic.reject("blob_server", "want_queue_full")
+
+    def _want_done(self, payload: bytes) -> None:
+        with self._wants_lock:
+            self._wants_queued -= 1
+            self._want_bytes_queued -= len(payload)
 
     # -- I/O worker: reconnects and blob serving -----------------------------------------
     def _io_loop(self) -> None:
@@ -339,28 +416,34 @@ class MqttBus(Bus):
         inflight: dict[int, int] = {}
         inflight_bytes = 0
         while not self._closing.is_set():
-            can_send = bool(pending) and (
-                inflight_bytes + self.settings.chunk_bytes <= self.settings.max_inflight_bytes
-            )
-            try:
-                item = self._control.get(timeout=0 if can_send else 0.5)
-            except queue.Empty:
-                item = None
-            if item is not None:
-                what, arg = item
-                if what == "ack":
-                    inflight_bytes -= inflight.pop(arg, 0)
-                elif what == "want":
-                    self._queue_want(arg, pending)
-                elif what == "connected":
-                    self._after_connect(session_present=arg)
-                continue
-            if can_send:
-                sent = self._send_next_chunk(pending)
-                if sent is not None:
-                    mid, nbytes = sent
-                    inflight[mid] = nbytes
-                    inflight_bytes += nbytes
+            try:  # one bad request or a racing cache eviction must not end blob serving
+                can_send = bool(pending) and (
+                    inflight_bytes + self.settings.chunk_bytes <= self.settings.max_inflight_bytes
+                )
+                try:
+                    item = self._control.get(timeout=0 if can_send else 0.5)
+                except queue.Empty:
+                    item = None
+                if item is not None:
+                    what, arg = item
+                    if what == "ack":
+                        inflight_bytes -= inflight.pop(arg, 0)
+                    elif what == "want":
+                        self._want_done(arg)
+                        self._queue_want(arg, pending)
+                    elif what == "connected":
+                        self._after_connect(session_present=arg)
+                    continue
+                if can_send:
+                    sent = self._send_next_chunk(pending)
+                    if sent is not None:
+                        mid, nbytes = sent
+                        inflight[mid] = nbytes
+                        inflight_bytes += nbytes
+            except Exception:
+                self.traffic.reject("bus", "io_error")
+                log.exception("%s: I/O worker error (continuing)", self.client_id)
+                self._closing.wait(0.05)  # no hot loop if the error repeats
 
     def _after_connect(self, *, session_present: bool) -> None:
         first = not self._ever_connected
@@ -390,17 +473,56 @@ class MqttBus(Bus):
             self.traffic.reject("blob_server", "bad_request")
             log.warning("%s: bad blob request: %s", self.client_id, err.errors()[0]["msg"])
             return
-        if not self.store.has(want.sha256):
+        size = self.store.size(want.sha256)
+        if size is None:
             self.traffic.note("blob_requests_missing")
             self._raw_publish(
                 self.topics.blob_chunk(self.home, want.sha256, want.chunk_bytes, "missing"), b""
             )
             return
-        n = chunk_count(want.size, want.chunk_bytes)
-        queued = pending.setdefault((want.sha256, want.chunk_bytes), OrderedDict())
-        for first, last in want.chunks:
-            for i in range(max(0, first), min(last, n - 1) + 1):
+        # the chunk count comes from the blob held, never from the requester's claim
+        n = chunk_count(size, want.chunk_bytes)
+        if want.size != size:
+            # Serve no further than both sizes allow: enough for an honest requester with a
+            # wrong BlobRef to see a chunk of the wrong length at once and give up.
+            n = min(n, chunk_count(want.size, want.chunk_bytes))
+            self.traffic.reject("blob_server", "size_mismatch")
+            log.warning(
+                "%s: blob request for %s… claims %d bytes, it has %d",
+                self.client_id,
+                want.sha256[:12],
+                want.size,
+                size,
+            )
+        runs: list[tuple[int, int]] = []  # clamped to [0, n) and merged: each index once
+        for first, last in sorted((max(0, f), min(last, n - 1)) for f, last in want.chunks):
+            if first > last:
+                continue
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last))
+            else:
+                runs.append((first, last))
+        key = (want.sha256, want.chunk_bytes)
+        queued = pending.get(key)
+        if queued is None:
+            queued = OrderedDict()
+        room = self.max_pending_chunks - self._pending_chunks
+        dropped = 0
+        for first, last in runs:
+            for i in range(first, last + 1):
+                if i in queued:
+                    continue
+                if room <= 0:
+                    dropped += last - i + 1
+                    break
                 queued[i] = None
+                room -= 1
+                self._pending_chunks += 1
+        if queued:
+            pending[key] = queued
+        if dropped:
+            self.traffic.reject("blob_server", "serve_queue_full")
+            self.traffic.note("chunks_not_queued", dropped)
         self.traffic.note("blob_requests_served")
 
     def _send_next_chunk(
@@ -408,6 +530,7 @@ class MqttBus(Bus):
     ) -> tuple[int, int] | None:
         key, indices = next(iter(pending.items()))
         index, _ = indices.popitem(last=False)
+        self._pending_chunks -= 1
         if indices:
             pending.move_to_end(key)  # round-robin between blobs being served
         else:
@@ -415,8 +538,8 @@ class MqttBus(Bus):
         sha, chunk_bytes = key
         data = self.store.chunk(sha, index, chunk_bytes)
         if data is None:
+            self._pending_chunks -= len(pending.pop(key, ()))
             self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, "missing"), b"")
-            pending.pop(key, None)
             return None
         info = self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, index), data)
         self.traffic.note("chunks_sent")
