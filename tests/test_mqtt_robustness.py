@@ -163,17 +163,18 @@ def still_delivers(net: Net, bus: MqttBus, sender: Raw, timeout_s: float = 3.0) 
 
 
 def test_want_claiming_a_huge_size_queues_only_the_real_chunks(net: Net) -> None:
-    """A 170-byte request claiming a billion-chunk blob for a 2-chunk one: the server sends
-    the 2 real chunks at once, counts the size mismatch and queues nothing more."""
+    """A 170-byte request claiming a 2**28-chunk blob for a 2-chunk one: the server sends
+    the 2 real chunks at once (walking the claim would take minutes), counts the size
+    mismatch and queues nothing more."""
     server = net.bus(SERVER)
     sha = server.store.put(b"x" * 5000)
     raw = net.raw("evil")
     raw.subscribe(net.topics.blob_chunk(SERVER, sha, 4096, "+"))
-    want = BlobWant(sha256=sha, size=10**6 * 4096, chunk_bytes=4096, chunks=[(0, 2**40)])
+    want = BlobWant(sha256=sha, size=2**40, chunk_bytes=4096, chunks=[(0, 2**40)])
     started = time.monotonic()
     raw.publish(net.topics.blob_want(CLIENT, SERVER), encode(want))
     wait_for(lambda: len(raw.received()) >= 2, "the two real chunks")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0  # generous for loaded CI hosts
     time.sleep(0.3)  # anything else the server would send after them
     indices = [t.rsplit("/", 1)[1] for t, _ in raw.received()]
     assert indices == ["0", "1"]  # no "missing" from walking a million absent chunks
@@ -194,7 +195,7 @@ def test_want_ranges_overlapping_and_out_of_bounds_queue_each_chunk_once(net: Ne
     started = time.monotonic()
     raw.publish(net.topics.blob_want(CLIENT, SERVER), encode(want))
     wait_for(lambda: len(raw.received()) >= 3, "the three chunks")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0
     time.sleep(0.3)
     assert sorted(t.rsplit("/", 1)[1] for t, _ in raw.received()) == ["0", "1", "2"]
     assert b"".join(p for _, p in sorted(raw.received())) == data
@@ -264,7 +265,7 @@ def test_request_flood_while_io_worker_is_busy_never_blocks_delivery(
 def test_bad_chunk_index_ends_the_fetch_and_the_bus_keeps_receiving(net: Net, index: str) -> None:
     """The source answers a request with a chunk whose index level ``int()`` refuses (or
     that is no index at all): the fetch fails at once and the bus still receives."""
-    client = net.bus(CLIENT, chunk_timeout_s=1, fetch_timeout_s=3)
+    client = net.bus(CLIENT, chunk_timeout_s=1, fetch_timeout_s=12)
     sha = "ab" * 32
     evil = net.raw("evil")
     bad_chunk = net.topics.blob_chunk(SERVER, sha, 4096, index)
@@ -272,8 +273,8 @@ def test_bad_chunk_index_ends_the_fetch_and_the_bus_keeps_receiving(net: Net, in
     evil.subscribe(net.topics.blob_want(CLIENT, SERVER))
     started = time.monotonic()
     with pytest.raises(EstuaryError):
-        client.endpoint("edge0", CLIENT).get_blob(sha, 10, kind="blob", src=SERVER, timeout_s=3)
-    assert time.monotonic() - started < 2.5  # refused on arrival, not by the fetch timeout
+        client.endpoint("edge0", CLIENT).get_blob(sha, 10, kind="blob", src=SERVER, timeout_s=12)
+    assert time.monotonic() - started < 6.0  # refused on arrival, not by the fetch timeout
     assert client.traffic.transport().get("chunks_invalid", 0) == 1
     assert still_delivers(net, client, evil)
     assert client.connected
