@@ -16,6 +16,7 @@ has joined elsewhere, reported here, or dropped out (or at the deadline).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -41,6 +42,8 @@ from shared.service import RoleService, TensorDict
 log = logging.getLogger(__name__)
 
 MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
+#: the largest sample/label count an EdgeUpdate may carry (its schema's ``Count`` limit)
+MAX_COUNT: int = EdgeUpdate.model_json_schema()["properties"]["n_samples"]["maximum"]
 
 
 class EdgeServer(RoleService):
@@ -75,6 +78,8 @@ class EdgeServer(RoleService):
         self.timer: Timer | None = None
         self.deadline_at = 0.0
         self.rejected_this_round = 0
+        # running sums over ``reported``, checked against what the EdgeUpdate may carry
+        self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.acc_counts = [0] * NUM_CLASSES
         self.acc_n = 0
 
@@ -109,9 +114,12 @@ class EdgeServer(RoleService):
                 self._maybe_close()
         self._update_device_gauge()
 
-    def _set_arch(self, plan: Plan | None) -> None:
+    def _global_spec(self, plan: Plan | None) -> dict[str, TensorSpec]:
+        return self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+
+    def _set_arch(self, plan: Plan | None, spec: dict[str, TensorSpec] | None = None) -> None:
         self.plan = plan
-        self.spec = self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+        self.spec = spec if spec is not None else self._global_spec(plan)
         self.update_spec = self.algorithm.upload_spec(self.spec)
 
     def on_join(self, msg: DeviceJoin) -> None:
@@ -151,24 +159,33 @@ class EdgeServer(RoleService):
         if same_session and self.round is not None and msg.round <= self.round:
             self.reject("duplicate", f"round {msg.round} already opened")
             return
-        if plan_digest(msg.arch) != plan_digest(self.plan):
+        new_arch = plan_digest(msg.arch) != plan_digest(self.plan)
+        spec = self.spec
+        if new_arch:
             reason = check_plan(self.cfg.model.preset, msg.arch)
             if reason:
                 self.reject("bad_plan", reason)
                 return
-            self._set_arch(msg.arch)
-            self.model = None  # the old architecture's state no longer fits
-        if msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha:
-            state = self.fetch_tensors(msg.global_ref, self.spec)
+            spec = self._global_spec(msg.arch)
+        fetch = msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha
+        if new_arch or fetch:  # the old architecture's state no longer fits a new one
+            # fetched before anything changes: a failed fetch leaves the open round intact
+            state = self.fetch_tensors(msg.global_ref, spec)
             if state is None:
                 return
+            if new_arch:
+                self._set_arch(msg.arch, spec)
             self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
         counts = msg.edge_counts.get(self.name)
         if self.round is None and not msg.new_global and not self.acc_n and counts:
             # a restarted edge takes back what it had accumulated from the cloud's record
-            self.acc_counts, self.acc_n = list(counts), sum(counts)
+            reason = self._check_counts(counts)
+            if reason:
+                self.reject("bad_edge_counts", f"round {msg.round}: {reason}; ignored")
+            else:
+                self.acc_counts, self.acc_n = list(counts), sum(counts)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -180,6 +197,7 @@ class EdgeServer(RoleService):
         self.joined, self.elsewhere = set(), set()
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
+        self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
         if self.dropped:
             log.warning("%s: %s offline at the start of round %s; not waiting for them",
@@ -187,6 +205,7 @@ class EdgeServer(RoleService):
         if not self.candidates:
             self._close()
             return
+        assert self.model is not None  # fetched above whenever there was none
         if self.model_ref is None:
             self.model_ref = self.put_tensors(self.model, "edge_model")
         announce = EdgeRound(
@@ -248,6 +267,9 @@ class EdgeServer(RoleService):
                 msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
             )
         self.reported[msg.device] = msg
+        self.reported_n += msg.n_samples
+        self.reported_loss += msg.train_loss
+        self.reported_seconds += msg.train_seconds
         self.dropped.discard(msg.device)
         self.metrics.updates.labels(outcome="accepted").inc()
         self.metrics.training_seconds.observe(msg.train_seconds)
@@ -267,6 +289,17 @@ class EdgeServer(RoleService):
         if all(d in settled for d in self.candidates):
             self._close()
 
+    @staticmethod
+    def _check_counts(counts: list[int]) -> str:
+        """Why the cloud's record of this edge's label counts cannot be taken back ("" if fine)."""
+        if len(counts) != NUM_CLASSES:
+            return f"{len(counts)} label counts, expected {NUM_CLASSES}"
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            return "label counts must be non-negative integers"
+        if sum(counts) > MAX_COUNT:
+            return f"{sum(counts)} samples > {MAX_COUNT}"
+        return ""
+
     def _check_update(self, msg: DeviceUpdate) -> str:
         if msg.session != self.session:
             return "stale_session"
@@ -280,6 +313,16 @@ class EdgeServer(RoleService):
             return "unexpected_device"
         if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
             return "bad_label_counts"
+        if msg.n_samples == 0:
+            return "zero_samples"  # nothing to weight it by; all-zero weights cannot aggregate
+        # what the round's EdgeUpdate sums must stay within its schema (a sum that overflows
+        # would otherwise only fail when the round closes)
+        if self.acc_n + self.reported_n + msg.n_samples > MAX_COUNT:
+            return "too_many_samples"
+        if not math.isfinite(self.reported_loss + msg.train_loss):
+            return "bad_loss"
+        if not math.isfinite(self.reported_seconds + msg.train_seconds):
+            return "bad_train_seconds"
         return ""
 
     def _on_deadline(self) -> None:
@@ -296,46 +339,74 @@ class EdgeServer(RoleService):
 
     # -- close and report --------------------------------------------------------------
     def _close(self) -> None:
+        """Aggregate and report the open round; on any failure the round is closed without
+        a report (logged and counted as ``close_failed``) and the edge's state is unchanged,
+        so it takes the next round as usual."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
         self.closed = True
-        if self.round is None or self.model is None:
+        try:
+            model, model_ref, report = self._close_report()
+        except Exception as err:  # one bad round must not stop the edge
+            log.exception("%s could not close round %s", self.name, self.round)
+            self.reject("close_failed", f"round {self.round}: {type(err).__name__}: {err}")
+            return
+        # everything is computed: only now does the edge's state change
+        self.model, self.model_ref = model, model_ref
+        self.acc_n, self.acc_counts = report.n_samples, list(report.label_counts)
+        self.send(self.topics.edge_up(self.name), report)
+        self.metrics.round.set(report.round)
+        self._publish_state()
+
+    def _close_report(self) -> tuple[TensorDict, BlobRef | None, EdgeUpdate]:
+        """The round's edge model, its blob ref, and the EdgeUpdate to send; changes no
+        state of the edge (raises when the round cannot be closed)."""
+        if self.round is None or self.model is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
+        model, model_ref = self.model, self.model_ref
         enough = len(self.reported) >= min(self.cfg.federation.min_updates, len(self.assigned))
+        contributors = self.reported
+        discarded = 0
         if self.upload and self.updates and enough:
             ordered = [self.updates[d] for d in sorted(self.updates)]  # bus-independent order
-            self.model = self.algorithm.edge_aggregate(ordered, self.model)
-            self.model_ref = None
+            model = self.algorithm.edge_aggregate(ordered, model)
+            model_ref = None
             self.metrics.aggregation_seconds.observe(time.perf_counter() - agg_start)
-        for msg in self.reported.values():
-            self.acc_n += msg.n_samples
-            self.acc_counts = [
-                a + b for a, b in zip(self.acc_counts, msg.label_counts, strict=True)
-            ]
+        elif self.upload and not enough and self.reported:
+            # their updates are discarded, so neither are their samples counted nor are
+            # they reported as contributors
+            contributors, discarded = {}, len(self.reported)
+            self.reject(
+                "too_few_updates",
+                f"round {self.round}: {discarded} update(s) < min_updates "
+                f"{self.cfg.federation.min_updates}; discarded",
+            )
+        acc_n = self.acc_n
+        acc_counts = list(self.acc_counts)
+        for msg in contributors.values():
+            acc_n += msg.n_samples
+            acc_counts = [a + b for a, b in zip(acc_counts, msg.label_counts, strict=True)]
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
-        ref = self.put_tensors(self.model, "edge_update") if cloud_round and self.acc_n else None
-        losses = [(m.train_loss, m.n_samples) for m in self.reported.values()]
-        assert self.session is not None
+        ref = self.put_tensors(model, "edge_update") if cloud_round and acc_n else None
+        losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
         report = EdgeUpdate(
             round=self.round,
             session=self.session,
             edge=self.name,
             model_ref=ref,
-            n_samples=self.acc_n,
-            label_counts=self.acc_counts,
-            devices=sorted(self.reported),
+            n_samples=acc_n,
+            label_counts=acc_counts,
+            devices=sorted(contributors),
             mean_loss=sum(lo for lo, _ in losses) / len(losses) if losses else None,
-            train_seconds=sum(m.train_seconds for m in self.reported.values()),
-            rejected=self.rejected_this_round,
+            train_seconds=sum(m.train_seconds for m in contributors.values()),
+            rejected=self.rejected_this_round + discarded,
         )
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
-        self.send(self.topics.edge_up(self.name), report)
-        self.metrics.round.set(self.round)
-        self._publish_state()
+        return model, model_ref, report
 
     def _publish_state(self) -> None:
         state = EdgeState(

@@ -1,0 +1,239 @@
+"""The edge keeps working whatever validated-but-hostile input its devices and the cloud send:
+updates whose sums would break the EdgeUpdate schema are rejected with a reason, a round that
+cannot close leaves no half-changed state, a new architecture is adopted only once its model
+arrived, discarded updates are not counted, and a bad restart record is ignored. Driven over
+a MemoryBus that (like MqttBus) logs and counts handler errors instead of raising them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from edge_node import EdgeServer
+from shared.algorithms import make_algorithm
+from shared.bus import MemoryBus
+from shared.data import NUM_CLASSES
+from shared.messages import BlobRef, DeviceUpdate, EdgeUpdate, RoundStart, decode
+from shared.models import build_unet
+from shared.pruning import dense_plan
+from shared.service import RoleService
+from tests.conftest import tiny_config
+
+SESSION = "0123456789abcdef"
+MAX_COUNT = 10**12  # the Count limit of shared.messages (EdgeUpdate.n_samples)
+
+
+class Cloud(RoleService):
+    """A cloud-role endpoint that opens rounds by hand."""
+
+    role = "cloud"
+
+    def open_round(
+        self,
+        r: int,
+        devices: list[str],
+        *,
+        arch: dict[str, Any] | None = None,
+        ref: BlobRef | None = None,
+        new_global: bool = True,
+        edge_counts: dict[str, list[int]] | None = None,
+    ) -> None:
+        """Send the RoundStart of round ``r`` assigning ``devices`` to edge0."""
+        if ref is None:
+            state = dict(build_unet(self.cfg.model.preset, seed=0).state_dict())
+            ref = self.put_tensors(state, "global_model")
+        msg = RoundStart(
+            round=r,
+            session=SESSION,
+            assignment={"edge0": devices},
+            global_ref=ref,
+            new_global=new_global,
+            deadline_s=60.0,
+            config_digest=self.cfg.digest(),
+            arch=arch,
+            edge_counts=edge_counts or {},
+        )
+        self.send(self.topics.cloud_round, msg)
+
+
+class Dev(RoleService):
+    """A device-role endpoint that reports whatever it is told to."""
+
+    role = "device"
+
+    def report(
+        self,
+        r: int,
+        *,
+        n: int = 32,
+        counts: list[int] | None = None,
+        loss: float = 0.1,
+        secs: float = 1.0,
+    ) -> None:
+        """Upload a model and send the DeviceUpdate of round ``r``."""
+        counts = counts if counts is not None else [n] + [0] * (NUM_CLASSES - 1)
+        state = dict(build_unet(self.cfg.model.preset, seed=1).state_dict())
+        ref = self.put_tensors(state, "device_update")
+        msg = DeviceUpdate(
+            round=r,
+            session=SESSION,
+            device=self.name,
+            edge="edge0",
+            update_ref=ref,
+            n_samples=n,
+            label_counts=counts,
+            train_loss=loss,
+            steps=1,
+            train_seconds=secs,
+        )
+        self.send(self.topics.device_up(self.name), msg)
+
+
+Hierarchy = tuple[MemoryBus, EdgeServer, Cloud, list[Dev], list[EdgeUpdate]]
+
+
+def _hierarchy(**fed: Any) -> Hierarchy:
+    cfg = tiny_config(federation={"num_devices": 2, "num_edges": 1, **fed})
+    bus = MemoryBus(raise_errors=False)  # like MqttBus: handler errors are logged and counted
+    edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id="edge0")
+    edge.start()
+    cloud = Cloud("cloud", cfg, bus)
+    reports: list[EdgeUpdate] = []
+    topic = cloud.topics.edge_up("edge0")
+    cloud.ep.subscribe(topic, lambda _t, p: reports.append(decode(p, EdgeUpdate)), kind="x")
+    devs = [Dev(f"dev00{i}", cfg, bus) for i in range(2)]
+    return bus, edge, cloud, devs, reports
+
+
+def _rejected(bus: MemoryBus) -> dict[str, int]:
+    return bus.traffic.snapshot()["rejected"]
+
+
+def _open(bus: MemoryBus, edge: EdgeServer, cloud: Cloud, r: int, **kw: Any) -> None:
+    cloud.open_round(r, ["dev000", "dev001"], **kw)
+    bus.run(lambda: edge.round == r)
+
+
+@pytest.mark.parametrize(
+    ("reports", "reason"),
+    [
+        ([{"n": 0, "counts": [0] * NUM_CLASSES}] * 2, "zero_samples"),
+        ([{"loss": 1e308}] * 2, "bad_loss"),
+        ([{"secs": 1e308}] * 2, "bad_train_seconds"),
+        ([{"n": MAX_COUNT}] * 2, "too_many_samples"),
+    ],
+    ids=["zero_samples", "loss_overflow", "seconds_overflow", "samples_overflow"],
+)
+def test_updates_that_would_break_the_round_are_rejected(
+    reports: list[dict[str, Any]], reason: str
+) -> None:
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 0)
+    for dev, kw in zip(devs, reports, strict=True):
+        dev.report(0, **kw)
+    bus.run(lambda: False)  # everything, the deadline included
+    rejected = _rejected(bus)
+    assert "bus:handler_error" not in rejected
+    assert len(sent) == 1, "the round must still be reported"
+    assert rejected.get(f"edge:{reason}", 0) >= 1
+    assert sent[0].n_samples <= MAX_COUNT
+
+
+def test_huge_sample_count_does_not_poison_later_rounds() -> None:
+    bus, edge, cloud, devs, sent = _hierarchy(cloud_every=2)
+    _open(bus, edge, cloud, 0)
+    devs[0].report(0, n=MAX_COUNT)
+    devs[1].report(0, n=MAX_COUNT)
+    bus.run(lambda: False)
+    assert edge.acc_n <= MAX_COUNT
+    _open(bus, edge, cloud, 1, new_global=False)
+    devs[0].report(1, n=32)
+    devs[1].report(1, n=32)
+    bus.run(lambda: False)
+    assert [r.round for r in sent] == [0, 1]
+    assert "bus:handler_error" not in _rejected(bus)
+
+
+def test_failed_close_changes_nothing_and_next_round_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 0)
+    assert edge.model is not None
+    before = {k: v.clone() for k, v in edge.model.items()}
+    acc = (edge.acc_n, list(edge.acc_counts))
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise ValueError("aggregation blew up")
+
+    monkeypatch.setattr(edge.algorithm, "edge_aggregate", boom)
+    for dev in devs:
+        dev.report(0)
+    bus.run(lambda: False)
+    assert sent == [] and edge.closed
+    assert _rejected(bus).get("edge:close_failed") == 1
+    assert "bus:handler_error" not in _rejected(bus)
+    assert (edge.acc_n, edge.acc_counts) == acc
+    assert all(torch.equal(before[k], edge.model[k]) for k in before)
+    monkeypatch.undo()
+    _open(bus, edge, cloud, 1, new_global=False)
+    for dev in devs:
+        dev.report(1)
+    bus.run(lambda: False)
+    assert [r.round for r in sent] == [1]
+    assert sent[0].n_samples == 64 and sent[0].devices == ["dev000", "dev001"]
+
+
+def test_new_arch_adopted_only_after_its_model_arrives() -> None:
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 0)
+    devs[0].report(0)  # one of two: round 0 stays open
+    bus.run(lambda: "dev000" in edge.reported)
+    plan, spec = edge.plan, edge.spec
+    missing = BlobRef(sha256="ab" * 32, size=1000, kind="global_model", src="cloud")
+    cloud.open_round(1, ["dev000", "dev001"], arch=dense_plan(cloud.cfg.model.preset), ref=missing)
+    bus.run(lambda: False)  # the fetch fails, then round 0's deadline closes it
+    assert _rejected(bus).get("edge:blob_unavailable", 0) >= 1
+    assert "bus:handler_error" not in _rejected(bus)
+    assert edge.plan == plan and edge.spec == spec and edge.model is not None
+    assert [(r.round, r.devices) for r in sent] == [(0, ["dev000"])]
+
+
+def test_discarded_updates_are_not_counted() -> None:
+    bus, edge, cloud, devs, sent = _hierarchy(min_updates=2)
+    _open(bus, edge, cloud, 0)
+    devs[0].report(0, n=32)
+    bus.run(lambda: False)  # deadline with 1 < min_updates
+    assert len(sent) == 1
+    report = sent[0]
+    assert report.devices == [] and report.n_samples == 0 and report.mean_loss is None
+    assert report.label_counts == [0] * NUM_CLASSES and report.model_ref is None
+    assert (edge.acc_n, edge.acc_counts) == (0, [0] * NUM_CLASSES)
+    assert _rejected(bus).get("edge:too_few_updates") == 1
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[5, 5, 5], [10**12] * NUM_CLASSES],
+    ids=["wrong_length", "sum_over_limit"],
+)
+def test_bad_restart_counts_are_ignored(counts: list[int]) -> None:
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 1, new_global=False, edge_counts={"edge0": counts})
+    assert _rejected(bus).get("edge:bad_edge_counts") == 1
+    assert (edge.acc_n, edge.acc_counts) == (0, [0] * NUM_CLASSES)
+    for dev in devs:
+        dev.report(1)
+    bus.run(lambda: False)
+    assert "bus:handler_error" not in _rejected(bus)
+    assert [(r.round, r.n_samples) for r in sent] == [(1, 64)]
+
+
+def test_good_restart_counts_are_taken_back() -> None:
+    bus, edge, cloud, _devs, _sent = _hierarchy()
+    counts = [3] * NUM_CLASSES
+    _open(bus, edge, cloud, 1, new_global=False, edge_counts={"edge0": counts})
+    assert (edge.acc_n, edge.acc_counts) == (30, counts)
+    assert "edge:bad_edge_counts" not in _rejected(bus)
