@@ -10,13 +10,15 @@ own seeded RNG (``"random"``: uniformly), skipping edges it has seen go offline.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from shared.algorithms import Algorithm, DeviceContext
+from shared.algorithms import Algorithm, DeviceContext, LocalResult
 from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
 from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
@@ -29,6 +31,19 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
 MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
+MAX_COUNT = 10**12  # largest label count a message may carry (``shared.messages.Count``)
+
+
+def check_label_counts(counts: Sequence[int]) -> str:
+    """Why ``counts`` is not a label histogram (``NUM_CLASSES`` counts in
+    ``[0, MAX_COUNT]``), or ``""`` when it is one."""
+    if len(counts) != NUM_CLASSES:
+        return f"{len(counts)} label counts, expected {NUM_CLASSES}"
+    if any(
+        not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= MAX_COUNT for c in counts
+    ):
+        return f"label counts outside [0, {MAX_COUNT}]"
+    return ""
 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
@@ -71,7 +86,10 @@ class DeviceAgent(RoleService):
         self.offline_devices: set[str] = set()
         self.selection: RoundStart | None = None  # the round whose choice is pending
         self.sel_timer: Timer | None = None
-        self.joins: OrderedDict[tuple[str, int, str], DeviceJoin] = OrderedDict()
+        # other participants' choices as (edge, label counts), keyed (session, round, device);
+        # only the current session's current and later rounds, at most MAX_KEPT_JOINS
+        self.joins: OrderedDict[tuple[str, int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
+        self.current: tuple[str, int] | None = None  # (session, round) of the last RoundStart
         self.choices: OrderedDict[tuple[str, int], str] = OrderedDict()  # (session, round)
         self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
 
@@ -108,17 +126,45 @@ class DeviceAgent(RoleService):
         """Another participant's choice; the choice this device waits for may be complete."""
         if msg.device == self.name:
             return
-        self.joins[(msg.session, msg.round, msg.device)] = msg
+        reason = check_label_counts(msg.label_counts)
+        if reason:
+            self.reject("bad_join", f"{msg.device} round {msg.round}: {reason}")
+            return
+        if self._stale(msg.session, msg.round):
+            log.debug("%s: dropped %s's join for past round %d", self.name, msg.device, msg.round)
+            return
+        self.joins[(msg.session, msg.round, msg.device)] = (msg.edge, tuple(msg.label_counts))
         while len(self.joins) > MAX_KEPT_JOINS:
             self.joins.popitem(last=False)
         if self.selection is not None and self.selection.session == msg.session:
             self._decide()
 
+    def _stale(self, session: str, round_: int) -> bool:
+        """Whether ``(session, round_)`` is before the current round of the current session."""
+        return self.current is not None and session == self.current[0] and round_ < self.current[1]
+
+    def _advance(self, session: str, round_: int) -> None:
+        """Make ``(session, round_)`` current (unless it is in the past) and drop the joins
+        that are not for it or a later round of its session."""
+        if self._stale(session, round_):
+            return
+        self.current = (session, round_)
+        for key in [k for k in self.joins if k[0] != session or k[1] < round_]:
+            del self.joins[key]
+
     def on_round_start(self, msg: RoundStart) -> None:
         """A participant picks its edge once every earlier participant (sorted order) has
         picked or is offline, or after ``join_timeout_s``; then it tells everyone and trains
         when that edge's announcement is here (it may already be)."""
-        if self.name not in msg.participants or not msg.edge_counts:
+        if not msg.edge_counts:
+            return
+        for edge, counts in msg.edge_counts.items():
+            reason = check_label_counts(counts)
+            if reason:
+                self.reject("bad_edge_counts", f"round {msg.round}, edge {edge}: {reason}")
+                return
+        self._advance(msg.session, msg.round)
+        if self.name not in msg.participants:
             return
         key = (msg.session, msg.round)
         if key in self.choices:  # a replay (reconnect, restarted edge): repeat the choice
@@ -153,10 +199,8 @@ class DeviceAgent(RoleService):
             self.sel_timer = None
         counts = {e: list(c) for e, c in msg.edge_counts.items()}
         for j in known.values():
-            if j is not None and j.edge in counts and len(j.label_counts) == NUM_CLASSES:
-                counts[j.edge] = [
-                    a + b for a, b in zip(counts[j.edge], j.label_counts, strict=True)
-                ]
+            if j is not None and j[0] in counts:  # lengths were checked on receipt
+                counts[j[0]] = [a + b for a, b in zip(counts[j[0]], j[1], strict=True)]
         try:
             edge = self.choose(msg.round, counts)
         except ValueError:
@@ -224,6 +268,18 @@ class DeviceAgent(RoleService):
         log.info("%s: architecture %s", self.name, plan_digest(plan))
         return True
 
+    def _divergence(self, result: LocalResult) -> str:
+        """Why local training diverged (non-finite mean loss or model weights), or ``""``.
+
+        The uploaded tensors are derived from the model; the edge validates them again on
+        receipt (``bad_tensors``)."""
+        if not math.isfinite(result.train.mean_loss):
+            return f"mean loss {result.train.mean_loss}"
+        for name, t in self.model.state_dict().items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"non-finite weights in {name}"
+        return ""
+
     def train_round(self, msg: EdgeRound) -> None:
         """Train on the edge's model for ``msg.round`` and report (upload when asked)."""
         last = self.last_update
@@ -258,8 +314,17 @@ class DeviceAgent(RoleService):
             if state is None:
                 return  # rejected and counted; the edge's deadline covers the missing update
             self.algorithm.device_load(ctx, self.model, state)
-        self.kept_local = None if msg.upload else (msg.round, msg.model_ref.sha256)
+        self.kept_local = None  # set again below once this round's training is known good
         result = self.algorithm.device_round(ctx, self.model, msg.round, upload=msg.upload)
+        reason = self._divergence(result)
+        if reason:
+            # Nothing is uploaded or reported (the edge's deadline covers the missing
+            # update); the next round starts again from the edge's model.
+            self.algo_state.clear()
+            self.reject("diverged", f"round {msg.round} at {msg.edge}: {reason}")
+            return
+        if not msg.upload:
+            self.kept_local = (msg.round, msg.model_ref.sha256)
         ref = None
         if result.tensors is not None:
             ref = self.put_tensors(result.tensors, "device_update")
