@@ -122,6 +122,13 @@ def make_partition(labels: np.ndarray, n: int, cfg: DataSection, seed: int) -> P
         parts = dominant(labels, n, cfg.dominant_uniform_fraction, rng)
     if cfg.max_samples_per_device:
         parts = [np.sort(rng.permutation(p)[: cfg.max_samples_per_device]) for p in parts]
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:  # a device with no images cannot train (and its update would weigh nothing)
+        raise ConfigError(
+            f"the {cfg.partition!r} partition leaves {len(empty)} of {n} devices without "
+            f"samples (first: device {empty[0]}); use fewer devices, more data, or a milder "
+            "skew (e.g. a larger dirichlet_beta)"
+        )
     return parts
 
 

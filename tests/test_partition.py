@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from shared.config import DataSection
+from shared.errors import ConfigError
 from shared.partition import label_count_matrix, make_partition
 
 LABELS = np.repeat(np.arange(10), 100)  # 1000 samples, 100 per class
@@ -61,3 +62,11 @@ def test_label_count_matrix_hand_computed() -> None:
     labels = np.array([0, 1, 1, 2, 2, 2])
     m = label_count_matrix(labels, [np.array([0, 1]), np.array([2, 3, 4, 5])], 3)
     assert m.tolist() == [[1, 1, 0], [0, 1, 3]]
+
+
+def test_a_partition_leaving_a_device_empty_is_refused() -> None:
+    """Dirichlet(0.01) over 200 devices leaves most of them without a single image; such a
+    device could not train, so the split is refused with a reason instead."""
+    cfg = DataSection(partition="dirichlet", dirichlet_beta=0.01)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"devices without samples .*dirichlet_beta"):
+        make_partition(LABELS, 200, cfg, seed=7)
