@@ -11,32 +11,9 @@ import pytest
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
-from shared.messages import EdgeRound, Presence, RoundStart, decode, home_of
-from shared.models import build_unet
-from shared.service import RoleService
+from shared.messages import EdgeRound, Presence, decode, home_of
 from tests.conftest import tiny_config
-
-SESSION = "0123456789abcdef"
-
-
-class Cloud(RoleService):
-    """A cloud-role endpoint that opens rounds by hand."""
-
-    role = "cloud"
-
-    def open_round(self, r: int, devices: list[str]) -> None:
-        state = dict(build_unet(self.cfg.model.preset, seed=0).state_dict())
-        ref = self.put_tensors(state, "global_model")
-        msg = RoundStart(
-            round=r,
-            session=SESSION,
-            assignment={"edge0": devices},
-            global_ref=ref,
-            new_global=True,
-            deadline_s=60.0,
-            config_digest=self.cfg.digest(),
-        )
-        self.send(self.topics.cloud_round, msg)
+from tests.hand_roles import Cloud
 
 
 def _hierarchy() -> tuple[MemoryBus, EdgeServer, Cloud, list[EdgeRound]]:

@@ -15,47 +15,14 @@ from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.data import NUM_CLASSES
-from shared.messages import BlobRef, DeviceUpdate, EdgeUpdate, RoundStart, decode
+from shared.messages import BlobRef, DeviceUpdate, EdgeUpdate, decode
 from shared.models import build_unet
 from shared.pruning import dense_plan
 from shared.service import RoleService
 from tests.conftest import tiny_config
+from tests.hand_roles import SESSION, Cloud
 
-SESSION = "0123456789abcdef"
 MAX_COUNT = 10**12  # the Count limit of shared.messages (EdgeUpdate.n_samples)
-
-
-class Cloud(RoleService):
-    """A cloud-role endpoint that opens rounds by hand."""
-
-    role = "cloud"
-
-    def open_round(
-        self,
-        r: int,
-        devices: list[str],
-        *,
-        arch: dict[str, Any] | None = None,
-        ref: BlobRef | None = None,
-        new_global: bool = True,
-        edge_counts: dict[str, list[int]] | None = None,
-    ) -> None:
-        """Send the RoundStart of round ``r`` assigning ``devices`` to edge0."""
-        if ref is None:
-            state = dict(build_unet(self.cfg.model.preset, seed=0).state_dict())
-            ref = self.put_tensors(state, "global_model")
-        msg = RoundStart(
-            round=r,
-            session=SESSION,
-            assignment={"edge0": devices},
-            global_ref=ref,
-            new_global=new_global,
-            deadline_s=60.0,
-            config_digest=self.cfg.digest(),
-            arch=arch,
-            edge_counts=edge_counts or {},
-        )
-        self.send(self.topics.cloud_round, msg)
 
 
 class Dev(RoleService):
