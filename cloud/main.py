@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from cloud.deploy import deploy_when_trained
-from cloud.service import CloudServer, RoundSummary
+from cloud.service import CloudServer, RoundSummary, check_round_start_fits
 from shared.algorithms import make_algorithm
 from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         cfg = load_role_config(args)
+        check_round_start_fits(cfg)
         run_dir = prepare_run_dir(cfg, Path(args.out))
         resumed = None if args.fresh else resume_point(cfg, run_dir)
         # without a checkpoint, the first global model (model.init is checked before anyone

@@ -30,15 +30,18 @@ from shared.checkpoint import model_digest, save_checkpoint
 from shared.codec import spec_of
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
+from shared.errors import ConfigError
 from shared.messages import (
+    MAX_MESSAGE_BYTES,
     BlobRef,
     CloudState,
     DeviceHello,
     EdgeUpdate,
     Presence,
     RoundStart,
+    encode,
 )
-from shared.naming import edge_ids
+from shared.naming import device_name, edge_ids
 from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,49 @@ def sample_participants(devices: list[str], kappa: float, seed: int, round_: int
     k = max(1, math.ceil(kappa * len(devices) - 1e-9))
     chosen = rng.choice(len(devices), size=min(k, len(devices)), replace=False)
     return sorted(devices[i] for i in chosen)
+
+
+def largest_round_start(cfg: RunConfig) -> int:
+    """Encoded bytes of the largest round announcement ``cfg`` can produce: the most
+    participants a round can have, with the longest names, listed in the assignment (or, when
+    devices pick their edge, as participants); every edge's label counts at 12 digits; and,
+    when the cloud prunes, the dense channel plan (a pruned plan has the same entries with
+    smaller numbers)."""
+    from shared.pruning import dense_plan
+
+    fed = cfg.federation
+    k = max(1, math.ceil(fed.participation * fed.num_devices - 1e-9))
+    names = [device_name(i) for i in range(fed.num_devices - k, fed.num_devices)]
+    edges = edge_ids(cfg)
+    selecting = fed.assignment != "static"
+    prunes = cfg.algorithm.name == "fedphd" and cfg.algorithm.prune_ratio > 0
+    msg = RoundStart(
+        round=cfg.run.rounds - 1,
+        session="f" * 16,
+        assignment={e: ([] if selecting or i else names) for i, e in enumerate(edges)},
+        global_ref=BlobRef(sha256="f" * 64, size=2**40, kind="global_model", src="cloud"),
+        new_global=True,
+        deadline_s=fed.round_deadline_s,
+        config_digest=cfg.digest(),
+        participants=names if selecting else [],
+        edge_counts={e: [10**12 - 1] * NUM_CLASSES for e in edges},
+        arch=dense_plan(cfg.model.preset) if prunes else None,
+    )
+    return len(encode(msg))
+
+
+def check_round_start_fits(cfg: RunConfig) -> None:
+    """ConfigError when a round announcement of ``cfg`` could exceed the transport's message
+    limit (it lists every participant), before any process connects."""
+    size = largest_round_start(cfg)
+    if size > MAX_MESSAGE_BYTES:
+        fed = cfg.federation
+        raise ConfigError(
+            f"a round announcement for {fed.num_devices} devices (participation "
+            f"{fed.participation:g}, assignment {fed.assignment!r}) can take {size} bytes, over "
+            f"the {MAX_MESSAGE_BYTES}-byte message limit; use fewer devices per round "
+            "(federation.participation or num_devices)"
+        )
 
 
 @dataclass

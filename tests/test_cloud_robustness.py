@@ -1,7 +1,8 @@
 """The cloud on a MemoryBus that, like MqttBus, counts handler errors instead of raising: an
 edge report with a malformed label histogram is rejected with a reason and the round still
 closes, and a round transition that fails stops the cloud (``failed``) instead of leaving
-it waiting with no deadline armed."""
+it waiting with no deadline armed. A federation whose round announcement cannot fit a
+transport message is refused before anything connects."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 
 from cloud import CloudServer
+from cloud.service import check_round_start_fits, largest_round_start
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
+from shared.errors import ConfigError
 from shared.messages import DeviceHello, EdgeUpdate, Topics, encode
 from shared.models import initial_unet
 from tests.conftest import tiny_config
@@ -70,3 +73,22 @@ def test_a_failing_round_transition_stops_the_cloud(monkeypatch: pytest.MonkeyPa
     assert cloud.failed is not None and "No space left on device" in cloud.failed
     assert "closing the round" in cloud.failed and not cloud.done
     assert bus.traffic.snapshot()["rejected"].get("bus:handler_error") == 1
+
+
+def test_largest_round_start_bounds_the_real_one() -> None:
+    bus, cloud, _ep, topics = _cloud()
+    sent = len(bus._retained[topics.cloud_round])
+    assert 0 < sent <= largest_round_start(cloud.cfg)
+
+
+@pytest.mark.parametrize("assignment", ["static", "select"])
+def test_a_federation_too_large_to_announce_is_refused_up_front(assignment: str) -> None:
+    """30 000 devices in one round do not fit a 256 KiB round announcement; 10 000 do, and
+    so do 30 000 at a participation of 0.2."""
+    fed = {"num_edges": 2, "assignment": assignment}
+    with pytest.raises(ConfigError, match="over the 262144-byte message limit"):
+        check_round_start_fits(tiny_config(federation={**fed, "num_devices": 30_000}))
+    check_round_start_fits(tiny_config(federation={**fed, "num_devices": 10_000}))
+    check_round_start_fits(
+        tiny_config(federation={**fed, "num_devices": 30_000, "participation": 0.2})
+    )
