@@ -24,14 +24,21 @@ from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
-from shared.messages import DeviceHello, DeviceJoin, DeviceUpdate, EdgeRound, Presence, RoundStart
+from shared.messages import (
+    MAX_COUNT,
+    DeviceHello,
+    DeviceJoin,
+    DeviceUpdate,
+    EdgeRound,
+    Presence,
+    RoundStart,
+)
 from shared.service import RoleService
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
 MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
-MAX_COUNT = 10**12  # largest label count a message may carry (``shared.messages.Count``)
 
 
 def check_label_counts(counts: Sequence[int]) -> str:

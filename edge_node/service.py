@@ -27,6 +27,7 @@ from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES
 from shared.messages import (
+    MAX_COUNT,
     BlobRef,
     DeviceHello,
     DeviceJoin,
@@ -42,8 +43,6 @@ from shared.service import RoleService, TensorDict
 log = logging.getLogger(__name__)
 
 MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
-#: the largest sample/label count an EdgeUpdate may carry (its schema's ``Count`` limit)
-MAX_COUNT: int = EdgeUpdate.model_json_schema()["properties"]["n_samples"]["maximum"]
 
 
 class EdgeServer(RoleService):

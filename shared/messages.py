@@ -21,7 +21,8 @@ ROOT = "estuary/v1"
 
 Id = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 Round = Annotated[int, Field(ge=0, le=10_000_000)]
-Count = Annotated[int, Field(ge=0, le=10**12)]
+MAX_COUNT = 10**12  # largest sample or label count a message may carry
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 LabelCounts = Annotated[list[Count], Field(max_length=1000)]
 Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 #: a pruned architecture's JSON channel plan (shared.pruning); validated again by its user

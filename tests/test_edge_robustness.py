@@ -15,14 +15,12 @@ from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.data import NUM_CLASSES
-from shared.messages import BlobRef, DeviceUpdate, EdgeUpdate, decode
+from shared.messages import MAX_COUNT, BlobRef, DeviceUpdate, EdgeUpdate, decode
 from shared.models import build_unet
 from shared.pruning import dense_plan
 from shared.service import RoleService
 from tests.conftest import tiny_config
 from tests.hand_roles import SESSION, Cloud
-
-MAX_COUNT = 10**12  # the Count limit of shared.messages (EdgeUpdate.n_samples)
 
 
 class Dev(RoleService):
