@@ -12,14 +12,19 @@ The maths are pure functions over label counts:
 * Edge selection (eq. 25): for each edge, ``mu_e`` and ``n_e`` *after tentatively adding*
   the device; ``P(e) ∝ ReLU(a * mu_e - n_e + b)``; the device **samples** its edge with its
   own seeded RNG and falls back to the most probable online edge when the drawn one is
-  offline. As in Algorithm 1 (lines 4-6 before line 17) every participant of a round
-  chooses from the edges' counts as they stood when the round opened, which the cloud puts
-  in ``RoundStart.edge_counts``.
+  offline. Participants choose one after another in sorted order: each starts from the
+  edges' counts as they stood when the round opened (``RoundStart.edge_counts``, Algorithm 1
+  lines 4-6 before line 17) and adds the label counts of the earlier participants' choices
+  (their ``DeviceJoin`` messages), so a round does not pile every device onto the edge that
+  looked best at its start; a participant that waits longer than ``join_timeout_s`` for
+  an earlier choice goes without it (the device agent implements this).
 
 Rounds here are 0-based: devices add the group penalty (eqs. 16-17, :mod:`shared.pruning`)
 in rounds ``r < R_s``, and the cloud prunes (L2 group norm, ``s_p`` = fraction of parameters
-removed) at its first aggregation ending a round ``r`` with ``r + 1 >= R_s``. FedPhD-OS
-(``prune_at = "init"``) prunes the initial model before round 0 (random or L2).
+removed) at its first aggregation ending a round ``r`` with ``r + 1 >= R_s``: the paper's
+prose ("after R_s sparse training rounds"). Its 1-based pseudocode adds the penalty in
+rounds 1 .. R_s - 1 only, one round fewer. FedPhD-OS (``prune_at = "init"``) prunes the
+initial model before round 0 (random or L2).
 """
 
 from __future__ import annotations
