@@ -74,6 +74,9 @@ class EdgeServer(RoleService):
         self.dropped: set[str] = set()
         self.offline: set[str] = set()
         self.my_devices: set[str] = set()
+        #: the label counts each device registered with (its retained hello), at most one
+        #: entry per configured device; its updates must carry the same counts
+        self.registered: dict[str, tuple[int, ...]] = {}
         self.timer: Timer | None = None
         self.deadline_at = 0.0
         self.rejected_this_round = 0
@@ -95,7 +98,13 @@ class EdgeServer(RoleService):
         self._publish_state()
 
     def on_hello(self, msg: DeviceHello) -> None:
-        """Count the devices whose home is this edge (for the connected-devices gauge)."""
+        """Record the label counts a device registered with; count the devices whose home is
+        this edge (for the connected-devices gauge)."""
+        room = msg.device in self.registered or (
+            len(self.registered) < self.cfg.federation.num_devices
+        )
+        if len(msg.label_counts) == NUM_CLASSES and sum(msg.label_counts) == msg.n_samples and room:
+            self.registered[msg.device] = tuple(msg.label_counts)
         if msg.home_edge == self.name:
             self.my_devices.add(msg.device)
             self.offline.discard(msg.device)
@@ -312,6 +321,9 @@ class EdgeServer(RoleService):
             return "unexpected_device"
         if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
             return "bad_label_counts"
+        registered = self.registered.get(msg.device)
+        if registered is not None and tuple(msg.label_counts) != registered:
+            return "counts_not_registered"  # a device's data does not change between rounds
         if msg.n_samples == 0:
             return "zero_samples"  # nothing to weight it by; all-zero weights cannot aggregate
         # what the round's EdgeUpdate sums must stay within its schema (a sum that overflows

@@ -15,7 +15,7 @@ from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.data import NUM_CLASSES
-from shared.messages import MAX_COUNT, BlobRef, DeviceUpdate, EdgeUpdate, decode
+from shared.messages import MAX_COUNT, BlobRef, DeviceHello, DeviceUpdate, EdgeUpdate, decode
 from shared.models import build_unet
 from shared.pruning import dense_plan
 from shared.service import RoleService
@@ -202,3 +202,27 @@ def test_good_restart_counts_are_taken_back() -> None:
     _open(bus, edge, cloud, 1, new_global=False, edge_counts={"edge0": counts})
     assert (edge.acc_n, edge.acc_counts) == (30, counts)
     assert "edge:bad_edge_counts" not in _rejected(bus)
+
+
+def test_update_must_carry_the_counts_its_device_registered_with() -> None:
+    """dev000 registered 32 images of class 0: an update claiming 10**12 images (which
+    would fill the round's sum) or another histogram is refused; dev001, with the counts it
+    registered, is aggregated and reported."""
+    bus, edge, cloud, devs, sent = _hierarchy()
+    for dev in devs:
+        hello = DeviceHello(
+            device=dev.name, home_edge="edge0", n_samples=32,
+            label_counts=[32] + [0] * (NUM_CLASSES - 1),
+        )  # fmt: skip
+        dev.send(dev.topics.device_hello(dev.name), hello, retain=True)
+    bus.run(lambda: len(edge.registered) == 2)
+    _open(bus, edge, cloud, 0)
+    devs[0].report(0, n=MAX_COUNT)
+    devs[1].report(0)
+    bus.run(lambda: False)
+    assert _rejected(bus).get("edge:counts_not_registered") == 1
+    assert len(sent) == 1 and sent[0].devices == ["dev001"] and sent[0].n_samples == 32
+    _open(bus, edge, cloud, 1, new_global=False)
+    devs[0].report(1, n=32, counts=[16] * 2 + [0] * (NUM_CLASSES - 2))
+    bus.run(lambda: False)
+    assert _rejected(bus).get("edge:counts_not_registered") == 2
