@@ -29,7 +29,7 @@ from shared.bus import Bus, Timer
 from shared.checkpoint import model_digest, save_checkpoint
 from shared.codec import spec_of
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES
+from shared.data import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
 from shared.messages import (
     MAX_MESSAGE_BYTES,
@@ -332,12 +332,9 @@ class CloudServer(RoleService):
         if msg.edge in self.reports:
             self.reject("duplicate", f"{msg.edge} round {msg.round}")
             return
-        if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
-            self.reject(
-                "bad_label_counts",
-                f"{msg.edge} round {msg.round}: {len(msg.label_counts)} counts summing to "
-                f"{sum(msg.label_counts)} for n_samples={msg.n_samples}",
-            )
+        problem = histogram_problem(msg.label_counts, msg.n_samples)
+        if problem:
+            self.reject("bad_label_counts", f"{msg.edge} round {msg.round}: {problem}")
             return
         tensors = None
         if msg.model_ref is not None:

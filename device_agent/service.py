@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,8 @@ from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
 from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES
+from shared.data import NUM_CLASSES, histogram_problem
 from shared.messages import (
-    MAX_COUNT,
     DeviceHello,
     DeviceJoin,
     DeviceUpdate,
@@ -39,18 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
 MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
-
-
-def check_label_counts(counts: Sequence[int]) -> str:
-    """Why ``counts`` is not a label histogram (``NUM_CLASSES`` counts in
-    ``[0, MAX_COUNT]``), or ``""`` when it is one."""
-    if len(counts) != NUM_CLASSES:
-        return f"{len(counts)} label counts, expected {NUM_CLASSES}"
-    if any(
-        not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= MAX_COUNT for c in counts
-    ):
-        return f"label counts outside [0, {MAX_COUNT}]"
-    return ""
 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
@@ -133,7 +119,7 @@ class DeviceAgent(RoleService):
         """Another participant's choice; the choice this device waits for may be complete."""
         if msg.device == self.name:
             return
-        reason = check_label_counts(msg.label_counts)
+        reason = histogram_problem(msg.label_counts)
         if reason:
             self.reject("bad_join", f"{msg.device} round {msg.round}: {reason}")
             return
@@ -166,7 +152,7 @@ class DeviceAgent(RoleService):
         if not msg.edge_counts:
             return
         for edge, counts in msg.edge_counts.items():
-            reason = check_label_counts(counts)
+            reason = histogram_problem(counts)
             if reason:
                 self.reject("bad_edge_counts", f"round {msg.round}, edge {edge}: {reason}")
                 return

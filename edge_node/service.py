@@ -25,7 +25,7 @@ from shared.arch import Plan, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
 from shared.codec import TensorSpec
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES
+from shared.data import NUM_CLASSES, histogram_problem
 from shared.messages import (
     MAX_COUNT,
     BlobRef,
@@ -103,7 +103,7 @@ class EdgeServer(RoleService):
         room = msg.device in self.registered or (
             len(self.registered) < self.cfg.federation.num_devices
         )
-        if len(msg.label_counts) == NUM_CLASSES and sum(msg.label_counts) == msg.n_samples and room:
+        if room and not histogram_problem(msg.label_counts, msg.n_samples):
             self.registered[msg.device] = tuple(msg.label_counts)
         if msg.home_edge == self.name:
             self.my_devices.add(msg.device)
@@ -300,10 +300,9 @@ class EdgeServer(RoleService):
     @staticmethod
     def _check_counts(counts: list[int]) -> str:
         """Why the cloud's record of this edge's label counts cannot be taken back ("" if fine)."""
-        if len(counts) != NUM_CLASSES:
-            return f"{len(counts)} label counts, expected {NUM_CLASSES}"
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-            return "label counts must be non-negative integers"
+        problem = histogram_problem(counts)
+        if problem:
+            return problem
         if sum(counts) > MAX_COUNT:
             return f"{sum(counts)} samples > {MAX_COUNT}"
         return ""
@@ -319,7 +318,7 @@ class EdgeServer(RoleService):
             )
         if msg.device not in self.assigned:
             return "unexpected_device"
-        if len(msg.label_counts) != NUM_CLASSES or sum(msg.label_counts) != msg.n_samples:
+        if histogram_problem(msg.label_counts, msg.n_samples):
             return "bad_label_counts"
         registered = self.registered.get(msg.device)
         if registered is not None and tuple(msg.label_counts) != registered:

@@ -16,6 +16,7 @@ import logging
 import os
 import struct
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,17 @@ CLASSES = (
 NUM_CLASSES = 10
 IMAGE_SIZE = 32  # model resolution (28x28 padded by 2 on each side)
 MAX_IDX_BYTES = 200 * 2**20
+
+
+def histogram_problem(counts: Sequence[int], n_samples: int | None = None) -> str:
+    """Why ``counts`` is not a label histogram (``NUM_CLASSES`` counts, summing to
+    ``n_samples`` when that is given), or ``""`` when it is one. Messages already bound
+    each count to ``[0, shared.messages.MAX_COUNT]``."""
+    if len(counts) != NUM_CLASSES:
+        return f"{len(counts)} label counts, expected {NUM_CLASSES}"
+    if n_samples is not None and sum(counts) != n_samples:
+        return f"label counts sum to {sum(counts)}, not n_samples={n_samples}"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -388,13 +388,11 @@ class MqttBus(Bus):
     def _enqueue_want(self, payload: bytes) -> None:
         """Hand a blob request to the I/O worker, or drop it (counted) when too many wait."""
         with self._wants_lock:
-            if (
+            full = (
                 self._wants_queued >= self.max_queued_wants
                 or self._want_bytes_queued + len(payload) > self.max_queued_want_bytes
-            ):
-                full = True
-            else:
-                full = False
+            )
+            if not full:
                 self._wants_queued += 1
                 self._want_bytes_queued += len(payload)
         if not full:

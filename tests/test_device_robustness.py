@@ -26,8 +26,8 @@ from shared.messages import DeviceJoin, DeviceUpdate, EdgeRound, RoundStart, dec
 from shared.models import build_unet
 from shared.service import RoleService
 from tests.conftest import tiny_config
+from tests.hand_roles import SESSION
 
-SESSION = "0123456789abcdef"
 OTHER_SESSION = "fedcba9876543210"
 COUNTS = [1] * 10
 
