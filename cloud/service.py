@@ -336,6 +336,10 @@ class CloudServer(RoleService):
         if problem:
             self.reject("bad_label_counts", f"{msg.edge} round {msg.round}: {problem}")
             return
+        parts_problem = self._part_samples_problem(msg)
+        if parts_problem:
+            self.reject("bad_part_samples", f"{msg.edge} round {msg.round}: {parts_problem}")
+            return
         tensors = None
         if msg.model_ref is not None:
             tensors = self.fetch_tensors(msg.model_ref, self.spec)
@@ -343,6 +347,18 @@ class CloudServer(RoleService):
                 return
         self.reports[msg.edge] = (msg, tensors)
         self._maybe_close()
+
+    def _part_samples_problem(self, msg: EdgeUpdate) -> str | None:
+        """Why ``msg.part_samples`` cannot weight this algorithm's parts (None when it can)."""
+        if msg.part_samples is None:
+            return None
+        unknown = set(msg.part_samples) - set(self.algorithm.part_names)
+        if unknown:
+            return f"unknown parts {sorted(unknown)}; this run's are {self.algorithm.part_names}"
+        over = {p: n for p, n in msg.part_samples.items() if n > msg.n_samples}
+        if over:
+            return f"part samples {over} exceed the update's n_samples {msg.n_samples}"
+        return None
 
     def _maybe_close(self) -> None:
         waiting = [e for e in self.assignment if e not in self.reports and e not in self.offline]
@@ -375,7 +391,7 @@ class CloudServer(RoleService):
                 self.edge_counts[edge] = list(m.label_counts)
         if (r + 1) % self.cfg.federation.cloud_every == 0:
             updates = [  # sorted: the same float summation order on every bus
-                Update(m.edge, t, m.n_samples, tuple(m.label_counts))
+                Update(m.edge, t, m.n_samples, tuple(m.label_counts), m.part_samples)
                 for _, (m, t) in sorted(self.reports.items())
                 if t is not None and m.n_samples > 0
             ]

@@ -84,6 +84,13 @@ class EdgeServer(RoleService):
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.acc_counts = [0] * NUM_CLASSES
         self.acc_n = 0
+        #: samples behind each model part since the last cloud aggregation (algorithms whose
+        #: devices upload parts); None when not tracked, or unknown after a restart
+        self.acc_parts = self._zero_parts()
+
+    def _zero_parts(self) -> dict[str, int] | None:
+        names = self.algorithm.part_names
+        return dict.fromkeys(names, 0) if names else None
 
     def start(self) -> None:
         """Subscribe to round starts and device updates."""
@@ -186,6 +193,7 @@ class EdgeServer(RoleService):
             self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
+                self.acc_parts = self._zero_parts()
         counts = msg.edge_counts.get(self.name)
         if self.round is None and not msg.new_global and not self.acc_n and counts:
             # a restarted edge takes back what it had accumulated from the cloud's record
@@ -194,6 +202,7 @@ class EdgeServer(RoleService):
                 self.reject("bad_edge_counts", f"round {msg.round}: {reason}; ignored")
             else:
                 self.acc_counts, self.acc_n = list(counts), sum(counts)
+                self.acc_parts = None  # not in the cloud's record: each part counts n_samples
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -365,6 +374,7 @@ class EdgeServer(RoleService):
         # everything is computed: only now does the edge's state change
         self.model, self.model_ref = model, model_ref
         self.acc_n, self.acc_counts = report.n_samples, list(report.label_counts)
+        self.acc_parts = None if report.part_samples is None else dict(report.part_samples)
         self.send(self.topics.edge_up(self.name), report)
         self.metrics.round.set(report.round)
         self._publish_state()
@@ -398,6 +408,13 @@ class EdgeServer(RoleService):
         for msg in contributors.values():
             acc_n += msg.n_samples
             acc_counts = [a + b for a, b in zip(acc_counts, msg.label_counts, strict=True)]
+        acc_parts = None if self.acc_parts is None else dict(self.acc_parts)
+        if acc_parts is not None and self.upload:
+            for device, msg in contributors.items():
+                update = self.updates.get(device)
+                if update is not None:
+                    for part in self.algorithm.upload_parts(update.tensors):
+                        acc_parts[part] += msg.n_samples
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = self.put_tensors(model, "edge_update") if cloud_round and acc_n else None
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
@@ -412,6 +429,7 @@ class EdgeServer(RoleService):
             mean_loss=sum(lo for lo, _ in losses) / len(losses) if losses else None,
             train_seconds=sum(m.train_seconds for m in contributors.values()),
             rejected=self.rejected_this_round + discarded,
+            part_samples=acc_parts,
         )
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start

@@ -24,6 +24,8 @@ Round = Annotated[int, Field(ge=0, le=10_000_000)]
 MAX_COUNT = 10**12  # largest sample or label count a message may carry
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 LabelCounts = Annotated[list[Count], Field(max_length=1000)]
+#: a model part's name in :attr:`EdgeUpdate.part_samples` (FedDiffuse: encoder, bottleneck, ...)
+PartName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z_]+$")]
 Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 #: a pruned architecture's JSON channel plan (shared.pruning); validated again by its user
 Plan = Annotated[dict[str, Any], Field(max_length=100_000)]
@@ -297,6 +299,10 @@ class EdgeUpdate(_Msg):
     mean_loss: float | None = Field(default=None, allow_inf_nan=False)
     train_seconds: float = Field(ge=0, allow_inf_nan=False)
     rejected: Count = 0
+    #: for algorithms whose devices upload parts of the model (FedDiffuse USPLIT): the
+    #: samples behind each part of ``model_ref`` since the last cloud aggregation, so the
+    #: cloud averages every part over the devices that reported it; None: ``n_samples``
+    part_samples: Annotated[dict[PartName, Count], Field(max_length=16)] | None = None
 
 
 class EdgeState(_Msg):

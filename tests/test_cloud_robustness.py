@@ -37,11 +37,18 @@ def _cloud(**algorithm: Any) -> tuple[MemoryBus, CloudServer, Any, Topics]:
     return bus, cloud, ep, topics
 
 
-def _report(cloud: CloudServer, ep: Any, topics: Topics, edge: str, counts: list[int]) -> None:
+def _report(
+    cloud: CloudServer,
+    ep: Any,
+    topics: Topics,
+    edge: str,
+    counts: list[int],
+    part_samples: dict[str, int] | None = None,
+) -> None:
     ref = cloud.put_tensors(cloud.model, "edge_model")
     msg = EdgeUpdate(
         round=cloud.round, session=cloud.session, edge=edge, model_ref=ref, n_samples=10,
-        label_counts=counts, devices=[], train_seconds=0.0,
+        label_counts=counts, devices=[], train_seconds=0.0, part_samples=part_samples,
     )  # fmt: skip
     ep.publish(topics.edge_up(edge), encode(msg), kind="m")
 
@@ -58,6 +65,28 @@ def test_edge_report_with_a_bad_histogram_is_rejected_and_the_round_closes(
     assert rejected.get("cloud:bad_label_counts") == 1, rejected
     assert "bus:handler_error" not in rejected
     assert cloud.failed is None and cloud.timer is not None  # the next round is open
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "part_samples"),
+    [
+        ({"name": "fedphd"}, {"encoder": 10}),  # FedPhD uploads whole models: no parts
+        ({"name": "feddiffuse", "split": "usplit"}, {"encoder": 10, "middle": 1}),
+        ({"name": "feddiffuse", "split": "usplit"}, {"encoder": 11}),  # > n_samples
+    ],
+    ids=["no_parts", "unknown_part", "too_many"],
+)
+def test_edge_report_with_bad_part_samples_is_rejected(
+    algorithm: dict[str, str], part_samples: dict[str, int]
+) -> None:
+    bus, cloud, ep, topics = _cloud(**algorithm)
+    _report(cloud, ep, topics, "edge0", [1] * 10, {"encoder": 10, "decoder": 0})
+    _report(cloud, ep, topics, "edge1", [1] * 10, part_samples)
+    assert bus.run(lambda: cloud.round == 1)
+    rejected = bus.traffic.snapshot()["rejected"]
+    expected = {"cloud:bad_part_samples": 2 if algorithm["name"] == "fedphd" else 1}
+    assert {k: v for k, v in rejected.items() if k.startswith("cloud:")} == expected, rejected
+    assert cloud.failed is None
 
 
 def test_a_failing_round_transition_stops_the_cloud(monkeypatch: pytest.MonkeyPatch) -> None:

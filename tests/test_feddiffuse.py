@@ -182,6 +182,35 @@ def test_partial_fedavg_hand_computed() -> None:
         partial_fedavg([{"z": torch.zeros(1)}], [1], current)
 
 
+def test_two_tier_usplit_weights_each_part_by_its_reporters() -> None:
+    """Edge A: a pair (encoder = 1 from 100 samples, decoder = 1 from 100); edge B: one
+    device (bottleneck and decoder = 10, 100 samples). Each part over its reporters:
+    encoder 1, bottleneck 10, decoder (100*1 + 100*10) / 200 = 5.5. Weighting whole edges
+    by their samples averaged edge B's untouched encoder (0) in and A's stale bottleneck."""
+    current = {"down_blocks.w": torch.zeros(1), "mid_block.w": torch.zeros(1),
+               "up_blocks.w": torch.zeros(1)}  # fmt: skip
+    one, ten = torch.ones(1), torch.full((1,), 10.0)
+    edge_a = partial_fedavg(
+        [{"down_blocks.w": one}, {"up_blocks.w": one}], [100, 100], current
+    )  # the pair's encoder and decoder; the bottleneck stays the global 0
+    edge_b = partial_fedavg([{"mid_block.w": ten, "up_blocks.w": ten}], [100], current)
+    algo = _algo("usplit")
+    updates = [
+        Update("a", edge_a, 200, (200,), {"encoder": 100, "bottleneck": 0, "decoder": 100}),
+        Update("b", edge_b, 100, (100,), {"encoder": 0, "bottleneck": 100, "decoder": 100}),
+    ]
+    got = algo.cloud_aggregate(updates, current)
+    assert [got[k].item() for k in current] == pytest.approx([1.0, 10.0, 5.5])
+    # without part counts (an edge restarted mid-period): whole edges weighted by n_samples
+    legacy = algo.cloud_aggregate([Update(u.source, u.tensors, u.n_samples, u.label_counts)
+                                   for u in updates], current)  # fmt: skip
+    assert [legacy[k].item() for k in current] == pytest.approx([2 / 3, 10 / 3, 4.0])
+    # a part nobody reported anywhere keeps the current global
+    none = [Update(u.source, u.tensors, u.n_samples, u.label_counts, dict.fromkeys(PARTS, 0))
+            for u in updates]  # fmt: skip
+    assert all(torch.equal(v, current[k]) for k, v in algo.cloud_aggregate(none, current).items())
+
+
 def test_partial_fedavg_of_complete_states_is_fedavg() -> None:
     """FULL: every state complete -> exactly shared.aggregation.fedavg."""
     g = torch.Generator().manual_seed(0)
@@ -318,6 +347,44 @@ def test_end_to_end_memory_bus(split: str) -> None:
     )
     headers = 6 * (len(encode_tensors(init)) - 4 * sum(v.numel() for v in init.values()))
     assert min(lo, hi) < up <= max(lo, hi) + headers
+
+
+def test_usplit_global_is_each_part_averaged_over_its_reporters() -> None:
+    """Over the hierarchy (3 devices behind 2 edges, so one edge reports a part its peer
+    edge does not) one round's global model equals the flat per-part FedAvg over the devices
+    (the paper's federator), to float rounding."""
+    cfg = _cfg(
+        "usplit",
+        run={"rounds": 1},
+        federation={"num_devices": 3, "num_edges": 2},
+        train={"local_steps": 1, "batch_size": 2},
+    )
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    bus = MemoryBus()
+    fed = build_federation(cfg, bus, data, parts)
+    sent: list[tuple[dict[str, torch.Tensor], int]] = []
+    algo_cls = type(make_algorithm(cfg))
+    original = algo_cls.device_round
+
+    def spy(self, ctx, model, round_, *, upload):  # type: ignore[no-untyped-def]
+        result = original(self, ctx, model, round_, upload=upload)
+        sent.append((result.tensors, len(ctx.data)))
+        return result
+
+    init = {k: v.clone() for k, v in build_unet(cfg.model.preset, seed=cfg.run.seed)
+            .state_dict().items()}  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(algo_cls, "device_round", spy)
+        fed.start()
+        assert bus.run(lambda: fed.cloud.done)
+    reported = [{part_of(k) for k in t} for t, _ in sent]
+    assert len(sent) == 3 and not all(r == set(PARTS) for r in reported)
+    flat = partial_fedavg([t for t, _ in sent], [n for _, n in sent], init)
+    final = fed.cloud.model
+    assert final is not None
+    for k in init:
+        assert torch.allclose(final[k], flat[k], rtol=0, atol=1e-6), k
 
 
 @pytest.mark.parametrize("assignment", ["select", "random"])

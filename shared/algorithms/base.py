@@ -43,6 +43,9 @@ class Update:
     tensors: TensorDict
     n_samples: int
     label_counts: tuple[int, ...]
+    #: samples behind each model part (:meth:`Algorithm.upload_parts`); None: ``n_samples``
+    #: for every part
+    part_samples: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -124,6 +127,15 @@ class Algorithm(ABC):
     def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
         """Names/shapes a device may upload (all of them when ``partial_uploads``)."""
         return dict(global_spec)
+
+    #: the model parts whose samples the edges count (``EdgeUpdate.part_samples``), when
+    #: devices upload parts of the state; empty: every upload covers the whole state
+    part_names: tuple[str, ...] = ()
+
+    def upload_parts(self, tensors: Mapping[str, Any]) -> frozenset[str]:
+        """The parts (of :attr:`part_names`) a device's upload covers. The edge sums each
+        part's samples over a cloud period so the cloud weights every part by its reporters."""
+        return frozenset(self.part_names)
 
     # -- device -----------------------------------------------------------------------------
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:

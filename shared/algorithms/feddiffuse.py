@@ -161,29 +161,43 @@ def partial_fedavg(
     states: Sequence[Mapping[str, torch.Tensor]],
     n_samples: Sequence[int],
     current: Mapping[str, torch.Tensor],
+    part_samples: Sequence[Mapping[str, int] | None] | None = None,
 ) -> TensorDict:
     """FedAvg per tensor over the states that hold it; tensors nobody sent keep ``current``.
 
-    ``theta[k] = sum_{i reported k} n_i theta_i[k] / sum_{i reported k} n_i``. With every
-    state complete this is plain FedAvg (Algorithm 3's federator step).
+    ``theta[k] = sum_{i reported k} w_i theta_i[k] / sum_{i reported k} w_i`` with
+    ``w_i = n_samples[i]``, or, where ``part_samples[i]`` is given, the samples behind the
+    part of ``k`` in state ``i`` (an edge's state covers a part only as far as its devices
+    reported it; a part with no samples there is left out of the average, since the edge
+    only carried the previous global copy of it). With every state complete and no part
+    counts this is plain FedAvg (Algorithm 3's federator step).
     """
     if len(states) != len(n_samples):
         raise EstuaryError(f"{len(states)} states but {len(n_samples)} sample counts")
+    if part_samples is not None and len(part_samples) != len(states):
+        raise EstuaryError(f"{len(states)} states but {len(part_samples)} part sample counts")
     for s in states:
         extra = set(s) - set(current)
         if extra:
             raise EstuaryError(f"update holds tensors outside the state: {sorted(extra)[:3]}")
-    groups: dict[tuple[int, ...], list[str]] = {}
+
+    def weight(i: int, name: str) -> int:
+        parts = None if part_samples is None else part_samples[i]
+        return n_samples[i] if parts is None else parts.get(part_of(name), 0)
+
+    groups: dict[tuple[tuple[int, int], ...], list[str]] = {}
     for name in current:
-        who = tuple(i for i, s in enumerate(states) if name in s)
+        who = tuple(
+            (i, w) for i, s in enumerate(states) if name in s and (w := weight(i, name)) > 0
+        )
         groups.setdefault(who, []).append(name)
     out: TensorDict = {}
     for who, names in groups.items():
         if not who:
             out.update({k: current[k].clone() for k in names})
             continue
-        sub = [{k: states[i][k] for k in names} for i in who]
-        out.update(weighted_average(sub, [float(n_samples[i]) for i in who]))
+        sub = [{k: states[i][k] for k in names} for i, _ in who]
+        out.update(weighted_average(sub, [float(w) for _, w in who]))
     return {k: out[k] for k in current}
 
 
@@ -277,6 +291,8 @@ class FedDiffuse(Algorithm):
         super().__init__(cfg)
         self.split: Split = cfg.algorithm.split
         self.federated = FEDERATED_PARTS[self.split]
+        # USPLIT devices report different parts, so the edges count samples per part
+        self.part_names: tuple[str, ...] = PARTS if self.split == "usplit" else ()
 
     def is_federated(self, name: str) -> bool:
         """Whether tensor ``name`` is trained in federation under this variant."""
@@ -285,6 +301,10 @@ class FedDiffuse(Algorithm):
     def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
         """The federated tensors (a USPLIT device sends a subset of them)."""
         return {k: v for k, v in global_spec.items() if self.is_federated(k)}
+
+    def upload_parts(self, tensors: Mapping[str, object]) -> frozenset[str]:
+        """The parts an upload holds (a USPLIT device reports its assigned parts)."""
+        return frozenset(part_of(k) for k in tensors)
 
     # -- device ---------------------------------------------------------------------------
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
@@ -335,4 +355,11 @@ class FedDiffuse(Algorithm):
         return partial_fedavg([u.tensors for u in updates], [u.n_samples for u in updates], current)
 
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return partial_fedavg([u.tensors for u in updates], [u.n_samples for u in updates], current)
+        """:func:`partial_fedavg` of the edges' states, each part weighted by the samples of
+        the devices that reported it at that edge (``Update.part_samples``, USPLIT)."""
+        return partial_fedavg(
+            [u.tensors for u in updates],
+            [u.n_samples for u in updates],
+            current,
+            [u.part_samples for u in updates],
+        )
