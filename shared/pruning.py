@@ -119,8 +119,12 @@ Q_FLOOR = 1.0
 TARGET_TOLERANCE = 0.01
 
 _LAYERS = (nn.Conv2d, nn.Linear)
-_SIZED = (nn.Conv2d, nn.Linear, nn.GroupNorm)
+_SIZED = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.Embedding)
 _PLANNED = (*_SIZED, Attention)
+#: plan entry sizes that pruning never changes: GroupNorm groups, attention heads (a head
+#: count change with the same tensor shapes would silently change the model's function),
+#: the class embedding's number of classes
+_FIXED = {"GroupNorm": "num_groups", "Attention": "heads", "Embedding": "num_embeddings"}
 
 
 # -- dependency groups ------------------------------------------------------------------
@@ -226,6 +230,8 @@ class _Shapes:
             return out * (inp // m.groups) * math.prod(m.kernel_size) + bias
         if isinstance(m, nn.Linear):
             return out * inp + bias
+        if isinstance(m, nn.Embedding):
+            return out * inp  # embedding_dim x num_embeddings
         return 2 * out if m.affine else 0  # GroupNorm
 
     def removal(self, cuts: Iterable[tuple[str, str, int]]) -> tuple[int, dict[str, list[int]]]:
@@ -250,7 +256,10 @@ class _Shapes:
 
 
 def _dims(m: nn.Module) -> list[int]:
-    """[out, in] channels of a Conv2d/Linear, read from the weight; [C, C] of a GroupNorm."""
+    """[out, in] channels of a Conv2d/Linear, read from the weight; [C, C] of a GroupNorm;
+    [embedding_dim, num_embeddings] of an Embedding (its width is pruned as output channels)."""
+    if isinstance(m, nn.Embedding):
+        return [m.weight.shape[1], m.weight.shape[0]]
     if isinstance(m, nn.Conv2d):
         return [m.weight.shape[0], m.weight.shape[1] * m.groups]
     if isinstance(m, nn.Linear):
@@ -358,6 +367,8 @@ def sync_attributes(model: nn.Module) -> None:
             m.out_features, m.in_features = m.weight.shape
         elif isinstance(m, nn.GroupNorm) and m.weight is not None:
             m.num_channels = m.weight.shape[0]
+        elif isinstance(m, nn.Embedding):
+            m.num_embeddings, m.embedding_dim = m.weight.shape
     for m in model.modules():
         conv = getattr(m, "conv", None)
         if isinstance(m, (Downsample2D, Upsample2D)) and isinstance(conv, nn.Conv2d):
@@ -407,8 +418,9 @@ def channel_plan(model: UNet2DModel, *, preset: str | None = None) -> dict[str, 
 
     ``{"format": PLAN_FORMAT, "preset": ..., "modules": {name: entry}}`` with one entry per
     Conv2d (``in_channels``, ``out_channels``), Linear (``in_features``, ``out_features``),
-    GroupNorm (``num_groups``, ``num_channels``) and Attention (``heads``, ``inner_dim``),
-    each with its ``type``. Sizes are read from the weights.
+    GroupNorm (``num_groups``, ``num_channels``), Attention (``heads``, ``inner_dim``) and
+    Embedding (``num_embeddings``, ``embedding_dim``: the class embedding of the ``-cond``
+    presets), each with its ``type``. Sizes are read from the weights.
     """
     name = preset if preset is not None else preset_of(model)
     modules = {n: _entry(m) for n, m in model.named_modules() if isinstance(m, _PLANNED)}
@@ -429,6 +441,12 @@ def _entry(m: nn.Module) -> dict[str, Any]:
         return {"type": "GroupNorm", "num_groups": m.num_groups, "num_channels": m.num_channels}
     if isinstance(m, Attention):
         return {"type": "Attention", "heads": m.heads, "inner_dim": m.to_q.weight.shape[0]}
+    if isinstance(m, nn.Embedding):
+        return {
+            "type": "Embedding",
+            "num_embeddings": m.weight.shape[0],
+            "embedding_dim": m.weight.shape[1],
+        }
     raise TypeError(f"no plan entry for {type(m).__name__}")
 
 
@@ -456,9 +474,11 @@ def validate_plan(preset: str, plan: Any) -> None:
 
     Plans travel over the network, so everything is checked before anything is built: the
     format tag and preset, the exact set of module names, each entry's type and keys,
-    integer sizes in ``1..dense``, fixed sizes (GroupNorm ``num_groups``), GroupNorm
-    divisibility, attention widths, and finally a shape-only forward pass on the meta
-    device that proves the sizes fit together.
+    integer sizes in ``1..dense``, fixed sizes (GroupNorm ``num_groups``, attention
+    ``heads``, the class embedding's ``num_embeddings``), GroupNorm divisibility, the sizes
+    that must be equal where the forward pass would only broadcast them (residual and
+    time-embedding adds, attention's projections and residual, the class embedding), and
+    finally a shape-only forward pass on the meta device that proves the sizes fit together.
     """
     dense = dense_plan(preset)
     if not isinstance(plan, Mapping):
@@ -503,9 +523,10 @@ def _check_entry(name: str, entry: Any, ref: Mapping[str, Any]) -> None:
             raise ConfigError(
                 f"channel plan {name!r}: {key}={v!r} must be an integer in 1..{dense}"
             )
+    fixed = _FIXED.get(ref["type"])
+    if fixed is not None and entry[fixed] != ref[fixed]:
+        raise ConfigError(f"channel plan {name!r}: {fixed} must stay {ref[fixed]}")
     if ref["type"] == "GroupNorm":
-        if entry["num_groups"] != ref["num_groups"]:
-            raise ConfigError(f"channel plan {name!r}: num_groups must stay {ref['num_groups']}")
         if entry["num_channels"] % entry["num_groups"]:
             raise ConfigError(
                 f"channel plan {name!r}: num_channels={entry['num_channels']} is not divisible "
@@ -518,14 +539,54 @@ def _check_entry(name: str, entry: Any, ref: Mapping[str, Any]) -> None:
         )
 
 
+def _check_couplings(model: UNet2DModel, modules: Mapping[str, Any]) -> None:
+    """Sizes that must be equal where the forward pass would only broadcast them: a residual
+    add, a time-embedding add, attention's projections and its residual, the class
+    embedding added to the time embedding. ``model`` is the dense preset (names only)."""
+
+    def size(name: str, key: str) -> int:
+        value: int = modules[name][key]
+        return value
+
+    def need(where: str, a: tuple[str, str], b: tuple[str, str], factor: int = 1) -> None:
+        if size(*a) != factor * size(*b):
+            times = f"{factor} x " if factor != 1 else ""
+            raise ConfigError(
+                f"channel plan {where!r}: {a[0]}.{a[1]}={size(*a)} must equal "
+                f"{times}{b[0]}.{b[1]}={size(*b)}"
+            )
+
+    for name, m in model.named_modules():
+        p = f"{name}." if name else ""
+        if isinstance(m, ResnetBlock2D):
+            width = (f"{p}conv1", "out_channels")
+            if m.time_emb_proj is not None and m.time_embedding_norm in ("default", "scale_shift"):
+                factor = 2 if m.time_embedding_norm == "scale_shift" else 1
+                need(name, (f"{p}time_emb_proj", "out_features"), width, factor)
+            shortcut = m.conv_shortcut
+            residual = (
+                (f"{p}conv_shortcut", "out_channels") if shortcut else (f"{p}conv1", "in_channels")
+            )
+            need(name, (f"{p}conv2", "out_channels"), residual)
+        elif isinstance(m, Attention):
+            inner = (name, "inner_dim")
+            for proj in ("to_q", "to_k", "to_v"):
+                need(name, (f"{p}{proj}", "out_features"), inner)
+            need(name, (f"{p}to_out.0", "in_features"), inner)
+            need(name, (f"{p}to_out.0", "out_features"), (f"{p}to_q", "in_features"))
+            if m.group_norm is not None:
+                need(name, (f"{p}to_q", "in_features"), (f"{p}group_norm", "num_channels"))
+        elif isinstance(m, nn.Embedding):
+            need(name, (name, "embedding_dim"), ("time_embedding.linear_2", "out_features"))
+
+
 def _check_forward(preset: str, modules: Mapping[str, Any]) -> None:
     model = _meta_unet(preset)
-    _apply_plan(model, modules)
-    for name, m in model.named_modules():
-        if isinstance(m, Attention):
-            widths = {m.to_q.out_features, m.to_k.out_features, m.to_v.out_features}
-            if widths != {m.to_out[0].in_features} or m.inner_dim != m.to_q.out_features:
-                raise ConfigError(f"channel plan {name!r}: q/k/v/out widths differ")
+    _check_couplings(model, modules)
+    try:
+        _apply_plan(model, modules)
+    except Exception as err:  # a plan that passed every check above must not get here
+        raise ConfigError(f"channel plan cannot be applied: {type(err).__name__}: {err}") from None
     c, h, w = image_shape(preset)
     sample = torch.zeros(1, c, h, w, device="meta")
     entered: list[str] = []  # names the module a shape error happens in
@@ -537,7 +598,7 @@ def _check_forward(preset: str, modules: Mapping[str, Any]) -> None:
             one = torch.ones(1, dtype=torch.long, device="meta")
             labels = one if model.config.num_class_embeds else None
             out = model(sample, one, class_labels=labels).sample
-    except (RuntimeError, ValueError, AssertionError, IndexError) as err:
+    except Exception as err:  # any failure of the shape-only pass is the plan's fault
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         where = f" at {entered[-1]!r}" if entered else ""
         raise ConfigError(f"channel plan sizes do not fit together{where}: {first}") from None
@@ -560,6 +621,8 @@ def _apply_plan(model: nn.Module, modules: Mapping[str, Any]) -> None:
             _keep(m, "weight", (entry["num_channels"],))
             _keep(m, "bias", (entry["num_channels"],))
             m.num_channels = entry["num_channels"]
+        elif isinstance(m, nn.Embedding):
+            _keep(m, "weight", (entry["num_embeddings"], entry["embedding_dim"]))
         elif isinstance(m, Attention):
             m.heads = entry["heads"]
     sync_attributes(model)
@@ -716,6 +779,8 @@ class SparsityPenalty:
 def _slices(module: nn.Module, member: _Member) -> list[tuple[str, int, tuple[int, ...]]]:
     if isinstance(module, nn.GroupNorm):
         dims = [("weight", 0), ("bias", 0)]
+    elif isinstance(module, nn.Embedding):
+        dims = [("weight", 1)]  # its width: one column per channel
     elif member.kind == "out":
         dims = [("weight", 0), ("bias", 0)]
     else:

@@ -231,7 +231,27 @@ BAD_PLANS = {
     ),
     "attention widths": (
         lambda p: _edit(p, "down_blocks.2.attentions.0.to_q", out_features=32),
-        "widths differ",
+        "to_q.out_features=32 must equal down_blocks.2.attentions.0.inner_dim=64",
+    ),
+    # used to raise ZeroDivisionError computing the attention scale (inner_dim // heads = 0)
+    "attention width 1": (
+        lambda p: _edit(p, "mid_block.attentions.0.to_q", out_features=1),
+        "to_q.out_features=1 must equal",
+    ),
+    # same tensor shapes as dense, different function: heads are never pruned
+    "head count": (lambda p: _edit(p, "mid_block.attentions.0", heads=1), "heads must stay 2"),
+    # the next three only broadcast in the forward pass, then broke the penalty's indexing
+    "time embedding broadcast": (
+        lambda p: _edit(p, "down_blocks.0.resnets.0.time_emb_proj", out_features=1),
+        "time_emb_proj.out_features=1 must equal down_blocks.0.resnets.0.conv1.out_channels",
+    ),
+    "residual broadcast": (
+        lambda p: _edit(p, "down_blocks.0.resnets.0.conv2", out_channels=1),
+        "conv2.out_channels=1 must equal down_blocks.0.resnets.0.conv1.in_channels",
+    ),
+    "attention residual broadcast": (
+        lambda p: _edit(p, "mid_block.attentions.0.to_out.0", out_features=1),
+        "to_out.0.out_features=1 must equal mid_block.attentions.0.to_q.in_features",
     ),
     "sizes disagree": (
         lambda p: _edit(p, "down_blocks.0.resnets.0.conv2", in_channels=8),
@@ -254,6 +274,36 @@ def test_bad_plans_are_rejected(case: str) -> None:
         build_from_plan("fmnist-tiny", plan)
     with pytest.raises(ConfigError):
         plan_spec("fmnist-tiny", plan)
+
+
+def test_class_conditional_plan_round_trip() -> None:
+    """The class embedding is pruned with the time embedding it is added to, and its plan
+    entry carries the new width, so every role rebuilds the pruned conditional model."""
+    model = build_unet("fmnist-tiny-cond", seed=0)
+    pruned = prune_unet(model, 0.44)
+    width = pruned.time_embedding.linear_2.out_features
+    assert pruned.class_embedding.weight.shape == (10, width) and width < 64
+    plan = json.loads(json.dumps(channel_plan(pruned)))
+    entry = plan["modules"]["class_embedding"]
+    assert entry == {"type": "Embedding", "num_embeddings": 10, "embedding_dim": width}
+    rebuilt = build_from_plan("fmnist-tiny-cond", plan, seed=3)
+    rebuilt.load_state_dict(pruned.state_dict())
+    x, t = _inputs(rebuilt)
+    labels = torch.tensor([1, 7])
+    rebuilt.train(pruned.training)
+    with torch.no_grad():
+        got = rebuilt(x, t, class_labels=labels).sample
+        assert torch.equal(got, pruned(x, t, class_labels=labels).sample)
+    removed = 1 - count_params(pruned) / count_params(model)
+    assert removed == pytest.approx(0.44, abs=0.005)  # the embedding's columns are counted
+    penalty = SparsityPenalty.from_model(model, 1e-3)
+    assert any(name == "class_embedding.weight" for g in penalty.groups for name, *_ in g.slices)
+    for bad, match in [
+        ({"embedding_dim": width - 1}, "class_embedding.embedding_dim=.* must equal"),
+        ({"num_embeddings": 9}, "num_embeddings must stay 10"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate_plan("fmnist-tiny-cond", _edit(copy.deepcopy(plan), "class_embedding", **bad))
 
 
 def test_unknown_preset_plan() -> None:
