@@ -8,6 +8,7 @@ newest one (written after it, also atomically).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from shared.atomic import atomic_write
-from shared.codec import decode_tensors, encode_tensors, read_metadata, sha256_hex
+from shared.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
 from shared.config import RunConfig, config_from_dict
 from shared.errors import CodecError
 
@@ -84,7 +85,8 @@ def latest_checkpoint_path(directory: Path) -> Path | None:
     if pointer.is_file():
         try:
             name = json.loads(pointer.read_text())["file"]
-            if (directory / name).is_file():
+            # a bare file name of this directory (never a path out of it)
+            if isinstance(name, str) and name == Path(name).name and (directory / name).is_file():
                 return directory / name
         except (json.JSONDecodeError, KeyError, TypeError):
             pass
@@ -122,4 +124,21 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
         plan = json.loads(meta["arch"]) if "arch" in meta else None
     except json.JSONDecodeError as err:
         raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
+    _check_fits(model, cfg.model.preset, plan, path)
     return Checkpoint(round_, model, state, cfg, digest, path, plan)
+
+
+def _check_fits(model: Mapping[str, torch.Tensor], preset: str, plan: Any, path: Path) -> None:
+    """CodecError unless the plan is valid for ``preset`` and ``model`` holds every tensor
+    of that architecture with its shape (an algorithm's extra global tensors may follow)."""
+    from shared.arch import check_plan, model_spec
+
+    problem = check_plan(preset, plan)
+    if problem:
+        raise CodecError(f"{path}: {problem}")
+    spec = model_spec(preset, plan)
+    try:
+        check_spec({k: v for k, v in model.items() if k in spec}, spec)
+    except CodecError as err:
+        arch = "dense" if plan is None else "its channel plan"
+        raise CodecError(f"{path}: the weights do not fit {arch} of {preset!r}: {err}") from None

@@ -10,14 +10,17 @@ from estuary.cli import main
 from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
 from shared.config import RunConfig
 from shared.errors import CodecError
+from shared.models import build_unet
+from shared.pruning import channel_plan, dense_plan, prune_unet
 from tests.conftest import tiny_config
 
 
 def test_checkpoint_round_trip_and_tamper(tmp_path: Path) -> None:
     cfg = RunConfig()
-    model = {"w": torch.arange(4.0)}
+    model = dict(build_unet(cfg.model.preset, seed=0).state_dict())
     save_checkpoint(tmp_path, 0, model, cfg)
-    path = save_checkpoint(tmp_path, 1, {"w": torch.ones(4)}, cfg, {"c": torch.zeros(2)})
+    ones = {k: torch.ones_like(v) for k, v in model.items()}
+    path = save_checkpoint(tmp_path, 1, ones, cfg, {"c": torch.zeros(2)})
     assert latest_checkpoint_path(tmp_path) == path
     ck = load_checkpoint(path)
     assert ck.round == 1 and ck.config == cfg and torch.equal(ck.algo_state["c"], torch.zeros(2))
@@ -27,6 +30,27 @@ def test_checkpoint_round_trip_and_tamper(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(CodecError, match="hash"):
         load_checkpoint(path)
+
+
+def test_checkpoint_weights_must_fit_the_architecture(tmp_path: Path) -> None:
+    """Weights that do not fit the preset, or the recorded channel plan, are refused on load
+    (they used to surface later as a raw load_state_dict error, or as weights every edge
+    rejects); a pointer naming a file outside the directory is ignored."""
+    cfg = tiny_config()
+    dense = dict(build_unet(cfg.model.preset, seed=0).state_dict())
+    plan = channel_plan(prune_unet(build_unet(cfg.model.preset, seed=0), 0.3))
+    path = save_checkpoint(tmp_path, 0, dense, cfg, plan=plan)  # dense weights, pruned plan
+    with pytest.raises(CodecError, match="do not fit its channel plan of 'fmnist-tiny'"):
+        load_checkpoint(path)
+    path = save_checkpoint(tmp_path, 1, {"w": torch.zeros(4)}, cfg)
+    with pytest.raises(CodecError, match="do not fit dense of 'fmnist-tiny'"):
+        load_checkpoint(path)
+    bad = dict(dense_plan(cfg.model.preset), preset="fmnist-small")
+    path = save_checkpoint(tmp_path, 2, dense, cfg, plan=bad)
+    with pytest.raises(CodecError, match="bad architecture plan"):
+        load_checkpoint(path)
+    (tmp_path / "latest.json").write_text(json.dumps({"file": "../round_000002.safetensors"}))
+    assert latest_checkpoint_path(tmp_path) == path  # the newest round file instead
 
 
 def test_cli_simulate_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
