@@ -87,6 +87,10 @@ class DeploymentReceiver:
         except EstuaryError as err:
             self._refuse(sha, "bad_model", str(err))
             return
+        except Exception as err:  # whatever a signed but broken model raises: refuse, report
+            log.exception("%s: deployment %s failed to load", self.service.name, sha[:12])
+            self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}")
+            return
         old = self.served
         self.served = served
         m = self.service.metrics
@@ -150,8 +154,9 @@ class DeploymentReceiver:
             return
         try:
             images, stats = served.generator.sample(n, steps=steps, seed=seed)
-        except EstuaryError as err:
-            self._report("refused", served.sha256, reason=f"sampling failed: {err}"[:500],
+        except Exception as err:  # EstuaryError, or anything else: the requester hears why
+            detail = str(err) if isinstance(err, EstuaryError) else f"{type(err).__name__}: {err}"
+            self._report("refused", served.sha256, reason=f"sampling failed: {detail}"[:500],
                          request_id=tag)  # fmt: skip
             return
         grid = save_grid(images, self.out_dir / "samples" / f"{_SAFE.sub('_', tag)}.png")

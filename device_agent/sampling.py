@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -56,8 +57,38 @@ class DdimSchedule:
     @classmethod
     def from_card(cls, params: dict[str, Any]) -> DdimSchedule:
         """Build from a card's ``scheduler`` entry, refusing settings this loop lacks."""
+        if not isinstance(params, dict):
+            raise EstuaryError(f"card scheduler must be an object, got {type(params).__name__}")
         known = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
+        defaults = cls()
+        for key, value in known.items():
+            want = type(getattr(defaults, key))
+            ok = (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                if want is float
+                else type(value) is want
+            )
+            if not ok:
+                raise EstuaryError(
+                    f"card scheduler {key}={value!r} must be of type {want.__name__}"
+                )
         sched = cls(**known)
+        if not 1 <= sched.num_train_timesteps <= 100_000:
+            raise EstuaryError(
+                f"card num_train_timesteps={sched.num_train_timesteps} must be in 1..100000"
+            )
+        if not (0 < sched.beta_start <= sched.beta_end < 1):
+            raise EstuaryError(
+                f"card betas must satisfy 0 < beta_start <= beta_end < 1, got "
+                f"{sched.beta_start}, {sched.beta_end}"
+            )
+        if not 0 <= sched.steps_offset < sched.num_train_timesteps:
+            raise EstuaryError(
+                f"card steps_offset={sched.steps_offset} must be in "
+                f"0..{sched.num_train_timesteps - 1}"
+            )
+        if not (math.isfinite(sched.clip_sample_range) and sched.clip_sample_range > 0):
+            raise EstuaryError(f"card clip_sample_range={sched.clip_sample_range} must be > 0")
         if (sched.beta_schedule, sched.prediction_type, sched.timestep_spacing) != (
             "linear", "epsilon", "leading",
         ):  # fmt: skip
@@ -83,7 +114,13 @@ class DdimSchedule:
     def timesteps(self, steps: int) -> np.ndarray:
         """The DDIM timesteps for ``steps`` sampling steps, high to low."""
         ratio = self.step_ratio(steps)
-        return (np.arange(steps, dtype=np.int64) * ratio)[::-1] + self.steps_offset
+        ts = (np.arange(steps, dtype=np.int64) * ratio)[::-1] + self.steps_offset
+        if ts[0] >= self.num_train_timesteps:
+            raise EstuaryError(
+                f"{steps} steps with steps_offset {self.steps_offset} reach timestep {ts[0]}, "
+                f"past the schedule's {self.num_train_timesteps}; use fewer steps"
+            )
+        return ts
 
 
 def ddim_sample(
@@ -238,13 +275,28 @@ class OnnxGenerator:
         names = {i.name for i in self.session.get_inputs()}
         if not {"sample", "timestep"} <= names:
             raise EstuaryError(f"model inputs {sorted(names)} lack 'sample' and 'timestep'")
-        self.num_classes = int(card.get("num_classes") or 0)
+        classes = card.get("num_classes") or 0
+        if type(classes) is not int or not 0 <= classes <= 100_000:
+            raise EstuaryError(f"card num_classes must be an integer >= 0, got {classes!r}")
+        self.num_classes = classes
         if ("class_labels" in names) != (self.num_classes > 0):
             raise EstuaryError("the model's class_labels input and the card's num_classes differ")
         shape = card.get("image_shape")
-        if not (isinstance(shape, list) and len(shape) == 3 and all(int(s) > 0 for s in shape)):
-            raise EstuaryError(f"card image_shape must be [C, H, W], got {shape!r}")
-        self.image_shape = tuple(int(s) for s in shape)
+        if not (
+            isinstance(shape, list)
+            and len(shape) == 3
+            and all(type(s) is int and 0 < s <= 4096 for s in shape)
+        ):
+            raise EstuaryError(f"card image_shape must be [C, H, W] of ints, got {shape!r}")
+        self.image_shape = (shape[0], shape[1], shape[2])
+        sample = next(i for i in self.session.get_inputs() if i.name == "sample")
+        fixed = [d if isinstance(d, int) else None for d in list(sample.shape)[1:]]
+        if len(fixed) != 3 or any(
+            d is not None and d != s for d, s in zip(fixed, shape, strict=True)
+        ):
+            raise EstuaryError(
+                f"card image_shape {shape} does not match the model's sample input {sample.shape}"
+            )
 
     @property
     def providers(self) -> list[str]:
@@ -256,7 +308,11 @@ class OnnxGenerator:
         feed: dict[str, np.ndarray] = {"sample": x, "timestep": t}
         if self.num_classes:
             feed["class_labels"] = labels if labels is not None else np.zeros_like(t)
-        return self.session.run(None, feed)[0]
+        try:
+            out: np.ndarray = self.session.run(None, feed)[0]
+        except Exception as err:  # onnxruntime's own error types
+            raise EstuaryError(f"ONNX Runtime failed: {type(err).__name__}: {err}") from None
+        return out
 
     def noise(self, n: int, seed: int) -> np.ndarray:
         """Start noise for ``n`` images from ``seed`` (numpy's PCG64)."""

@@ -31,6 +31,8 @@ MAX_MANIFEST_BYTES = 64 * 1024
 PRIVATE_KEY_FILE = "deploy_ed25519.pem"
 PUBLIC_KEY_FILE = "deploy_ed25519.pub.pem"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: the model's file name in a deployment directory (never the manifest, never a path)
+_MODEL_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,122}\.onnx")
 _SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
 
 
@@ -158,10 +160,12 @@ def check_manifest(manifest: Any) -> None:
     sha, size, file = model.get("sha256"), model.get("size"), model.get("file")
     if not isinstance(sha, str) or not _SHA256.match(sha):
         raise SignatureError("bad_manifest", "model.sha256 is not a sha256")
-    if not isinstance(size, int) or size <= 0:
+    if type(size) is not int or size <= 0:
         raise SignatureError("bad_manifest", "model.size is not a positive integer")
-    if not isinstance(file, str) or "/" in file or file.startswith("."):
-        raise SignatureError("bad_manifest", "model.file must be a plain file name")
+    if not isinstance(file, str) or not _MODEL_FILE.fullmatch(file):
+        raise SignatureError(
+            "bad_manifest", f"model.file must be a plain *.onnx file name, got {file!r:.80}"
+        )
     if not isinstance(manifest.get("card"), dict):
         raise SignatureError("bad_manifest", "manifest has no model card")
 
