@@ -24,6 +24,7 @@ broker's log. A :class:`LocalBroker` is not thread-safe: drive it from one threa
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import functools
@@ -31,6 +32,7 @@ import importlib.util
 import itertools
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -68,9 +70,46 @@ _PR_SET_PDEATHSIG = 1
 _probe_ids = itertools.count()
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_FREE_PORT_TRIES = 64
+#: ports :func:`free_port` handed out lately, never handed out twice (their users may not
+#: have bound them yet); bounded
+_handed_ports: collections.deque[int] = collections.deque(maxlen=4096)
+_handed_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports of outgoing connections (Linux default 32768-60999)."""
+    try:
+        lo, hi = (int(v) for v in _EPHEMERAL_RANGE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    """A TCP port on ``host`` that was free a moment ago, for a process started later.
+
+    Taken below the kernel's ephemeral range when there is room: a port the OS hands out for
+    ``bind(0)`` can be handed out again, meanwhile, as the local port of some process's
+    outgoing connection (every role connects to the broker), and then the process meant to
+    listen on it fails with "address already in use". Falls back to ``bind(0)``.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    lo, _ = _ephemeral_range()
+    pool = range(max(1024, lo - 16384), lo)
+    pick = random.SystemRandom()  # not a reproducibility concern: any free port will do
+    for _ in range(_FREE_PORT_TRIES if len(pool) >= 1024 else 0):
+        port = pick.choice(pool)
+        with _handed_lock, socket.socket(family, socket.SOCK_STREAM) as sock:
+            if port in _handed_ports:
+                continue
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            _handed_ports.append(port)
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -394,6 +394,17 @@ def test_free_port_is_bindable() -> None:
         sock.bind(("127.0.0.1", port))
 
 
+def test_free_ports_avoid_the_ephemeral_range_and_repeats() -> None:
+    """Ports for processes started later come from below the kernel's range for outgoing
+    connections (a broker connection could otherwise take one before its listener binds
+    it: CI once saw a cloud die on "address already in use"), and never twice."""
+    lo, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if lo > 1024 + 1024:
+        assert all(1024 <= p < lo for p in ports)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
