@@ -300,6 +300,9 @@ class DeviceAgent(RoleService):
             seed=self.cfg.run.seed,
             state=self.algo_state,
         )
+        # Algorithms replace their state's entries (never mutate them), so this shallow copy
+        # is the state as it was before the round, to go back to if training diverges.
+        before = dict(self.algo_state)
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
         continuing = self.kept_local == (msg.round - 1, msg.model_ref.sha256)
         if not continuing:
@@ -312,8 +315,11 @@ class DeviceAgent(RoleService):
         reason = self._divergence(result)
         if reason:
             # Nothing is uploaded or reported (the edge's deadline covers the missing
-            # update); the next round starts again from the edge's model.
+            # update); the next round starts again from the edge's model, with the state the
+            # device had before this round (SCAFFOLD's c_i, which the server's c includes;
+            # FedDiffuse's local parts; MOON's previous model), not with none.
             self.algo_state.clear()
+            self.algo_state.update(before)
             self.reject("diverged", f"round {msg.round} at {msg.edge}: {reason}")
             return
         if not msg.upload:

@@ -111,12 +111,16 @@ def count_fetches(dev: DeviceAgent) -> list[int]:
 
 def test_diverged_upload_round_is_rejected_and_nothing_leaves_the_device() -> None:
     bus, dev, edge, ups = edge_setup(**DIVERGING)
+    kept = {"c_local": torch.ones(3)}  # per-device state from earlier rounds (SCAFFOLD's c_i)
+    dev.algo_state.update(kept)
     edge.announce(0, upload=True)
     bus.run(lambda: False)
     assert rejected(bus) == {"device:diverged": 1}
     assert ups == [] and dev.last_update is None
     assert bus.traffic.total("sent", "device_update") == 0  # no NaN blob was uploaded
-    assert dev.kept_local is None and dev.algo_state == {}
+    # the state from before the round is kept (clearing it broke c = mean c_i for SCAFFOLD
+    # and reset FedDiffuse's trained local parts to the initial model)
+    assert dev.kept_local is None and dev.algo_state == kept
 
 
 def test_diverged_local_round_is_not_continued_next_round() -> None:
