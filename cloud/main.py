@@ -149,4 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("run complete: final global model %s; outputs in %s", cloud.model_sha, run_dir)
+    elif cloud.done:  # stopped before the last round: no device registered in time
+        log.error("cloud stopped after round %d of %d", cloud.round, cfg.run.rounds)
+        return EXIT_ERROR
     return code

@@ -166,6 +166,9 @@ def _read_base(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: cannot read base config {file}: {err}") from None
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: 'base' must be a table of run-config sections or a path")
+    bad = sorted(k for k, v in base.items() if not isinstance(v, dict))
+    if bad:
+        raise ConfigError(f"{path}: base sections {bad} must be tables ([base.{bad[0]}])")
     return base
 
 
@@ -181,10 +184,15 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     overrides = entry.get("overrides", {})
     if not isinstance(overrides, dict):
         raise ConfigError(f"{path}: method {label!r}: 'overrides' must be a table")
+    centralized = entry.get("centralized", False)
+    if not isinstance(centralized, bool):
+        raise ConfigError(
+            f"{path}: method {label!r}: 'centralized' must be true or false, got {centralized!r}"
+        )
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
-    return Method(label, slug, cfg, bool(entry.get("centralized", False)))
+    return Method(label, slug, cfg, centralized)
 
 
 def parse_compare(
@@ -195,6 +203,8 @@ def parse_compare(
     if unknown:
         raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}")
     opts = raw.get("compare", {})
+    if not isinstance(opts, dict):
+        raise ConfigError(f"{path}: [compare] must be a table, got {type(opts).__name__}")
     extra = set(opts) - {"name", "reference", "d_e", "d_c"}
     if extra:
         raise ConfigError(f"{path}: unknown keys in [compare]: {sorted(extra)}")

@@ -32,7 +32,7 @@ ENV_PREFIX = "ESTUARY__"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class RunSection(_Section):
@@ -325,6 +325,22 @@ class RunConfig(_Section):
                 f"assignment: federation.assignment = {self.federation.assignment!r} lets "
                 "devices pick their edge during the round; use 'static'"
             )
+        if self.federation.cloud_every > self.run.rounds:
+            raise ValueError(
+                f"federation.cloud_every (r_g={self.federation.cloud_every}) exceeds "
+                f"run.rounds ({self.run.rounds}): the cloud would never aggregate and the run "
+                "would end with the initial model"
+            )
+        steps = self.diffusion.num_train_timesteps
+        for section, value in (
+            ("eval", self.eval.sample_steps),
+            ("deploy", self.deploy.sample_steps),
+        ):
+            if value > steps:
+                raise ValueError(
+                    f"{section}.sample_steps ({value}) exceeds diffusion.num_train_timesteps "
+                    f"({steps})"
+                )
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,9 +12,12 @@ import numpy as np
 from PIL import Image
 
 from shared.checkpoint import atomic_write
+from shared.errors import EstuaryError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
 
 
 def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
@@ -35,8 +39,19 @@ def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Rows of a ``metrics.jsonl`` file. A last line cut short (a writer killed mid-row, or
+    a row being appended while this reads) is left out; a bad line before it is an error."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                log.warning("%s: last line is incomplete (%s); ignored", path, err)
+                break
+            raise EstuaryError(f"{path} line {i + 1} is not JSON: {err}") from None
+    return rows
 
 
 def last_quality(

@@ -6,6 +6,10 @@ transport message is refused before anything connects."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,11 +17,14 @@ import pytest
 from cloud import CloudServer
 from cloud.service import check_round_start_fits, largest_round_start
 from shared.algorithms import make_algorithm
+from shared.broker import LocalBroker, find_mosquitto
 from shared.bus import MemoryBus
 from shared.errors import ConfigError
 from shared.messages import DeviceHello, EdgeUpdate, Topics, encode
 from shared.models import initial_unet
 from tests.conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cloud(**algorithm: Any) -> tuple[MemoryBus, CloudServer, Any, Topics]:
@@ -121,3 +128,23 @@ def test_a_federation_too_large_to_announce_is_refused_up_front(assignment: str)
     check_round_start_fits(
         tiny_config(federation={**fed, "num_devices": 30_000, "participation": 0.2})
     )
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="needs the mosquitto binary")
+def test_cloud_process_fails_when_no_device_registers(tmp_path: Path) -> None:
+    """The registration timeout with no device is a failed run (exit 2), not a success: it
+    used to exit 0 with no summary.json, and the demo then failed on the missing file."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nname = "lonely"\nrounds = 1\n[federation]\nnum_devices = 1\n'
+                   "num_edges = 1\nregistration_timeout_s = 1.0\n")  # fmt: skip
+    with LocalBroker(kind="mosquitto") as broker:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cloud", str(cfg), "--out", str(tmp_path / "out"),
+             "--broker", f"127.0.0.1:{broker.port}", "--metrics-port", "-1"],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-2000:]
+    assert "no device registered" in log and "stopped after round 0 of 1" in log
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -117,6 +117,8 @@ def test_unknown_override_key_is_named() -> None:
         ({"label": "A", "overrides": {"run.seed": 3}}, "changes run.seed"),
         ({"label": "A", "overides": {}}, "unknown keys"),
         ({"overrides": {}}, "needs a string 'label'"),
+        # a string is truthy: "false" used to make the method centralized
+        ({"label": "A", "centralized": "false"}, "'centralized' must be true or false"),
     ],
 )
 def test_bad_methods_rejected(method: dict[str, Any], match: str) -> None:
@@ -134,6 +136,11 @@ def test_bad_compare_sections_rejected() -> None:
         parse_compare(_raw(compare={"reference": "Z"}), Path("x.toml"))
     with pytest.raises(ConfigError, match="unknown top-level keys"):
         parse_compare(_raw(methods=[]), Path("x.toml"))
+    # these two used to raise TypeError
+    with pytest.raises(ConfigError, match="\\[compare\\] must be a table"):
+        parse_compare(_raw(compare=5), Path("x.toml"))
+    with pytest.raises(ConfigError, match="base sections \\['run'\\] must be tables"):
+        parse_compare({**_raw(), "base": {"run": 5}}, Path("x.toml"))
 
 
 def test_env_overrides_apply_to_the_base() -> None:

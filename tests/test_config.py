@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,31 @@ def test_bad_choice_lists_the_problem() -> None:
 def test_cross_field_rule() -> None:
     with pytest.raises(ConfigError, match="cloud_every"):
         config_from_dict({"federation": {"edge_every": 2, "cloud_every": 3}})
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        # the cloud would never aggregate: the run used to end on the initial model
+        (
+            {"run": {"rounds": 2}, "federation": {"cloud_every": 5, "edge_every": 5}},
+            "cloud_every \\(r_g=5\\) exceeds run.rounds \\(2\\)",
+        ),
+        # used to fail with a diffusers traceback after the first round had trained
+        ({"eval": {"sample_steps": 2000}}, "eval.sample_steps \\(2000\\) exceeds"),
+        (
+            {"diffusion": {"num_train_timesteps": 100}, "deploy": {"sample_steps": 200}},
+            "deploy.sample_steps \\(200\\) exceeds",
+        ),
+        # NaN passed every range check (each comparison with NaN is False)
+        ({"algorithm": {"b": float("nan")}}, "algorithm.b: Input should be a finite number"),
+        ({"train": {"weight_decay": float("inf")}}, "train.weight_decay: Input should be a finite"),
+    ],
+    ids=["never_aggregates", "eval_steps", "deploy_steps", "nan", "inf"],
+)
+def test_cross_section_and_non_finite_values_are_refused(data: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(data)
 
 
 def test_env_overrides_parse_types() -> None:

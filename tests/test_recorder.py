@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cloud.service import RoundSummary
 from shared.config import RunConfig
+from shared.errors import EstuaryError
 from shared.recorder import RunRecorder
-from shared.report import plot_report, report_figure, traffic_labels
+from shared.report import plot_report, read_metrics, report_figure, traffic_labels
 from shared.telemetry import Traffic
 
 
@@ -79,3 +82,23 @@ def test_rows_without_a_scope_keep_the_old_labels() -> None:
     """metrics.jsonl files written before the scope existed plot as they always did."""
     assert traffic_labels([{"round": 0, "bytes_up": 1}])[0] == "traffic per round"
     assert traffic_labels([])[0] == "traffic per round"
+
+
+def test_resume_after_a_torn_last_row(tiny_cfg: RunConfig, tmp_path: Path) -> None:
+    """A cloud killed while appending a row leaves half a line; the restarted cloud reads
+    the rows before it and rewrites the file (it used to die on a JSONDecodeError), while a
+    bad line in the middle is still an error."""
+    traffic = Traffic()
+    rec = RunRecorder(tiny_cfg, tmp_path, traffic, evaluate=False, traffic_scope="cloud")
+    rec.on_round_end(summary(0))
+    rec.on_round_end(summary(1))
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(path.read_bytes()[:-40])  # the second row cut short
+    assert [r["round"] for r in read_metrics(path)] == [0]
+    again = RunRecorder(tiny_cfg, tmp_path, Traffic(), evaluate=False, resume_after=0)
+    assert [r["round"] for r in again.rows] == [0]
+    again.on_round_end(summary(1))
+    assert [r["round"] for r in read_metrics(path)] == [0, 1]
+    path.write_text("{not json\n" + path.read_text())
+    with pytest.raises(EstuaryError, match="line 1 is not JSON"):
+        read_metrics(path)
