@@ -475,7 +475,7 @@ def run_compare(
             print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")
     rows = summarize(runs, spec)
     write_tables(rows, spec, out)
-    write_plots(runs, out)
+    write_plots(runs, out, spec.distances)
     return CompareResult(out, rows, runs)
 
 
@@ -692,7 +692,7 @@ def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> No
 
 
 # -- the plots -------------------------------------------------------------------------------
-def _curves(run: MethodRun) -> dict[str, list[float]]:
+def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
     done = np.cumsum(run.steps)
     flat = acc.is_flat(run.method.cfg.federation)
     x, mib, cost = [0.0], [0.0], [0.0]  # cumulative curves start at the origin
@@ -702,7 +702,7 @@ def _curves(run: MethodRun) -> dict[str, list[float]]:
         step = float(done[row["round"]])
         b = acc.split_received(row.get("bytes", {}))
         total += acc.mib(b.total)
-        weighted += acc.weighted_cost(b, flat=flat) if not run.method.centralized else 0.0
+        weighted += acc.weighted_cost(b, flat=flat, d=d) if not run.method.centralized else 0.0
         x.append(step)
         mib.append(total)
         cost.append(weighted)
@@ -712,14 +712,15 @@ def _curves(run: MethodRun) -> dict[str, list[float]]:
     return {"x": x, "fid_x": fid_x, "fid": fid, "mib": mib, "cost": cost}
 
 
-def write_plots(runs: list[MethodRun], out: Path) -> None:
-    """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic), every method on each."""
+def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances | None = None) -> None:
+    """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic and the weighted cost at
+    distances ``d``, the comparison's ``d_e``/``d_c``), every method on each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [(run.method.label, _curves(run)) for run in runs]
+    curves = [(run.method.label, _curves(run, d or acc.Distances())) for run in runs]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, c in curves:
         if c["fid"]:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from estuary.cli import main
-from estuary.compare import COLUMNS, load_compare, parse_compare, run_compare
+from estuary.compare import COLUMNS, _curves, load_compare, parse_compare, run_compare
+from shared.accounting import Distances
 from shared.errors import ConfigError
 
 TINY = """
@@ -98,6 +99,11 @@ def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     assert fedavg["cloud_bytes_per_agg"] == pytest.approx(2 * fedphd["cloud_bytes_per_agg"], 1e-3)
     assert central["total_bytes"] == 0 and central["central_aggs"] == 0
     assert [q["method"] for q in doc["relative"]] == ["FedPhD (select)"]
+    # the plotted weighted cost uses the comparison's distances, as the table does (the
+    # plot used the defaults): FedAvg is flat, so all of it is on the cloud link (0.02 d_c)
+    run = res.runs[0]
+    near, far = (_curves(run, Distances(1.0, d_c))["cost"][-1] for d_c in (10.0, 20.0))
+    assert near > 0 and far == pytest.approx(2 * near)
 
 
 def test_unknown_override_key_is_named() -> None:
