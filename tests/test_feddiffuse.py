@@ -4,6 +4,7 @@ local parts that persist and train, the paper's communication count, and end-to-
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -313,21 +314,26 @@ def test_communicated_params_reproduce_paper_table_1() -> None:
 
 
 # -- end to end over MemoryBus ------------------------------------------------------------------
-@pytest.mark.parametrize("split", ["full", "usplit", "ulatdec", "udec"])
-def test_end_to_end_memory_bus(split: str) -> None:
-    """3 devices behind 2 edges (a pair, and a device alone: USPLIT's odd one out), 2 rounds:
-    the run completes, the global model moves in the federated parts only, local parts live
-    trained on the devices, and the uplink carries what the paper's count says."""
+def _three_devices_two_edges(split: str, *, rounds: int) -> tuple[RunConfig, MemoryBus, Any]:
+    """A FedDiffuse federation of 3 devices behind 2 edges, one local step per round."""
     cfg = _cfg(
         split,
-        run={"rounds": 2},
+        run={"rounds": rounds},
         federation={"num_devices": 3, "num_edges": 2},
         train={"local_steps": 1, "batch_size": 2},
     )
     data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
     bus = MemoryBus()
-    fed = build_federation(cfg, bus, data, parts)
+    return cfg, bus, build_federation(cfg, bus, data, parts)
+
+
+@pytest.mark.parametrize("split", ["full", "usplit", "ulatdec", "udec"])
+def test_end_to_end_memory_bus(split: str) -> None:
+    """3 devices behind 2 edges (a pair, and a device alone: USPLIT's odd one out), 2 rounds:
+    the run completes, the global model moves in the federated parts only, local parts live
+    trained on the devices, and the uplink carries what the paper's count says."""
+    cfg, bus, fed = _three_devices_two_edges(split, rounds=2)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
     init = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
@@ -353,16 +359,7 @@ def test_usplit_global_is_each_part_averaged_over_its_reporters() -> None:
     """Over the hierarchy (3 devices behind 2 edges, so one edge reports a part its peer
     edge does not) one round's global model equals the flat per-part FedAvg over the devices
     (the paper's federator), to float rounding."""
-    cfg = _cfg(
-        "usplit",
-        run={"rounds": 1},
-        federation={"num_devices": 3, "num_edges": 2},
-        train={"local_steps": 1, "batch_size": 2},
-    )
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus = MemoryBus()
-    fed = build_federation(cfg, bus, data, parts)
+    cfg, bus, fed = _three_devices_two_edges("usplit", rounds=1)
     sent: list[tuple[dict[str, torch.Tensor], int]] = []
     algo_cls = type(make_algorithm(cfg))
     original = algo_cls.device_round
