@@ -712,7 +712,7 @@ def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
     return {"x": x, "fid_x": fid_x, "fid": fid, "mib": mib, "cost": cost}
 
 
-def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances | None = None) -> None:
+def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
     """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic and the weighted cost at
     distances ``d``, the comparison's ``d_e``/``d_c``), every method on each."""
     import matplotlib
@@ -720,7 +720,7 @@ def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [(run.method.label, _curves(run, d or acc.Distances())) for run in runs]
+    curves = [(run.method.label, _curves(run, d)) for run in runs]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, c in curves:
         if c["fid"]:

@@ -18,7 +18,7 @@ import torch
 from shared.atomic import atomic_write
 from shared.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
 from shared.config import RunConfig, config_from_dict
-from shared.errors import CodecError
+from shared.errors import CodecError, EstuaryError
 
 __all__ = [
     "Checkpoint",
@@ -131,12 +131,12 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
 def _check_fits(model: Mapping[str, torch.Tensor], preset: str, plan: Any, path: Path) -> None:
     """CodecError unless the plan is valid for ``preset`` and ``model`` holds every tensor
     of that architecture with its shape (an algorithm's extra global tensors may follow)."""
-    from shared.arch import check_plan, model_spec
+    from shared.arch import model_spec
 
-    problem = check_plan(preset, plan)
-    if problem:
-        raise CodecError(f"{path}: {problem}")
-    spec = model_spec(preset, plan)
+    try:
+        spec = model_spec(preset, plan)  # validates the plan (shared.pruning.validate_plan)
+    except (EstuaryError, ValueError, TypeError, KeyError) as err:
+        raise CodecError(f"{path}: bad architecture plan: {err}") from None
     try:
         check_spec({k: v for k, v in model.items() if k in spec}, spec)
     except CodecError as err:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import torch
 
 from shared.messages import BlobRef, RoundStart
 from shared.models import build_unet
 from shared.service import RoleService
 
 SESSION = "0123456789abcdef"
+
+
+@functools.cache
+def _model_state(preset: str, seed: int) -> dict[str, torch.Tensor]:
+    return dict(build_unet(preset, seed=seed).state_dict())
+
+
+def put_model(service: RoleService, kind: str, *, seed: int = 0) -> BlobRef:
+    """Offer the ``seed``-initialized model of the service's preset as a blob of ``kind``."""
+    return service.put_tensors(_model_state(service.cfg.model.preset, seed), kind)
 
 
 class Cloud(RoleService):
@@ -28,8 +41,7 @@ class Cloud(RoleService):
     ) -> None:
         """Send the RoundStart of round ``r`` assigning ``devices`` to edge0."""
         if ref is None:
-            state = dict(build_unet(self.cfg.model.preset, seed=0).state_dict())
-            ref = self.put_tensors(state, "global_model")
+            ref = put_model(self, "global_model")
         msg = RoundStart(
             round=r,
             session=SESSION,

@@ -23,10 +23,9 @@ from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.config import RunConfig
 from shared.messages import DeviceJoin, DeviceUpdate, EdgeRound, RoundStart, decode
-from shared.models import build_unet
 from shared.service import RoleService
 from tests.conftest import tiny_config
-from tests.hand_roles import SESSION
+from tests.hand_roles import SESSION, put_model
 
 OTHER_SESSION = "fedcba9876543210"
 COUNTS = [1] * 10
@@ -65,8 +64,7 @@ class Edge(RoleService):
     def announce(self, round_: int, *, upload: bool, ref: Any = None) -> Any:
         """Send an EdgeRound for ``round_`` (a fresh model blob unless ``ref``); the ref."""
         if ref is None:
-            state = dict(build_unet(self.cfg.model.preset, seed=0).state_dict())
-            ref = self.put_tensors(state, "edge_model")
+            ref = put_model(self, "edge_model")
         msg = EdgeRound(
             round=round_,
             session=SESSION,
@@ -174,7 +172,7 @@ class Peer(RoleService):
         self, round_: int, edge_counts: dict[str, list[int]], participants: list[str]
     ) -> None:
         """Open ``round_`` with device-selected edges."""
-        ref = self.put_tensors(dict(build_unet(self.cfg.model.preset, seed=0).state_dict()), "m")
+        ref = put_model(self, "m")
         msg = RoundStart(
             round=round_,
             session=SESSION,

@@ -16,11 +16,10 @@ from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.data import NUM_CLASSES
 from shared.messages import MAX_COUNT, BlobRef, DeviceHello, DeviceUpdate, EdgeUpdate, decode
-from shared.models import build_unet
 from shared.pruning import dense_plan
 from shared.service import RoleService
 from tests.conftest import tiny_config
-from tests.hand_roles import SESSION, Cloud
+from tests.hand_roles import SESSION, Cloud, put_model
 
 
 class Dev(RoleService):
@@ -39,8 +38,7 @@ class Dev(RoleService):
     ) -> None:
         """Upload a model and send the DeviceUpdate of round ``r``."""
         counts = counts if counts is not None else [n] + [0] * (NUM_CLASSES - 1)
-        state = dict(build_unet(self.cfg.model.preset, seed=1).state_dict())
-        ref = self.put_tensors(state, "device_update")
+        ref = put_model(self, "device_update", seed=1)
         msg = DeviceUpdate(
             round=r,
             session=SESSION,
