@@ -82,6 +82,7 @@ def largest_round_start(cfg: RunConfig) -> int:
         session="f" * 16,
         assignment={e: ([] if selecting or i else names) for i, e in enumerate(edges)},
         global_ref=BlobRef(sha256="f" * 64, size=2**40, kind="global_model", src="cloud"),
+        shared_ref=BlobRef(sha256="f" * 64, size=2**40, kind="global_model", src="cloud"),
         new_global=True,
         deadline_s=fed.round_deadline_s,
         config_digest=cfg.digest(),
@@ -166,6 +167,7 @@ class CloudServer(RoleService):
         self.round = start_round
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
+        self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
         self.reports: dict[str, tuple[EdgeUpdate, TensorDict | None]] = {}
@@ -295,11 +297,18 @@ class CloudServer(RoleService):
         if self.fresh_global or self.global_ref is None:
             self.global_ref = self.put_tensors(self.model, "global_model")
             self.metrics.model_bytes.set(self.global_ref.size)
+            shared = self.algorithm.shared_spec(self.spec)
+            self.shared_ref = None
+            if shared is not None:
+                self.shared_ref = self.put_tensors(
+                    {k: self.model[k] for k in shared}, "global_model"
+                )
         msg = RoundStart(
             round=r,
             session=self.session,
             assignment=self.assignment,
             global_ref=self.global_ref,
+            shared_ref=self.shared_ref,
             new_global=self.fresh_global,
             deadline_s=self.cfg.federation.round_deadline_s,
             config_digest=self.cfg.digest(),
@@ -342,7 +351,10 @@ class CloudServer(RoleService):
             return
         tensors = None
         if msg.model_ref is not None:
-            tensors = self.fetch_tensors(msg.model_ref, self.spec)
+            # an edge sends the shared tensors only, where the algorithm has them
+            tensors = self.fetch_tensors(
+                msg.model_ref, self.algorithm.shared_spec(self.spec) or self.spec
+            )
             if tensors is None:
                 return
         self.reports[msg.edge] = (msg, tensors)

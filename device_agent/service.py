@@ -306,7 +306,15 @@ class DeviceAgent(RoleService):
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
         continuing = self.kept_local == (msg.round - 1, msg.model_ref.sha256)
         if not continuing:
-            state = self.fetch_tensors(msg.model_ref, self.spec)
+            shared = self.algorithm.shared_spec(self.spec)
+            if (
+                msg.shared_ref is not None
+                and shared is not None
+                and self.algorithm.device_holds_rest(ctx, self.spec)
+            ):  # the device has the rest (its local parts): only the shared tensors travel
+                state = self.fetch_tensors(msg.shared_ref, shared)
+            else:
+                state = self.fetch_tensors(msg.model_ref, self.spec)
             if state is None:
                 return  # rejected and counted; the edge's deadline covers the missing update
             self.algorithm.device_load(ctx, self.model, state)

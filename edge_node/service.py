@@ -23,7 +23,7 @@ from collections import OrderedDict
 from shared.algorithms import Algorithm, Update
 from shared.arch import Plan, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
-from shared.codec import TensorSpec
+from shared.codec import TensorSpec, encode_tensors, sha256_hex
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES, histogram_problem
 from shared.messages import (
@@ -63,6 +63,7 @@ class EdgeServer(RoleService):
         self.early_joins: OrderedDict[tuple[str, int, str], str] = OrderedDict()
         self.model: TensorDict | None = None
         self.model_ref: BlobRef | None = None
+        self.shared_ref: BlobRef | None = None  # model's shared tensors; put with model_ref
         self.global_sha: str | None = None
         self.session: str | None = None
         self.round: int | None = None
@@ -159,6 +160,26 @@ class EdgeServer(RoleService):
             self.joined.discard(device)
         self._maybe_close()
 
+    def _merge_shared(self, msg: RoundStart) -> TensorDict | None:
+        """The new global state from its shared tensors (``msg.shared_ref``) and the rest of
+        the edge's own state, when that reproduces ``msg.global_ref`` byte for byte (the
+        rest never changes in federation); None when it cannot (fetch the whole state)."""
+        shared = self.algorithm.shared_spec(self.spec)
+        if msg.shared_ref is None or shared is None or self.model is None:
+            return None
+        part = self.fetch_tensors(msg.shared_ref, shared)
+        if part is None:
+            return None  # rejected and counted; the whole state may still come
+        merged = {**self.model, **part}
+        if sha256_hex(encode_tensors(merged)) != msg.global_ref.sha256:
+            self.reject(
+                "shared_mismatch",
+                f"round {msg.round}: the global's shared tensors over this edge's state do "
+                "not give the global state; fetching all of it",
+            )
+            return None
+        return merged
+
     def _update_device_gauge(self) -> None:
         online = len(self.my_devices - self.offline)
         self.metrics.devices.labels(edge=self.name).set(online)
@@ -185,7 +206,9 @@ class EdgeServer(RoleService):
         fetch = msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha
         if new_arch or fetch:  # the old architecture's state no longer fits a new one
             # fetched before anything changes: a failed fetch leaves the open round intact
-            state = self.fetch_tensors(msg.global_ref, spec)
+            state = None if new_arch else self._merge_shared(msg)
+            if state is None:
+                state = self.fetch_tensors(msg.global_ref, spec)
             if state is None:
                 return
             if new_arch:
@@ -225,12 +248,17 @@ class EdgeServer(RoleService):
         assert self.model is not None  # fetched above whenever there was none
         if self.model_ref is None:
             self.model_ref = self.put_tensors(self.model, "edge_model")
+            shared = self.algorithm.shared_spec(self.spec)
+            self.shared_ref = None
+            if shared is not None:
+                self.shared_ref = self.put_tensors({k: self.model[k] for k in shared}, "edge_model")
         announce = EdgeRound(
             round=msg.round,
             session=msg.session,
             edge=self.name,
             devices=self.candidates,
             model_ref=self.model_ref,
+            shared_ref=self.shared_ref,
             upload=self.upload,
             deadline_s=self.cfg.federation.round_deadline_s,
             select=self.selecting,
@@ -416,7 +444,12 @@ class EdgeServer(RoleService):
                     for part in self.algorithm.upload_parts(update.tensors):
                         acc_parts[part] += msg.n_samples
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
-        ref = self.put_tensors(model, "edge_update") if cloud_round and acc_n else None
+        ref = None
+        if cloud_round and acc_n:
+            shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
+            ref = self.put_tensors(
+                model if shared is None else {k: model[k] for k in shared}, "edge_update"
+            )
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
         report = EdgeUpdate(
             round=self.round,

@@ -232,6 +232,9 @@ class RoundStart(_Msg):
     assignment: dict[Id, list[Id]] = Field(max_length=10_000)
     global_ref: BlobRef
     new_global: bool
+    # the global state's shared tensors only (Algorithm.shared_spec), for an edge that holds
+    # the rest; it checks the merge against global_ref's sha256
+    shared_ref: BlobRef | None = None
     # device-selected edges (federation.assignment "select"/"random"): who trains this
     # round, and each edge's label counts since the last cloud aggregation (eq. 19), from
     # which every participant picks its edge (eq. 25)
@@ -251,6 +254,9 @@ class EdgeRound(_Msg):
     edge: Id
     devices: list[Id] = Field(max_length=100_000)
     model_ref: BlobRef
+    # the edge state's shared tensors only (Algorithm.shared_spec), for a device that holds
+    # the rest (FedDiffuse's local parts)
+    shared_ref: BlobRef | None = None
     upload: bool = True
     deadline_s: float = Field(gt=0, le=86_400)
     select: bool = False  # devices in ``devices`` may join (DeviceJoin) rather than must

@@ -355,6 +355,67 @@ def test_end_to_end_memory_bus(split: str) -> None:
     assert min(lo, hi) < up <= max(lo, hi) + headers
 
 
+@pytest.mark.parametrize("split", ["full", "usplit", "ulatdec", "udec"])
+def test_local_parts_never_travel_after_the_first_download(split: str) -> None:
+    """ULATDEC/UDEC: a device downloads the whole edge model once (the shared init of its
+    local parts), then only the federated parts; edges upload and, holding the rest,
+    download only the federated parts too, checked byte for byte against the global blob.
+    FULL/USPLIT move whole models. 3 rounds, 3 devices behind 2 edges, a cloud round each."""
+    cfg, bus, fed = _three_devices_two_edges(split, rounds=3)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    snap = bus.traffic.snapshot()
+    assert not snap["rejected"], snap["rejected"]
+    init = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    fed_parts = FEDERATED_PARTS[split]  # type: ignore[index]
+    whole = len(encode_tensors(init))
+    shared = len(encode_tensors({k: v for k, v in init.items() if part_of(k) in fed_parts}))
+    got = snap["bytes"]
+    if split in ("full", "usplit"):
+        assert shared == whole
+    else:
+        assert shared < whole
+    # each of the 3 devices: round 0 the whole model, rounds 1-2 the shared part
+    assert got["received:edge_model"] == 3 * whole + 6 * shared
+    # each of the 2 edges: the initial global whole, then the two new globals' shared part
+    assert got["received:global_model"] == 2 * whole + 4 * shared
+    if split != "usplit":  # USPLIT edges carry every part (some devices report each)
+        assert got["received:edge_update"] == 2 * 3 * shared
+    final = fed.cloud.model
+    assert final is not None
+    for k, v in init.items():  # the global's local parts stay the initial ones, exactly
+        assert part_of(k) in fed_parts or torch.equal(final[k], v), k
+
+
+def test_an_edge_whose_rest_differs_fetches_the_whole_global_and_a_fresh_device_too() -> None:
+    """The shared-only download is a shortcut, never a source of truth: an edge whose local
+    copy differs from the global's is caught by the global blob's hash (rejected as
+    ``shared_mismatch``, counted) and fetches the whole state; a device that lost its local
+    parts (a restart) downloads the whole edge model again."""
+    cfg, bus, fed = _three_devices_two_edges("udec", rounds=2)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.round >= 1)
+    edge = fed.edges[0]
+    assert edge.model is not None
+    name = next(k for k in edge.model if part_of(k) == "encoder")
+    edge.model = {**edge.model, name: edge.model[name] + 1.0}  # drifted from the global
+    fed.devices[0].algo_state.clear()  # as after a restart
+    before = bus.traffic.snapshot()["bytes"]
+    assert bus.run(lambda: fed.cloud.done)
+    snap = bus.traffic.snapshot()
+    assert snap["rejected"] == {"edge:shared_mismatch": 1}, snap["rejected"]
+    init = build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    whole = len(encode_tensors(init))
+    shared = len(encode_tensors({k: v for k, v in init.items() if part_of(k) == "decoder"}))
+    got = {k: snap["bytes"][k] - before.get(k, 0) for k in ("received:global_model",
+                                                            "received:edge_model")}  # fmt: skip
+    assert got == {
+        "received:global_model": 2 * shared + whole,  # both try the shortcut; edge0 falls back
+        "received:edge_model": whole + 2 * shared,  # device 0 starts over
+    }
+    assert edge.model is not None and torch.equal(edge.model[name], init[name])
+
+
 def test_usplit_global_is_each_part_averaged_over_its_reporters() -> None:
     """Over the hierarchy (3 devices behind 2 edges, so one edge reports a part its peer
     edge does not) one round's global model equals the flat per-part FedAvg over the devices

@@ -128,6 +128,18 @@ class Algorithm(ABC):
         """Names/shapes a device may upload (all of them when ``partial_uploads``)."""
         return dict(global_spec)
 
+    def shared_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec] | None:
+        """The tensors federation changes, when that is a strict subset of the state: the
+        rest keeps its initial value on the cloud and the edges and lives on each device
+        (FedDiffuse ULATDEC/UDEC's local parts). Roles that already hold the rest download
+        and upload only these. None (the default): the whole state travels."""
+        return None
+
+    def device_holds_rest(self, ctx: DeviceContext, global_spec: Mapping[str, TensorSpec]) -> bool:
+        """Whether the device holds every tensor outside :meth:`shared_spec` for a state of
+        ``global_spec`` (it may then download only the shared tensors)."""
+        return False
+
     #: the model parts whose samples the edges count (``EdgeUpdate.part_samples``), when
     #: devices upload parts of the state; empty: every upload covers the whole state
     part_names: tuple[str, ...] = ()
@@ -139,7 +151,8 @@ class Algorithm(ABC):
 
     # -- device -----------------------------------------------------------------------------
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
-        """Put the edge's state into the device's module (default: the whole model)."""
+        """Put the edge's state into the device's module (default: the whole model; only
+        the :meth:`shared_spec` tensors when :meth:`device_holds_rest` said so)."""
         model.load_state_dict(state)
 
     @abstractmethod

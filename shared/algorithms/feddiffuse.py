@@ -18,6 +18,10 @@ first round and are never overwritten by the edge's state afterwards.
 
 The paper counts communication as parameters exchanged between the federator and its
 clients (downlink + uplink, summed over rounds); :func:`communicated_params` reproduces it.
+On the wire, a device downloads the whole edge model once (the shared initialization of
+its local parts) and then only the federated parts (:meth:`FedDiffuse.shared_spec`), so
+the measured device-tier bytes follow that count plus the one-time first download; edges
+upload, and download from the cloud, only the federated parts too.
 """
 
 from __future__ import annotations
@@ -302,26 +306,55 @@ class FedDiffuse(Algorithm):
         """The federated tensors (a USPLIT device sends a subset of them)."""
         return {k: v for k, v in global_spec.items() if self.is_federated(k)}
 
+    def shared_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec] | None:
+        """ULATDEC/UDEC: the federated parts (the local parts never leave the devices, and
+        the cloud's and edges' copies of them stay the initial ones); FULL/USPLIT: None."""
+        if self.federated == FEDERATED_PARTS["full"]:
+            return None
+        return self.upload_spec(global_spec)
+
+    def device_holds_rest(self, ctx: DeviceContext, global_spec: Mapping[str, TensorSpec]) -> bool:
+        """Whether the device kept local parts that fit a state of ``global_spec``."""
+        local = ctx.state.get(LOCAL_STATE_KEY)
+        return (
+            self.shared_spec(global_spec) is not None
+            and local is not None
+            and self._local_fits(local, global_spec)
+        )
+
     def upload_parts(self, tensors: Mapping[str, object]) -> frozenset[str]:
         """The parts an upload holds (a USPLIT device reports its assigned parts)."""
         return frozenset(part_of(k) for k in tensors)
 
     # -- device ---------------------------------------------------------------------------
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
-        """The edge's federated parts, over the device's own local parts once it has some."""
+        """The edge's federated parts, over the device's own local parts once it has some.
+
+        ``state`` is the edge's whole state (first round, or after the device lost its
+        local parts) or only its federated parts (:meth:`shared_spec`)."""
         local = ctx.state.get(LOCAL_STATE_KEY)
-        if local is not None and not self._local_fits(local, state):
+        if local is not None and not self._local_fits(local, model.state_dict()):
             log.warning("%s: local parts do not fit the new architecture; reset", ctx.device)
             local = None
         if local is None:
+            missing = set(model.state_dict()) - set(state)
+            if missing:
+                raise EstuaryError(
+                    f"{ctx.device}: holds no local parts for the {len(missing)} tensors the "
+                    f"edge's state leaves out (e.g. {sorted(missing)[0]!r})"
+                )
             model.load_state_dict(state)  # first round: the shared initialization
             return
-        merged = {k: v if self.is_federated(k) else local[k] for k, v in state.items()}
+        merged = {**local, **{k: v for k, v in state.items() if self.is_federated(k)}}
         model.load_state_dict(merged)
 
-    def _local_fits(self, local: TensorDict, state: TensorDict) -> bool:
-        names = {k for k in state if not self.is_federated(k)}
-        return set(local) == names and all(local[k].shape == state[k].shape for k in names)
+    def _local_fits(
+        self, local: TensorDict, spec: Mapping[str, TensorSpec] | Mapping[str, torch.Tensor]
+    ) -> bool:
+        names = {k for k in spec if not self.is_federated(k)}
+        return set(local) == names and all(
+            tuple(local[k].shape) == tuple(spec[k].shape) for k in names
+        )
 
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
