@@ -77,6 +77,7 @@ def _role_main(module: str, argv: list[str]) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from shared.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.config import with_overrides
     from shared.evaluation import Evaluator, model_from_state
 
     run_dir = Path(args.run_dir)
@@ -85,9 +86,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise EstuaryError(f"no checkpoint found in {run_dir}/checkpoints")
     ckpt = load_checkpoint(path)
     cfg = ckpt.config
-    if args.num_samples:
-        cfg = cfg.model_copy(
-            update={"eval": cfg.eval.model_copy(update={"num_samples": args.num_samples})}
+    if args.num_samples is not None:
+        cfg = with_overrides(
+            cfg, {"eval": {"num_samples": args.num_samples}}, source="--num-samples"
         )
     metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model, ckpt.plan))
     out = {
@@ -133,7 +134,7 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
         pruned_by = f" (pruned {args.prune_sp:g} by {args.prune_method})" if "prune" in info else ""
         print(
             f"{info['preset']}{pruned_by}: {info['params_m']} M params, {info['gmacs']} GMACs "
-            f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mb']} MiB fp32"
+            f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mib']} MiB fp32"
         )
     return 0
 
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="quality metrics of a run's latest checkpoint")
     e.add_argument("run_dir", help="run directory (or a checkpoint file)")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--num-samples", type=int, default=0, help="override eval.num_samples")
+    e.add_argument("--num-samples", type=int, help="override eval.num_samples")
     e.set_defaults(func=_cmd_eval)
 
     m = sub.add_parser("model-info", help="params, MACs and fp32 bytes of a preset")

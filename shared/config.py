@@ -407,6 +407,17 @@ def config_from_dict(
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
+def with_overrides(
+    cfg: RunConfig, updates: Mapping[str, Mapping[str, Any]], *, source: str = "overrides"
+) -> RunConfig:
+    """``cfg`` with ``{section: {key: value}}`` replaced, validated like a loaded config
+    (a ConfigError naming ``source`` if a value is out of range)."""
+    data = cfg.to_dict()
+    for section, values in updates.items():
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data, source=source)
+
+
 def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> RunConfig:
     """Load a TOML (or a saved JSON) config; ``env`` defaults to ``os.environ``."""
     p = Path(path)

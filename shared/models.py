@@ -224,7 +224,7 @@ class ModelInfo:
             "weight_macs": self.weight_macs,
             "weight_gmacs": round(self.weight_macs / 1e9, 3),
             "fp32_bytes": self.fp32_bytes,
-            "fp32_mb": round(self.fp32_bytes / 2**20, 2),
+            "fp32_mib": round(self.fp32_bytes / 2**20, 2),
         }
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
-from shared.config import RunConfig, load_config
+from shared.config import RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
 from shared.messages import CloudState, Presence, encode, home_of
 from shared.mqtt import MqttBus
@@ -51,18 +51,17 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 def load_role_config(args: argparse.Namespace) -> RunConfig:
     """The config file plus environment overrides, then the command-line overrides."""
     cfg = load_config(args.config)
-    updates: dict[str, object] = {}
+    updates: dict[str, dict[str, object]] = {}
     if args.broker:
         host, _, port = args.broker.rpartition(":")
         if not host or not port.isdigit():
             raise EstuaryError(f"--broker must be HOST:PORT, got {args.broker!r}")
-        updates["broker"] = cfg.broker.model_copy(update={"host": host, "port": int(port)})
+        updates["broker"] = {"host": host, "port": int(port)}
     if args.metrics_port is not None:
-        enabled = args.metrics_port >= 0
-        updates["metrics"] = cfg.metrics.model_copy(
-            update={"enabled": enabled, "port": max(0, args.metrics_port)}
-        )
-    return cfg.model_copy(update=updates) if updates else cfg
+        if args.metrics_port < -1:
+            raise EstuaryError(f"--metrics-port must be >= -1, got {args.metrics_port}")
+        updates["metrics"] = {"enabled": args.metrics_port >= 0, "port": max(0, args.metrics_port)}
+    return with_overrides(cfg, updates, source="command line") if updates else cfg
 
 
 def setup_logging(level: str, name: str) -> None:

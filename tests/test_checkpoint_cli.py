@@ -66,6 +66,11 @@ def test_cli_simulate_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[st
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["extractor"] == "fmnist-cnn-v1" and metrics["round"] == 0
     assert metrics["fid"] > 0 and metrics["n_fake"] == 20
+    assert main(["eval", str(out), "--json", "--num-samples", "12"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_fake"] == 12
+    for bad in ("0", "-5"):  # validated like eval.num_samples in a config file
+        assert main(["eval", str(out), "--num-samples", bad]) == 2
+        assert "eval.num_samples" in capsys.readouterr().err
 
 
 def test_cli_errors_are_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,3 +103,31 @@ def test_shipped_configs_load(path: Path) -> None:
         return
     cfg = load_config(path, env={})
     assert cfg.run.rounds >= 1
+
+
+def test_role_command_line_overrides_are_validated(tmp_path: Path) -> None:
+    """``--broker`` and ``--metrics-port`` go through the same checks as the config file."""
+    import argparse
+
+    from shared.errors import EstuaryError
+    from shared.runtime import add_common_args, load_role_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nname = "x"\n')
+    p = argparse.ArgumentParser()
+    add_common_args(p)
+
+    def load(*argv: str) -> RunConfig:
+        return load_role_config(p.parse_args([str(path), *argv]))
+
+    cfg = load("--broker", "mqtt.local:1884", "--metrics-port", "-1")
+    assert (cfg.broker.host, cfg.broker.port, cfg.metrics.enabled) == ("mqtt.local", 1884, False)
+    assert load("--metrics-port", "0").metrics.port == 0
+    with pytest.raises(ConfigError, match=r"broker\.port"):
+        load("--broker", "h:0")
+    with pytest.raises(ConfigError, match=r"broker\.port"):
+        load("--broker", "h:70000")
+    with pytest.raises(ConfigError, match=r"metrics\.port"):
+        load("--metrics-port", "70000")
+    with pytest.raises(EstuaryError, match="--metrics-port must be >= -1"):
+        load("--metrics-port", "-2")

@@ -75,6 +75,7 @@ def test_model_info_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["params"] == model_info("fmnist-tiny").params
     assert {"macs", "weight_macs", "fp32_bytes"} <= set(out)
     assert out["weight_macs"] == model_info("fmnist-tiny").weight_macs > 0
+    assert out["fp32_mib"] == round(out["fp32_bytes"] / 2**20, 2) and "fp32_mb" not in out
 
 
 def test_compute_device_resolution_and_cpu_fallback_of_hooked_algorithms() -> None:
