@@ -237,7 +237,10 @@ def payloads(cfg: RunConfig, plan: dict[str, Any] | None = None) -> Payloads:
 
     USPLIT (``partial_uploads``) uploads are counted with FedDiffuse's own
     :func:`~shared.algorithms.feddiffuse.communicated_params`, the participants split evenly
-    over the edges (pairs form within an edge)."""
+    over the edges (pairs form within an edge). Where the algorithm has a
+    :meth:`~shared.algorithms.base.Algorithm.shared_spec` (FedDiffuse ULATDEC/UDEC) the
+    downloads and edge reports carry only it: the steady state, after each device's one
+    download of the whole model."""
     from shared.algorithms import make_algorithm
     from shared.arch import model_spec
 
@@ -256,6 +259,9 @@ def payloads(cfg: RunConfig, plan: dict[str, Any] | None = None) -> Payloads:
         sent = communicated_params(cfg.algorithm.split, mspec, groups)["uplink_per_round"]
         fraction = sent / (c * up_params)
         u, up_params = round(u * fraction), up_params * fraction
+    shared = algo.shared_spec(gspec)
+    if shared is not None:  # only the shared tensors travel once a role holds the rest
+        g = encoded_bytes(shared)
     return Payloads(g, u, g, g, params, up_params)
 
 

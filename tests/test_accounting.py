@@ -9,7 +9,7 @@ import pytest
 
 from estuary.simulate import simulate
 from shared import accounting as acc
-from shared.algorithms.feddiffuse import communicated_params, part_sizes
+from shared.algorithms.feddiffuse import communicated_params, part_of, part_sizes
 from shared.config import FederationSection
 from shared.models import state_spec
 from tests.conftest import tiny_config
@@ -133,6 +133,36 @@ def test_payloads_scaffold_and_usplit() -> None:
     )
     assert usplit.payload == pytest.approx(0.5)
     assert usplit.up == pytest.approx(usplit.down / 2, rel=0.01)
+
+
+def test_measured_bytes_equal_analytic_udec_after_the_first_round(tmp_path: Path) -> None:
+    """FedDiffuse UDEC: from the second period on, every period moves exactly the predicted
+    bytes (decoder only, both links); the first adds each role's one whole-model download."""
+    cfg = tiny_config(
+        run={"rounds": 3},
+        federation={"num_devices": 4, "num_edges": 2},
+        data={"synthetic_size": 32},
+        train={"local_steps": 1, "batch_size": 2},
+        algorithm={"name": "feddiffuse", "split": "udec"},
+    )
+    res = simulate(cfg, tmp_path / "run", progress=False, evaluate=False)
+    pl = acc.payloads(cfg)
+    whole = acc.encoded_bytes(state_spec(cfg.model.preset))
+    decoder = {k: s for k, s in state_spec(cfg.model.preset).items() if part_of(k) == "decoder"}
+    assert pl.down == pl.up == pl.edge_state == acc.encoded_bytes(decoder) < whole
+    predicted = acc.analytic_period(
+        cfg.federation, down=pl.down, up=pl.up, edge_state=pl.edge_state,
+        global_state=pl.global_state,
+    )  # fmt: skip
+    first, *rest = acc.periods(res.rows)
+    assert len(rest) == 2
+    for p in rest:
+        assert (p.bytes.edge, p.bytes.cloud) == (predicted.edge, predicted.cloud)
+    extra = whole - pl.down
+    assert (first.bytes.edge, first.bytes.cloud) == (
+        predicted.edge + 4 * extra,
+        predicted.cloud + 2 * extra,
+    )
 
 
 def test_measured_bytes_equal_analytic_fedavg(tmp_path: Path) -> None:
