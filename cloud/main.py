@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_role_config(args)
         check_round_start_fits(cfg)
-        run_dir = prepare_run_dir(cfg, Path(args.out))
-        resumed = None if args.fresh else resume_point(cfg, run_dir)
+        # refused before the run directory changes (a refused resume keeps its config.json)
+        resumed = None if args.fresh else resume_point(cfg, Path(args.out))
+        run_dir = prepare_run_dir(cfg, Path(args.out), resuming=resumed is not None)
         # without a checkpoint, the first global model (model.init is checked before anyone
         # connects)
         start = resumed or (

@@ -405,7 +405,8 @@ def load_record(
         "digest": m.cfg.digest(),
         "init": init or _fingerprint(m),
         "centralized": m.centralized,
-        "evaluate": evaluate,
+        # an evaluated run serves a comparison without evaluation too (its FID is kept)
+        "evaluate": evaluate or doc.get("evaluate") is True,
     }
     for key, value in want.items():
         if doc.get(key) != value:

@@ -27,6 +27,8 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from shared.config import RunConfig
 from shared.errors import EstuaryError
 from shared.messages import ROOT
 from shared.naming import device_name, edge_ids
-from shared.signing import generate_keys
+from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for the $7$ (PBKDF2-SHA512) format
 
@@ -182,24 +184,41 @@ def provision(
         if keep:
             return _kept(out, cfg.run.name, names)
         raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
-    entries = []
-    for name in names:
-        password = secrets.token_urlsafe(24)
-        _write_secret(out / "credentials" / f"{name}.password", password.encode())
-        entries.append(f"{name}:{mosquitto_hash(password)}")
-    _write_secret(out / "mosquitto" / "passwd", ("\n".join(entries) + "\n").encode())
-    acl = acl_text(cfg, devices=devices, edges=edges)
-    (out / "mosquitto" / "acl").write_text(acl + "\n")
-    priv, pub = generate_keys(out / "keys", overwrite=force)
-    info: dict[str, Any] = {
-        "run": cfg.run.name,
-        "users": names,
-        "passwd": str(out / "mosquitto" / "passwd"),
-        "acl": str(out / "mosquitto" / "acl"),
-        "signing_key": str(priv),
-        "verify_key": str(pub),
-    }
-    if tls_hosts:
-        info["tls"] = _tls(out, tls_hosts)
-    (out / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
+    if not force:
+        for key in (out / "keys" / PRIVATE_KEY_FILE, out / "keys" / PUBLIC_KEY_FILE):
+            if key.exists():
+                raise EstuaryError(f"{key} exists; pass --force to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    # Everything is written to a staging folder first and moved in afterwards, provision.json
+    # last: a failure leaves the earlier provisioning (or none), never half of a new one.
+    stage = Path(tempfile.mkdtemp(prefix=".provisioning-", dir=out))
+    try:
+        entries = []
+        for name in names:
+            password = secrets.token_urlsafe(24)
+            _write_secret(stage / "credentials" / f"{name}.password", password.encode())
+            entries.append(f"{name}:{mosquitto_hash(password)}")
+        _write_secret(stage / "mosquitto" / "passwd", ("\n".join(entries) + "\n").encode())
+        acl = acl_text(cfg, devices=devices, edges=edges)
+        (stage / "mosquitto" / "acl").write_text(acl + "\n")
+        generate_keys(stage / "keys")
+        info: dict[str, Any] = {
+            "run": cfg.run.name,
+            "users": names,
+            "passwd": str(out / "mosquitto" / "passwd"),
+            "acl": str(out / "mosquitto" / "acl"),
+            "signing_key": str(out / "keys" / PRIVATE_KEY_FILE),
+            "verify_key": str(out / "keys" / PUBLIC_KEY_FILE),
+        }
+        if tls_hosts:
+            tls = _tls(stage, tls_hosts)
+            info["tls"] = {k: str(out / Path(v).relative_to(stage)) for k, v in tls.items()}
+        (stage / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
+        for entry in ("credentials", "mosquitto", "keys", "tls", "provision.json"):
+            if (stage / entry).exists():
+                if (out / entry).exists():
+                    (out / entry).rename(stage / f"{entry}.replaced")
+                (stage / entry).rename(out / entry)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return info

@@ -6,6 +6,7 @@ cloud process).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from shared.evaluation import Evaluator, write_grid
 from shared.partition import format_label_counts
 from shared.report import read_metrics
 from shared.telemetry import Traffic, diff_counts
+
+log = logging.getLogger(__name__)
 
 UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
 
@@ -123,12 +126,24 @@ class RunRecorder:
             row["durations"]["eval_s"] = round(time.perf_counter() - t0, 3)
 
 
-def prepare_run_dir(cfg: RunConfig, out: Path | None) -> Path:
-    """``out`` or ``runs/<name>-<UTC timestamp>``, created, with the config saved."""
-    run_dir = (
-        out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    )
+def prepare_run_dir(cfg: RunConfig, out: Path | None, *, resuming: bool = False) -> Path:
+    """``out`` or ``runs/<name>-<UTC timestamp>``, created, with the config saved.
+
+    A run that starts over (not ``resuming``) in a directory holding checkpoints of an
+    earlier run moves them aside to ``checkpoints.replaced-<UTC timestamp>`` (logged), so
+    neither a later resume nor ``estuary eval`` can pick up a stale one and nothing is lost.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = out or Path("runs") / f"{cfg.run.name}-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = run_dir / "checkpoints"
+    if not resuming and ckpts.is_dir() and any(ckpts.iterdir()):
+        aside = run_dir / f"checkpoints.replaced-{stamp}"
+        n = 1
+        while aside.exists():
+            aside, n = run_dir / f"checkpoints.replaced-{stamp}.{n}", n + 1
+        ckpts.rename(aside)
+        log.warning("%s held an earlier run's checkpoints; moved them to %s", run_dir, aside)
     atomic_write(run_dir / "config.json", cfg.to_json().encode())
     return run_dir
 

@@ -79,3 +79,53 @@ def test_cli_errors_are_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["simulate", str(bad)]) == 2
     assert "train.lr" in capsys.readouterr().err
     assert main(["eval", str(tmp_path)]) == 2
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
+    """The cloud refuses to resume another config's checkpoints before it writes anything:
+    the run's config.json still describes its checkpoints (it used to be overwritten)."""
+    from cloud.main import main as cloud_main
+
+    old, new = tiny_config(run={"seed": 1}), tiny_config(run={"seed": 2})
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 0, build_unet("fmnist-tiny").state_dict(), old)
+    (run / "config.json").write_text(old.to_json())
+    new_path = tmp_path / "new.json"
+    new_path.write_text(new.to_json())
+    assert cloud_main([str(new_path), "--out", str(run), "--metrics-port", "-1"]) == 2
+    assert (run / "config.json").read_text() == old.to_json()
+
+
+def test_starting_over_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path) -> None:
+    """A run that starts over in a directory with checkpoints (simulate, or the cloud with
+    ``--fresh``) moves them to ``checkpoints.replaced-*``: kept, but never resumed from."""
+    from shared.recorder import prepare_run_dir
+
+    cfg = tiny_config()
+    run = tmp_path / "run"
+    stale = save_checkpoint(run / "checkpoints", 7, build_unet("fmnist-tiny").state_dict(), cfg)
+    assert prepare_run_dir(cfg, run, resuming=True) == run and stale.is_file()  # resumed: kept
+    prepare_run_dir(cfg, run)
+    assert latest_checkpoint_path(run / "checkpoints") is None
+    (aside,) = run.glob("checkpoints.replaced-*")
+    assert (aside / stale.name).is_file()
+    save_checkpoint(run / "checkpoints", 0, build_unet("fmnist-tiny").state_dict(), cfg)
+    prepare_run_dir(cfg, run)  # again within the same second: a second, distinct folder
+    assert len(list(run.glob("checkpoints.replaced-*"))) == 2
+
+
+def test_demo_says_when_a_rerun_trained_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A demo rerun on a finished run directory resumes after its last round; the summary
+    says nothing was trained instead of looking like a fresh run."""
+    from estuary.demo import DemoResult, print_demo_result
+
+    result = DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_from_round=6)
+    print_demo_result(result)
+    assert "nothing was trained" in capsys.readouterr().out
+    print_demo_result(DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_from_round=3))
+    assert "resumed from the checkpoint of round 2" in capsys.readouterr().out
+    print_demo_result(DemoResult(tmp_path, 6, "ab" * 32, 3.0))
+    out = capsys.readouterr().out
+    assert "nothing was trained" not in out and "resumed" not in out

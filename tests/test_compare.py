@@ -267,3 +267,21 @@ def _toml_text(text: str) -> dict[str, Any]:
     import tomllib
 
     return tomllib.loads(text)
+
+
+def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Path) -> None:
+    """``--no-eval`` reuses a run finished with evaluation (keeping its FID) instead of
+    training it again over the record; an unevaluated run does not serve an evaluated one."""
+    from estuary.compare import MethodRun, load_record, save_record
+
+    m = parse_compare(_toml_text(TINY), tmp_path / "x.toml").methods[0]
+    run_dir = tmp_path / m.slug
+    run_dir.mkdir()
+    rows = [{"round": 0, "quality": {"fid": 12.5}}]
+    steps = [1] * m.cfg.run.rounds
+    save_record(MethodRun(m, run_dir, rows, {}, None, 1.0, steps), evaluate=True)
+    done, _ = load_record(m, run_dir, evaluate=False)
+    assert done is not None and done.rows == rows
+    save_record(MethodRun(m, run_dir, [{"round": 0}], {}, None, 1.0, steps), evaluate=False)
+    done, why = load_record(m, run_dir, evaluate=True)
+    assert done is None and "has evaluate False, this comparison True" in why

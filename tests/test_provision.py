@@ -142,3 +142,47 @@ def test_provision_keep_reuses_matching_and_refuses_other_federations(tmp_path: 
     (out / "credentials" / "dev000.password").unlink()
     with pytest.raises(EstuaryError, match="missing dev000"):
         provision(cfg, out, keep=True)
+
+
+def test_provision_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure part-way (here: the TLS step) leaves the earlier provisioning as it was, or
+    none, never a password file without provision.json; existing keys are refused before
+    anything is written; --force swaps every part in and leaves no staging folder."""
+    import estuary.provision as prov
+    from shared.signing import generate_keys
+
+    cfg = tiny_config(run={"name": "atomic"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+
+    def broken_tls(stage: Path, hosts: list[str]) -> dict[str, str]:
+        raise OSError("disk full")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(prov, "_tls", broken_tls)
+        with pytest.raises(OSError, match="disk full"):
+            provision(cfg, out, tls_hosts=["broker"])
+    assert list(out.iterdir()) == []
+
+    keys_only = tmp_path / "keys_only"
+    generate_keys(keys_only / "keys")
+    with pytest.raises(EstuaryError, match="exists; pass --force"):
+        provision(cfg, keys_only)
+    assert sorted(p.name for p in keys_only.iterdir()) == ["keys"]
+
+    provision(cfg, out)
+    password = (out / "credentials" / "dev001.password").read_text()
+    passwd = (out / "mosquitto" / "passwd").read_text()
+    with monkeypatch.context() as mp:
+        mp.setattr(prov, "_tls", broken_tls)
+        with pytest.raises(OSError, match="disk full"):
+            provision(cfg, out, tls_hosts=["broker"], force=True)
+    assert (out / "credentials" / "dev001.password").read_text() == password
+    assert (out / "mosquitto" / "passwd").read_text() == passwd
+    info = provision(cfg, out, tls_hosts=["broker"], force=True)
+    assert (out / "credentials" / "dev001.password").read_text() != password
+    assert Path(info["tls"]["ca"]) == out / "tls" / "ca.pem" and (out / "tls" / "ca.pem").is_file()
+    assert Path(info["signing_key"]).is_file()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "credentials", "keys", "mosquitto", "provision.json", "tls",
+    ]  # fmt: skip
+    assert provision(cfg, out, keep=True)["kept"]
