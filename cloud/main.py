@@ -125,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         on_round_end=on_round_end,
     )
     recorder.model_fn = cloud.global_module
+    if recorder.evaluator is not None and cloud.algorithm.shared_spec(cloud.spec) is not None:
+        log.warning(
+            "%s keeps model parts on the devices: the FID logged here is the global model's, "
+            "with those parts at their initialization; the client-level FID the paper "
+            "reports comes from `estuary simulate` / `estuary compare`",
+            cfg.algorithm.name,
+        )
     try:
         deploy_when_trained(cloud, run_dir, quality=lambda: last_quality(recorder.rows))
     except EstuaryError as err:

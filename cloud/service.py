@@ -124,6 +124,7 @@ class RoundSummary:
     edges: dict[str, int] = field(default_factory=dict)
     model_params: int = 0  # parameters of the global model after this round
     arch: str = "dense"  # plan digest of the global model's architecture
+    trained_arch: str = "dense"  # plan digest of the architecture this round trained on
 
 
 class CloudServer(RoleService):
@@ -398,6 +399,7 @@ class CloudServer(RoleService):
         r = self.round
         agg_seconds = 0.0
         aggregated = False
+        trained_arch = plan_digest(self.plan)  # before pruning at this aggregation
         for edge, (m, _t) in self.reports.items():
             if edge in self.edge_counts and len(m.label_counts) == NUM_CLASSES:
                 self.edge_counts[edge] = list(m.label_counts)
@@ -423,7 +425,7 @@ class CloudServer(RoleService):
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
                 self._checkpoint(r)
-        summary = self._summarize(r, aggregated, agg_seconds)
+        summary = self._summarize(r, aggregated, agg_seconds, trained_arch)
         self.metrics.round_seconds.observe(summary.round_seconds)
         self.round = r + 1
         if self.on_round_end is not None:
@@ -439,7 +441,9 @@ class CloudServer(RoleService):
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
             save_checkpoint(self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan)
 
-    def _summarize(self, r: int, aggregated: bool, agg_seconds: float) -> RoundSummary:
+    def _summarize(
+        self, r: int, aggregated: bool, agg_seconds: float, trained_arch: str
+    ) -> RoundSummary:
         reports = [m for m, _ in self.reports.values()]
         losses = [(m.mean_loss, len(m.devices)) for m in reports if m.mean_loss is not None]
         n_up = sum(len(m.devices) for m in reports)
@@ -457,6 +461,7 @@ class CloudServer(RoleService):
             edges={m.edge: len(m.devices) for m in reports},
             model_params=self.model_params(),
             arch=plan_digest(self.plan),
+            trained_arch=trained_arch,
         )
 
     def _finish(self) -> None:

@@ -507,13 +507,18 @@ COLUMNS: list[tuple[str, str, int]] = [
 def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
     q = [r["quality"] for r in rows if r.get("quality")]
     if not q:
-        return {"fid": None, "fid_best": None, "is": None, "extractor": None, "n_fake": None}
+        return {
+            "fid": None, "fid_best": None, "is": None, "extractor": None, "n_fake": None,
+            "fid_level": None,
+        }  # fmt: skip
     return {
         "fid": q[-1]["fid"],
         "fid_best": min(x["fid"] for x in q),
         "is": q[-1].get("is_mean"),
         "extractor": q[-1].get("extractor"),
         "n_fake": q[-1].get("n_fake"),
+        # "client": the mean over the devices' own models (device-local parts)
+        "fid_level": q[-1].get("level", "global"),
     }
 
 
@@ -658,6 +663,16 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
         f"FID / IS: last evaluation ({ex['extractor']} features, {ex['n_fake']} samples)"
         if ex
         else "FID / IS: not evaluated",
+        *(
+            [
+                "FID / IS of "
+                + ", ".join(clients)
+                + ": means over the devices' own models (global federated parts with each "
+                "device's local parts; eval.clients devices), as the paper measures them"
+            ]
+            if (clients := [r["method"] for r in rows if r.get("fid_level") == "client"])
+            else []
+        ),
         "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "
         "agg = one central aggregation period; per-agg and per-window figures are means over the "
         "periods trained on the final architecture, totals cover the whole run. "

@@ -8,6 +8,7 @@ differs. The run directory receives the config used, the label-count matrix,
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from cloud import CloudServer, RoundSummary
@@ -100,6 +102,23 @@ def build_federation(
     return Federation(cloud, edges, devices)
 
 
+def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
+    """The models of the first ``limit`` devices (by name) whose model differs from the
+    global one (:meth:`~shared.algorithms.base.Algorithm.client_state`): the cloud's
+    current global state with each device's own parts."""
+    cloud, out = fed.cloud, dict[str, nn.Module]()
+    for device in sorted(fed.devices, key=lambda d: d.name):
+        if len(out) >= limit:
+            break
+        state = cloud.algorithm.client_state(cloud.model, device.algo_state)
+        if state is not None:
+            module = cloud.global_module()
+            keys = set(module.state_dict())
+            module.load_state_dict({k: v for k, v in state.items() if k in keys})
+            out[device.name] = module
+    return out
+
+
 def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
@@ -127,6 +146,8 @@ def simulate(
     )
     cloud = fed.cloud
     recorder.model_fn = cloud.global_module
+    if cloud.algorithm.shared_spec(cloud.spec) is not None:  # devices keep local parts
+        recorder.client_models_fn = functools.partial(client_modules, fed)
     fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
         recorder.bar = bar

@@ -159,13 +159,16 @@ class Period:
 
 def periods(rows: Sequence[Mapping[str, Any]]) -> list[Period]:
     """Central-aggregation periods of a run's metrics rows (a trailing period that never
-    reached the cloud is dropped). A period trains on the architecture of the row before
-    it (pruning at an aggregation changes the *next* period)."""
+    reached the cloud is dropped). A period trains on the architecture its first row
+    records as ``trained_arch``; rows written before that field existed fall back to the
+    ``arch`` of the row before it (pruning at an aggregation changes the *next* period;
+    the first period then takes its own row's, wrong only when pruning at round 0)."""
     out: list[Period] = []
     acc, first, arch = LinkBytes(), None, None
     for row in rows:
         if first is None:
-            first, arch = row["round"], arch or row.get("arch", "dense")
+            first = row["round"]
+            arch = row.get("trained_arch") or arch or row.get("arch", "dense")
         acc = acc + split_received(row.get("bytes", {}))
         if row.get("cloud_aggregated"):
             out.append(Period(first, row["round"], acc, str(arch)))

@@ -211,6 +211,13 @@ class EvalSection(_Section):
     num_reference: int = Field(2000, ge=10, le=100_000, description="real train images for FID")
     sample_steps: int = Field(50, ge=1, le=10_000, description="DDIM steps for eval sampling")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k cloud aggregations")
+    clients: int = Field(
+        5,
+        ge=1,
+        le=10_000,
+        description="client-level evaluation (models with device-local parts, in-process "
+        "runs): the devices averaged, the first k by name among those holding local parts",
+    )
 
 
 class BrokerSection(_Section):

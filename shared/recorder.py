@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,9 @@ class RunRecorder:
         self.before = traffic.snapshot()
         self.rows: list[dict[str, Any]] = []
         self.model_fn: Callable[[], nn.Module] | None = None  # the current global module
+        #: the devices' own models where they differ from the global one (device-local
+        #: parts, in-process runs only): evaluated at the client level instead
+        self.client_models_fn: Callable[[int], dict[str, nn.Module]] | None = None
         self.evaluator: Evaluator | None = Evaluator(cfg) if evaluate and cfg.eval.every else None
         self.bar: tqdm[Any] | None = None
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -91,6 +94,7 @@ class RunRecorder:
             "rejected": s.rejected,
             "model_params": s.model_params,
             "arch": s.arch,
+            "trained_arch": s.trained_arch,
             "edges": s.edges,
             "durations": {
                 "round_s": round(s.round_seconds, 4),
@@ -114,16 +118,39 @@ class RunRecorder:
         want_eval = self.evaluator is not None and ((s.round + 1) % ev.every == 0 or last)
         if not (want_grid or want_eval) or self.model_fn is None:
             return
-        model = self.model_fn().eval()
+        clients = self.client_models_fn(ev.clients) if self.client_models_fn else {}
+        model = next(iter(clients.values())) if clients else self.model_fn()
+        model.eval()
         if want_grid:
             path = write_grid(
                 self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"
             )
             row["grid"] = str(path.relative_to(self.run_dir))
+            if clients:
+                row["grid_client"] = next(iter(clients))
         if want_eval and self.evaluator is not None:
             t0 = time.perf_counter()
-            row["quality"] = self.evaluator.evaluate(model)
+            if clients:
+                row["quality"] = client_quality(self.evaluator, clients)
+            else:
+                row["quality"] = self.evaluator.evaluate(model)
             row["durations"]["eval_s"] = round(time.perf_counter() - t0, 3)
+
+
+def client_quality(evaluator: Evaluator, clients: Mapping[str, nn.Module]) -> dict[str, Any]:
+    """Quality at the client level (FedDiffuse's ULATDEC/UDEC, seed 001 section 5): every
+    metric averaged over the clients' models, ``fid_std`` across them, and each client's
+    FID and IS under ``clients``; ``level`` is ``"client"``."""
+    per = {name: evaluator.evaluate(m.eval()) for name, m in clients.items()}
+    first = next(iter(per.values()))
+    out: dict[str, Any] = dict(first)
+    for key, value in first.items():
+        if isinstance(value, float):
+            out[key] = float(np.mean([q[key] for q in per.values()]))
+    out["fid_std"] = float(np.std([q["fid"] for q in per.values()]))
+    out["level"] = "client"
+    out["clients"] = {n: {"fid": q["fid"], "is_mean": q["is_mean"]} for n, q in per.items()}
+    return out
 
 
 def prepare_run_dir(cfg: RunConfig, out: Path | None, *, resuming: bool = False) -> Path:

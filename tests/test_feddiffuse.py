@@ -4,6 +4,7 @@ local parts that persist and train, the paper's communication count, and end-to-
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -453,3 +454,36 @@ def test_usplit_refuses_devices_choosing_their_edge(assignment: str) -> None:
         _cfg("usplit", federation={"assignment": assignment})
     for split in ("full", "ulatdec", "udec"):  # no pairing: any assignment works
         assert _cfg(split, federation={"assignment": assignment}).algorithm.split == split
+
+
+def test_ulatdec_and_udec_are_evaluated_at_the_client_level(tmp_path: Path) -> None:
+    """The paper measures ULATDEC/UDEC "on client level, given that the federator only had
+    access to partial models": in-process runs evaluate the first ``eval.clients`` devices'
+    own models (global federated parts + their local parts) and average them."""
+    from estuary.simulate import client_modules, simulate
+
+    small = {
+        "run": {"rounds": 1},
+        "federation": {"num_devices": 3, "num_edges": 2},
+        "train": {"local_steps": 1, "batch_size": 2},
+        "eval": {"every": 1, "num_samples": 10, "num_reference": 20, "sample_steps": 2,
+                 "clients": 2},
+    }  # fmt: skip
+    res = simulate(_cfg("udec", **small), tmp_path / "udec", progress=False)
+    q = res.rows[-1]["quality"]
+    assert q["level"] == "client" and sorted(q["clients"]) == ["dev000", "dev001"]
+    fids = [c["fid"] for c in q["clients"].values()]
+    assert q["fid"] == pytest.approx(np.mean(fids)) and q["fid_std"] == pytest.approx(np.std(fids))
+    full = simulate(_cfg("full", **small), tmp_path / "full", progress=False)
+    assert "level" not in full.rows[-1]["quality"]  # the global model is every client's
+
+    _, bus, fed = _three_devices_two_edges("udec", rounds=1)
+    assert client_modules(fed, 5) == {}  # nobody holds local parts before training
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    models = client_modules(fed, 2)
+    assert list(models) == ["dev000", "dev001"]
+    for name, module in models.items():
+        local = next(d for d in fed.devices if d.name == name).algo_state[LOCAL_STATE_KEY]
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, fed.cloud.model[k] if part_of(k) == "decoder" else local[k])

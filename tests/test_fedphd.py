@@ -158,6 +158,7 @@ def test_fedphd_runs_with_selected_edges_sparse_training_and_pruning(tmp_path: P
     R_s - 1 and every role carries on with the pruned architecture."""
     pytest.importorskip("shared.pruning")
     from estuary.simulate import simulate
+    from shared import accounting as acc
     from tests.conftest import tiny_config
 
     cfg = tiny_config(
@@ -179,6 +180,11 @@ def test_fedphd_runs_with_selected_edges_sparse_training_and_pruning(tmp_path: P
     dense = 686_769  # fmnist-tiny
     assert rows[0]["arch"] != "dense"  # pruned at the cloud aggregation ending round 0
     assert rows[0]["arch"] == rows[1]["arch"] == rows[2]["arch"]
+    # round 0 trained the dense model: its period is labelled so, not with the pruned arch
+    assert [r["trained_arch"] for r in rows] == ["dense", rows[0]["arch"], rows[0]["arch"]]
+    ps = acc.periods(rows)
+    assert [p.arch for p in ps] == ["dense", rows[0]["arch"], rows[0]["arch"]]
+    assert acc.steady_periods(ps, rows[-1]["arch"]) == ps[1:]
     assert rows[2]["model_params"] == pytest.approx(0.56 * dense, rel=0.01)
     assert res.plan is not None
     assert sum(r["rejected"] for r in rows) == 0

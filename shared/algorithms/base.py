@@ -140,6 +140,13 @@ class Algorithm(ABC):
         ``global_spec`` (it may then download only the shared tensors)."""
         return False
 
+    def client_state(
+        self, global_state: TensorDict, device_state: Mapping[str, Any]
+    ) -> TensorDict | None:
+        """The model a device generates with, from the global state and the device's own
+        :attr:`DeviceContext.state`; None (the default) when that is the global model."""
+        return None
+
     #: the model parts whose samples the edges count (``EdgeUpdate.part_samples``), when
     #: devices upload parts of the state; empty: every upload covers the whole state
     part_names: tuple[str, ...] = ()

@@ -30,7 +30,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 import torch
@@ -321,6 +321,19 @@ class FedDiffuse(Algorithm):
             and local is not None
             and self._local_fits(local, global_spec)
         )
+
+    def client_state(
+        self, global_state: TensorDict, device_state: Mapping[str, Any]
+    ) -> TensorDict | None:
+        """ULATDEC/UDEC: the global federated parts over the device's local parts (the
+        paper measures FID "on client level, given that the federator only had access to
+        partial models"); None for FULL/USPLIT and for a device without local parts yet."""
+        local = device_state.get(LOCAL_STATE_KEY)
+        if self.federated == FEDERATED_PARTS["full"] or local is None:
+            return None
+        if not self._local_fits(local, global_state):
+            return None
+        return {**global_state, **local}
 
     def upload_parts(self, tensors: Mapping[str, object]) -> frozenset[str]:
         """The parts an upload holds (a USPLIT device reports its assigned parts)."""
