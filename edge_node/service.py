@@ -160,16 +160,19 @@ class EdgeServer(RoleService):
             self.joined.discard(device)
         self._maybe_close()
 
-    def _merge_shared(self, msg: RoundStart) -> TensorDict | None:
-        """The new global state from its shared tensors (``msg.shared_ref``) and the rest of
-        the edge's own state, when that reproduces ``msg.global_ref`` byte for byte (the
-        rest never changes in federation); None when it cannot (fetch the whole state)."""
+    def _merge_shared(self, msg: RoundStart) -> tuple[TensorDict | None, bool]:
+        """``(state, ok)``: the new global state from its shared tensors (``msg.shared_ref``)
+        and the rest of the edge's own state, when that reproduces ``msg.global_ref`` byte
+        for byte (the rest never changes in federation); state None when the edge has to
+        fetch the whole state. ``ok`` is False when the shared download itself failed
+        (rejected and counted): the round start is then dropped like a failed whole fetch,
+        rather than waiting out a second download from the same source."""
         shared = self.algorithm.shared_spec(self.spec)
         if msg.shared_ref is None or shared is None or self.model is None:
-            return None
+            return None, True
         part = self.fetch_tensors(msg.shared_ref, shared)
         if part is None:
-            return None  # rejected and counted; the whole state may still come
+            return None, False
         merged = {**self.model, **part}
         if sha256_hex(encode_tensors(merged)) != msg.global_ref.sha256:
             self.reject(
@@ -177,8 +180,8 @@ class EdgeServer(RoleService):
                 f"round {msg.round}: the global's shared tensors over this edge's state do "
                 "not give the global state; fetching all of it",
             )
-            return None
-        return merged
+            return None, True
+        return merged, True
 
     def _update_device_gauge(self) -> None:
         online = len(self.my_devices - self.offline)
@@ -206,8 +209,10 @@ class EdgeServer(RoleService):
         fetch = msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha
         if new_arch or fetch:  # the old architecture's state no longer fits a new one
             # fetched before anything changes: a failed fetch leaves the open round intact
-            state = None if new_arch else self._merge_shared(msg)
-            if state is None:
+            state, fetched = None, True
+            if not new_arch:
+                state, fetched = self._merge_shared(msg)
+            if fetched and state is None:
                 state = self.fetch_tensors(msg.global_ref, spec)
             if state is None:
                 return

@@ -96,7 +96,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "round": ckpt.round,
         "model_sha256": ckpt.model_sha256,
         **metrics,
+        "level": "global",
     }
+    if cfg.algorithm.name == "feddiffuse" and cfg.algorithm.split in ("ulatdec", "udec"):
+        split = cfg.algorithm.split
+        print(f"estuary: note: this is the global model of a FedDiffuse {split} run, its "
+              "device-local parts at their initialization; `estuary simulate` and `estuary "
+              "compare` report the client-level FID the paper uses", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -613,9 +613,23 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "local_steps": sum(run.steps),
             "wall_s": run.wall_s,
             "run_dir": run.run_dir.name,
+            "local_parts": _has_local_parts(run),
         }
         out.append(row)
     return out
+
+
+def _has_local_parts(run: MethodRun) -> bool:
+    """Whether only part of the state travels once a role holds the rest (FedDiffuse
+    ULATDEC/UDEC), so the first downloads are larger than the steady state."""
+    if run.method.centralized:
+        return False
+    from shared.algorithms import make_algorithm
+    from shared.arch import model_spec
+
+    algo = make_algorithm(run.method.cfg)
+    spec = algo.global_spec(model_spec(run.method.cfg.model.preset, run.plan))
+    return algo.shared_spec(spec) is not None
 
 
 def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
@@ -671,6 +685,16 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
                 "device's local parts; eval.clients devices), as the paper measures them"
             ]
             if (clients := [r["method"] for r in rows if r.get("fid_level") == "client"])
+            else []
+        ),
+        *(
+            [
+                "Bytes of "
+                + ", ".join(local)
+                + ": measured includes each device's and edge's one whole-model download (the "
+                "initial local parts); the analytic column is the steady state after it"
+            ]
+            if (local := [r["method"] for r in rows if r.get("local_parts")])
             else []
         ),
         "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "

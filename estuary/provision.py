@@ -163,6 +163,27 @@ def _kept(out: Path, run: str, names: list[str]) -> dict[str, Any]:
     return {**info, "kept": True}
 
 
+def _move_in(stage: Path, out: Path, entries: tuple[str, ...]) -> None:
+    """Move ``entries`` from ``stage`` into ``out`` in order, the ones they replace into
+    ``stage`` as ``<entry>.replaced``; on any failure every entry goes back as it was."""
+    done: list[str] = []
+    try:
+        for entry in entries:
+            if not (stage / entry).exists():
+                continue
+            done.append(entry)
+            if (out / entry).exists():
+                (out / entry).rename(stage / f"{entry}.replaced")
+            (stage / entry).rename(out / entry)
+    except BaseException:
+        for entry in reversed(done):
+            if not (stage / entry).exists() and (out / entry).exists():  # the new one is in
+                (out / entry).rename(stage / entry)
+            if (stage / f"{entry}.replaced").exists():
+                (stage / f"{entry}.replaced").rename(out / entry)
+        raise
+
+
 def provision(
     cfg: RunConfig,
     out: Path,
@@ -214,11 +235,7 @@ def provision(
             tls = _tls(stage, tls_hosts)
             info["tls"] = {k: str(out / Path(v).relative_to(stage)) for k, v in tls.items()}
         (stage / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
-        for entry in ("credentials", "mosquitto", "keys", "tls", "provision.json"):
-            if (stage / entry).exists():
-                if (out / entry).exists():
-                    (out / entry).rename(stage / f"{entry}.replaced")
-                (stage / entry).rename(out / entry)
+        _move_in(stage, out, ("credentials", "mosquitto", "keys", "tls", "provision.json"))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return info

@@ -16,6 +16,7 @@ import functools
 import heapq
 import itertools
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -49,11 +50,38 @@ class Timer(ABC):
         """Stop the callback from firing (no-op if it already fired)."""
 
 
+#: blobs put but not yet fetched that a bus remembers to count as sent (oldest dropped)
+MAX_UNSERVED_BLOBS = 4096
+
+
 class Bus(ABC):
-    """Transport shared by the roles of a federation (MemoryBus, MqttBus)."""
+    """Transport shared by the roles of a federation (MemoryBus, MqttBus).
+
+    A blob counts as ``sent`` once, when it is first fetched from the role that put it,
+    not when it is put: a blob nobody fetches (the whole model beside its shared part,
+    when every receiver holds the rest) moved nothing over the network."""
 
     traffic: Traffic
     max_blob_bytes: int
+    _unserved: OrderedDict[str, tuple[str, int]] | None = None
+    _unserved_lock = threading.Lock()
+
+    def _await_fetch(self, sha256: str, kind: str, size: int) -> None:
+        """Count blob ``sha256`` as sent when someone first fetches it."""
+        with self._unserved_lock:
+            if self._unserved is None:
+                self._unserved = OrderedDict()
+            self._unserved[sha256] = (kind, size)
+            self._unserved.move_to_end(sha256)
+            while len(self._unserved) > MAX_UNSERVED_BLOBS:
+                self._unserved.popitem(last=False)
+
+    def _fetched(self, sha256: str) -> None:
+        """Blob ``sha256`` is being served: count it as sent if it was waiting for that."""
+        with self._unserved_lock:
+            entry = None if self._unserved is None else self._unserved.pop(sha256, None)
+        if entry is not None:
+            self.traffic.count("sent", *entry)
 
     @abstractmethod
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
@@ -113,8 +141,9 @@ class Endpoint:
                 f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}",
                 reason="blob_too_large",
             )
-        self.bus.traffic.count("sent", kind, len(data))
-        return self.bus._put_blob(data)
+        sha = self.bus._put_blob(data)
+        self.bus._await_fetch(sha, kind, len(data))  # counted as sent when first fetched
+        return sha
 
     def get_blob(
         self,
@@ -231,6 +260,7 @@ class MemoryBus(Bus):
         data = self._blobs.get(sha256)
         if data is None:
             raise TransportError(f"blob {sha256[:12]}… is not on the bus (evicted or never put)")
+        self._fetched(sha256)
         return data
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:

@@ -478,6 +478,7 @@ class MqttBus(Bus):
                 self.topics.blob_chunk(self.home, want.sha256, want.chunk_bytes, "missing"), b""
             )
             return
+        self._fetched(want.sha256)
         # the chunk count comes from the blob held, never from the requester's claim
         n = chunk_count(size, want.chunk_bytes)
         if want.size != size:

@@ -16,7 +16,7 @@ import numpy as np
 from torch import nn
 from tqdm import tqdm
 
-from shared.checkpoint import atomic_write
+from shared.checkpoint import atomic_write, latest_checkpoint_path
 from shared.config import RunConfig
 from shared.evaluation import Evaluator, write_grid
 from shared.partition import format_label_counts
@@ -158,7 +158,9 @@ def prepare_run_dir(cfg: RunConfig, out: Path | None, *, resuming: bool = False)
 
     A run that starts over (not ``resuming``) in a directory holding checkpoints of an
     earlier run moves them aside to ``checkpoints.replaced-<UTC timestamp>`` (logged), so
-    neither a later resume nor ``estuary eval`` can pick up a stale one and nothing is lost.
+    neither a later resume nor ``estuary eval`` can pick up a stale one. Only the earlier
+    run's latest checkpoint (and ``latest.json``) is kept there, so reruns do not pile up
+    whole runs of checkpoints; its metrics, samples and report are overwritten as before.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     run_dir = out or Path("runs") / f"{cfg.run.name}-{stamp}"
@@ -170,6 +172,10 @@ def prepare_run_dir(cfg: RunConfig, out: Path | None, *, resuming: bool = False)
         while aside.exists():
             aside, n = run_dir / f"checkpoints.replaced-{stamp}.{n}", n + 1
         ckpts.rename(aside)
+        keep = latest_checkpoint_path(aside)
+        for f in aside.glob("round_*.safetensors"):
+            if f != keep:
+                f.unlink()
         log.warning("%s held an earlier run's checkpoints; moved them to %s", run_dir, aside)
     atomic_write(run_dir / "config.json", cfg.to_json().encode())
     return run_dir

@@ -71,7 +71,7 @@ def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
         return (
             "traffic per round at the cloud (every role: its /metrics)",
             "up: received by the cloud (edges→cloud)",
-            "down: sent by the cloud (cloud→edges, once per blob)",
+            "down: sent by the cloud (cloud→edges, once per blob fetched)",
         )
     return "traffic per round", "up (devices→edges→cloud)", "down (cloud→edges→devices)"
 

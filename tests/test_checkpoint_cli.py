@@ -103,12 +103,14 @@ def test_starting_over_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path) -
 
     cfg = tiny_config()
     run = tmp_path / "run"
+    older = save_checkpoint(run / "checkpoints", 6, build_unet("fmnist-tiny").state_dict(), cfg)
     stale = save_checkpoint(run / "checkpoints", 7, build_unet("fmnist-tiny").state_dict(), cfg)
     assert prepare_run_dir(cfg, run, resuming=True) == run and stale.is_file()  # resumed: kept
     prepare_run_dir(cfg, run)
     assert latest_checkpoint_path(run / "checkpoints") is None
     (aside,) = run.glob("checkpoints.replaced-*")
-    assert (aside / stale.name).is_file()
+    assert (aside / stale.name).is_file() and (aside / "latest.json").is_file()
+    assert not (aside / older.name).exists()  # only the earlier run's latest is kept
     save_checkpoint(run / "checkpoints", 0, build_unet("fmnist-tiny").state_dict(), cfg)
     prepare_run_dir(cfg, run)  # again within the same second: a second, distinct folder
     assert len(list(run.glob("checkpoints.replaced-*"))) == 2

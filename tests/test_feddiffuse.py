@@ -380,6 +380,9 @@ def test_local_parts_never_travel_after_the_first_download(split: str) -> None:
     assert got["received:edge_model"] == 3 * whole + 6 * shared
     # each of the 2 edges: the initial global whole, then the two new globals' shared part
     assert got["received:global_model"] == 2 * whole + 4 * shared
+    # a blob counts as sent once, when first fetched: the whole globals of rounds 1-2 (and
+    # the shared one of round 0) were put beside the others but never moved
+    assert got["sent:global_model"] == (whole + 2 * shared if shared < whole else 3 * whole)
     if split != "usplit":  # USPLIT edges carry every part (some devices report each)
         assert got["received:edge_update"] == 2 * 3 * shared
     final = fed.cloud.model

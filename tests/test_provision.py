@@ -178,6 +178,20 @@ def test_provision_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
             provision(cfg, out, tls_hosts=["broker"], force=True)
     assert (out / "credentials" / "dev001.password").read_text() == password
     assert (out / "mosquitto" / "passwd").read_text() == passwd
+    real_rename = Path.rename
+
+    def rename_fails_on_mosquitto(self: Path, target: Path) -> Path:
+        if self.name == "mosquitto" and self.parent.name.startswith(".provisioning-"):
+            raise OSError("device busy")
+        return real_rename(self, target)
+
+    with monkeypatch.context() as mp:  # a failure while moving in: every part goes back
+        mp.setattr(Path, "rename", rename_fails_on_mosquitto)
+        with pytest.raises(OSError, match="device busy"):
+            provision(cfg, out, force=True)
+    assert (out / "credentials" / "dev001.password").read_text() == password
+    assert (out / "mosquitto" / "passwd").read_text() == passwd
+    assert provision(cfg, out, keep=True)["kept"]
     info = provision(cfg, out, tls_hosts=["broker"], force=True)
     assert (out / "credentials" / "dev001.password").read_text() != password
     assert Path(info["tls"]["ca"]) == out / "tls" / "ca.pem" and (out / "tls" / "ca.pem").is_file()
