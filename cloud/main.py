@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         on_round_end=on_round_end,
     )
     recorder.model_fn = cloud.global_module
-    if recorder.evaluator is not None and cloud.algorithm.shared_spec(cloud.spec) is not None:
+    if recorder.evaluator is not None and cloud.algorithm.local_parts:
         log.warning(
             "%s keeps model parts on the devices: the FID logged here is the global model's, "
             "with those parts at their initialization; the client-level FID the paper "

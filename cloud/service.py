@@ -296,14 +296,10 @@ class CloudServer(RoleService):
             for dev in participants:
                 self.assignment[self.devices[dev].home_edge].append(dev)
         if self.fresh_global or self.global_ref is None:
-            self.global_ref = self.put_tensors(self.model, "global_model")
+            self.global_ref, self.shared_ref = self.put_state(
+                self.model, self.algorithm.shared_spec(self.spec), "global_model"
+            )
             self.metrics.model_bytes.set(self.global_ref.size)
-            shared = self.algorithm.shared_spec(self.spec)
-            self.shared_ref = None
-            if shared is not None:
-                self.shared_ref = self.put_tensors(
-                    {k: self.model[k] for k in shared}, "global_model"
-                )
         msg = RoundStart(
             round=r,
             session=self.session,

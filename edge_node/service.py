@@ -252,11 +252,9 @@ class EdgeServer(RoleService):
             return
         assert self.model is not None  # fetched above whenever there was none
         if self.model_ref is None:
-            self.model_ref = self.put_tensors(self.model, "edge_model")
-            shared = self.algorithm.shared_spec(self.spec)
-            self.shared_ref = None
-            if shared is not None:
-                self.shared_ref = self.put_tensors({k: self.model[k] for k in shared}, "edge_model")
+            self.model_ref, self.shared_ref = self.put_state(
+                self.model, self.algorithm.shared_spec(self.spec), "edge_model"
+            )
         announce = EdgeRound(
             round=msg.round,
             session=msg.session,

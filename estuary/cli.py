@@ -76,6 +76,7 @@ def _role_main(module: str, argv: list[str]) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from shared.algorithms import make_algorithm
     from shared.checkpoint import latest_checkpoint_path, load_checkpoint
     from shared.config import with_overrides
     from shared.evaluation import Evaluator, model_from_state
@@ -98,9 +99,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         **metrics,
         "level": "global",
     }
-    if cfg.algorithm.name == "feddiffuse" and cfg.algorithm.split in ("ulatdec", "udec"):
-        split = cfg.algorithm.split
-        print(f"estuary: note: this is the global model of a FedDiffuse {split} run, its "
+    if make_algorithm(cfg).local_parts:
+        print(f"estuary: note: this is the global model of a {cfg.algorithm.name} run, its "
               "device-local parts at their initialization; `estuary simulate` and `estuary "
               "compare` report the client-level FID the paper uses", file=sys.stderr)  # fmt: skip
     if args.json:

@@ -59,6 +59,7 @@ import torch
 from cloud.service import sample_participants
 from shared import accounting as acc
 from shared.accounting import Distances
+from shared.algorithms import make_algorithm
 from shared.arch import build_model
 from shared.checkpoint import atomic_write, save_checkpoint
 from shared.config import RunConfig, apply_env_overrides, config_from_dict
@@ -613,23 +614,10 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "local_steps": sum(run.steps),
             "wall_s": run.wall_s,
             "run_dir": run.run_dir.name,
-            "local_parts": _has_local_parts(run),
+            "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
         }
         out.append(row)
     return out
-
-
-def _has_local_parts(run: MethodRun) -> bool:
-    """Whether only part of the state travels once a role holds the rest (FedDiffuse
-    ULATDEC/UDEC), so the first downloads are larger than the steady state."""
-    if run.method.centralized:
-        return False
-    from shared.algorithms import make_algorithm
-    from shared.arch import model_spec
-
-    algo = make_algorithm(run.method.cfg)
-    spec = algo.global_spec(model_spec(run.method.cfg.model.preset, run.plan))
-    return algo.shared_spec(spec) is not None
 
 
 def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:

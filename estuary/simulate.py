@@ -146,7 +146,7 @@ def simulate(
     )
     cloud = fed.cloud
     recorder.model_fn = cloud.global_module
-    if cloud.algorithm.shared_spec(cloud.spec) is not None:  # devices keep local parts
+    if cloud.algorithm.local_parts:
         recorder.client_models_fn = functools.partial(client_modules, fed)
     fed.start()
     with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:

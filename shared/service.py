@@ -91,6 +91,17 @@ class RoleService:
         sha = self.ep.put_blob(data, kind=kind)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
 
+    def put_state(
+        self, state: Mapping[str, Any], shared: Mapping[str, Any] | None, kind: str
+    ) -> tuple[BlobRef, BlobRef | None]:
+        """Put ``state`` as a blob and, when ``shared`` names a subset of it
+        (:meth:`~shared.algorithms.base.Algorithm.shared_spec`), that subset as a second
+        blob, for receivers that hold the rest."""
+        ref = self.put_tensors(state, kind)
+        if shared is None:
+            return ref, None
+        return ref, self.put_tensors({k: state[k] for k in shared}, kind)
+
     def fetch_tensors(
         self,
         ref: BlobRef,

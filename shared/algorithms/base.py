@@ -128,11 +128,16 @@ class Algorithm(ABC):
         """Names/shapes a device may upload (all of them when ``partial_uploads``)."""
         return dict(global_spec)
 
+    #: part of the model stays on each device and is never federated (FedDiffuse
+    #: ULATDEC/UDEC): only :meth:`shared_spec` travels once a role holds the rest, and a
+    #: device's model (:meth:`client_state`) differs from the global one
+    local_parts: bool = False
+
     def shared_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec] | None:
         """The tensors federation changes, when that is a strict subset of the state: the
         rest keeps its initial value on the cloud and the edges and lives on each device
-        (FedDiffuse ULATDEC/UDEC's local parts). Roles that already hold the rest download
-        and upload only these. None (the default): the whole state travels."""
+        (:attr:`local_parts`). Roles that already hold the rest download and upload only
+        these. None (without local parts): the whole state travels."""
         return None
 
     def device_holds_rest(self, ctx: DeviceContext, global_spec: Mapping[str, TensorSpec]) -> bool:

@@ -295,6 +295,7 @@ class FedDiffuse(Algorithm):
         super().__init__(cfg)
         self.split: Split = cfg.algorithm.split
         self.federated = FEDERATED_PARTS[self.split]
+        self.local_parts = self.federated != FEDERATED_PARTS["full"]  # ULATDEC, UDEC
         # USPLIT devices report different parts, so the edges count samples per part
         self.part_names: tuple[str, ...] = PARTS if self.split == "usplit" else ()
 
@@ -309,18 +310,12 @@ class FedDiffuse(Algorithm):
     def shared_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec] | None:
         """ULATDEC/UDEC: the federated parts (the local parts never leave the devices, and
         the cloud's and edges' copies of them stay the initial ones); FULL/USPLIT: None."""
-        if self.federated == FEDERATED_PARTS["full"]:
-            return None
-        return self.upload_spec(global_spec)
+        return self.upload_spec(global_spec) if self.local_parts else None
 
     def device_holds_rest(self, ctx: DeviceContext, global_spec: Mapping[str, TensorSpec]) -> bool:
         """Whether the device kept local parts that fit a state of ``global_spec``."""
         local = ctx.state.get(LOCAL_STATE_KEY)
-        return (
-            self.shared_spec(global_spec) is not None
-            and local is not None
-            and self._local_fits(local, global_spec)
-        )
+        return self.local_parts and local is not None and self._local_fits(local, global_spec)
 
     def client_state(
         self, global_state: TensorDict, device_state: Mapping[str, Any]
@@ -329,9 +324,7 @@ class FedDiffuse(Algorithm):
         paper measures FID "on client level, given that the federator only had access to
         partial models"); None for FULL/USPLIT and for a device without local parts yet."""
         local = device_state.get(LOCAL_STATE_KEY)
-        if self.federated == FEDERATED_PARTS["full"] or local is None:
-            return None
-        if not self._local_fits(local, global_state):
+        if not self.local_parts or local is None or not self._local_fits(local, global_state):
             return None
         return {**global_state, **local}
 
@@ -374,7 +367,7 @@ class FedDiffuse(Algorithm):
     ) -> LocalResult:
         result = self.train(ctx, model)
         trained = model_state(model)
-        if self.federated != FEDERATED_PARTS["full"]:
+        if self.local_parts:
             ctx.state[LOCAL_STATE_KEY] = {
                 k: v for k, v in trained.items() if not self.is_federated(k)
             }
