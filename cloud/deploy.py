@@ -28,6 +28,7 @@ from shared.signing import (
 log = logging.getLogger(__name__)
 
 MODEL_BLOB_KIND = "onnx_model"
+SHARED_BLOB_KIND = "shared_weights"
 
 
 class PublisherService(RoleService):
@@ -87,11 +88,18 @@ class DeploymentPublisher:
                 signature = None  # signed by another key: sign again with ours
         if signature is None:
             text, signature = sign_manifest(manifest, self.key)
-        data = (export_dir / manifest["model"]["file"]).read_bytes()
-        check_model_bytes(data, manifest)
-        sha = self.service.ep.put_blob(data, kind=MODEL_BLOB_KIND)
-        ref = BlobRef(sha256=sha, size=len(data), kind=MODEL_BLOB_KIND, src=self.service.home)
-        return Deployment(manifest=text, signature=signature, key_id=key_id(pub), model_ref=ref)
+        refs = {}
+        for entry, kind in (("model", MODEL_BLOB_KIND), ("shared", SHARED_BLOB_KIND)):
+            if entry not in manifest:
+                continue
+            data = (export_dir / manifest[entry]["file"]).read_bytes()
+            check_model_bytes(data, manifest, entry)
+            sha = self.service.ep.put_blob(data, kind=kind)
+            refs[entry] = BlobRef(sha256=sha, size=len(data), kind=kind, src=self.service.home)
+        return Deployment(
+            manifest=text, signature=signature, key_id=key_id(pub), model_ref=refs["model"],
+            shared_ref=refs.get("shared"),
+        )  # fmt: skip
 
     def request_samples(
         self, request_id: str, *, devices: list[str] | None = None, n: int = 16, steps: int = 50,

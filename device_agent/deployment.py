@@ -7,14 +7,22 @@ signature does not verify with the device's key, its manifest is malformed or di
 with the blob reference, the model's bytes do not match the manifest's hash, or ONNX
 Runtime cannot load it; the model in service stays in service.
 
+When devices keep local model parts (FedDiffuse ULATDEC/UDEC), the deployment also
+carries the global model's federated tensors; a training device then serves its own model
+built from those and its local parts (:mod:`device_agent.personalize`, passed in as
+``personalize``), and a device that holds no local parts serves the global model.
+
 Torch-free: the sampling-only agent (``estuary device --sample-only``) runs on onnxruntime,
 numpy, pillow, paho-mqtt and prometheus-client alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,23 +45,48 @@ from shared.signing import (
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
+#: the device's own model beside the deployed one (see the module docstring)
+OWN_MODEL_FILE = "own_model.onnx"
+
+
+class PersonalizeError(EstuaryError):
+    """The device could not build or export its own model from a deployment."""
+
+
+@dataclass(frozen=True)
+class PersonalModel:
+    """A device's own generator: ONNX bytes and the parity check they passed."""
+
+    onnx: bytes
+    parity: dict[str, Any]
+
+
+#: builds the device's own model from a deployment's verified shared tensors and its card
+#: (:class:`device_agent.personalize.Personalizer`); None when the global model is the
+#: device's model
+Personalize = Callable[[bytes, dict[str, Any]], PersonalModel | None]
 
 
 @dataclass
 class Served:
-    """The model in service."""
+    """The model in service: the deployment ``sha256``, and ``personal`` (the sha256 of the
+    device's own ONNX model) when the generator is the device's own."""
 
     sha256: str
     generator: OnnxGenerator
     manifest: dict[str, Any]
     path: Path
+    personal: str | None = None
 
 
 class DeploymentReceiver:
     """Handles deployments and sample requests for ``service`` (a device)."""
 
-    def __init__(self, service: RoleService, out_dir: Path) -> None:
+    def __init__(
+        self, service: RoleService, out_dir: Path, *, personalize: Personalize | None = None
+    ) -> None:
         self.service = service
+        self.personalize = personalize
         self.cfg = service.cfg.deploy
         self.out_dir = out_dir
         self.served: Served | None = None
@@ -84,6 +117,9 @@ class DeploymentReceiver:
         except (CodecError, TransportError) as err:
             self._refuse(sha, err.reason, str(err))
             return
+        except PersonalizeError as err:
+            self._refuse(sha, "personalize_failed", str(err))
+            return
         except EstuaryError as err:
             self._refuse(sha, "bad_model", str(err))
             return
@@ -101,8 +137,9 @@ class DeploymentReceiver:
         card = served.manifest["card"]
         m.model_params.set(card.get("params", 0))
         m.model_bytes.set(served.manifest["model"]["size"])
-        log.info("%s: serving %s (%s, %s params) on %s", self.service.name, sha[:12],
-                 card.get("name"), card.get("params"), served.generator.providers[0])  # fmt: skip
+        log.info("%s: serving %s%s (%s, %s params) on %s", self.service.name, sha[:12],
+                 " as its own model" if served.personal else "", card.get("name"),
+                 card.get("params"), served.generator.providers[0])  # fmt: skip
         self._report("loaded", sha)
         steps = self.cfg.sample_steps
         self._sample(self.cfg.grid_size, steps, self.service.cfg.run.seed, f"deploy-{sha[:12]}")
@@ -122,14 +159,53 @@ class DeploymentReceiver:
             timeout_s=broker.fetch_timeout_s,
         )  # fmt: skip
         check_model_bytes(data, manifest)  # the blob layer checked too; the file is what runs
-        generator = OnnxGenerator(
-            data, manifest["card"], provider=self.cfg.provider, threads=self.cfg.threads
-        )
+        card = manifest["card"]
+        generator = OnnxGenerator(data, card, provider=self.cfg.provider, threads=self.cfg.threads)
+        own = self._own_model(msg, manifest)
         path = self.out_dir / "models" / want["sha256"][:16]
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / want["file"], data)
         write_signed(path, msg.manifest, msg.signature, msg.key_id)
-        return Served(want["sha256"], generator, manifest, path)
+        if own is None:
+            return Served(want["sha256"], generator, manifest, path)
+        own_sha = hashlib.sha256(own.onnx).hexdigest()
+        atomic_write(path / OWN_MODEL_FILE, own.onnx)
+        record = {"sha256": own_sha, "size": len(own.onnx), "deployment": want["sha256"],
+                  "shared": manifest["shared"]["sha256"], "parity": own.parity}  # fmt: skip
+        atomic_write(path / "own_model.json", (json.dumps(record, indent=2) + "\n").encode())
+        generator = OnnxGenerator(
+            own.onnx, card, provider=self.cfg.provider, threads=self.cfg.threads
+        )
+        return Served(want["sha256"], generator, manifest, path, personal=own_sha)
+
+    def _own_model(self, msg: Deployment, manifest: dict[str, Any]) -> PersonalModel | None:
+        """The device's own model when the deployment carries shared tensors and this
+        device builds its own (see the module docstring); None: serve the deployed one."""
+        want = manifest.get("shared")
+        if want is None:
+            return None
+        ref = msg.shared_ref
+        if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
+            raise SignatureError("bad_manifest", "the shared-tensors reference is not the "
+                                 "signed file")  # fmt: skip
+        if self.personalize is None:
+            log.warning("%s: deployment %s keeps parts on the training devices; serving the "
+                        "global model, whose local parts are at their initialization",
+                        self.service.name, msg.model_ref.sha256[:12])  # fmt: skip
+            return None
+        broker = self.service.cfg.broker
+        if want["size"] > broker.max_blob_bytes:
+            raise SignatureError("too_large", f"shared tensors of {want['size']} bytes")
+        data = self.service.ep.get_blob(
+            want["sha256"], want["size"], kind=ref.kind, src=ref.src,
+            timeout_s=broker.fetch_timeout_s,
+        )  # fmt: skip
+        check_model_bytes(data, manifest, "shared")
+        own = self.personalize(data, manifest["card"])
+        if own is None:
+            log.info("%s: holds no local parts (it never trained): serving the global model",
+                     self.service.name)  # fmt: skip
+        return own
 
     def _refuse(self, sha: str, reason: str, detail: str) -> None:
         self.service.reject(reason, f"deployment {sha[:12]}: {detail}")
@@ -182,6 +258,7 @@ class DeploymentReceiver:
             event=event,  # type: ignore[arg-type]
             model_sha256=sha,
             serving=served.sha256 if served is not None else None,
+            personal=served.personal if served is not None else None,
             reason=reason,
             request_id=request_id[:64],
             n=stats.n if stats else 0,

@@ -2,7 +2,8 @@
 
 The device loads the dataset locally and keeps only its own partition (the same seeded
 split ``estuary simulate`` makes); raw data never leaves the process. It also serves the
-generator the cloud deploys (verified, then sampled with ONNX Runtime). With
+generator the cloud deploys (verified, then sampled with ONNX Runtime; its own model, built
+from the deployment and the parts it keeps, when the algorithm keeps parts on the devices). With
 ``--sample-only`` it does nothing else, and never imports torch.
 """
 
@@ -58,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s: sampling only; grids go to %s", args.id, out_dir)
             return serve_until_cloud_done(agent, bus, stay=args.stay)
         device, bus = _training_agent(args, cfg, cache)
-        receiver = DeploymentReceiver(device, out_dir) if cfg.deploy.enabled else None
+        receiver = None
+        if cfg.deploy.enabled:
+            from device_agent.personalize import Personalizer
+
+            receiver = DeploymentReceiver(device, out_dir, personalize=Personalizer(device))
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR

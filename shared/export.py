@@ -29,8 +29,10 @@ from torch import nn
 from device_agent.sampling import DdimSchedule, OnnxGenerator
 from device_agent.sampling import ddim_sample as numpy_ddim_sample
 from shared import __version__
+from shared.algorithms import make_algorithm
 from shared.arch import Plan, plan_digest
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
+from shared.codec import encode_tensors, spec_of
 from shared.config import DiffusionSection, RunConfig
 from shared.diffusion import ddim_sample
 from shared.errors import EstuaryError
@@ -40,6 +42,8 @@ from shared.report import last_quality, read_metrics
 from shared.signing import key_id, make_manifest, sign_manifest, write_signed
 
 MIN_OPSET = 17
+#: the global model's federated tensors beside ``model.onnx`` when devices keep local parts
+SHARED_FILE = "shared.safetensors"
 
 
 class ExportError(EstuaryError):
@@ -174,6 +178,10 @@ def to_onnx(unet: nn.Module, *, opset: int = MIN_OPSET, fp16: bool = False) -> b
         # the TorchScript exporter is chosen on purpose (see above); torch flags it legacy
         warnings.filterwarnings(
             "ignore", "You are using the legacy TorchScript", DeprecationWarning
+        )
+        # ... and warns about its own internal logging helper (torch 2.13), on every export
+        warnings.filterwarnings(
+            "ignore", "The feature will be removed", DeprecationWarning, r"torch\.onnx\."
         )
         torch.onnx.export(
             model,
@@ -320,6 +328,30 @@ def export_generator(
     )  # fmt: skip
 
 
+def _write_shared(
+    cfg: RunConfig, unet: nn.Module, out_dir: Path, card: dict[str, Any]
+) -> dict[str, Any] | None:
+    """FedDiffuse ULATDEC/UDEC: write the global model's federated tensors as
+    :data:`SHARED_FILE` and say in ``card`` that devices holding their own local parts
+    generate with those over their parts; the manifest entry of the file, or None (and no
+    such file) when every device generates with the global model."""
+    state = unet.state_dict()
+    spec = make_algorithm(cfg).shared_spec(spec_of(state))
+    if spec is None:
+        (out_dir / SHARED_FILE).unlink(missing_ok=True)
+        return None
+    data = encode_tensors({k: state[k] for k in spec})
+    atomic_write(out_dir / SHARED_FILE, data)
+    card["personalized"] = {
+        "shared": SHARED_FILE,
+        "tensors": len(spec),
+        "note": "a device that holds local parts generates with the global model's federated "
+        "tensors over its own parts (exported on the device, same parity gate); this ONNX "
+        "model has those parts at their initialization",
+    }
+    return {"file": SHARED_FILE, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
 def export_module(
     cfg: RunConfig,
     unet: nn.Module,
@@ -358,10 +390,13 @@ def export_module(
         )
     card["parity"] = parity.to_dict()
     out_dir.mkdir(parents=True, exist_ok=True)
+    shared = _write_shared(cfg, unet, out_dir, card)
     model_path = out_dir / "model.onnx"
     atomic_write(model_path, onnx_bytes)
     atomic_write(out_dir / "card.json", (json.dumps(card, indent=2) + "\n").encode())
-    manifest = make_manifest(hashlib.sha256(onnx_bytes).hexdigest(), len(onnx_bytes), card)
+    manifest = make_manifest(
+        hashlib.sha256(onnx_bytes).hexdigest(), len(onnx_bytes), card, shared=shared
+    )
     signed = signing_key is not None
     if signed:
         text, signature = sign_manifest(manifest, signing_key)

@@ -335,13 +335,16 @@ class CloudState(_Msg):
 
 class Deployment(_Msg):
     """A signed deployment: ``manifest`` is the canonical JSON text the Ed25519
-    ``signature`` covers (shared.signing); the ONNX model travels as the blob ``model_ref``."""
+    ``signature`` covers (shared.signing); the ONNX model travels as the blob ``model_ref``,
+    and, when devices keep local model parts (FedDiffuse ULATDEC/UDEC), the global model's
+    federated tensors (the manifest's ``shared`` file, safetensors) as ``shared_ref``."""
 
     kind: Literal["deployment"] = "deployment"
     manifest: str = Field(min_length=2, max_length=64 * 1024)
     signature: str = Field(pattern=r"^[0-9a-f]{128}$")
     key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
     model_ref: BlobRef
+    shared_ref: BlobRef | None = None
 
 
 class SampleRequest(_Msg):
@@ -363,6 +366,9 @@ class DeploymentReport(_Msg):
     event: Literal["loaded", "refused", "sampled"]
     model_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     serving: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # model in service
+    #: the model in service is the device's own (global federated parts over its local
+    #: parts, exported on the device); its ONNX file's sha256
+    personal: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     reason: str = Field("", max_length=500)
     request_id: str = Field("", max_length=64)
     n: Count = 0

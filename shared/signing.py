@@ -31,8 +31,10 @@ MAX_MANIFEST_BYTES = 64 * 1024
 PRIVATE_KEY_FILE = "deploy_ed25519.pem"
 PUBLIC_KEY_FILE = "deploy_ed25519.pub.pem"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-#: the model's file name in a deployment directory (never the manifest, never a path)
-_MODEL_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,122}\.onnx")
+#: the file names of a deployment directory's model and shared weights (never the manifest,
+#: never a path)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_FILE_SUFFIX = {"model": ".onnx", "shared": ".safetensors"}
 _SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
 
 
@@ -109,15 +111,26 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def make_manifest(
-    model_sha256: str, model_size: int, card: dict[str, Any], *, file: str = "model.onnx"
+    model_sha256: str,
+    model_size: int,
+    card: dict[str, Any],
+    *,
+    file: str = "model.onnx",
+    shared: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a model file: its hash, size, card and creation time."""
-    return {
+    """The manifest of a model file: its hash, size, card and creation time; with ``shared``
+    (``{"file", "sha256", "size"}``), also the safetensors file of the global model's
+    federated tensors that devices holding their own local parts build their model from
+    (FedDiffuse ULATDEC/UDEC)."""
+    manifest = {
         "format": MANIFEST_FORMAT,
         "model": {"file": file, "sha256": model_sha256, "size": int(model_size)},
         "card": card,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if shared is not None:
+        manifest["shared"] = dict(shared)
+    return manifest
 
 
 def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> tuple[str, str]:
@@ -154,32 +167,40 @@ def check_manifest(manifest: Any) -> None:
     """Raise ``SignatureError("bad_manifest")`` unless ``manifest`` has the expected shape."""
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise SignatureError("bad_manifest", f"not an {MANIFEST_FORMAT} manifest")
-    model = manifest.get("model")
-    if not isinstance(model, dict):
+    if not isinstance(manifest.get("model"), dict):
         raise SignatureError("bad_manifest", "manifest has no model entry")
-    sha, size, file = model.get("sha256"), model.get("size"), model.get("file")
-    if not isinstance(sha, str) or not _SHA256.match(sha):
-        raise SignatureError("bad_manifest", "model.sha256 is not a sha256")
-    if type(size) is not int or size <= 0:
-        raise SignatureError("bad_manifest", "model.size is not a positive integer")
-    if not isinstance(file, str) or not _MODEL_FILE.fullmatch(file):
-        raise SignatureError(
-            "bad_manifest", f"model.file must be a plain *.onnx file name, got {file!r:.80}"
-        )
+    for entry, suffix in _FILE_SUFFIX.items():
+        if entry == "model" or entry in manifest:
+            _check_file_entry(entry, manifest[entry], suffix)
     if not isinstance(manifest.get("card"), dict):
         raise SignatureError("bad_manifest", "manifest has no model card")
 
 
-def check_model_bytes(data: bytes, manifest: dict[str, Any]) -> None:
-    """Raise ``SignatureError("hash_mismatch")`` unless ``data`` is the manifest's model."""
-    want = manifest["model"]
+def _check_file_entry(entry: str, value: Any, suffix: str) -> None:
+    if not isinstance(value, dict):
+        raise SignatureError("bad_manifest", f"manifest's {entry} entry is not an object")
+    sha, size, file = value.get("sha256"), value.get("size"), value.get("file")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise SignatureError("bad_manifest", f"{entry}.sha256 is not a sha256")
+    if type(size) is not int or size <= 0:
+        raise SignatureError("bad_manifest", f"{entry}.size is not a positive integer")
+    if not isinstance(file, str) or not _PLAIN_NAME.fullmatch(file) or not file.endswith(suffix):
+        raise SignatureError(
+            "bad_manifest", f"{entry}.file must be a plain *{suffix} file name, got {file!r:.80}"
+        )
+
+
+def check_model_bytes(data: bytes, manifest: dict[str, Any], entry: str = "model") -> None:
+    """Raise ``SignatureError("hash_mismatch")`` unless ``data`` is the manifest's model (or
+    the file of its ``entry``: ``"shared"``)."""
+    want = manifest[entry]
     if len(data) != want["size"]:
-        raise SignatureError("hash_mismatch", f"model is {len(data)} bytes, manifest says "
+        raise SignatureError("hash_mismatch", f"{entry} is {len(data)} bytes, manifest says "
                              f"{want['size']}")  # fmt: skip
     got = hashlib.sha256(data).hexdigest()
     if got != want["sha256"]:
         raise SignatureError(
-            "hash_mismatch", f"model sha256 {got[:16]}… differs from the manifest's "
+            "hash_mismatch", f"{entry} sha256 {got[:16]}… differs from the manifest's "
             f"{want['sha256'][:16]}…",
         )  # fmt: skip
 

@@ -80,3 +80,21 @@ def test_manifest_model_file_must_be_a_plain_onnx_name(name: str) -> None:
     manifest["model"].update(file="model.onnx", size=True)
     with pytest.raises(SignatureError, match="positive integer"):
         check_manifest(manifest)
+
+
+@pytest.mark.parametrize(
+    "name", ["", "model.onnx", "manifest.json", "../shared.safetensors", "x.safetensors/"]
+)
+def test_manifest_shared_file_must_be_a_plain_safetensors_name(name: str) -> None:
+    shared = {"file": "shared.safetensors", "sha256": "cd" * 32, "size": 10}
+    manifest = make_manifest("ab" * 32, 1234, {"name": "m"}, shared=shared)
+    check_manifest(manifest)
+    manifest["shared"]["file"] = name
+    with pytest.raises(SignatureError, match=r"shared.file must be a plain \*\.safetensors"):
+        check_manifest(manifest)
+    manifest["shared"] = {**shared, "sha256": "no"}
+    with pytest.raises(SignatureError, match=r"shared.sha256 is not a sha256"):
+        check_manifest(manifest)
+    manifest["shared"] = [shared]
+    with pytest.raises(SignatureError, match="shared entry is not an object"):
+        check_manifest(manifest)

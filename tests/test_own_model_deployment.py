@@ -1,0 +1,149 @@
+"""FedDiffuse ULATDEC/UDEC deployments: the cloud's ONNX model is the global one, whose
+device-local parts are at their initialization, so each training device serves its own model
+(the signed shared tensors over its local parts, exported on the device behind the same
+parity gate), over MemoryBus with the real cloud, edges and devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cloud.deploy import DeploymentPublisher, deploy_when_trained
+from device_agent.deployment import OWN_MODEL_FILE, DeploymentReceiver
+from device_agent.personalize import Personalizer
+from device_agent.sampling import OnnxGenerator
+from estuary.simulate import Federation, build_federation
+from shared.algorithms.feddiffuse import LOCAL_STATE_KEY
+from shared.arch import build_model
+from shared.bus import MemoryBus
+from shared.config import RunConfig
+from shared.data import load_dataset
+from shared.export import SHARED_FILE, EpsModel, example_inputs
+from shared.messages import Deployment, DeploymentReport
+from shared.partition import make_partition
+from shared.signing import generate_keys, load_private_key
+from tests.conftest import tiny_config
+
+
+def _federation(tmp_path: Path, split: str) -> tuple[RunConfig, MemoryBus, Federation]:
+    """3 devices behind 2 edges, 2 rounds of 1 local step, with a signed deployment."""
+    priv, pub = generate_keys(tmp_path / "keys")
+    cfg = tiny_config(
+        run={"rounds": 2},
+        federation={"num_devices": 3, "num_edges": 2},
+        train={"local_steps": 1, "batch_size": 2},
+        algorithm={"name": "feddiffuse", "split": split},
+        deploy={"signing_key": str(priv), "verify_key": str(pub), "grid_size": 2,
+                "sample_steps": 2, "parity_steps": 3, "wait_s": 60},
+    )  # fmt: skip
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    bus = MemoryBus()
+    return cfg, bus, build_federation(cfg, bus, data, parts)
+
+
+class Deployed:
+    """A trained and deployed federation: each device's receiver, and the devices' latest
+    deployment reports as the cloud hears them."""
+
+    def __init__(self, tmp_path: Path, split: str) -> None:
+        self.cfg, self.bus, self.fed = _federation(tmp_path, split)
+        self.receivers = []
+        for device in self.fed.devices:
+            out = tmp_path / device.name
+            r = DeploymentReceiver(device, out, personalize=Personalizer(device))
+            r.start()
+            self.receivers.append(r)
+        self.reports: dict[str, DeploymentReport] = {}
+        cloud = self.fed.cloud
+        cloud.on(cloud.topics.all_device_deploy, DeploymentReport,
+                 lambda m: self.reports.__setitem__(m.device, m), "msg_test")  # fmt: skip
+        deploy_when_trained(cloud, tmp_path / "run")
+        self.fed.start()
+        assert self.bus.run(lambda: cloud.done)
+
+
+def _eps(onnx: bytes, card: dict[str, Any], inputs: tuple[torch.Tensor, ...]) -> np.ndarray:
+    gen = OnnxGenerator(onnx, card, provider="cpu")
+    return gen.session.run(None, {"sample": inputs[0].numpy(), "timestep": inputs[1].numpy()})[0]
+
+
+@pytest.mark.parametrize("split", ["ulatdec", "udec"])
+def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
+    run = Deployed(tmp_path, split)
+    cfg, fed = run.cfg, run.fed
+    export = tmp_path / "run" / "deploy"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["shared"]["file"] == SHARED_FILE and (export / SHARED_FILE).is_file()
+    assert manifest["card"]["personalized"]["shared"] == SHARED_FILE
+    card = manifest["card"]
+    global_onnx = (export / "model.onnx").read_bytes()
+    inputs = example_inputs(fed.devices[0].model, 2, torch.Generator().manual_seed(5))
+    global_eps = _eps(global_onnx, card, inputs)
+    for device, receiver in zip(fed.devices, run.receivers, strict=True):
+        served = receiver.served
+        assert served is not None and served.personal is not None
+        path = served.path / OWN_MODEL_FILE
+        record = json.loads((served.path / "own_model.json").read_text())
+        assert record["sha256"] == served.personal and record["parity"]["passed"]
+        # the device's model: the cloud's final federated parts over its own local parts
+        own = build_model(cfg.model.preset, None, seed=cfg.run.seed)
+        own.load_state_dict({**fed.cloud.model, **device.algo_state[LOCAL_STATE_KEY]})
+        with torch.no_grad():
+            want = EpsModel(own.eval())(*inputs).numpy()
+        got = _eps(path.read_bytes(), card, inputs)
+        assert np.abs(got - want).max() < 1e-4
+        assert np.abs(got - global_eps).max() > 1e-3  # not the global model
+        r = run.reports[device.name]
+        assert r.event == "sampled" and r.personal == served.personal
+        assert r.model_sha256 == served.sha256 == manifest["model"]["sha256"]
+    assert run.bus.traffic.snapshot()["rejected"] == {}
+
+
+def test_full_deploys_the_global_model_to_everyone(tmp_path: Path) -> None:
+    run = Deployed(tmp_path, "full")
+    manifest = json.loads((tmp_path / "run" / "deploy" / "manifest.json").read_text())
+    assert "shared" not in manifest and "personalized" not in manifest["card"]
+    assert not (tmp_path / "run" / "deploy" / SHARED_FILE).exists()
+    for r in run.receivers:
+        assert r.served is not None and r.served.personal is None
+        assert r.served.sha256 == manifest["model"]["sha256"]
+    assert {r.personal for r in run.reports.values()} == {None}
+
+
+def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path) -> None:
+    """A shared reference that is not the signed file is refused before anything is
+    fetched; a deployment for another architecture than the device trained cannot be
+    combined with its local parts: both refused with a reason, the old model kept."""
+    run = Deployed(tmp_path, "udec")
+    fed, device, receiver = run.fed, run.fed.devices[0], run.receivers[0]
+    assert receiver.served is not None
+    # a model in service under another deployment's hash, so the same one loads again
+    kept = dataclasses.replace(receiver.served, sha256="0" * 64)
+    publisher = DeploymentPublisher(fed.cloud, load_private_key(run.cfg.deploy.signing_key))
+    good = publisher.prepare(tmp_path / "run" / "deploy")
+
+    def send(msg: Deployment) -> DeploymentReport:
+        receiver.served = kept
+        run.reports.pop(device.name, None)
+        fed.cloud.send(fed.cloud.topics.cloud_deploy, msg, retain=True)
+        run.bus.run(lambda: device.name in run.reports)
+        assert receiver.served is kept  # refused: the model in service stays
+        return run.reports[device.name]
+
+    for shared_ref in (good.model_ref, None):  # not the signed shared file, or missing
+        report = send(good.model_copy(update={"shared_ref": shared_ref}))
+        assert report.event == "refused" and report.reason.startswith("bad_manifest")
+
+    device.plan = {"foreign": True}  # as if the device had trained another architecture
+    report = send(good)
+    assert report.event == "refused" and report.reason.startswith("personalize_failed")
+    assert "architecture" in report.reason
+    rejected = run.bus.traffic.snapshot()["rejected"]
+    assert rejected == {"device:bad_manifest": 2, "device:personalize_failed": 1}
