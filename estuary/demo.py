@@ -235,10 +235,12 @@ def print_demo_result(result: DemoResult) -> None:
     if result.deployment:
         sampled = {k: r for k, r in result.deployment.items() if r["event"] == "sampled"}
         speeds = sorted(r["images_per_s"] for r in sampled.values())
+        own = sum(1 for r in sampled.values() if r.get("personal"))
         card = d / "deploy" / "card.json"
         print(
             f"deployed {d / 'deploy' / 'model.onnx'} (signed; card {card}): "
             f"{len(sampled)}/{len(result.deployment)} devices sampled from it"
+            + (f" ({own} from their own model: shared parts over their local parts)" if own else "")
             + (f", median {speeds[len(speeds) // 2]:.1f} images/s (ONNX Runtime)" if speeds else "")
         )
         for name, r in sorted(result.deployment.items()):
