@@ -103,19 +103,23 @@ def build_federation(
 
 
 def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
-    """The models of the first ``limit`` devices (by name) whose model differs from the
-    global one (:meth:`~shared.algorithms.base.Algorithm.client_state`): the cloud's
-    current global state with each device's own parts."""
-    cloud, out = fed.cloud, dict[str, nn.Module]()
-    for device in sorted(fed.devices, key=lambda d: d.name):
-        if len(out) >= limit:
-            break
-        state = cloud.algorithm.client_state(cloud.model, device.algo_state)
+    """The models of the first ``limit`` devices (by name): the cloud's current global state
+    with each device's own parts (:meth:`~shared.algorithms.base.Algorithm.client_state`),
+    or the global model for a device that holds none yet (it is what that device would be
+    deployed), so the evaluated set stays the same from round to round; empty while no
+    device's model differs from the global one."""
+    cloud = fed.cloud
+    chosen = sorted(fed.devices, key=lambda d: d.name)[:limit]
+    states = {d.name: cloud.algorithm.client_state(cloud.model, d.algo_state) for d in chosen}
+    if all(state is None for state in states.values()):
+        return {}
+    out = dict[str, nn.Module]()
+    for name, state in states.items():
+        module = cloud.global_module()
         if state is not None:
-            module = cloud.global_module()
             keys = set(module.state_dict())
             module.load_state_dict({k: v for k, v in state.items() if k in keys})
-            out[device.name] = module
+        out[name] = module
     return out
 
 

@@ -490,3 +490,10 @@ def test_ulatdec_and_udec_are_evaluated_at_the_client_level(tmp_path: Path) -> N
         local = next(d for d in fed.devices if d.name == name).algo_state[LOCAL_STATE_KEY]
         for k, v in module.state_dict().items():
             assert torch.equal(v, fed.cloud.model[k] if part_of(k) == "decoder" else local[k])
+    # a device without local parts (it missed every round) stays in the set, with the
+    # global model, which is what it generates with
+    del fed.devices[0].algo_state[LOCAL_STATE_KEY]
+    models = client_modules(fed, 2)
+    assert list(models) == ["dev000", "dev001"]
+    for k, v in models["dev000"].state_dict().items():
+        assert torch.equal(v, fed.cloud.model[k])
