@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from device_agent.sampling import OnnxGenerator, SampleStats, save_grid
+from device_agent.sampling import (
+    OWN_MODEL_FILE,
+    OWN_RECORD_FILE,
+    OnnxGenerator,
+    SampleStats,
+    save_grid,
+)
 from shared.atomic import atomic_write
 from shared.bus import Bus
 from shared.config import RunConfig
@@ -45,8 +51,6 @@ from shared.signing import (
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
-#: the device's own model beside the deployed one (see the module docstring)
-OWN_MODEL_FILE = "own_model.onnx"
 
 
 class PersonalizeError(EstuaryError):
@@ -172,7 +176,7 @@ class DeploymentReceiver:
         atomic_write(path / OWN_MODEL_FILE, own.onnx)
         record = {"sha256": own_sha, "size": len(own.onnx), "deployment": want["sha256"],
                   "shared": manifest["shared"]["sha256"], "parity": own.parity}  # fmt: skip
-        atomic_write(path / "own_model.json", (json.dumps(record, indent=2) + "\n").encode())
+        atomic_write(path / OWN_RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
         generator = OnnxGenerator(
             own.onnx, card, provider=self.cfg.provider, threads=self.cfg.threads
         )

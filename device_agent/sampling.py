@@ -12,6 +12,7 @@ never needs torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -34,6 +35,11 @@ from shared.signing import (
 )
 
 log = logging.getLogger(__name__)
+
+#: a device's own model beside its copy of a deployment (FedDiffuse ULATDEC/UDEC), and the
+#: device's record of it (its sha256, the deployment's, the shared file's, parity)
+OWN_MODEL_FILE = "own_model.onnx"
+OWN_RECORD_FILE = "own_model.json"
 
 #: eps_fn(x [B,C,H,W] float32, t [B] int64, labels [B] int64 or None) -> eps, like x
 EpsFn = Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
@@ -361,10 +367,18 @@ def load_generator(
     require_signature: bool = False,
     provider: str = "auto",
     threads: int = 0,
+    own: bool = False,
 ) -> tuple[OnnxGenerator, dict[str, Any]]:
     """Load ``model_dir`` (``model.onnx`` + ``manifest.json`` [+ ``manifest.sig``]) after
     checking the model's hash and size against the manifest and, with ``verify_key`` (an
-    Ed25519 public key), the manifest's signature. Returns (generator, manifest)."""
+    Ed25519 public key), the manifest's signature. Returns (generator, manifest).
+
+    With ``own``, ``model_dir`` is a device's copy of a deployment whose devices keep local
+    parts (FedDiffuse ULATDEC/UDEC), and the generator is the device's own model beside it
+    (:data:`OWN_MODEL_FILE`), checked against the device's record of it
+    (:data:`OWN_RECORD_FILE`: its hash, and the deployment it was built from). The device
+    built it from the signed shared tensors and its own local parts: the signature covers
+    the deployment, not the local parts."""
     text, signature = read_signed(model_dir)
     if verify_key is not None:
         if signature is None:
@@ -381,7 +395,29 @@ def load_generator(
     except OSError as err:
         raise SignatureError("bad_manifest", f"cannot read {path}: {err}") from None
     check_model_bytes(data, manifest)
+    if own:
+        data = _own_model_bytes(model_dir, manifest)
     return OnnxGenerator(data, manifest["card"], provider=provider, threads=threads), manifest
+
+
+def _own_model_bytes(model_dir: Path, manifest: dict[str, Any]) -> bytes:
+    """The device's own model in ``model_dir``, checked against its record."""
+    try:
+        record = json.loads((model_dir / OWN_RECORD_FILE).read_text())
+        data = (model_dir / OWN_MODEL_FILE).read_bytes()
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SignatureError(
+            "bad_manifest", f"{model_dir} holds no device's own model ({err})"
+        ) from None
+    if not isinstance(record, dict) or record.get("deployment") != manifest["model"]["sha256"]:
+        raise SignatureError(
+            "bad_manifest", f"{model_dir / OWN_RECORD_FILE} is not for this deployment"
+        )
+    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        raise SignatureError(
+            "hash_mismatch", f"{model_dir / OWN_MODEL_FILE} differs from its record's sha256"
+        )
+    return data
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

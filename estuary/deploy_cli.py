@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     key = load_public_key(args.verify_key) if args.verify_key else None
     gen, manifest = load_generator(
-        Path(args.model), verify_key=key, provider=args.provider, threads=args.threads
-    )
+        Path(args.model), verify_key=key, provider=args.provider, threads=args.threads,
+        own=args.own,
+    )  # fmt: skip
+    if "personalized" in manifest["card"] and not args.own:
+        print("note: the devices of this run keep local model parts, which this global model "
+              "has at their initialization; a device's own model: --own on its "
+              "devices/<id>/models/<sha> directory", file=sys.stderr)  # fmt: skip
     if args.warmup:
         gen.sample(min(args.batch_size, args.n), steps=1, seed=args.seed)
     bar = _progress(args.n, quiet=args.json or args.quiet)
@@ -85,6 +91,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": manifest["card"].get("name"),
         "model_sha256": manifest["model"]["sha256"],
+        "own_model": args.own,
         "signature": "verified" if key is not None else "not checked",
         "provider": gen.providers[0],
         **stats.to_dict(),
@@ -214,6 +221,8 @@ def add_parsers(sub: Any) -> None:
         help="auto: CUDA where a GPU is visible, else CPU; cuda: fail unless it runs on CUDA",
     )
     s.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = default)")
+    s.add_argument("--own", action="store_true", help="a device's own model (FedDiffuse "
+                   "ULATDEC/UDEC): --model is the device's models/<sha> directory")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="one untimed 1-step batch first")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--json", action="store_true", help="print the result as JSON")

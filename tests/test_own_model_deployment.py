@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from cloud.deploy import DeploymentPublisher, deploy_when_trained
-from device_agent.deployment import OWN_MODEL_FILE, DeploymentReceiver
+from device_agent.deployment import DeploymentReceiver
 from device_agent.personalize import Personalizer
-from device_agent.sampling import OnnxGenerator
+from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, OnnxGenerator, load_generator
 from estuary.simulate import Federation, build_federation
 from shared.algorithms.feddiffuse import LOCAL_STATE_KEY
 from shared.arch import build_model
@@ -27,7 +27,7 @@ from shared.data import load_dataset
 from shared.export import SHARED_FILE, EpsModel, example_inputs
 from shared.messages import Deployment, DeploymentReport
 from shared.partition import make_partition
-from shared.signing import generate_keys, load_private_key
+from shared.signing import SignatureError, generate_keys, load_private_key, load_public_key
 from tests.conftest import tiny_config
 
 
@@ -83,6 +83,7 @@ def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
     assert manifest["shared"]["file"] == SHARED_FILE and (export / SHARED_FILE).is_file()
     assert manifest["card"]["personalized"]["shared"] == SHARED_FILE
     card = manifest["card"]
+    pub = load_public_key(run.cfg.deploy.verify_key)
     global_onnx = (export / "model.onnx").read_bytes()
     inputs = example_inputs(fed.devices[0].model, 2, torch.Generator().manual_seed(5))
     global_eps = _eps(global_onnx, card, inputs)
@@ -100,6 +101,10 @@ def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
         got = _eps(path.read_bytes(), card, inputs)
         assert np.abs(got - want).max() < 1e-4
         assert np.abs(got - global_eps).max() > 1e-3  # not the global model
+        # `estuary sample --own` loads the same model from the device's directory
+        loaded, _ = load_generator(served.path, verify_key=pub, own=True, provider="cpu")
+        feed = {"sample": inputs[0].numpy(), "timestep": inputs[1].numpy()}
+        assert np.array_equal(loaded.session.run(None, feed)[0], got)
         r = run.reports[device.name]
         assert r.event == "sampled" and r.personal == served.personal
         assert r.model_sha256 == served.sha256 == manifest["model"]["sha256"]
@@ -147,3 +152,22 @@ def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path
     assert "architecture" in report.reason
     rejected = run.bus.traffic.snapshot()["rejected"]
     assert rejected == {"device:bad_manifest": 2, "device:personalize_failed": 1}
+
+
+def test_sample_own_refuses_a_tampered_or_foreign_own_model(tmp_path: Path) -> None:
+    run = Deployed(tmp_path, "udec")
+    served = run.receivers[0].served
+    assert served is not None
+    with pytest.raises(SignatureError, match="no device's own model"):
+        load_generator(tmp_path / "run" / "deploy", own=True)  # the cloud's export has none
+    model = served.path / OWN_MODEL_FILE
+    data = bytearray(model.read_bytes())
+    data[-5] ^= 0x01
+    model.write_bytes(bytes(data))
+    with pytest.raises(SignatureError, match="differs from its record") as err:
+        load_generator(served.path, own=True)
+    assert err.value.reason == "hash_mismatch"
+    record = json.loads((served.path / OWN_RECORD_FILE).read_text())
+    (served.path / OWN_RECORD_FILE).write_text(json.dumps({**record, "deployment": "0" * 64}))
+    with pytest.raises(SignatureError, match="not for this deployment"):
+        load_generator(served.path, own=True)
