@@ -188,15 +188,15 @@ class DeploymentReceiver:
         want = manifest.get("shared")
         if want is None:
             return None
-        ref = msg.shared_ref
-        if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
-            raise SignatureError("bad_manifest", "the shared-tensors reference is not the "
-                                 "signed file")  # fmt: skip
-        if self.personalize is None:
+        if self.personalize is None:  # a sampling-only device: it has no local parts
             log.warning("%s: deployment %s keeps parts on the training devices; serving the "
                         "global model, whose local parts are at their initialization",
                         self.service.name, msg.model_ref.sha256[:12])  # fmt: skip
             return None
+        ref = msg.shared_ref
+        if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
+            raise SignatureError("bad_manifest", "the shared-tensors reference is not the "
+                                 "signed file")  # fmt: skip
         broker = self.service.cfg.broker
         if want["size"] > broker.max_blob_bytes:
             raise SignatureError("too_large", f"shared tensors of {want['size']} bytes")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cloud.deploy import DeploymentPublisher, deploy_when_trained
-from device_agent.deployment import DeploymentReceiver
+from device_agent.deployment import DeploymentReceiver, SamplingAgent
 from device_agent.personalize import Personalizer
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, OnnxGenerator, load_generator
 from estuary.simulate import Federation, build_federation
@@ -152,6 +152,17 @@ def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path
     assert "architecture" in report.reason
     rejected = run.bus.traffic.snapshot()["rejected"]
     assert rejected == {"device:bad_manifest": 2, "device:personalize_failed": 1}
+
+    # a sampling-only device has no local parts: it serves the global model, and never
+    # looks at the shared tensors
+    agent = SamplingAgent(run.cfg, run.bus, device_id="dev003", out_dir=tmp_path / "dev003")
+    agent.start()
+    fed.cloud.send(fed.cloud.topics.cloud_deploy, good.model_copy(update={"shared_ref": None}))
+    run.bus.run(lambda: "dev003" in run.reports)
+    assert run.reports["dev003"].event == "loaded" and run.reports["dev003"].personal is None
+    assert (
+        agent.receiver.served is not None and agent.receiver.served.sha256 == good.model_ref.sha256
+    )
 
 
 def test_sample_own_refuses_a_tampered_or_foreign_own_model(tmp_path: Path) -> None:
