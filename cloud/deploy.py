@@ -18,6 +18,8 @@ from shared.errors import EstuaryError
 from shared.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 from shared.service import RoleService
 from shared.signing import (
+    MODEL_BLOB_KIND,
+    SHARED_BLOB_KIND,
     check_model_bytes,
     key_id,
     read_signed,
@@ -26,9 +28,6 @@ from shared.signing import (
 )
 
 log = logging.getLogger(__name__)
-
-MODEL_BLOB_KIND = "onnx_model"
-SHARED_BLOB_KIND = "shared_weights"
 
 
 class PublisherService(RoleService):
@@ -174,6 +173,7 @@ def deploy_when_trained(
                 round_=cloud.round - 1, source=str(run_dir / "checkpoints"), fp16=cfg.deploy.fp16,
                 opset=cfg.deploy.opset, threshold=cfg.deploy.parity_threshold,
                 parity_steps=cfg.deploy.parity_steps, signing_key=key, quality=quality(),
+                algorithm=cloud.algorithm,
             )  # fmt: skip
         except ExportError as err:
             log.error("%s; the run ends without a deployment", err)

@@ -22,10 +22,9 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from device_agent.sampling import (
     OWN_MODEL_FILE,
@@ -38,9 +37,11 @@ from shared.atomic import atomic_write
 from shared.bus import Bus
 from shared.config import RunConfig
 from shared.errors import CodecError, EstuaryError, TransportError
-from shared.messages import Deployment, DeploymentReport, SampleRequest
+from shared.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 from shared.service import RoleService
 from shared.signing import (
+    MODEL_BLOB_KIND,
+    SHARED_BLOB_KIND,
     SignatureError,
     check_model_bytes,
     load_public_key,
@@ -65,10 +66,15 @@ class PersonalModel:
     parity: dict[str, Any]
 
 
-#: builds the device's own model from a deployment's verified shared tensors and its card
-#: (:class:`device_agent.personalize.Personalizer`); None when the global model is the
-#: device's model
-Personalize = Callable[[bytes, dict[str, Any]], PersonalModel | None]
+class Personalize(Protocol):
+    """Builds the device's own model (:class:`device_agent.personalize.Personalizer`)."""
+
+    def holds_local_parts(self) -> bool:
+        """Whether the device holds local parts (else the global model is its model)."""
+
+    def __call__(self, shared: bytes, card: dict[str, Any]) -> PersonalModel:
+        """The own model from a deployment's verified shared tensors and its card; raises
+        :class:`PersonalizeError` when it cannot be built or fails parity."""
 
 
 @dataclass
@@ -153,16 +159,9 @@ class DeploymentReceiver:
             raise SignatureError("no_verify_key", "deploy.verify_key is not configured")
         manifest = verify_manifest(msg.manifest, msg.signature, self.key)
         want = manifest["model"]
-        if (want["sha256"], want["size"]) != (msg.model_ref.sha256, msg.model_ref.size):
-            raise SignatureError("bad_manifest", "the blob reference is not the signed model")
-        broker = self.service.cfg.broker
-        if want["size"] > broker.max_blob_bytes:
-            raise SignatureError("too_large", f"model of {want['size']} bytes")
-        data = self.service.ep.get_blob(
-            want["sha256"], want["size"], kind="onnx_model", src=msg.model_ref.src,
-            timeout_s=broker.fetch_timeout_s,
-        )  # fmt: skip
-        check_model_bytes(data, manifest)  # the blob layer checked too; the file is what runs
+        if want["file"] in (OWN_MODEL_FILE, OWN_RECORD_FILE):
+            raise SignatureError("bad_manifest", f"model.file {want['file']!r} is reserved")
+        data = self._fetch(manifest, "model", msg.model_ref, MODEL_BLOB_KIND)
         card = manifest["card"]
         generator = OnnxGenerator(data, card, provider=self.cfg.provider, threads=self.cfg.threads)
         own = self._own_model(msg, manifest)
@@ -170,7 +169,9 @@ class DeploymentReceiver:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / want["file"], data)
         write_signed(path, msg.manifest, msg.signature, msg.key_id)
-        if own is None:
+        if own is None:  # an own model of an earlier load (before a restart) is not served
+            for name in (OWN_MODEL_FILE, OWN_RECORD_FILE):
+                (path / name).unlink(missing_ok=True)
             return Served(want["sha256"], generator, manifest, path)
         own_sha = hashlib.sha256(own.onnx).hexdigest()
         atomic_write(path / OWN_MODEL_FILE, own.onnx)
@@ -182,34 +183,35 @@ class DeploymentReceiver:
         )
         return Served(want["sha256"], generator, manifest, path, personal=own_sha)
 
-    def _own_model(self, msg: Deployment, manifest: dict[str, Any]) -> PersonalModel | None:
-        """The device's own model when the deployment carries shared tensors and this
-        device builds its own (see the module docstring); None: serve the deployed one."""
-        want = manifest.get("shared")
-        if want is None:
-            return None
-        if self.personalize is None:  # a sampling-only device: it has no local parts
-            log.warning("%s: deployment %s keeps parts on the training devices; serving the "
-                        "global model, whose local parts are at their initialization",
-                        self.service.name, msg.model_ref.sha256[:12])  # fmt: skip
-            return None
-        ref = msg.shared_ref
+    def _fetch(self, manifest: dict[str, Any], entry: str, ref: BlobRef | None, kind: str) -> bytes:
+        """The manifest's ``entry`` file through the blob layer, from the reference ``ref``
+        (which must name the signed file), checked against the manifest."""
+        want = manifest[entry]
         if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
-            raise SignatureError("bad_manifest", "the shared-tensors reference is not the "
+            raise SignatureError("bad_manifest", f"the {entry} blob reference is not the "
                                  "signed file")  # fmt: skip
         broker = self.service.cfg.broker
         if want["size"] > broker.max_blob_bytes:
-            raise SignatureError("too_large", f"shared tensors of {want['size']} bytes")
+            raise SignatureError("too_large", f"{entry} of {want['size']} bytes")
         data = self.service.ep.get_blob(
-            want["sha256"], want["size"], kind=ref.kind, src=ref.src,
-            timeout_s=broker.fetch_timeout_s,
-        )  # fmt: skip
-        check_model_bytes(data, manifest, "shared")
-        own = self.personalize(data, manifest["card"])
-        if own is None:
-            log.info("%s: holds no local parts (it never trained): serving the global model",
-                     self.service.name)  # fmt: skip
-        return own
+            want["sha256"], want["size"], kind=kind, src=ref.src, timeout_s=broker.fetch_timeout_s
+        )
+        check_model_bytes(data, manifest, entry)  # the blob layer checked; the file is what runs
+        return data
+
+    def _own_model(self, msg: Deployment, manifest: dict[str, Any]) -> PersonalModel | None:
+        """The device's own model when the deployment carries shared tensors and this
+        device holds local parts (see the module docstring); None: serve the deployed one.
+        A device without local parts never fetches the shared tensors."""
+        if "shared" not in manifest:
+            return None
+        if self.personalize is None or not self.personalize.holds_local_parts():
+            log.warning("%s: deployment %s keeps parts on the training devices and this device "
+                        "holds none: serving the global model, whose local parts are at their "
+                        "initialization", self.service.name, msg.model_ref.sha256[:12])  # fmt: skip
+            return None
+        data = self._fetch(manifest, "shared", msg.shared_ref, SHARED_BLOB_KIND)
+        return self.personalize(data, manifest["card"])
 
     def _refuse(self, sha: str, reason: str, detail: str) -> None:
         self.service.reject(reason, f"deployment {sha[:12]}: {detail}")

@@ -35,47 +35,60 @@ class Personalizer:
     def __init__(self, agent: DeviceAgent) -> None:
         self.agent = agent
 
-    def __call__(self, shared: bytes, card: dict[str, Any]) -> PersonalModel | None:
-        """The device's own model for a deployment whose ``shared`` file is ``shared``
-        (verified against the signed manifest) and whose card is ``card``; None when the
-        device holds no local parts (it never trained), so the global model is its model.
-
-        Raises :class:`PersonalizeError` when the deployment is for another architecture
-        than the one the device trained, its tensors do not fit, or the export fails its
-        parity gate."""
+    def holds_local_parts(self) -> bool:
+        """Whether the device keeps local parts (it has trained under an algorithm that
+        keeps them); without them the global model is the device's model."""
         agent = self.agent
-        algorithm = agent.algorithm
-        spec = algorithm.shared_spec(agent.spec)
-        current = agent.model.state_dict()
-        if spec is None or algorithm.client_state(current, agent.algo_state) is None:
-            return None  # no local parts: the global model is this device's model
+        state = agent.algorithm.client_state(agent.model.state_dict(), agent.algo_state)
+        return state is not None
+
+    def __call__(self, shared: bytes, card: dict[str, Any]) -> PersonalModel:
+        """The device's own model for a deployment whose ``shared`` file is ``shared``
+        (verified against the signed manifest) and whose card is ``card``.
+
+        Raises :class:`PersonalizeError` when the device holds no local parts, the
+        deployment is for another architecture than the one the device trained, its
+        tensors do not fit, or the export fails or misses its parity gate."""
+        agent = self.agent
         arch = plan_digest(agent.plan)
         if card.get("arch") != arch:
             raise PersonalizeError(
                 f"the deployed architecture {card.get('arch')!r} is not the one this device "
                 f"trained its local parts on ({arch!r})"
             )
+        spec = agent.algorithm.shared_spec(agent.spec)
+        if spec is None:
+            raise PersonalizeError(f"{agent.algorithm.name} keeps no local parts")
         try:
             tensors = decode_tensors(shared, expected=spec)
         except EstuaryError as err:
             raise PersonalizeError(f"shared tensors: {err}") from None
-        state = algorithm.client_state({**current, **tensors}, agent.algo_state)
+        try:
+            return self._export({**agent.model.state_dict(), **tensors}, card)
+        except PersonalizeError:
+            raise
+        except Exception as err:  # torch's exporter, ONNX Runtime, a card field of a bad type
+            raise PersonalizeError(
+                f"export of the device's own model: {type(err).__name__}: {err}"
+            ) from None
+
+    def _export(self, global_state: dict[str, Any], card: dict[str, Any]) -> PersonalModel:
+        agent, cfg = self.agent, self.agent.cfg
+        state = agent.algorithm.client_state(global_state, agent.algo_state)
         if state is None:
-            return None
-        cfg = agent.cfg
+            raise PersonalizeError("the device holds no local parts for this model")
         model = build_model(cfg.model.preset, agent.plan, seed=cfg.run.seed)
         model.load_state_dict(state)
         model.eval()
+        # the gate the cloud's export passed: its threshold and trajectory length
+        gate = card.get("parity", {})
+        threshold = float(gate.get("threshold", cfg.deploy.parity_threshold))
+        steps = int(gate.get("trajectory_steps", cfg.deploy.parity_steps))
         fp16 = card.get("dtype") == "float16"
-        threshold = float(card.get("parity", {}).get("threshold", cfg.deploy.parity_threshold))
-        try:
-            onnx = to_onnx(model, opset=int(card.get("opset", cfg.deploy.opset)), fp16=fp16)
-            parity = check_parity(
-                model, onnx, card, cfg.diffusion, threshold=threshold,
-                steps=cfg.deploy.parity_steps, seed=cfg.run.seed,
-            )  # fmt: skip
-        except EstuaryError as err:
-            raise PersonalizeError(f"export of the device's own model: {err}") from None
+        onnx = to_onnx(model, opset=int(card.get("opset", cfg.deploy.opset)), fp16=fp16)
+        parity = check_parity(
+            model, onnx, card, cfg.diffusion, threshold=threshold, steps=steps, seed=cfg.run.seed
+        )
         if not parity.passed:
             raise PersonalizeError(
                 f"the device's own model differs from torch in ONNX Runtime by "

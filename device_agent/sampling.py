@@ -409,7 +409,13 @@ def _own_model_bytes(model_dir: Path, manifest: dict[str, Any]) -> bytes:
         raise SignatureError(
             "bad_manifest", f"{model_dir} holds no device's own model ({err})"
         ) from None
-    if not isinstance(record, dict) or record.get("deployment") != manifest["model"]["sha256"]:
+    shared = manifest.get("shared", {}).get("sha256")
+    if shared is None:
+        raise SignatureError("bad_manifest", f"{model_dir}'s deployment has no shared tensors: "
+                             "its devices serve the global model")  # fmt: skip
+    if not isinstance(record, dict) or (record.get("deployment"), record.get("shared")) != (
+        manifest["model"]["sha256"], shared,
+    ):  # fmt: skip
         raise SignatureError(
             "bad_manifest", f"{model_dir / OWN_RECORD_FILE} is not for this deployment"
         )

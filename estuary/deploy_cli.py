@@ -62,6 +62,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_record(model_dir: Path) -> dict[str, Any]:
+    from device_agent.sampling import OWN_RECORD_FILE
+
+    return dict(json.loads((model_dir / OWN_RECORD_FILE).read_text()))
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     """Sample a grid from an exported model with ONNX Runtime (no torch)."""
     from device_agent.sampling import load_generator, save_grid
@@ -75,7 +81,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if "personalized" in manifest["card"] and not args.own:
         print("note: the devices of this run keep local model parts, which this global model "
               "has at their initialization; a device's own model: --own on its "
-              "devices/<id>/models/<sha> directory", file=sys.stderr)  # fmt: skip
+              "devices/<id>/models/<sha16> directory", file=sys.stderr)  # fmt: skip
     if args.warmup:
         gen.sample(min(args.batch_size, args.n), steps=1, seed=args.seed)
     bar = _progress(args.n, quiet=args.json or args.quiet)
@@ -91,7 +97,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": manifest["card"].get("name"),
         "model_sha256": manifest["model"]["sha256"],
-        "own_model": args.own,
+        # checked against the file by load_generator
+        "own_model_sha256": _own_record(Path(args.model))["sha256"] if args.own else None,
         "signature": "verified" if key is not None else "not checked",
         "provider": gen.providers[0],
         **stats.to_dict(),
@@ -222,7 +229,7 @@ def add_parsers(sub: Any) -> None:
     )
     s.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = default)")
     s.add_argument("--own", action="store_true", help="a device's own model (FedDiffuse "
-                   "ULATDEC/UDEC): --model is the device's models/<sha> directory")  # fmt: skip
+                   "ULATDEC/UDEC): --model is the device's models/<sha16> directory")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="one untimed 1-step batch first")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -106,8 +106,8 @@ def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
     """The models of the first ``limit`` devices (by name): the cloud's current global state
     with each device's own parts (:meth:`~shared.algorithms.base.Algorithm.client_state`),
     or the global model for a device that holds none yet (it is what that device would be
-    deployed), so the evaluated set stays the same from round to round; empty while no
-    device's model differs from the global one."""
+    deployed), so the evaluated set stays the same from round to round; empty while none of
+    those devices holds local parts (every one of their models is the global one)."""
     cloud = fed.cloud
     chosen = sorted(fed.devices, key=lambda d: d.name)[:limit]
     states = {d.name: cloud.algorithm.client_state(cloud.model, d.algo_state) for d in chosen}

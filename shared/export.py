@@ -29,7 +29,7 @@ from torch import nn
 from device_agent.sampling import DdimSchedule, OnnxGenerator
 from device_agent.sampling import ddim_sample as numpy_ddim_sample
 from shared import __version__
-from shared.algorithms import make_algorithm
+from shared.algorithms import Algorithm, make_algorithm
 from shared.arch import Plan, plan_digest
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.codec import encode_tensors, spec_of
@@ -329,14 +329,14 @@ def export_generator(
 
 
 def _write_shared(
-    cfg: RunConfig, unet: nn.Module, out_dir: Path, card: dict[str, Any]
+    algorithm: Algorithm, unet: nn.Module, out_dir: Path, card: dict[str, Any]
 ) -> dict[str, Any] | None:
     """FedDiffuse ULATDEC/UDEC: write the global model's federated tensors as
     :data:`SHARED_FILE` and say in ``card`` that devices holding their own local parts
     generate with those over their parts; the manifest entry of the file, or None (and no
     such file) when every device generates with the global model."""
     state = unet.state_dict()
-    spec = make_algorithm(cfg).shared_spec(spec_of(state))
+    spec = algorithm.shared_spec(spec_of(state))
     if spec is None:
         (out_dir / SHARED_FILE).unlink(missing_ok=True)
         return None
@@ -367,8 +367,10 @@ def export_module(
     signing_key: Any = None,
     quality: dict[str, Any] | None = None,
     start: float | None = None,
+    algorithm: Algorithm | None = None,
 ) -> ExportResult:
-    """:func:`export_generator` for a module in hand (the cloud after training)."""
+    """:func:`export_generator` for a module in hand (the cloud after training, which
+    passes its ``algorithm``; else the one ``cfg`` names)."""
     start = time.perf_counter() if start is None else start
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise ExportError(f"parity threshold must be a finite number >= 0, got {threshold}")
@@ -390,7 +392,7 @@ def export_module(
         )
     card["parity"] = parity.to_dict()
     out_dir.mkdir(parents=True, exist_ok=True)
-    shared = _write_shared(cfg, unet, out_dir, card)
+    shared = _write_shared(algorithm or make_algorithm(cfg), unet, out_dir, card)
     model_path = out_dir / "model.onnx"
     atomic_write(model_path, onnx_bytes)
     atomic_write(out_dir / "card.json", (json.dumps(card, indent=2) + "\n").encode())

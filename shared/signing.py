@@ -31,6 +31,9 @@ MAX_MANIFEST_BYTES = 64 * 1024
 PRIVATE_KEY_FILE = "deploy_ed25519.pem"
 PUBLIC_KEY_FILE = "deploy_ed25519.pub.pem"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: blob kinds of a deployment's files on the wire (the traffic metrics' labels)
+MODEL_BLOB_KIND = "onnx_model"
+SHARED_BLOB_KIND = "shared_weights"
 #: the file names of a deployment directory's model and shared weights (never the manifest,
 #: never a path)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")

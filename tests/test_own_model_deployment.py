@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cloud.deploy import DeploymentPublisher, deploy_when_trained
-from device_agent.deployment import DeploymentReceiver, SamplingAgent
+from device_agent.deployment import DeploymentReceiver, PersonalizeError, SamplingAgent
 from device_agent.personalize import Personalizer
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, OnnxGenerator, load_generator
 from estuary.simulate import Federation, build_federation
@@ -27,7 +27,13 @@ from shared.data import load_dataset
 from shared.export import SHARED_FILE, EpsModel, example_inputs
 from shared.messages import Deployment, DeploymentReport
 from shared.partition import make_partition
-from shared.signing import SignatureError, generate_keys, load_private_key, load_public_key
+from shared.signing import (
+    SignatureError,
+    generate_keys,
+    load_private_key,
+    load_public_key,
+    sign_manifest,
+)
 from tests.conftest import tiny_config
 
 
@@ -123,15 +129,19 @@ def test_full_deploys_the_global_model_to_everyone(tmp_path: Path) -> None:
 
 
 def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path) -> None:
-    """A shared reference that is not the signed file is refused before anything is
-    fetched; a deployment for another architecture than the device trained cannot be
-    combined with its local parts: both refused with a reason, the old model kept."""
+    """A shared reference that is not the signed file, a signed model file named like the
+    own model, and a deployment for another architecture than the device trained (its local
+    parts cannot go with it) are refused with a reason, the model in service kept. A device
+    that holds no local parts, or only samples, serves the global model without fetching
+    the shared tensors."""
     run = Deployed(tmp_path, "udec")
     fed, device, receiver = run.fed, run.fed.devices[0], run.receivers[0]
     assert receiver.served is not None
+    own_dir = receiver.served.path
     # a model in service under another deployment's hash, so the same one loads again
     kept = dataclasses.replace(receiver.served, sha256="0" * 64)
-    publisher = DeploymentPublisher(fed.cloud, load_private_key(run.cfg.deploy.signing_key))
+    key = load_private_key(run.cfg.deploy.signing_key)
+    publisher = DeploymentPublisher(fed.cloud, key)
     good = publisher.prepare(tmp_path / "run" / "deploy")
 
     def send(msg: Deployment) -> DeploymentReport:
@@ -139,30 +149,61 @@ def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path
         run.reports.pop(device.name, None)
         fed.cloud.send(fed.cloud.topics.cloud_deploy, msg, retain=True)
         run.bus.run(lambda: device.name in run.reports)
-        assert receiver.served is kept  # refused: the model in service stays
         return run.reports[device.name]
 
     for shared_ref in (good.model_ref, None):  # not the signed shared file, or missing
         report = send(good.model_copy(update={"shared_ref": shared_ref}))
         assert report.event == "refused" and report.reason.startswith("bad_manifest")
+        assert receiver.served is kept  # refused: the model in service stays
+    manifest = json.loads(good.manifest)
+    manifest["model"]["file"] = OWN_MODEL_FILE
+    text, signature = sign_manifest(manifest, key)
+    report = send(good.model_copy(update={"manifest": text, "signature": signature}))
+    assert report.event == "refused" and "reserved" in report.reason
 
     device.plan = {"foreign": True}  # as if the device had trained another architecture
     report = send(good)
     assert report.event == "refused" and report.reason.startswith("personalize_failed")
-    assert "architecture" in report.reason
+    assert "architecture" in report.reason and receiver.served is kept
     rejected = run.bus.traffic.snapshot()["rejected"]
-    assert rejected == {"device:bad_manifest": 2, "device:personalize_failed": 1}
+    assert rejected == {"device:bad_manifest": 3, "device:personalize_failed": 1}
 
-    # a sampling-only device has no local parts: it serves the global model, and never
-    # looks at the shared tensors
+    # the device lost its local parts (a restart): the global model, no shared tensors
+    # fetched (the reference is missing), and its earlier own model is not left behind
+    device.algo_state.clear()
+    report = send(good.model_copy(update={"shared_ref": None}))
+    assert report.event == "loaded" and report.personal is None
+    assert receiver.served is not kept and receiver.served.personal is None
+    assert not (own_dir / OWN_MODEL_FILE).exists() and not (own_dir / OWN_RECORD_FILE).exists()
+
+    # a sampling-only device likewise
     agent = SamplingAgent(run.cfg, run.bus, device_id="dev003", out_dir=tmp_path / "dev003")
     agent.start()
     fed.cloud.send(fed.cloud.topics.cloud_deploy, good.model_copy(update={"shared_ref": None}))
     run.bus.run(lambda: "dev003" in run.reports)
     assert run.reports["dev003"].event == "loaded" and run.reports["dev003"].personal is None
-    assert (
-        agent.receiver.served is not None and agent.receiver.served.sha256 == good.model_ref.sha256
-    )
+    served = agent.receiver.served
+    assert served is not None and served.sha256 == good.model_ref.sha256
+    assert run.bus.traffic.snapshot()["rejected"] == rejected
+
+
+def test_personalizer_refuses_what_fails_parity_or_breaks_the_export(tmp_path: Path) -> None:
+    """The own model must pass the gate the cloud's export passed (here a threshold no
+    export meets); anything that breaks the export is a PersonalizeError, not a crash."""
+    run = Deployed(tmp_path, "ulatdec")
+    export = tmp_path / "run" / "deploy"
+    card = json.loads((export / "card.json").read_text())
+    shared = (export / SHARED_FILE).read_bytes()
+    personalize = Personalizer(run.fed.devices[0])
+    assert personalize.holds_local_parts()
+    strict = {**card, "parity": {**card["parity"], "threshold": 1e-12}}
+    with pytest.raises(PersonalizeError, match="above the deployment's threshold 1e-12"):
+        personalize(shared, strict)
+    with pytest.raises(PersonalizeError, match="ValueError"):
+        personalize(shared, {**card, "opset": "seventeen"})
+    with pytest.raises(PersonalizeError, match="shared tensors"):
+        personalize(shared[:-8], card)
+    assert personalize(shared, card).parity["passed"]
 
 
 def test_sample_own_refuses_a_tampered_or_foreign_own_model(tmp_path: Path) -> None:
