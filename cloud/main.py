@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from cloud.deploy import deploy_when_trained
@@ -21,7 +22,7 @@ from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.models import initial_unet
+from shared.models import init_fingerprint, initial_unet
 from shared.recorder import RunRecorder, prepare_run_dir
 from shared.report import last_quality, plot_report
 from shared.runtime import (
@@ -49,20 +50,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resume_point(cfg: RunConfig, run_dir: Path) -> tuple[TensorDict, Plan | None, int] | None:
-    """(global state, architecture plan, next round) from the latest checkpoint of this
-    config in ``run_dir``."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restarted cloud continues: the latest checkpoint of its config."""
+
+    model: TensorDict
+    plan: Plan | None
+    next_round: int
+    init: str | None  # the checkpoint's init fingerprint, carried into later checkpoints
+
+
+def _init_free_digest(cfg: RunConfig) -> str:
+    """The config digest with ``model.init`` blanked: equal for two configs that differ only
+    in where the initial weights were read from."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init": ""})}).digest()
+
+
+def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
+    """The latest checkpoint of this config in ``run_dir``, or None when there is none.
+
+    A checkpoint of another config is refused (EstuaryError), except when the configs differ
+    only in ``model.init`` and the checkpoint recorded the same initial weights by content
+    (the init file was moved or renamed): resuming reads only the checkpoint."""
     path = latest_checkpoint_path(run_dir / "checkpoints")
     if path is None:
         return None
     ckpt = load_checkpoint(path)
     if ckpt.config.digest() != cfg.digest():
-        raise EstuaryError(
+        refusal = (
             f"{run_dir} holds checkpoints of a different config "
-            f"({ckpt.config.digest()} != {cfg.digest()}); use another --out or --fresh"
+            f"({ckpt.config.digest()} != {cfg.digest()})"
         )
+        if _init_free_digest(ckpt.config) != _init_free_digest(cfg):
+            raise EstuaryError(f"{refusal}; use another --out or --fresh")
+        now = init_fingerprint(cfg.model.preset, cfg.model.init)
+        was, init = ckpt.config.model.init, cfg.model.init
+        if ckpt.init is None:
+            raise EstuaryError(
+                f"{refusal}: model.init was {was!r}, now {init!r}, and the checkpoint does not "
+                "record what the run started from; use the old model.init, another --out, "
+                "or --fresh"
+            )
+        if ckpt.init != now:
+            raise EstuaryError(
+                f"{refusal}: model.init {init!r} ({now}) is not what the run started from "
+                f"({was!r}, {ckpt.init}); use another --out or --fresh"
+            )
+        log.info("model.init moved from %r to %r, same content (%s)", was, init, now)
     log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
-    return ckpt.model, ckpt.plan, ckpt.round + 1
+    return ResumePoint(ckpt.model, ckpt.plan, ckpt.round + 1, ckpt.init)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,16 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = prepare_run_dir(cfg, Path(args.out), resuming=resumed is not None)
         # without a checkpoint, the first global model (model.init is checked before anyone
         # connects)
-        start = resumed or (
+        start = resumed or ResumePoint(
             dict(initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()),
             None,
             0,
+            None,
         )
         bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
     except EstuaryError as err:
         log.error("%s", err)
         return EXIT_ERROR
-    model, plan, start_round = start
+    start_round = start.next_round
     recorder = RunRecorder(
         cfg,
         run_dir,
@@ -118,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg,
         bus,
         make_algorithm(cfg),
-        initial_model=model,
-        plan=plan,
+        initial_model=start.model,
+        plan=start.plan,
         start_round=start_round,
         checkpoint_dir=run_dir / "checkpoints",
         on_round_end=on_round_end,
+        init=start.init,
     )
     recorder.model_fn = cloud.global_module
     if recorder.evaluator is not None and cloud.algorithm.local_parts:

@@ -41,6 +41,7 @@ from shared.messages import (
     RoundStart,
     encode,
 )
+from shared.models import init_fingerprint
 from shared.naming import device_name, edge_ids
 from shared.service import RoleService, TensorDict
 
@@ -144,8 +145,12 @@ class CloudServer(RoleService):
         checkpoint_dir: Path | None = None,
         on_round_end: Callable[[RoundSummary], None] | None = None,
         session: str | None = None,
+        init: str | None = None,
     ) -> None:
         super().__init__("cloud", cfg, bus)
+        #: what the run started from, by content (:func:`~shared.models.init_fingerprint`),
+        #: recorded in every checkpoint; a resumed run passes its checkpoint's value
+        self.init = init or init_fingerprint(cfg.model.preset, cfg.model.init)
         self.session = session or new_session()
         self.offline: set[str] = set()
         self.algorithm = algorithm
@@ -435,7 +440,9 @@ class CloudServer(RoleService):
         every = self.cfg.eval.checkpoint_every
         last = r + 1 >= self.cfg.run.rounds
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
-            save_checkpoint(self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan)
+            save_checkpoint(
+                self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan, init=self.init
+            )
 
     def _summarize(
         self, r: int, aggregated: bool, agg_seconds: float, trained_arch: str

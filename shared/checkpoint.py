@@ -46,6 +46,9 @@ class Checkpoint:
     model_sha256: str
     path: Path
     plan: dict[str, Any] | None = None  # channel plan of a pruned model; None = dense
+    #: :func:`shared.models.init_fingerprint` of the run's ``model.init`` when it was saved
+    #: (None in checkpoints written before it was recorded)
+    init: str | None = None
 
 
 def model_digest(model: dict[str, torch.Tensor]) -> str:
@@ -60,8 +63,13 @@ def save_checkpoint(
     cfg: RunConfig,
     algo_state: dict[str, torch.Tensor] | None = None,
     plan: dict[str, Any] | None = None,
+    init: str | None = None,
 ) -> Path:
-    """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path."""
+    """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path.
+
+    ``init`` is the :func:`~shared.models.init_fingerprint` of ``cfg.model.init`` (what the
+    run started from, by content), recorded so that a resume can tell a moved init file from
+    another one."""
     tensors = {MODEL_PREFIX + k: v for k, v in model.items()}
     tensors.update({STATE_PREFIX + k: v for k, v in (algo_state or {}).items()})
     meta = {
@@ -72,6 +80,8 @@ def save_checkpoint(
     }
     if plan is not None:
         meta["arch"] = json.dumps(plan, sort_keys=True)
+    if init is not None:
+        meta["init"] = init
     path = directory / f"round_{round_:06d}.safetensors"
     atomic_write(path, encode_tensors(tensors, meta))
     pointer = {"round": round_, "file": path.name, "model_sha256": meta["model_sha256"]}
@@ -125,7 +135,8 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
     except json.JSONDecodeError as err:
         raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
     _check_fits(model, cfg.model.preset, plan, path)
-    return Checkpoint(round_, model, state, cfg, digest, path, plan)
+    init = meta.get("init")
+    return Checkpoint(round_, model, state, cfg, digest, path, plan, init)
 
 
 def _check_fits(model: Mapping[str, torch.Tensor], preset: str, plan: Any, path: Path) -> None:

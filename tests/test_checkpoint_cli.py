@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from estuary.cli import main
 from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
@@ -65,6 +66,8 @@ def test_cli_simulate_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["eval", str(out), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["extractor"] == "fmnist-cnn-v1" and metrics["round"] == 0
+    ckpt = load_checkpoint(latest_checkpoint_path(out / "checkpoints"))  # type: ignore[arg-type]
+    assert ckpt.init == "random"  # the cloud records what the run started from
     assert metrics["fid"] > 0 and metrics["n_fake"] == 20
     assert main(["eval", str(out), "--json", "--num-samples", "12"]) == 0
     assert json.loads(capsys.readouterr().out)["n_fake"] == 12
@@ -94,6 +97,44 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path) -> 
     new_path.write_text(new.to_json())
     assert cloud_main([str(new_path), "--out", str(run), "--metrics-port", "-1"]) == 2
     assert (run / "config.json").read_text() == old.to_json()
+
+
+def test_resume_follows_a_moved_init_file_but_not_other_weights(tmp_path: Path) -> None:
+    """The config digest keys ``model.init`` by its path, but resuming reads only the
+    checkpoint: a run whose init file was moved resumes when the file at the new path holds
+    the weights the checkpoint recorded, and is refused (with the reason) when it holds
+    others, when the checkpoint predates the record, or when anything else changed."""
+    from cloud.main import resume_point
+    from shared.errors import EstuaryError
+    from shared.models import init_fingerprint
+
+    state = build_unet("fmnist-tiny", seed=3).state_dict()
+    old_path, new_path = tmp_path / "a.safetensors", tmp_path / "moved" / "b.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, old_path)
+    old = tiny_config(model={"init": str(old_path)})
+    fingerprint = init_fingerprint("fmnist-tiny", str(old_path))
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 4, dict(state), old, init=fingerprint)
+    new_path.parent.mkdir()
+    old_path.rename(new_path)
+    new = tiny_config(model={"init": str(new_path)})
+    assert new.digest() != old.digest()
+    point = resume_point(new, run)
+    assert point is not None and point.next_round == 5 and point.init == fingerprint
+    assert all(torch.equal(point.model[k], v) for k, v in state.items())
+
+    other = {k: v + 1 for k, v in state.items()}  # other weights at the new path
+    save_file({k: v.contiguous() for k, v in other.items()}, new_path)
+    with pytest.raises(EstuaryError, match="is not what the run started from"):
+        resume_point(new, run)
+    save_checkpoint(run / "checkpoints", 5, dict(state), old)  # no recorded init
+    with pytest.raises(EstuaryError, match="does not record what the run started from"):
+        resume_point(new, run)
+    save_checkpoint(run / "checkpoints", 6, dict(state), old, init=fingerprint)
+    changed = tiny_config(model={"init": str(new_path)}, run={"seed": 9})
+    with pytest.raises(EstuaryError, match="use another --out or --fresh"):
+        resume_point(changed, run)
+    assert resume_point(old, run) is not None  # the same config resumes without the file
 
 
 def test_starting_over_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path) -> None:
