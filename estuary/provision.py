@@ -25,6 +25,7 @@ import base64
 import datetime
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -37,6 +38,8 @@ from shared.errors import EstuaryError
 from shared.messages import ROOT
 from shared.naming import device_name, edge_ids
 from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
+
+log = logging.getLogger(__name__)
 
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for the $7$ (PBKDF2-SHA512) format
 
@@ -196,16 +199,25 @@ def provision(
 
     An existing provisioning is an error unless ``force`` (replace it) or ``keep`` (reuse it
     when it was made for the same run and instances: what ``docker compose up`` does on every
-    start).
+    start). With ``keep``, one that never finished (a password file without
+    ``provision.json``, left by a kill between the final moves) is replaced.
     """
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
     names = ["cloud", *edges, *devices]
+    unfinished = False
     if (out / "mosquitto" / "passwd").exists() and not force:
-        if keep:
+        if keep and not (out / "provision.json").exists():
+            # provision.json is moved in last: a password file without it is a provisioning
+            # killed part-way, which no instance can have been started with
+            log.warning("%s holds a provisioning that never finished (no provision.json); "
+                        "provisioning it again", out)  # fmt: skip
+            unfinished = True
+        elif keep:
             return _kept(out, cfg.run.name, names)
-        raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
-    if not force:
+        else:
+            raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
+    if not force and not unfinished:
         for key in (out / "keys" / PRIVATE_KEY_FILE, out / "keys" / PUBLIC_KEY_FILE):
             if key.exists():
                 raise EstuaryError(f"{key} exists; pass --force to replace it")

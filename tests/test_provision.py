@@ -144,6 +144,33 @@ def test_provision_keep_reuses_matching_and_refuses_other_federations(tmp_path: 
         provision(cfg, out, keep=True)
 
 
+def test_provision_keep_finishes_a_provisioning_killed_before_its_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """provision.json is moved in last, so a password file without it is a provisioning
+    killed between the final moves: ``keep`` provisions again (it used to refuse, and every
+    ``docker compose up`` after it failed) instead of reusing half of one."""
+    cfg = tiny_config(run={"name": "killed"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+    provision(cfg, out)
+    password = (out / "credentials" / "dev001.password").read_text()
+    (out / "provision.json").unlink()  # what a SIGKILL before the last move leaves
+    with pytest.raises(EstuaryError, match="already provisioned"):
+        provision(cfg, out)  # without keep, still refused
+    with caplog.at_level("WARNING", logger="estuary.provision"):
+        info = provision(cfg, out, keep=True)
+    assert "never finished" in caplog.text and not info.get("kept")
+    assert (out / "provision.json").is_file()
+    assert (out / "credentials" / "dev001.password").read_text() != password
+    assert sorted(p.name for p in out.iterdir()) == [
+        "credentials", "keys", "mosquitto", "provision.json",
+    ]  # fmt: skip
+    assert provision(cfg, out, keep=True)["kept"]
+    (out / "provision.json").write_text("{torn")  # present but unreadable: still refused
+    with pytest.raises(EstuaryError, match=r"no readable provision\.json"):
+        provision(cfg, out, keep=True)
+
+
 def test_provision_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure part-way (here: the TLS step) leaves the earlier provisioning as it was, or
     none, never a password file without provision.json; existing keys are refused before
