@@ -276,6 +276,8 @@ class OnnxGenerator:
         self, model: bytes | Path, card: dict[str, Any], *, provider: str = "auto", threads: int = 0
     ) -> None:
         self.card = card
+        #: sha256 of the ONNX bytes this generator was built from (None when given a path)
+        self.model_sha256 = hashlib.sha256(model).hexdigest() if isinstance(model, bytes) else None
         self.session = make_session(model, provider=provider, threads=threads)
         self.schedule = DdimSchedule.from_card(card.get("scheduler", {}))
         names = {i.name for i in self.session.get_inputs()}

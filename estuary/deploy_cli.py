@@ -62,12 +62,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _own_record(model_dir: Path) -> dict[str, Any]:
-    from device_agent.sampling import OWN_RECORD_FILE
-
-    return dict(json.loads((model_dir / OWN_RECORD_FILE).read_text()))
-
-
 def cmd_sample(args: argparse.Namespace) -> int:
     """Sample a grid from an exported model with ONNX Runtime (no torch)."""
     from device_agent.sampling import load_generator, save_grid
@@ -97,8 +91,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": manifest["card"].get("name"),
         "model_sha256": manifest["model"]["sha256"],
-        # checked against the file by load_generator
-        "own_model_sha256": _own_record(Path(args.model))["sha256"] if args.own else None,
+        # the bytes load_generator checked against the device's record and built the session from
+        "own_model_sha256": gen.model_sha256 if args.own else None,
         "signature": "verified" if key is not None else "not checked",
         "provider": gen.providers[0],
         **stats.to_dict(),

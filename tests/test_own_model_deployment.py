@@ -111,6 +111,7 @@ def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
         loaded, _ = load_generator(served.path, verify_key=pub, own=True, provider="cpu")
         feed = {"sample": inputs[0].numpy(), "timestep": inputs[1].numpy()}
         assert np.array_equal(loaded.session.run(None, feed)[0], got)
+        assert loaded.model_sha256 == served.personal  # what `sample --own` prints
         r = run.reports[device.name]
         assert r.event == "sampled" and r.personal == served.personal
         assert r.model_sha256 == served.sha256 == manifest["model"]["sha256"]
