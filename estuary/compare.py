@@ -19,6 +19,8 @@ The config is TOML: a base run config and a list of methods, each a label plus o
     [[method]]
     label = "Centralized"
     centralized = true     # one model on the pooled data of all devices, same local steps
+    ema = 0.999            # optional: evaluate an average of its weights (the paper's
+                           # centralized baseline uses EMA; its federated methods do not)
 
 Overrides are dotted ``section.key`` names (an ``[method.overrides]`` sub-table, or nested
 tables, work too); an unknown section or key is a :class:`ConfigError` naming it.
@@ -72,7 +74,13 @@ from shared.naming import device_name
 from shared.partition import make_partition
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
-from shared.training import num_local_steps, resolve_device, train_local
+from shared.training import (
+    WeightAverage,
+    make_optimizer,
+    num_local_steps,
+    resolve_device,
+    train_local,
+)
 
 SPLIT_KEYS = ("data", "federation.num_devices", "run.seed")
 
@@ -85,6 +93,8 @@ class Method:
     slug: str
     cfg: RunConfig
     centralized: bool = False
+    #: decay of the weight average a centralized method is evaluated with (0: none)
+    ema: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,7 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     if not isinstance(entry, dict) or not isinstance(entry.get("label"), str):
         raise ConfigError(f"{path}: [[method]] #{i + 1} needs a string 'label'")
     label = entry["label"].strip()
-    unknown = set(entry) - {"label", "overrides", "centralized"}
+    unknown = set(entry) - {"label", "overrides", "centralized", "ema"}
     if not label or unknown:
         raise ConfigError(
             f"{path}: method {label!r}: empty label or unknown keys {sorted(unknown)}"
@@ -190,10 +200,19 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
         raise ConfigError(
             f"{path}: method {label!r}: 'centralized' must be true or false, got {centralized!r}"
         )
+    ema = entry.get("ema", 0.0)
+    if type(ema) not in (int, float) or not 0.0 <= ema < 1.0:
+        raise ConfigError(f"{path}: method {label!r}: 'ema' must be a number in [0, 1), "
+                          f"got {ema!r}")  # fmt: skip
+    if ema and not centralized:
+        raise ConfigError(
+            f"{path}: method {label!r}: 'ema' is for centralized training only (FedPhD's "
+            "distributed methods do not average weights over time)"
+        )
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
-    return Method(label, slug, cfg, centralized)
+    return Method(label, slug, cfg, centralized, float(ema))
 
 
 def parse_compare(
@@ -274,13 +293,15 @@ def _device_sizes(cfg: RunConfig) -> list[int]:
 
 
 def run_centralized(
-    cfg: RunConfig, run_dir: Path, *, evaluate: bool, progress: bool
+    cfg: RunConfig, run_dir: Path, *, evaluate: bool, progress: bool, ema: float = 0.0
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The ceiling: one model on the pooled data of every device, trained for the local
     steps the federation would run (round by round), evaluated at the same rounds.
 
-    ``train_local`` is called once per evaluation interval, so Adam restarts there (a
-    device's optimizer restarts every round)."""
+    It is ordinary centralized training: one optimizer for the whole run (its state carries
+    over the evaluation points). With ``ema`` > 0 the evaluated and checkpointed model is the
+    exponential moving average of the weights (:class:`~shared.training.WeightAverage`), as
+    in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     prepare_run_dir(cfg, run_dir)
@@ -295,6 +316,8 @@ def run_centralized(
     )
     every = cfg.eval.every
     evaluator = Evaluator(cfg) if evaluate and every else None
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
+    average = WeightAverage(model, ema) if ema > 0 else None
     rows: list[dict[str, Any]] = []
     pending = 0
     for r, n in enumerate(steps):
@@ -302,18 +325,23 @@ def run_centralized(
         last = r + 1 == len(steps)
         if not (last or (every and (r + 1) % every == 0)):
             continue
-        result = train_local(model, pooled, cfg.train, scheduler, gen, steps=pending,
-                             device=device)  # fmt: skip
+        result = train_local(
+            model, pooled, cfg.train, scheduler, gen, steps=pending, device=device,
+            optimizer=opt, after_step=average.update if average is not None else None,
+        )  # fmt: skip
         row: dict[str, Any] = {"round": r, "train_loss": result.mean_loss, "steps": pending}
         pending = 0
         if evaluator is not None:
-            row["quality"] = evaluator.evaluate(model.eval())
+            row["quality"] = evaluator.evaluate(
+                average.averaged() if average is not None else model.eval()
+            )
         rows.append(row)
         if progress:
             fid = row.get("quality", {}).get("fid")
             shown = f", FID {fid:.2f}" if fid is not None else ""
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
-    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, model.state_dict(), cfg)
+    final = average.averaged() if average is not None else model
+    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg)
     atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
     plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
     return rows, steps
@@ -339,7 +367,9 @@ def run_method(
     (run_dir / RECORD).unlink(missing_ok=True)  # an interrupted rerun must not look finished
     t0 = time.perf_counter()
     if m.centralized:
-        rows, steps = run_centralized(m.cfg, run_dir, evaluate=evaluate, progress=progress)
+        rows, steps = run_centralized(
+            m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema
+        )
         run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
@@ -362,6 +392,14 @@ RECORD_MAX_BYTES = 64 * 2**20
 NO_RECORD = "no finished run"
 
 
+def _training_key(m: Method) -> dict[str, Any]:
+    """What a centralized method's record must match beyond its config: how it trained (a
+    record from before one optimizer per run and the weight average lacks it, so reruns)."""
+    return {"centralized_training": {"optimizer": "one per run", "ema": m.ema}} if (
+        m.centralized
+    ) else {}  # fmt: skip
+
+
 def _fingerprint(m: Method) -> str:
     return init_fingerprint(m.cfg.model.preset, m.cfg.model.init)
 
@@ -375,6 +413,7 @@ def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> N
         "digest": run.method.cfg.digest(),
         "init": init or _fingerprint(run.method),
         "centralized": run.method.centralized,
+        **_training_key(run.method),
         "evaluate": evaluate,
         "rows": run.rows,
         "traffic": run.traffic,
@@ -406,6 +445,7 @@ def load_record(
         "digest": m.cfg.digest(),
         "init": init or _fingerprint(m),
         "centralized": m.centralized,
+        **_training_key(m),
         # an evaluated run serves a comparison without evaluation too (its FID is kept)
         "evaluate": evaluate or doc.get("evaluate") is True,
     }

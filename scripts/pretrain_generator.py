@@ -42,6 +42,7 @@ from shared.diffusion import ddpm_loss, make_train_scheduler
 from shared.errors import EstuaryError
 from shared.evaluation import Evaluator, write_grid
 from shared.models import ASSETS, PRETRAINED, build_unet
+from shared.training import WeightAverage
 
 MAX_FID = 60.0
 
@@ -79,8 +80,7 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     cfg = config_from_dict({"model": {"preset": args.preset}, "run": {"seed": args.seed}})
     data = to_model_input(load_fashion_mnist("test", args.data).images)
     model = build_unet(args.preset, seed=args.seed)
-    ema = build_unet(args.preset, seed=args.seed).eval().requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
+    ema = WeightAverage(model, args.ema)  # decay min(ema, (1 + t) / (10 + t)): a short warm-up
     scheduler = make_train_scheduler(cfg.diffusion)
     gen = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -98,16 +98,11 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        decay = min(args.ema, (1 + step) / (10 + step))  # short warm-up of the average
-        with torch.no_grad():
-            for a, p in zip(ema.parameters(), model.parameters(), strict=True):
-                a.lerp_(p, 1 - decay)
+        ema.update(model)
         recent = [*recent[-99:], loss.item()]
         if step % 100 == 99:
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
-    for a, b in zip(ema.buffers(), model.buffers(), strict=True):
-        a.copy_(b)
-    return ema, sum(recent) / len(recent)
+    return ema.averaged(), sum(recent) / len(recent)
 
 
 def main(argv: list[str] | None = None) -> int:

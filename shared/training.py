@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -49,6 +50,40 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainSection) -> torch.optim
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+class WeightAverage:
+    """An exponential moving average of a model's weights (the "EMA" of Ho et al.'s DDPM),
+    with a short warm-up: after step ``t`` (from 0) the decay is ``min(decay, (1 + t) /
+    (10 + t))``, so early averages are not dominated by the initialization.
+
+    It lives on the device of the model it follows (moved there on the first update after a
+    change); :meth:`averaged` gives it on the CPU, in eval mode, for sampling and saving.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ConfigError(f"a weight average's decay must be in [0, 1), got {decay!r}")
+        self.decay = decay
+        self.steps = 0
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Fold ``model``'s current weights in (buffers are copied as they are)."""
+        decay = min(self.decay, (1 + self.steps) / (10 + self.steps))
+        params = list(model.parameters())
+        if params and next(self.model.parameters()).device != params[0].device:
+            self.model.to(params[0].device)
+        for a, p in zip(self.model.parameters(), params, strict=True):
+            a.lerp_(p, 1 - decay)
+        for buf, src in zip(self.model.buffers(), model.buffers(), strict=True):
+            buf.copy_(src)
+        self.steps += 1
+
+    def averaged(self) -> nn.Module:
+        """The average (on the CPU, eval mode): the module itself, not a copy."""
+        return self.model.to("cpu").eval()
+
+
 def resolve_device(name: str) -> torch.device:
     """The torch device for ``compute.device``: "auto" is CUDA when torch sees a GPU."""
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -74,9 +109,15 @@ def train_local(
     steps: int | None = None,
     labels: torch.Tensor | None = None,
     device: torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    after_step: Callable[[nn.Module], None] | None = None,
 ) -> TrainResult:
     """Minimize the DDPM loss (or ``loss_fn``), plus ``extra_loss``, on ``data`` for the
-    configured steps; ``grad_hook`` may edit gradients before each optimizer step.
+    configured steps; ``grad_hook`` may edit gradients before each optimizer step, and
+    ``after_step`` sees the model after each one (a weight average, say).
+
+    Each call makes a fresh optimizer (a device's restarts every round) unless one is given
+    (built on ``model``'s trainable parameters, kept by a caller that trains in pieces).
 
     A class-conditional model (``num_class_embeds``) is trained with each image's label
     from ``labels``. With a ``device`` other than the CPU the model trains there (batches
@@ -97,7 +138,7 @@ def train_local(
         model.to(on)
     try:
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, cfg)
+        opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
         model.train()
         order = torch.randperm(n, generator=generator)
         cursor = 0
@@ -124,6 +165,8 @@ def train_local(
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
+            if after_step is not None:
+                after_step(model)
             total += loss.detach()
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     finally:

@@ -120,3 +120,46 @@ def test_training_on_cuda_hands_back_cpu_tensors_and_tracks_the_cpu_run() -> Non
     init = build_unet("fmnist-tiny", seed=0).state_dict()
     moved = [not torch.equal(init[k], v) for k, v in on_gpu.state_dict().items()]
     assert sum(moved) > len(moved) // 2
+
+
+def test_weight_average_warms_up_and_follows_the_weights() -> None:
+    """EMA with decay min(d, (1 + t) / (10 + t)) after step t, as the pretrain script and
+    the paper's centralized baseline use it; the average is a separate module on the CPU."""
+    from shared.training import WeightAverage
+
+    net = torch.nn.Linear(2, 1)
+    torch.nn.init.zeros_(net.weight)
+    torch.nn.init.zeros_(net.bias)
+    avg = WeightAverage(net, 0.9)
+    torch.nn.init.ones_(net.weight)
+    avg.update(net)  # decay min(0.9, 1/10) = 0.1
+    assert avg.model.weight.detach().flatten().tolist() == pytest.approx([0.9, 0.9])
+    avg.update(net)  # decay 2/11
+    assert float(avg.model.weight[0, 0]) == pytest.approx(0.9 + (1 - 2 / 11) * 0.1)
+    for _ in range(200):  # the warm-up ends at 0.9
+        avg.update(net)
+    assert avg.averaged() is avg.model and not avg.model.training
+    assert not avg.model.weight.requires_grad and float(net.bias.detach()) == 0.0
+    with pytest.raises(ConfigError, match="decay must be in"):
+        WeightAverage(net, 1.0)
+
+
+def test_train_local_can_keep_one_optimizer_and_watch_each_step() -> None:
+    """A caller training in pieces (centralized training between evaluations) passes its
+    optimizer, whose state carries over; ``after_step`` runs after every optimizer step."""
+    from shared.config import config_from_dict
+    from shared.training import make_optimizer, train_local
+
+    cfg = config_from_dict({"train": {"local_steps": 3, "batch_size": 4}})
+    x = torch.rand(8, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    model = build_unet("fmnist-tiny", seed=0)
+    opt = make_optimizer(list(model.parameters()), cfg.train)
+    seen: list[int] = []
+    sched = make_train_scheduler(cfg.diffusion)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        train_local(model, x, cfg.train, sched, gen, optimizer=opt,
+                    after_step=lambda m: seen.append(id(m)))  # fmt: skip
+    assert seen == [id(model)] * 6
+    first = next(iter(model.parameters()))
+    assert int(opt.state[first]["step"]) == 6  # one Adam for both calls
