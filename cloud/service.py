@@ -150,7 +150,8 @@ class CloudServer(RoleService):
         super().__init__("cloud", cfg, bus)
         #: what the run started from, by content (:func:`~shared.models.init_fingerprint`),
         #: recorded in every checkpoint; a resumed run passes its checkpoint's value
-        self.init = init or init_fingerprint(cfg.model.preset, cfg.model.init)
+        now = init or init_fingerprint(cfg.model.preset, cfg.model.init)
+        self.init: str | None = None if now.startswith("unreadable") else now
         self.session = session or new_session()
         self.offline: set[str] = set()
         self.algorithm = algorithm
