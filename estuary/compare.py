@@ -565,7 +565,7 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _algorithm(m: Method) -> str:
     if m.centralized:
-        return "centralized"
+        return f"centralized ema={m.ema:g}" if m.ema else "centralized"
     a, f = m.cfg.algorithm, m.cfg.federation
     text = f"{a.name} r_e={f.edge_every} r_g={f.cloud_every}"
     if a.name == "feddiffuse":
@@ -642,6 +642,7 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "method": run.method.label,
             "algorithm": _algorithm(run.method),
+            "centralized": run.method.centralized,
             **_quality(run.rows),
             "params": info.params,
             "params_m": info.params / 1e6,
@@ -665,7 +666,7 @@ def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
     keys = ("cloud_mib_per_agg", "weighted_per_window", "paper_cost_per_window", "total_mib")
     out = []
     for r in rows:
-        if r["method"] == reference or r["algorithm"] == "centralized":
+        if r["method"] == reference or r["centralized"]:
             continue
         ratio = {k: (r[k] / ref[k] if ref[k] else None) for k in keys}
         out.append({"method": r["method"], **ratio})

@@ -14,6 +14,7 @@ from estuary.cli import main
 from estuary.compare import (
     COLUMNS,
     Method,
+    _algorithm,
     _curves,
     load_compare,
     parse_compare,
@@ -64,6 +65,7 @@ name = "fedphd"
 [[method]]
 label = "Centralized"
 centralized = true
+ema = 0.9
 """
 
 
@@ -106,7 +108,7 @@ def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     # flat FedAvg: 4 devices down + up cross the cloud link; FedPhD: 2 edges up + down
     assert fedavg["cloud_bytes_per_agg"] == pytest.approx(2 * fedphd["cloud_bytes_per_agg"], 1e-3)
     assert central["total_bytes"] == 0 and central["central_aggs"] == 0
-    assert [q["method"] for q in doc["relative"]] == ["FedPhD (select)"]
+    assert [q["method"] for q in doc["relative"]] == ["FedPhD (select)"]  # not Centralized
     # the plotted weighted cost uses the comparison's distances, as the table does (the
     # plot used the defaults): FedAvg is flat, so all of it is on the cloud link (0.02 d_c)
     run = res.runs[0]
@@ -250,7 +252,7 @@ def test_centralized_training_with_a_weight_average(tmp_path: Path) -> None:
     central = {"label": "Centralized", "centralized": True, "ema": 0.9}
     raw = _raw(method=[{"label": "FedAvg"}, central])
     m = parse_compare(raw, Path("x.toml")).methods[1]
-    assert m.ema == 0.9
+    assert m.ema == 0.9 and _algorithm(m) == "centralized ema=0.9"
     plain = Method(m.label, "plain", m.cfg, True)
     run = run_method(m, tmp_path, evaluate=True, progress=False)
     base = run_method(plain, tmp_path, evaluate=True, progress=False)
