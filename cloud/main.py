@@ -21,7 +21,7 @@ from shared.algorithms import make_algorithm
 from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
-from shared.errors import EstuaryError
+from shared.errors import ConfigError, EstuaryError
 from shared.models import init_fingerprint, initial_unet
 from shared.recorder import RunRecorder, prepare_run_dir
 from shared.report import last_quality, plot_report
@@ -101,6 +101,17 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
     return ResumePoint(ckpt.model, ckpt.plan, ckpt.round + 1, ckpt.init)
 
 
+def fresh_start(cfg: RunConfig) -> ResumePoint:
+    """Round 0: the first global model ``model.init`` names, with its fingerprint taken
+    around the load (a file replaced while it was read is a ConfigError, not a checkpoint
+    recording other weights than the run started from)."""
+    before = init_fingerprint(cfg.model.preset, cfg.model.init)
+    model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    if init_fingerprint(cfg.model.preset, cfg.model.init) != before:
+        raise ConfigError(f"model.init {cfg.model.init} changed while it was read; start again")
+    return ResumePoint(dict(model.state_dict()), None, 0, before)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cloud until the configured rounds are done; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -114,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = prepare_run_dir(cfg, Path(args.out), resuming=resumed is not None)
         # without a checkpoint, the first global model (model.init is checked before anyone
         # connects)
-        start = resumed or ResumePoint(
-            dict(initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()),
-            None,
-            0,
-            None,
-        )
+        start = resumed or fresh_start(cfg)
         bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
     except EstuaryError as err:
         log.error("%s", err)

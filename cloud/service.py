@@ -47,6 +47,9 @@ from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
 
+#: :class:`CloudServer`'s default ``init``: fingerprint the config's ``model.init`` file
+INIT_FROM_CONFIG = "from model.init"
+
 
 def new_session() -> str:
     """A fresh cloud session id (16 hex chars); a restarted cloud gets a new one so edges and
@@ -145,13 +148,15 @@ class CloudServer(RoleService):
         checkpoint_dir: Path | None = None,
         on_round_end: Callable[[RoundSummary], None] | None = None,
         session: str | None = None,
-        init: str | None = None,
+        init: str | None = INIT_FROM_CONFIG,
     ) -> None:
         super().__init__("cloud", cfg, bus)
         #: what the run started from, by content (:func:`~shared.models.init_fingerprint`),
-        #: recorded in every checkpoint; a resumed run passes its checkpoint's value
-        now = init or init_fingerprint(cfg.model.preset, cfg.model.init)
-        self.init: str | None = None if now.startswith("unreadable") else now
+        #: recorded in every checkpoint: ``init`` as given (a resumed run passes its
+        #: checkpoint's, None where that has none), or by default ``model.init`` as it is now
+        if init == INIT_FROM_CONFIG:
+            init = init_fingerprint(cfg.model.preset, cfg.model.init)
+        self.init = None if init is None or init.startswith("unreadable") else init
         self.session = session or new_session()
         self.offline: set[str] = set()
         self.algorithm = algorithm

@@ -341,7 +341,8 @@ def run_centralized(
             shown = f", FID {fid:.2f}" if fid is not None else ""
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
     final = average.averaged() if average is not None else model
-    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg)
+    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg,
+                    init=init_fingerprint(cfg.model.preset, cfg.model.init))  # fmt: skip
     atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
     plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
     return rows, steps
@@ -565,7 +566,7 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _algorithm(m: Method) -> str:
     if m.centralized:
-        return f"centralized ema={m.ema:g}" if m.ema else "centralized"
+        return f"centralized ema={m.ema!r}" if m.ema else "centralized"
     a, f = m.cfg.algorithm, m.cfg.federation
     text = f"{a.name} r_e={f.edge_every} r_g={f.cloud_every}"
     if a.name == "feddiffuse":

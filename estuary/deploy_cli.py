@@ -236,7 +236,8 @@ def add_parsers(sub: Any) -> None:
                    "certificate for this broker host name or IP (repeatable)")  # fmt: skip
     v.add_argument("--force", action="store_true", help="replace an earlier provisioning")
     v.add_argument("--keep", action="store_true", help="reuse an earlier provisioning of the "
-                   "same run and instances (an error if it differs)")  # fmt: skip
+                   "same run and instances (an error if it differs; one killed before it "
+                   "finished is made again)")  # fmt: skip
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_provision)
 

@@ -222,6 +222,9 @@ def provision(
             if key.exists():
                 raise EstuaryError(f"{key} exists; pass --force to replace it")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".provisioning-*"):  # a killed provisioning's staging (secrets)
+        log.warning("removing %s, left by a provisioning that was killed", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     # Everything is written to a staging folder first and moved in afterwards, provision.json
     # last: a failure leaves the earlier provisioning (or none), never half of a new one.
     stage = Path(tempfile.mkdtemp(prefix=".provisioning-", dir=out))

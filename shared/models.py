@@ -150,7 +150,8 @@ def init_fingerprint(preset: str, init: str) -> str:
     (the recorded hash for ``"pretrained"``, the file's bytes for a path).
 
     The config digest keys a path by its string, so a record that must notice a file being
-    replaced at the same path (``estuary compare``'s finished runs) keeps this beside it.
+    replaced at the same path (``estuary compare``'s finished runs) keeps this beside it, and
+    checkpoints record it so that a resume can tell a moved init file from another one.
     Never raises: an unreadable or oversized file gives a ``"unreadable: …"`` value that no
     recorded fingerprint equals, and the run that follows reports the ConfigError.
     """

@@ -35,10 +35,10 @@ class TrainResult:
 def num_local_steps(n_samples: int, cfg: TrainSection) -> int:
     """``local_steps`` when set, else ``local_epochs`` passes over the data.
 
-    A pass is ``ceil(n / B)`` steps, each of exactly ``B`` images: :func:`train_local` draws
-    batches from a shuffled order and reshuffles when fewer than ``B`` images are left in it,
-    so the ``n mod B`` images left over in one order are not seen in it (every image is seen
-    equally often in expectation; batch-norm-free models, fixed batch shapes)."""
+    A pass is ``ceil(n / B)`` steps, each of exactly ``B`` images (all ``n`` when ``n < B``):
+    :func:`train_local` draws batches from a shuffled order and reshuffles when fewer than
+    ``B`` images are left in it, so the ``n mod B`` images left over in one order are not
+    seen in it (every image is seen equally often in expectation; fixed batch shapes)."""
     if cfg.local_steps:
         return cfg.local_steps
     return cfg.local_epochs * max(1, math.ceil(n_samples / cfg.batch_size))

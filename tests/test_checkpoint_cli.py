@@ -132,9 +132,37 @@ def test_resume_follows_a_moved_init_file_but_not_other_weights(tmp_path: Path) 
         resume_point(new, run)
     save_checkpoint(run / "checkpoints", 6, dict(state), old, init=fingerprint)
     changed = tiny_config(model={"init": str(new_path)}, run={"seed": 9})
-    with pytest.raises(EstuaryError, match="use another --out or --fresh"):
+    with pytest.raises(EstuaryError, match=r"different config \(\w+ != \w+\); use another"):
         resume_point(changed, run)
     assert resume_point(old, run) is not None  # the same config resumes without the file
+
+
+def test_the_cloud_records_the_init_it_started_from(tmp_path: Path) -> None:
+    """A fresh cloud records model.init's fingerprint; a resumed one carries its checkpoint's
+    record, and None stays None (fingerprinting the file now could record other weights than
+    the run started from)."""
+    from cloud.main import fresh_start
+    from cloud.service import CloudServer
+    from shared.algorithms import make_algorithm
+    from shared.bus import MemoryBus
+    from shared.models import init_fingerprint
+
+    state = build_unet("fmnist-tiny", seed=3).state_dict()
+    path = tmp_path / "init.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    cfg = tiny_config(model={"init": str(path)})
+    start = fresh_start(cfg)
+    assert start.init == init_fingerprint("fmnist-tiny", str(path)) and start.next_round == 0
+    assert all(torch.equal(start.model[k], v) for k, v in state.items())
+
+    def cloud(**kw: object) -> CloudServer:
+        return CloudServer(cfg, MemoryBus(), make_algorithm(cfg), initial_model=dict(state), **kw)  # type: ignore[arg-type]
+
+    assert cloud().init == start.init  # the default: model.init as it is now
+    assert cloud(init=None, start_round=4).init is None
+    assert cloud(init="sha256:ab", start_round=4).init == "sha256:ab"
+    path.unlink()
+    assert cloud().init is None  # an unreadable file is not recorded
 
 
 def test_starting_over_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path) -> None:

@@ -138,6 +138,9 @@ def test_unknown_override_key_is_named() -> None:
         ({"label": "A", "ema": 0.99}, "'ema' is for centralized training only"),
         ({"label": "A", "centralized": True, "ema": 1.0}, r"'ema' must be a number in \[0, 1\)"),
         ({"label": "A", "centralized": True, "ema": "0.9"}, "'ema' must be a number"),
+        ({"label": "A", "centralized": True, "ema": True}, "'ema' must be a number"),
+        ({"label": "A", "centralized": True, "ema": float("nan")}, "'ema' must be a number"),
+        ({"label": "A", "centralized": True, "ema": -0.1}, "'ema' must be a number"),
     ],
 )
 def test_bad_methods_rejected(method: dict[str, Any], match: str) -> None:
@@ -242,24 +245,37 @@ def test_finished_methods_are_reused_and_bad_records_ignored(
     assert "reusing the run" not in capsys.readouterr().out
 
 
-def test_centralized_training_with_a_weight_average(tmp_path: Path) -> None:
+def test_centralized_training_with_a_weight_average(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``ema`` on a centralized method (the paper's centralized baseline uses EMA): the
-    evaluated and checkpointed model is the average, and a record made with another decay
-    (or before the average existed) is not reused."""
+    evaluated and checkpointed model is the average, one optimizer serves the whole run,
+    and a record made with another decay (or before the average existed) is not reused."""
+    import estuary.compare as compare
     from estuary.compare import load_record, run_method
     from shared.checkpoint import latest_checkpoint_path, load_checkpoint
 
     central = {"label": "Centralized", "centralized": True, "ema": 0.9}
     raw = _raw(method=[{"label": "FedAvg"}, central])
+    raw["base"]["eval"]["every"] = 1  # two evaluation points: train_local runs twice
     m = parse_compare(raw, Path("x.toml")).methods[1]
     assert m.ema == 0.9 and _algorithm(m) == "centralized ema=0.9"
     plain = Method(m.label, "plain", m.cfg, True)
+    made: list[object] = []
+    real = compare.make_optimizer
+
+    def counted(*args: Any) -> Any:
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(compare, "make_optimizer", counted)
     run = run_method(m, tmp_path, evaluate=True, progress=False)
+    assert len(made) == 1  # not one per evaluation interval
     base = run_method(plain, tmp_path, evaluate=True, progress=False)
-    assert [r["round"] for r in run.rows] == [1] and "quality" in run.rows[0]
+    assert [r["round"] for r in run.rows] == [0, 1] and "quality" in run.rows[-1]
     # same data, seed and steps: the raw weights train identically, the saved model differs
-    assert run.rows[0]["train_loss"] == base.rows[0]["train_loss"]
-    assert run.rows[0]["quality"]["fid"] != base.rows[0]["quality"]["fid"]
+    assert [r["train_loss"] for r in run.rows] == [r["train_loss"] for r in base.rows]
+    assert run.rows[-1]["quality"]["fid"] != base.rows[-1]["quality"]["fid"]
     ema_ckpt = load_checkpoint(latest_checkpoint_path(tmp_path / m.slug / "checkpoints"))  # type: ignore[arg-type]
     raw_ckpt = load_checkpoint(latest_checkpoint_path(tmp_path / "plain" / "checkpoints"))  # type: ignore[arg-type]
     assert any(not torch.equal(v, raw_ckpt.model[k]) for k, v in ema_ckpt.model.items())

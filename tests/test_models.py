@@ -138,6 +138,10 @@ def test_weight_average_warms_up_and_follows_the_weights() -> None:
     assert float(avg.model.weight[0, 0]) == pytest.approx(0.9 + (1 - 2 / 11) * 0.1)
     for _ in range(200):  # the warm-up ends at 0.9
         avg.update(net)
+    before = float(avg.model.weight[0, 0])
+    torch.nn.init.constant_(net.weight, 2.0)
+    avg.update(net)  # capped: decay 0.9, not (1 + t) / (10 + t) ~ 0.96
+    assert float(avg.model.weight[0, 0]) == pytest.approx(before + 0.1 * (2.0 - before))
     assert avg.averaged() is avg.model and not avg.model.training
     assert not avg.model.weight.requires_grad and float(net.bias.detach()) == 0.0
     with pytest.raises(ConfigError, match="decay must be in"):

@@ -18,6 +18,7 @@ from cloud.deploy import DeploymentPublisher, deploy_when_trained
 from device_agent.deployment import DeploymentReceiver, PersonalizeError, SamplingAgent
 from device_agent.personalize import Personalizer
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, OnnxGenerator, load_generator
+from estuary.cli import main as cli_main
 from estuary.simulate import Federation, build_federation
 from shared.algorithms.feddiffuse import LOCAL_STATE_KEY
 from shared.arch import build_model
@@ -81,7 +82,9 @@ def _eps(onnx: bytes, card: dict[str, Any], inputs: tuple[torch.Tensor, ...]) ->
 
 
 @pytest.mark.parametrize("split", ["ulatdec", "udec"])
-def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
+def test_devices_serve_their_own_model(
+    tmp_path: Path, split: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = Deployed(tmp_path, split)
     cfg, fed = run.cfg, run.fed
     export = tmp_path / "run" / "deploy"
@@ -112,6 +115,15 @@ def test_devices_serve_their_own_model(tmp_path: Path, split: str) -> None:
         feed = {"sample": inputs[0].numpy(), "timestep": inputs[1].numpy()}
         assert np.array_equal(loaded.session.run(None, feed)[0], got)
         assert loaded.model_sha256 == served.personal  # what `sample --own` prints
+        if device is fed.devices[0]:  # the command itself, once
+            out = tmp_path / f"{device.name}.png"
+            args = ["sample", "--model", str(served.path), "--own", "--json", "--n", "2",
+                    "--steps", "2", "--verify-key", str(cfg.deploy.verify_key),
+                    "--provider", "cpu", "--out", str(out)]  # fmt: skip
+            assert cli_main(args) == 0 and out.is_file()
+            said = json.loads(capsys.readouterr().out)
+            assert said["own_model_sha256"] == served.personal
+            assert said["model_sha256"] == manifest["model"]["sha256"]
         r = run.reports[device.name]
         assert r.event == "sampled" and r.personal == served.personal
         assert r.model_sha256 == served.sha256 == manifest["model"]["sha256"]

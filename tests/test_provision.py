@@ -154,12 +154,16 @@ def test_provision_keep_finishes_a_provisioning_killed_before_its_record(
     out = tmp_path / "prov"
     provision(cfg, out)
     password = (out / "credentials" / "dev001.password").read_text()
-    (out / "provision.json").unlink()  # what a SIGKILL before the last move leaves
+    (out / "provision.json").unlink()  # what a SIGKILL before the last move leaves,
+    stage = out / ".provisioning-killed"  # with its staging folder (old secrets in it)
+    (stage / "credentials.replaced").mkdir(parents=True)
+    (stage / "credentials.replaced" / "dev000.password").write_text("old secret")
     with pytest.raises(EstuaryError, match="already provisioned"):
         provision(cfg, out)  # without keep, still refused
     with caplog.at_level("WARNING", logger="estuary.provision"):
         info = provision(cfg, out, keep=True)
     assert "never finished" in caplog.text and not info.get("kept")
+    assert not stage.exists() and "left by a provisioning that was killed" in caplog.text
     assert (out / "provision.json").is_file()
     assert (out / "credentials" / "dev001.password").read_text() != password
     assert sorted(p.name for p in out.iterdir()) == [
