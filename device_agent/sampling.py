@@ -273,11 +273,17 @@ class OnnxGenerator:
     """A deployed generator: an ONNX noise predictor, its card, and the DDIM loop."""
 
     def __init__(
-        self, model: bytes | Path, card: dict[str, Any], *, provider: str = "auto", threads: int = 0
+        self,
+        model: bytes | Path,
+        card: dict[str, Any],
+        *,
+        provider: str = "auto",
+        threads: int = 0,
+        model_sha256: str | None = None,
     ) -> None:
         self.card = card
-        #: sha256 of the ONNX bytes this generator was built from (None when given a path)
-        self.model_sha256 = hashlib.sha256(model).hexdigest() if isinstance(model, bytes) else None
+        #: sha256 of the ONNX bytes, as the caller verified them (None: not given)
+        self.model_sha256 = model_sha256
         self.session = make_session(model, provider=provider, threads=threads)
         self.schedule = DdimSchedule.from_card(card.get("scheduler", {}))
         names = {i.name for i in self.session.get_inputs()}
@@ -397,13 +403,17 @@ def load_generator(
     except OSError as err:
         raise SignatureError("bad_manifest", f"cannot read {path}: {err}") from None
     check_model_bytes(data, manifest)
+    sha = manifest["model"]["sha256"]
     if own:
-        data = _own_model_bytes(model_dir, manifest)
-    return OnnxGenerator(data, manifest["card"], provider=provider, threads=threads), manifest
+        data, sha = _own_model_bytes(model_dir, manifest)
+    generator = OnnxGenerator(
+        data, manifest["card"], provider=provider, threads=threads, model_sha256=sha
+    )
+    return generator, manifest
 
 
-def _own_model_bytes(model_dir: Path, manifest: dict[str, Any]) -> bytes:
-    """The device's own model in ``model_dir``, checked against its record."""
+def _own_model_bytes(model_dir: Path, manifest: dict[str, Any]) -> tuple[bytes, str]:
+    """The device's own model in ``model_dir`` and its sha256, checked against its record."""
     try:
         record = json.loads((model_dir / OWN_RECORD_FILE).read_text())
         data = (model_dir / OWN_MODEL_FILE).read_bytes()
@@ -425,7 +435,7 @@ def _own_model_bytes(model_dir: Path, manifest: dict[str, Any]) -> bytes:
         raise SignatureError(
             "hash_mismatch", f"{model_dir / OWN_MODEL_FILE} differs from its record's sha256"
         )
-    return data
+    return data, str(record["sha256"])
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

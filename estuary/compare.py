@@ -293,7 +293,13 @@ def _device_sizes(cfg: RunConfig) -> list[int]:
 
 
 def run_centralized(
-    cfg: RunConfig, run_dir: Path, *, evaluate: bool, progress: bool, ema: float = 0.0
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    evaluate: bool,
+    progress: bool,
+    ema: float = 0.0,
+    init: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The ceiling: one model on the pooled data of every device, trained for the local
     steps the federation would run (round by round), evaluated at the same rounds.
@@ -301,7 +307,8 @@ def run_centralized(
     It is ordinary centralized training: one optimizer for the whole run (its state carries
     over the evaluation points). With ``ema`` > 0 the evaluated and checkpointed model is the
     exponential moving average of the weights (:class:`~shared.training.WeightAverage`), as
-    in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.)."""
+    in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.). ``init`` is
+    the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     prepare_run_dir(cfg, run_dir)
@@ -342,7 +349,7 @@ def run_centralized(
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
     final = average.averaged() if average is not None else model
     save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg,
-                    init=init_fingerprint(cfg.model.preset, cfg.model.init))  # fmt: skip
+                    init=init)  # fmt: skip
     atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
     plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
     return rows, steps
@@ -369,7 +376,7 @@ def run_method(
     t0 = time.perf_counter()
     if m.centralized:
         rows, steps = run_centralized(
-            m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema
+            m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema, init=init
         )
         run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
     else:
@@ -396,9 +403,9 @@ NO_RECORD = "no finished run"
 def _training_key(m: Method) -> dict[str, Any]:
     """What a centralized method's record must match beyond its config: how it trained (a
     record from before one optimizer per run and the weight average lacks it, so reruns)."""
-    return {"centralized_training": {"optimizer": "one per run", "ema": m.ema}} if (
-        m.centralized
-    ) else {}  # fmt: skip
+    if not m.centralized:
+        return {}
+    return {"centralized_training": {"optimizer": "one per run", "ema": m.ema}}
 
 
 def _fingerprint(m: Method) -> str:
