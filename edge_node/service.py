@@ -88,6 +88,10 @@ class EdgeServer(RoleService):
         #: samples behind each model part since the last cloud aggregation (algorithms whose
         #: devices upload parts); None when not tracked, or unknown after a restart
         self.acc_parts = self._zero_parts()
+        #: per device that trained here without uploading (rounds between edge aggregations,
+        #: r_e > 1) in the rounds up to the last one: the samples and label counts of those
+        #: rounds, counted once its upload is aggregated (its model holds that work then)
+        self.pending: dict[str, tuple[int, list[int]]] = {}
 
     def _zero_parts(self) -> dict[str, int] | None:
         names = self.algorithm.part_names
@@ -222,6 +226,7 @@ class EdgeServer(RoleService):
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
                 self.acc_parts = self._zero_parts()
+            self.pending = {}  # devices start again from the new state: their work is gone
         counts = msg.edge_counts.get(self.name)
         if self.round is None and not msg.new_global and not self.acc_n and counts:
             # a restarted edge takes back what it had accumulated from the cloud's record
@@ -367,7 +372,8 @@ class EdgeServer(RoleService):
             return "zero_samples"  # nothing to weight it by; all-zero weights cannot aggregate
         # what the round's EdgeUpdate sums must stay within its schema (a sum that overflows
         # would otherwise only fail when the round closes)
-        if self.acc_n + self.reported_n + msg.n_samples > MAX_COUNT:
+        pending = sum(n for n, _ in self.pending.values())
+        if self.acc_n + pending + self.reported_n + msg.n_samples > MAX_COUNT:
             return "too_many_samples"
         if not math.isfinite(self.reported_loss + msg.train_loss):
             return "bad_loss"
@@ -397,7 +403,7 @@ class EdgeServer(RoleService):
             self.timer = None
         self.closed = True
         try:
-            model, model_ref, report = self._close_report()
+            model, model_ref, report, pending = self._close_report()
         except Exception as err:  # one bad round must not stop the edge
             log.exception("%s could not close round %s", self.name, self.round)
             self.reject("close_failed", f"round {self.round}: {type(err).__name__}: {err}")
@@ -406,13 +412,24 @@ class EdgeServer(RoleService):
         self.model, self.model_ref = model, model_ref
         self.acc_n, self.acc_counts = report.n_samples, list(report.label_counts)
         self.acc_parts = None if report.part_samples is None else dict(report.part_samples)
+        self.pending = pending
         self.send(self.topics.edge_up(self.name), report)
         self.metrics.round.set(report.round)
         self._publish_state()
 
-    def _close_report(self) -> tuple[TensorDict, BlobRef | None, EdgeUpdate]:
-        """The round's edge model, its blob ref, and the EdgeUpdate to send; changes no
-        state of the edge (raises when the round cannot be closed)."""
+    def _close_report(
+        self,
+    ) -> tuple[TensorDict, BlobRef | None, EdgeUpdate, dict[str, tuple[int, list[int]]]]:
+        """The round's edge model, its blob ref, the EdgeUpdate to send and the devices'
+        pending work (:attr:`pending`) after it; changes no state of the edge (raises when
+        the round cannot be closed).
+
+        The accumulated counts (eqs. 19, 22, 25) grow by the work aggregated into the edge
+        model: in an aggregation round, each aggregated device's samples for this round and
+        for the rounds it trained here just before without uploading; a round without
+        uploads only extends those devices' pending work. Work that never reaches the edge
+        model (a device not asked again, or whose upload is discarded) is never counted, so
+        an edge that aggregated nothing since the cloud's last aggregation sends no model."""
         if self.round is None or self.model is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
@@ -434,18 +451,25 @@ class EdgeServer(RoleService):
                 f"round {self.round}: {discarded} update(s) < min_updates "
                 f"{self.cfg.federation.min_updates}; discarded",
             )
+        work: dict[str, tuple[int, list[int]]] = {}  # each contributor's, pending included
+        for device, msg in contributors.items():
+            n, counts = self.pending.get(device, (0, [0] * NUM_CLASSES))
+            work[device] = (
+                n + msg.n_samples,
+                [a + b for a, b in zip(counts, msg.label_counts, strict=True)],
+            )
+        pending = {} if self.upload else work
         acc_n = self.acc_n
         acc_counts = list(self.acc_counts)
-        for msg in contributors.values():
-            acc_n += msg.n_samples
-            acc_counts = [a + b for a, b in zip(acc_counts, msg.label_counts, strict=True)]
         acc_parts = None if self.acc_parts is None else dict(self.acc_parts)
-        if acc_parts is not None and self.upload:
-            for device, msg in contributors.items():
+        if self.upload:
+            for device, (n, counts) in work.items():
+                acc_n += n
+                acc_counts = [a + b for a, b in zip(acc_counts, counts, strict=True)]
                 update = self.updates.get(device)
-                if update is not None:
+                if acc_parts is not None and update is not None:
                     for part in self.algorithm.upload_parts(update.tensors):
-                        acc_parts[part] += msg.n_samples
+                        acc_parts[part] += n
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
         if cloud_round and acc_n:
@@ -470,7 +494,7 @@ class EdgeServer(RoleService):
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
-        return model, model_ref, report
+        return model, model_ref, report, pending
 
     def _publish_state(self) -> None:
         state = EdgeState(

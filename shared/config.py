@@ -338,6 +338,35 @@ class RunConfig(_Section):
                 f"run.rounds ({self.run.rounds}): the cloud would never aggregate and the run "
                 "would end with the initial model"
             )
+        rounds, r_g = self.run.rounds, self.federation.cloud_every
+        if rounds % r_g:
+            raise ValueError(
+                f"run.rounds ({rounds}) is not a multiple of federation.cloud_every "
+                f"(r_g={r_g}): the last {rounds % r_g} round(s) would train without ever "
+                f"reaching the cloud's model; use {rounds - rounds % r_g} or "
+                f"{rounds - rounds % r_g + r_g} rounds"
+            )
+        algo = self.algorithm
+        if algo.name == "fedphd" and algo.prune_ratio > 0:
+            r_s = algo.sparse_rounds
+            if algo.prune_at == "init" and r_s:
+                raise ValueError(
+                    f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before round 0, so "
+                    f"sparse_rounds (R_s={r_s}) would add the group penalty to the pruned "
+                    "model and never prune again; set sparse_rounds = 0"
+                )
+            if algo.prune_at == "sparse" and r_s % r_g:
+                raise ValueError(
+                    f"algorithm.sparse_rounds (R_s={r_s}) is not a multiple of "
+                    f"federation.cloud_every (r_g={r_g}): the cloud prunes after a central "
+                    f"aggregation, so rounds {r_s}..{r_s - r_s % r_g + r_g - 1} would train "
+                    "the dense model without the penalty; use a multiple of r_g"
+                )
+            if algo.prune_at == "sparse" and r_s >= rounds:
+                raise ValueError(
+                    f"algorithm.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
+                    "the pruned model would never be trained (or never pruned)"
+                )
         steps = self.diffusion.num_train_timesteps
         for section, value in (
             ("eval", self.eval.sample_steps),

@@ -672,7 +672,8 @@ class PenaltyGroup:
     """One dependency group as the penalty sees it.
 
     ``layers`` are its Conv2d/Linear members and ``layer_index`` their positions among all
-    Conv2d/Linear modules of the model in registration order; ``q`` is FedPhD's
+    Conv2d/Linear modules of the model in the order the forward pass runs them
+    (:func:`forward_order`); ``q`` is FedPhD's
     ``Q(θ_g) = mean |l - l_mid|`` and ``weight`` is ``λ_g = λ_0 / max(q, q_floor)``.
     ``slices`` are the group's prunable slices ``(parameter name, dim, channel indices)``.
     """
@@ -684,6 +685,28 @@ class PenaltyGroup:
     q: float
     weight: float
     slices: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+
+def forward_order(model: nn.Module) -> list[str]:
+    """Names of ``model``'s Conv2d/Linear modules in the order one forward pass runs them:
+    FedPhD's layer index ``l`` (eq. 17's ``Q``). Registration order is not depth order in
+    diffusers: ``UNet2DModel`` registers ``mid_block`` after ``up_blocks``, and a block its
+    resnets before its attentions although they alternate. Layers the pass never runs (none
+    in the shipped presets) follow in registration order."""
+    names: dict[nn.Module, str] = {m: n for n, m in model.named_modules() if isinstance(m, _LAYERS)}
+    order: dict[str, None] = {}
+
+    def record(module: nn.Module, args: object) -> None:
+        order.setdefault(names[module], None)
+
+    handles = [m.register_forward_pre_hook(record) for m in names]
+    try:
+        with torch.no_grad():
+            model(**_example_inputs(model))  # type: ignore[arg-type]
+    finally:
+        for h in handles:
+            h.remove()
+    return [*order, *(n for n in names.values() if n not in order)]
 
 
 class SparsityPenalty:
@@ -719,6 +742,22 @@ class SparsityPenalty:
                 index = torch.tensor(idxs, dtype=torch.long)
                 vec.index_add_(0, index, torch.full((len(idxs),), g.weight))
         self._coef = coef
+        #: the coefficients copied to another device / dtype once (not at every step: a
+        #: host-to-device copy of pageable memory waits for the GPU)
+        self._moved: dict[tuple[torch.device, torch.dtype], dict[str, dict[int, torch.Tensor]]] = {}
+
+    def _coef_on(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, dict[int, torch.Tensor]]:
+        if device.type == "cpu" and dtype == torch.float32:
+            return self._coef
+        key = (device, dtype)
+        if key not in self._moved:
+            self._moved[key] = {
+                name: {dim: vec.to(device, dtype) for dim, vec in dims.items()}
+                for name, dims in self._coef.items()
+            }
+        return self._moved[key]
 
     @classmethod
     def from_model(
@@ -730,8 +769,8 @@ class SparsityPenalty:
         if not q_floor > 0:
             raise ConfigError(f"q_floor={q_floor!r} must be > 0")
         work = copy.deepcopy(model)
+        layers = forward_order(work)
         _, groups = _dependency_groups(work)
-        layers = [n for n, m in work.named_modules() if isinstance(m, _LAYERS)]
         index = {n: i for i, n in enumerate(layers)}
         l_mid = (len(layers) - 1) / 2  # the mean of 0..L-1
         modules = dict(work.named_modules())
@@ -750,8 +789,10 @@ class SparsityPenalty:
     def __call__(self, model: nn.Module) -> torch.Tensor:
         """``Ω`` for ``model``'s current parameters (differentiable)."""
         params = dict(model.named_parameters())
+        first = next(iter(params.values()), None)
+        coef = self._coef if first is None else self._coef_on(first.device, first.dtype)
         total: torch.Tensor | None = None
-        for name, dims in self._coef.items():
+        for name, dims in coef.items():
             p = params.get(name)
             if p is None:
                 raise ConfigError(f"penalty built for another architecture: no parameter {name!r}")
@@ -761,7 +802,7 @@ class SparsityPenalty:
                     raise ConfigError(f"penalty built for another architecture: {name!r} differs")
                 rest = [d for d in range(p.ndim) if d != dim]
                 per_channel = sq.sum(dim=rest) if rest else sq
-                term = torch.dot(per_channel, vec.to(p.device, p.dtype))
+                term = torch.dot(per_channel, vec)
                 total = term if total is None else total + term
         if total is None:
             return torch.zeros(())

@@ -57,9 +57,33 @@ def test_cross_field_rule() -> None:
         # NaN passed every range check (each comparison with NaN is False)
         ({"algorithm": {"b": float("nan")}}, "algorithm.b: Input should be a finite number"),
         ({"train": {"weight_decay": float("inf")}}, "train.weight_decay: Input should be a finite"),
+        # the last rounds trained and were thrown away
+        (
+            {"run": {"rounds": 10}, "federation": {"cloud_every": 3}},
+            r"run.rounds \(10\) is not a multiple .* the last 1 round\(s\) .* use 9 or 12",
+        ),
+        # FedPhD pruned at the next aggregation after R_s: rounds 3-4 dense, no penalty
+        (
+            {"run": {"rounds": 10}, "federation": {"cloud_every": 5},
+             "algorithm": {"name": "fedphd", "sparse_rounds": 3, "prune_ratio": 0.44}},
+            r"sparse_rounds \(R_s=3\) is not a multiple .* rounds 3..4 would train the dense",
+        ),
+        # R_s beyond the run: it never pruned; R_s = rounds: the pruned model never trained
+        (
+            {"run": {"rounds": 10}, "algorithm": {"name": "fedphd", "sparse_rounds": 10,
+                                                  "prune_ratio": 0.44}},
+            r"sparse_rounds \(R_s=10\) must be below run.rounds \(10\)",
+        ),
+        # OS prunes before round 0: the penalty would only shrink an already pruned model
+        (
+            {"algorithm": {"name": "fedphd", "sparse_rounds": 2, "prune_ratio": 0.44,
+                           "prune_at": "init"}},
+            r"prune_at = 'init' \(FedPhD-OS\) .* set sparse_rounds = 0",
+        ),
     ],
-    ids=["never_aggregates", "eval_steps", "deploy_steps", "nan", "inf"],
-)
+    ids=["never_aggregates", "eval_steps", "deploy_steps", "nan", "inf", "trailing_rounds",
+         "sparse_not_at_aggregation", "sparse_past_run", "os_with_penalty"],
+)  # fmt: skip
 def test_cross_section_and_non_finite_values_are_refused(data: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         config_from_dict(data)

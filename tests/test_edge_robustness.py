@@ -58,7 +58,7 @@ Hierarchy = tuple[MemoryBus, EdgeServer, Cloud, list[Dev], list[EdgeUpdate]]
 
 
 def _hierarchy(**fed: Any) -> Hierarchy:
-    cfg = tiny_config(federation={"num_devices": 2, "num_edges": 1, **fed})
+    cfg = tiny_config(run={"rounds": 4}, federation={"num_devices": 2, "num_edges": 1, **fed})
     bus = MemoryBus(raise_errors=False)  # like MqttBus: handler errors are logged and counted
     edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id="edge0")
     edge.start()
@@ -224,3 +224,40 @@ def test_update_must_carry_the_counts_its_device_registered_with() -> None:
     devs[0].report(1, n=32, counts=[16] * 2 + [0] * (NUM_CLASSES - 2))
     bus.run(lambda: False)
     assert _rejected(bus).get("edge:counts_not_registered") == 2
+
+
+def test_rounds_without_upload_count_only_once_their_work_is_aggregated() -> None:
+    """r_e = r_g = 2: a device's round-0 work (no upload) reaches the edge model only with
+    its round-1 upload; work that never does is not counted, and no model is sent."""
+    bus, edge, cloud, devs, sent = _hierarchy(edge_every=2, cloud_every=2)
+    ref = put_model(cloud, "global_model")
+    cloud.open_round(0, ["dev000", "dev001"], ref=ref)
+    bus.run(lambda: edge.round == 0)
+    devs[0].report(0, n=32)
+    devs[1].report(0, n=16, counts=[0, 16] + [0] * (NUM_CLASSES - 2))
+    bus.run(lambda: False)
+    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 0, None)]
+    assert edge.pending["dev001"] == (16, [0, 16] + [0] * (NUM_CLASSES - 2))
+    # round 1 aggregates dev000 only: its two rounds count; dev001's round 0 is lost
+    cloud.open_round(1, ["dev000"], ref=ref, new_global=False)
+    bus.run(lambda: edge.round == 1)
+    devs[0].report(1, n=32)
+    bus.run(lambda: False)
+    last = sent[-1]
+    assert (last.round, last.n_samples, last.devices) == (1, 64, ["dev000"])
+    assert last.label_counts == [64] + [0] * (NUM_CLASSES - 1) and last.model_ref is not None
+    assert edge.pending == {}
+
+
+def test_edge_that_aggregated_nothing_sends_no_model_to_the_cloud() -> None:
+    bus, edge, cloud, devs, sent = _hierarchy(edge_every=2, cloud_every=2)
+    ref = put_model(cloud, "global_model")
+    cloud.open_round(0, ["dev000", "dev001"], ref=ref)
+    bus.run(lambda: edge.round == 0)
+    for dev in devs:
+        dev.report(0)
+    bus.run(lambda: False)
+    cloud.open_round(1, [], ref=ref, new_global=False)  # nobody trains in the upload round
+    bus.run(lambda: False)
+    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 0, None), (1, 0, None)]
+    assert edge.pending == {}

@@ -73,6 +73,9 @@ def test_choose_edge_samples_and_falls_back_to_the_next_best_online_edge() -> No
     assert picks.count("e1") > picks.count("e2")
     with pytest.raises(ValueError):
         choose_edge(probs, set(), np.random.default_rng(0))
+    # the drawn edge offline, the others tied: the first by name ("edge1" before "edge10")
+    tied = {"edge0": 1.0, "edge1": 0.0, "edge10": 0.0}
+    assert choose_edge(tied, {"edge10", "edge1"}, np.random.default_rng(0)) == "edge1"
     # the device's RNG: same (seed, device, round) -> same draw; never the global RNG
     state = np.random.get_state()
     a = choose_edge(probs, None, selection_rng(3, 5, 7))

@@ -31,6 +31,7 @@ from shared.pruning import (
     build_from_plan,
     channel_plan,
     dense_plan,
+    forward_order,
     plan_spec,
     prune_unet,
     validate_plan,
@@ -372,8 +373,22 @@ def test_penalty_is_per_channel_group(penalty: SparsityPenalty) -> None:
     torch.testing.assert_close(single(model), g.weight * by_hand)
 
 
+def test_layer_index_is_forward_order(tiny: UNet2DModel) -> None:
+    """diffusers registers mid_block after up_blocks; the layer index follows the data."""
+    registered = [n for n, m in tiny.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    order = forward_order(tiny)
+    assert sorted(order) == sorted(registered)
+    assert order[:3] == ["time_embedding.linear_1", "time_embedding.linear_2", "conv_in"]
+    assert order[-1] == "conv_out"
+    pos = {n: i for i, n in enumerate(order)}
+    assert pos["down_blocks.2.attentions.0.to_out.0"] < pos["mid_block.resnets.0.conv1"]
+    assert pos["mid_block.resnets.1.conv2"] < pos["up_blocks.0.resnets.0.conv1"]
+    # a block runs resnet 0, attention 0, resnet 1, ...; it registers all resnets first
+    assert pos["mid_block.attentions.0.to_q"] < pos["mid_block.resnets.1.conv1"]
+
+
 def test_penalty_weights_follow_layer_depth(penalty: SparsityPenalty, tiny: UNet2DModel) -> None:
-    layers = [n for n, m in tiny.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    layers = forward_order(tiny)
     l_mid = (len(layers) - 1) / 2
     assert all(g.root != "conv_out" for g in penalty.groups)
     for g in penalty.groups:
@@ -381,9 +396,12 @@ def test_penalty_weights_follow_layer_depth(penalty: SparsityPenalty, tiny: UNet
         q = sum(abs(i - l_mid) for i in g.layer_index) / len(g.layer_index)
         assert g.q == pytest.approx(q)
         assert g.weight == pytest.approx(penalty.lambda0 / max(q, Q_FLOOR))
-    # the middle of the U-Net is pushed harder than its ends
+    # the middle of the U-Net (its lowest resolution) is pushed harder than its ends
     by_root = {g.root: g.weight for g in penalty.groups}
     assert by_root["mid_block.resnets.0.conv1"] > by_root["down_blocks.0.resnets.0.conv1"]
+    assert by_root["mid_block.resnets.1.conv1"] > by_root["up_blocks.2.resnets.0.conv1"]
+    hardest = max(penalty.groups, key=lambda g: g.weight)
+    assert hardest.root.startswith(("mid_block.", "up_blocks.0."))
     json.dumps(penalty.describe())
 
 

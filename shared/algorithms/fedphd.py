@@ -126,7 +126,7 @@ def choose_edge(
     alive = [e for e in names if e in online]
     if not alive:
         raise ValueError("no edge is online")
-    return max(alive, key=lambda e: (probs[e], [-ord(ch) for ch in e]))
+    return min(alive, key=lambda e: (-probs[e], e))  # most probable, then first by name
 
 
 def selection_rng(seed: int, device_index: int, round_: int) -> np.random.Generator:
