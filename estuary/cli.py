@@ -80,6 +80,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from shared.checkpoint import latest_checkpoint_path, load_checkpoint
     from shared.config import with_overrides
     from shared.evaluation import Evaluator, model_from_state
+    from shared.training import resolve_device
 
     run_dir = Path(args.run_dir)
     path = latest_checkpoint_path(run_dir / "checkpoints") if run_dir.is_dir() else run_dir
@@ -91,7 +92,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cfg = with_overrides(
             cfg, {"eval": {"num_samples": args.num_samples}}, source="--num-samples"
         )
-    metrics = Evaluator(cfg).evaluate(model_from_state(cfg, ckpt.model, ckpt.plan))
+    # where this host samples, not the run's compute.device (a deployment setting of the
+    # host that trained: "cuda" there must not stop an evaluation on a CPU-only machine)
+    evaluator = Evaluator(cfg, resolve_device(args.device))
+    metrics = evaluator.evaluate(model_from_state(cfg, ckpt.model, ckpt.plan))
     out = {
         "checkpoint": str(path),
         "round": ckpt.round,
@@ -192,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", help="run directory (or a checkpoint file)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--num-samples", type=int, help="override eval.num_samples")
+    e.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="where to sample (auto: a GPU when torch sees one; default auto)",
+    )  # fmt: skip
     e.set_defaults(func=_cmd_eval)
 
     m = sub.add_parser("model-info", help="params, MACs and fp32 bytes of a preset")

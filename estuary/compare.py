@@ -322,7 +322,7 @@ def run_centralized(
         int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
     )
     every = cfg.eval.every
-    evaluator = Evaluator(cfg) if evaluate and every else None
+    evaluator = Evaluator(cfg, device) if evaluate and every else None
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
     average = WeightAverage(model, ema) if ema > 0 else None
     rows: list[dict[str, Any]] = []

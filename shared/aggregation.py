@@ -45,7 +45,7 @@ def weighted_average(
         if not ref.is_floating_point():
             out[k] = ref.clone()  # integer buffers (e.g. counters) are not averaged
             continue
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
         for wi, s in zip(w, states, strict=True):
             acc.add_(s[k].to(torch.float64), alpha=wi)
         out[k] = acc.to(ref.dtype)

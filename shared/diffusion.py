@@ -82,23 +82,33 @@ def ddim_sample(
     """Draw ``shape[0]`` images in [-1, 1] with DDIM (eta from ``cfg``), in batches.
 
     A class-conditional model samples ``class_labels`` (default: 0, 1, ..., 9, 0, 1, ...).
+    The model runs where its parameters are; the noise (the start ``noise`` unless given,
+    and eta's per-step noise) is drawn on ``generator``'s device and moved there, so a CPU
+    generator gives the same draws on any device. The images are returned on the CPU.
     """
     scheduler = make_sample_scheduler(cfg)
     scheduler.set_timesteps(steps or cfg.sample_steps)
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
     was_training = model.training
     model.eval()
     if noise is None:
-        noise = torch.randn(shape, generator=generator)
+        noise = torch.randn(shape, generator=generator, device=generator.device)
+    noise = noise.to(device)
     classes = int(getattr(getattr(model, "config", None), "num_class_embeds", None) or 0)
     if classes and class_labels is None:
         class_labels = torch.arange(shape[0]) % classes
+    if class_labels is not None:
+        class_labels = class_labels.to(device)
     out = []
-    for start in range(0, shape[0], batch_size):
-        x = noise[start : start + batch_size].clone()
-        labels = None if class_labels is None else class_labels[start : start + batch_size]
-        for t in scheduler.timesteps:
-            eps = (model(x, t) if labels is None else model(x, t, class_labels=labels)).sample
-            x = scheduler.step(eps, t, x, eta=cfg.eta, generator=generator).prev_sample
-        out.append(x.clamp(-1, 1))
-    model.train(was_training)
-    return torch.cat(out)
+    try:
+        for start in range(0, shape[0], batch_size):
+            x = noise[start : start + batch_size].clone()
+            labels = None if class_labels is None else class_labels[start : start + batch_size]
+            for t in scheduler.timesteps:
+                eps = (model(x, t) if labels is None else model(x, t, class_labels=labels)).sample
+                x = scheduler.step(eps, t, x, eta=cfg.eta, generator=generator).prev_sample
+            out.append(x.clamp(-1, 1))
+    finally:
+        model.train(was_training)
+    return torch.cat(out).cpu()

@@ -1,11 +1,17 @@
 """Sampling and scoring a global model: sample grids and quality metrics against real images.
 
 Used by ``estuary simulate`` during a run and by ``estuary eval`` on a finished one. Sample
-noise comes from generators seeded by the run seed, so the same model gives the same images.
+noise comes from CPU generators seeded by the run seed, so the same model gives the same
+images on any device (up to the device's float differences). Sampling runs on the device a
+caller passes (``compute.device`` for the CLI, the cloud and ``estuary compare``; the CPU by
+default); the sampled model is back where it was afterwards, and features are extracted on
+the CPU (a small CNN: cheap, and the metrics stay comparable with the reference numbers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +38,50 @@ def model_from_state(
     return model.eval()
 
 
+@contextmanager
+def placed(model: torch.nn.Module, device: torch.device | None) -> Iterator[torch.nn.Module]:
+    """``model`` moved to ``device`` for the ``with`` block and back to where its parameters
+    were afterwards, also on an error (the same module, not a copy); None: left where it is."""
+    first = next(model.parameters(), None)
+    home = first.device if first is not None else None
+    if device is None or home is None or home == device:
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to(home)
+
+
 def sample_images(
-    cfg: RunConfig, model: torch.nn.Module, n: int, *, steps: int, salt: int = 0
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    n: int,
+    *,
+    steps: int,
+    salt: int = 0,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """``n`` DDIM samples in [-1, 1] from noise seeded by (run seed, salt)."""
+    """``n`` DDIM samples in [-1, 1] (on the CPU) from noise seeded by (run seed, salt),
+    drawn on the CPU; the model samples on ``device`` (default: where it is) and is back
+    where it was on return."""
     gen = torch.Generator().manual_seed(
         int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
     )
     shape = (n, *image_shape(cfg.model.preset))
-    return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
+    with placed(model, device):
+        return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
 
 
-def write_grid(cfg: RunConfig, model: torch.nn.Module, path: Path) -> Path:
-    """Sample ``eval.grid_size`` images (fixed noise) and save them as a PNG grid."""
-    images = sample_images(cfg, model, cfg.eval.grid_size, steps=cfg.eval.sample_steps, salt=1)
+def write_grid(
+    cfg: RunConfig, model: torch.nn.Module, path: Path, *, device: torch.device | None = None
+) -> Path:
+    """Sample ``eval.grid_size`` images (fixed noise) on ``device`` (see
+    :func:`sample_images`) and save them as a PNG grid."""
+    images = sample_images(
+        cfg, model, cfg.eval.grid_size, steps=cfg.eval.sample_steps, salt=1, device=device
+    )
     return save_grid(from_model_output(images), path)
 
 
@@ -69,20 +105,25 @@ class Evaluator:
     The protocol (``eval.num_samples`` generated vs ``eval.num_reference`` real, extractor
     ``fmnist-cnn-v1``) is the one the README's reference numbers use; FID is biased by
     sample size, so only compare numbers measured with the same counts.
+
+    Models sample on ``device`` (default: the CPU; callers pass ``compute.device``) and are
+    back where they were after :meth:`evaluate`; features are extracted on the CPU.
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, device: torch.device | None = None) -> None:
         from shared import quality
 
         self.cfg = cfg
+        self.device = device if device is not None else torch.device("cpu")
         self._quality = quality
         self.reference = quality.reference_stats(reference_images(cfg))
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Quality metrics of ``eval.num_samples`` samples from ``model``."""
+        """Quality metrics of ``eval.num_samples`` samples from ``model`` (on :attr:`device`)."""
         fake = sample_images(
-            self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps, salt=2
-        )
+            self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps,
+            salt=2, device=self.device,
+        )  # fmt: skip
         out = dict(self._quality.evaluate(fake, self.reference))
         out["sample_steps"] = self.cfg.eval.sample_steps
         return out

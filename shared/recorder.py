@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -22,6 +23,7 @@ from shared.evaluation import Evaluator, write_grid
 from shared.partition import format_label_counts
 from shared.report import read_metrics
 from shared.telemetry import Traffic, diff_counts
+from shared.training import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,13 @@ class RunRecorder:
         #: the devices' own models where they differ from the global one (device-local
         #: parts, in-process runs only): evaluated at the client level instead
         self.client_models_fn: Callable[[int], dict[str, nn.Module]] | None = None
-        self.evaluator: Evaluator | None = Evaluator(cfg) if evaluate and cfg.eval.every else None
+        #: where grids and evaluations sample: ``compute.device`` of this process (resolved
+        #: only when the run samples at all, so a setting it does not use cannot fail it)
+        samples = bool(cfg.eval.sample_every or (evaluate and cfg.eval.every))
+        self.device = resolve_device(cfg.compute.device) if samples else torch.device("cpu")
+        self.evaluator: Evaluator | None = (
+            Evaluator(cfg, self.device) if evaluate and cfg.eval.every else None
+        )
         self.bar: tqdm[Any] | None = None
         self.metrics_path = run_dir / "metrics.jsonl"
         if resume_after is not None and self.metrics_path.is_file():
@@ -123,8 +131,9 @@ class RunRecorder:
         model.eval()
         if want_grid:
             path = write_grid(
-                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png"
-            )
+                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png",
+                device=self.device,
+            )  # fmt: skip
             row["grid"] = str(path.relative_to(self.run_dir))
             if clients:
                 row["grid_client"] = next(iter(clients))

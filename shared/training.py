@@ -73,13 +73,18 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Fold ``model``'s current weights in (buffers are copied as they are)."""
+        """Fold ``model``'s current weights in (buffers are copied as they are); one
+        multi-tensor ``lerp_`` over all parameters (per tensor on the CPU: the same numbers
+        as a loop of ``lerp_``)."""
         decay = min(self.decay, (1 + self.steps) / (10 + self.steps))
-        params = list(model.parameters())
+        params: list[torch.Tensor] = list(model.parameters())
         if params and next(self.model.parameters()).device != params[0].device:
             self.model.to(params[0].device)
-        for a, p in zip(self.model.parameters(), params, strict=True):
-            a.lerp_(p, 1 - decay)
+        averages: list[torch.Tensor] = list(self.model.parameters())
+        if len(averages) != len(params):
+            raise ValueError(f"average of {len(averages)} parameters, model of {len(params)}")
+        if params:
+            torch._foreach_lerp_(averages, params, 1 - decay)
         for buf, src in zip(self.model.buffers(), model.buffers(), strict=True):
             buf.copy_(src)
         self.steps += 1
@@ -119,7 +124,9 @@ def train_local(
 ) -> TrainResult:
     """Minimize the DDPM loss (or ``loss_fn``), plus ``extra_loss``, on ``data`` for the
     configured steps; ``grad_hook`` may edit gradients before each optimizer step, and
-    ``after_step`` sees the model after each one (a weight average, say).
+    ``after_step`` sees the model after each one (a weight average, say). The mean loss
+    reported is that of ``loss_fn`` (the DDPM loss by default) without ``extra_loss``: a
+    regularizer (FedPhD's group penalty, FedProx's proximal term) is not a measure of fit.
 
     Each call makes a fresh optimizer (a device's restarts every round) unless one is given
     (built on ``model``'s trainable parameters, kept by a caller that trains in pieces).
@@ -161,6 +168,7 @@ def train_local(
                 loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
             else:
                 loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+            total += loss.detach()  # the training loss itself, comparable across algorithms
             if extra_loss is not None:
                 loss = loss + extra_loss(model)
             opt.zero_grad(set_to_none=True)
@@ -172,7 +180,6 @@ def train_local(
             opt.step()
             if after_step is not None:
                 after_step(model)
-            total += loss.detach()
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     finally:
         if on is not None:

@@ -3,6 +3,7 @@ tensors, the device-side state across rounds, and two rounds end to end over Mem
 
 from __future__ import annotations
 
+import inspect
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -12,10 +13,11 @@ import torch
 from torch import nn
 
 from estuary.simulate import build_federation
-from shared.algorithms import DeviceContext, Update, make_algorithm
+from shared.algorithms import Algorithm, DeviceContext, Update, base, make_algorithm
 from shared.algorithms import fedprox as fp
 from shared.algorithms import moon as mn
 from shared.algorithms import scaffold as sc
+from shared.algorithms.base import model_state
 from shared.bus import MemoryBus
 from shared.codec import TensorSpec, encode_tensors
 from shared.config import RunConfig
@@ -23,6 +25,7 @@ from shared.data import load_dataset
 from shared.diffusion import ddpm_loss, make_train_scheduler
 from shared.models import build_unet, state_spec
 from shared.partition import make_partition
+from shared.training import TrainResult
 from tests.conftest import tiny_config
 
 T = torch.tensor
@@ -438,3 +441,121 @@ def test_two_rounds_end_to_end(name: str) -> None:
         name_ = k[len(sc.C_PREFIX) :]
         mean_ci = sum(d.algo_state[sc.C_LOCAL][name_] for d in fed.devices) / 4
         assert torch.allclose(final[k], mean_ci, atol=1e-5)
+
+
+# -- where the local terms live: the training device (compute.device) -------------------------
+def _hooked_period(
+    name: str, device: str, *, term: bool = True
+) -> tuple[Algorithm, nn.Module, DeviceContext]:
+    """An algorithm on ``compute.device = device`` and an fmnist-tiny device that loaded a
+    state with its local term at work (FedProx: the model away from the anchor; SCAFFOLD:
+    c and c_i non-zero; MOON: a previous model), or switched off without ``term`` (mu = 0,
+    c = c_i = 0, the model on the anchor); the same data either way. Plain SGD, so a step
+    is ``lr`` times the (corrected) gradient."""
+    cfg = tiny_config(
+        algorithm={"name": name, "prox_mu": float(term), "moon_mu": float(term)},
+        train={"optimizer": "sgd", "momentum": 0.0, "lr": 0.01, "local_steps": 2,
+               "batch_size": 4, "grad_clip": 0.0},
+        compute={"device": device},
+    )  # fmt: skip
+    algo = make_algorithm(cfg)
+    model = build_unet("fmnist-tiny", seed=0)
+    gen = torch.Generator().manual_seed(1)
+    ctx = ctx_for(torch.rand(8, 1, 32, 32, generator=gen) * 2 - 1, seed=3)
+    scale = 0.05 if term else 0.0
+
+    def nudged(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v + scale * torch.randn(v.shape, generator=gen) if v.is_floating_point()
+                else v.clone() for k, v in tensors.items()}  # fmt: skip
+
+    state = algo.init_global(model_state(model))
+    if name == "scaffold":
+        weights, c = sc.split_state(state)
+        state = {**weights, **{sc.C_PREFIX + k: v for k, v in nudged(c).items()}}
+        ctx.state[sc.C_LOCAL] = nudged(c)  # c starts at zero: an independent c_i
+    algo.device_load(ctx, model, state)
+    if name == "fedprox":
+        model.load_state_dict(nudged(model_state(model)))
+    if name == "moon":
+        ctx.state[mn.PREVIOUS] = nudged(model_state(model))
+    return algo, model, ctx
+
+
+def _tensors_held(hook: object) -> list[torch.Tensor]:
+    """The tensors a hook's closure holds (in dicts of tensors or in modules)."""
+    out: list[torch.Tensor] = []
+    for value in inspect.getclosurevars(hook).nonlocals.values():  # type: ignore[arg-type]
+        if isinstance(value, dict):
+            out += [v for v in value.values() if isinstance(v, torch.Tensor)]
+        elif isinstance(value, nn.Module):
+            out += [*value.parameters(), *value.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("name", ["fedprox", "scaffold", "moon"])
+def test_local_terms_hold_their_tensors_on_the_training_device(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedProx's anchor, SCAFFOLD's correction and MOON's frozen models are handed to the
+    training loop on ``training_device`` ("meta" stands in for a GPU: the training loop is
+    replaced, the hooks are only inspected), while what the device keeps across rounds
+    stays on the CPU."""
+    monkeypatch.setattr(base, "resolve_device", lambda name: torch.device("meta"))
+    algo, model, ctx = _hooked_period(name, "auto")
+    assert algo.supports_cuda and algo.training_device == torch.device("meta")
+    hooks: dict[str, object] = {}
+
+    def train(ctx: DeviceContext, model: nn.Module, **kw: object) -> TrainResult:
+        hooks.update({k: v for k, v in kw.items() if v is not None})
+        return TrainResult(0.0, 1, 0.0)
+
+    monkeypatch.setattr(algo, "train", train)
+    assert algo.device_round(ctx, model, 0, upload=False).tensors is None
+    (hook,) = hooks.values()
+    held = _tensors_held(hook)
+    assert held and {t.device.type for t in held} == {"meta"}
+    kept = _kept(ctx)
+    assert kept and {t.device.type for t in kept} == {"cpu"}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def _kept(ctx: DeviceContext) -> list[torch.Tensor]:
+    """The tensors a device keeps across rounds (its algorithm state's tensor dicts)."""
+    return [t for v in ctx.state.values() if isinstance(v, dict) for t in v.values()]
+
+
+def _flat(tensors: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The uploaded model minus ``start`` (and SCAFFOLD's delta c_i), as one vector."""
+    parts = [(tensors[k] - start[k]).flatten() for k in start if start[k].is_floating_point()]
+    parts += [v.flatten() for k, v in sorted(tensors.items()) if k.startswith(sc.DC_PREFIX)]
+    return torch.cat(parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fedprox", "scaffold", "moon"])
+def test_local_terms_train_on_cuda_and_track_the_cpu_run(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two device rounds (the second uploads) on the GPU follow the same rounds on the CPU
+    (same CPU-drawn batches and noise; TF32 off, so only kernel order differs), by much
+    less than the local term moves them; every tensor handed back, and every tensor the
+    device keeps, is on the CPU."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    steps, losses = {}, {}
+    for device, term in (("cuda", True), ("cpu", True), ("cpu", False)):
+        algo, model, ctx = _hooked_period(name, device, term=term)
+        assert algo.training_device.type == device
+        start = model_state(model)
+        first = algo.device_round(ctx, model, 0, upload=False)
+        second = algo.device_round(ctx, model, 1, upload=True)
+        assert first.tensors is None and second.tensors is not None
+        assert {t.device.type for t in second.tensors.values()} == {"cpu"}
+        assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+        assert {t.device.type for t in _kept(ctx)} <= {"cpu"}  # FedProx: none after upload
+        steps[device, term] = _flat(second.tensors, start)
+        losses[device, term] = (first.train.mean_loss, second.train.mean_loss)
+    on_gpu, on_cpu, without = steps["cuda", True], steps["cpu", True], steps["cpu", False]
+    assert (on_gpu - on_cpu).norm() <= 1e-3 * on_cpu.norm()
+    assert (without - on_cpu).norm() >= 0.05 * on_cpu.norm()  # the term shapes the rounds
+    assert losses["cuda", True] == pytest.approx(losses["cpu", True], rel=1e-3)

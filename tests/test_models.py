@@ -78,8 +78,10 @@ def test_model_info_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["fp32_mib"] == round(out["fp32_bytes"] / 2**20, 2) and "fp32_mb" not in out
 
 
-def test_compute_device_resolution_and_cpu_fallback_of_hooked_algorithms() -> None:
-    from shared.algorithms import make_algorithm, registered
+def test_compute_device_resolution_and_every_algorithm_trains_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shared.algorithms import base, make_algorithm, registered
     from shared.config import config_from_dict
     from shared.training import resolve_device
 
@@ -88,10 +90,29 @@ def test_compute_device_resolution_and_cpu_fallback_of_hooked_algorithms() -> No
     assert (
         config_from_dict({"compute": {"device": "cuda"}}).digest() == config_from_dict({}).digest()
     )
-    # algorithms whose hooks hold tensors of their own keep training on the CPU
-    algos = {n: make_algorithm(config_from_dict({"algorithm": {"name": n}})) for n in registered()}
-    on_cpu = {name for name, algo in algos.items() if not algo.supports_cuda}
-    assert on_cpu == {"fedprox", "moon", "scaffold"}
+    configs = {n: config_from_dict({"algorithm": {"name": n}}) for n in registered()}
+    algos = {n: make_algorithm(cfg) for n, cfg in configs.items()}
+    assert {n for n, algo in algos.items() if not algo.supports_cuda} == set()
+    assert {n: a.training_device for n, a in algos.items()} == dict.fromkeys(
+        algos, resolve_device("auto")
+    )
+    # whatever compute.device resolves to reaches every algorithm, the hooked ones
+    # (FedProx, SCAFFOLD, MOON) included; resolved once per algorithm ("meta" stands in
+    # for a GPU here)
+    calls: list[str] = []
+
+    def stand_in(name: str) -> torch.device:
+        calls.append(name)
+        return torch.device("meta")
+
+    monkeypatch.setattr(base, "resolve_device", stand_in)
+    fresh = {n: make_algorithm(cfg) for n, cfg in configs.items()}
+    assert {n: a.training_device.type for n, a in fresh.items()} == dict.fromkeys(fresh, "meta")
+    assert {n: a.training_device.type for n, a in fresh.items()} == dict.fromkeys(fresh, "meta")
+    assert calls == ["auto"] * len(fresh)
+    # an algorithm that declares it cannot still falls back to the CPU
+    cpu_only = type("CpuOnly", (type(fresh["fedavg"]),), {"supports_cuda": False})
+    assert cpu_only(configs["fedavg"]).training_device == torch.device("cpu")
     if torch.cuda.is_available():
         assert resolve_device("auto").type == "cuda"
     else:
@@ -120,6 +141,36 @@ def test_training_on_cuda_hands_back_cpu_tensors_and_tracks_the_cpu_run() -> Non
     init = build_unet("fmnist-tiny", seed=0).state_dict()
     moved = [not torch.equal(init[k], v) for k, v in on_gpu.state_dict().items()]
     assert sum(moved) > len(moved) // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eta", [0.0, 1.0])
+def test_conditional_ddim_sampling_on_cuda_follows_the_cpu(
+    eta: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class-conditional model on the GPU samples from the same CPU-drawn start noise
+    (and, with eta > 0, step noise) and the same labels as on the CPU, given or default;
+    the images come back on the CPU, and the model stays where it is."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cfg = DiffusionSection(eta=eta)
+    on_cpu = build_unet("fmnist-tiny-cond", seed=1)
+    on_gpu = build_unet("fmnist-tiny-cond", seed=1).to("cuda")
+
+    def sample(model: torch.nn.Module, labels: torch.Tensor | None) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(2)
+        return ddim_sample(
+            model, (12, 1, 32, 32), cfg, gen, steps=3, batch_size=5, class_labels=labels
+        )
+
+    by_label = {}
+    for labels in (None, torch.full((12,), 3)):
+        want, got = sample(on_cpu, labels), sample(on_gpu, labels)
+        assert got.device.type == "cpu" and got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-2), (got - want).abs().max()
+        by_label[labels is None] = got
+    assert not torch.allclose(by_label[True], by_label[False], atol=1e-2)  # labels matter
+    assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
 
 
 def test_weight_average_warms_up_and_follows_the_weights() -> None:

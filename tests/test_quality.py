@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
 from shared import quality
+from shared.config import RunConfig
 from shared.errors import CodecError, DataError
+from shared.evaluation import Evaluator, sample_images, write_grid
+from shared.models import build_unet
 from shared.quality import (
     ReferenceStats,
     density_coverage,
@@ -22,6 +27,7 @@ from shared.quality import (
     load_feature_extractor,
     precision_recall,
 )
+from tests.conftest import tiny_config
 
 # ------------------------------------------------------------------------------------ FID
 
@@ -194,3 +200,121 @@ def test_extract_rejects_bad_shapes() -> None:
         extract(torch.zeros(4, 28, 28))
     with pytest.raises(DataError):
         extract(torch.zeros(4, 1, 32, 32, dtype=torch.uint8))
+
+
+# ----------------------------------------------------------- evaluation (shared.evaluation)
+
+
+class _FakeEvaluator:
+    """Records the device each evaluator is built for; every model scores FID 1."""
+
+    devices: ClassVar[list[torch.device | None]] = []
+
+    def __init__(self, cfg: RunConfig, device: torch.device | None = None) -> None:
+        self.devices.append(device)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return {"fid": 1.0}
+
+
+def test_evaluation_callers_sample_on_the_compute_device(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run recorder (cloud and simulate: grids and evaluations) and ``estuary eval``
+    sample on ``resolve_device(compute.device)`` ("meta" stands in for a GPU)."""
+    from cloud.service import RoundSummary
+    from estuary.cli import main
+    from shared import evaluation, recorder, training
+    from shared.checkpoint import save_checkpoint
+    from shared.telemetry import Traffic
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(_FakeEvaluator, "devices", [])
+    monkeypatch.setattr(recorder, "resolve_device", lambda name: meta)
+    monkeypatch.setattr(recorder, "Evaluator", _FakeEvaluator)
+    grids: list[torch.device | None] = []
+
+    def write_grid(
+        cfg: RunConfig, model: torch.nn.Module, path: Path, *, device: torch.device | None = None
+    ) -> Path:
+        grids.append(device)
+        return path
+
+    monkeypatch.setattr(recorder, "write_grid", write_grid)
+    cfg = tiny_config(run={"rounds": 1}, eval={"every": 1, "sample_every": 1})
+    rec = recorder.RunRecorder(cfg, tmp_path / "run", Traffic(), evaluate=True)
+    rec.model_fn = lambda: torch.nn.Linear(1, 1)
+    rec.on_round_end(RoundSummary(0, 1, 1, 0.5, True, "0" * 64, 1.0, 0.1, 0.5, 0))
+    assert rec.rows[-1]["quality"] == {"fid": 1.0}
+    assert _FakeEvaluator.devices == [meta] and grids == [meta]
+    # a run that samples nothing does not look at compute.device (cannot fail on it)
+    quiet = tiny_config(eval={"every": 1, "sample_every": 0})
+    assert (
+        recorder.RunRecorder(quiet, tmp_path / "q", Traffic(), evaluate=False).device.type == "cpu"
+    )
+
+    monkeypatch.setattr(training, "resolve_device", lambda name: meta)
+    monkeypatch.setattr(evaluation, "Evaluator", _FakeEvaluator)
+    model = build_unet(cfg.model.preset, seed=0).state_dict()
+    save_checkpoint(tmp_path / "done" / "checkpoints", 0, model, cfg)
+    assert main(["eval", str(tmp_path / "done"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fid"] == 1.0
+    assert _FakeEvaluator.devices == [meta, meta]
+
+
+def test_evaluator_samples_on_the_cpu_by_default() -> None:
+    """Without a device the evaluator samples on the CPU; the same images as the model's
+    own sampler from the same seeded CPU noise."""
+    cfg = tiny_config(eval={"num_samples": 12, "num_reference": 16, "sample_steps": 2})
+    assert Evaluator(cfg).device == torch.device("cpu")
+    model = build_unet(cfg.model.preset, seed=1)
+    images = sample_images(cfg, model, 4, steps=2, salt=3)
+    assert images.device.type == "cpu"
+    again = sample_images(cfg, model, 4, steps=2, salt=3, device=torch.device("cpu"))
+    assert torch.equal(images, again)
+
+
+@pytest.mark.gpu
+def test_evaluator_samples_on_cuda_and_hands_the_model_back_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Samples drawn on the GPU from the same CPU noise score as the CPU's (TF32 off); the
+    evaluated model, which callers save next, is on the CPU again afterwards."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cuda = torch.device("cuda")
+    cfg = tiny_config(eval={"num_samples": 16, "num_reference": 32, "sample_steps": 2})
+    model = build_unet(cfg.model.preset, seed=1).eval()
+    on_cpu, on_gpu = Evaluator(cfg).evaluate(model), Evaluator(cfg, cuda).evaluate(model)
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+    for key in ("fid", "is_mean"):
+        assert on_gpu[key] == pytest.approx(on_cpu[key], rel=1e-3), key
+    want = sample_images(cfg, model, 4, steps=2, salt=1)
+    got = sample_images(cfg, model, 4, steps=2, salt=1, device=cuda)
+    assert got.device.type == "cpu" and torch.allclose(got, want, atol=1e-2)
+    assert write_grid(cfg, model, tmp_path / "grid.png", device=cuda).is_file()
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+
+
+def test_eval_samples_where_this_host_can(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run trained with compute.device = "cuda" is evaluated on a CPU-only host: ``estuary
+    eval`` samples on ``--device`` (default auto), not on the run's compute.device."""
+    from estuary.cli import main
+    from shared import evaluation
+    from shared.checkpoint import save_checkpoint
+
+    monkeypatch.setattr(_FakeEvaluator, "devices", [])
+    monkeypatch.setattr(evaluation, "Evaluator", _FakeEvaluator)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = tiny_config(compute={"device": "cuda"})
+    save_checkpoint(
+        tmp_path / "gpu" / "checkpoints", 0, build_unet(cfg.model.preset).state_dict(), cfg
+    )
+    assert main(["eval", str(tmp_path / "gpu"), "--json"]) == 0
+    assert main(["eval", str(tmp_path / "gpu"), "--json", "--device", "cpu"]) == 0
+    assert _FakeEvaluator.devices == [torch.device("cpu")] * 2
+    assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "}")["fid"] == 1.0
+    assert main(["eval", str(tmp_path / "gpu"), "--device", "cuda"]) == 2  # said, not a traceback
+    assert "torch sees no CUDA device" in capsys.readouterr().err

@@ -84,8 +84,10 @@ class Algorithm(ABC):
     name: ClassVar[str]
     #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
     partial_uploads: ClassVar[bool] = False
-    #: local training may run on a GPU (``compute.device``); algorithms whose hooks hold
-    #: tensors of their own (control variates, anchors, twin models) train on the CPU
+    #: local training may run on a GPU (``compute.device``). Every registered algorithm
+    #: does: one whose hooks hold tensors of their own (control variates, anchors, twin
+    #: models) moves them to :attr:`training_device` before it trains. A subclass that
+    #: cannot sets False and trains on the CPU (with a warning) whatever the setting.
     supports_cuda: ClassVar[bool] = True
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -96,14 +98,21 @@ class Algorithm(ABC):
     # -- shapes of what travels -------------------------------------------------------------
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
         """:func:`~shared.training.train_local` on the device's images and labels with this
-        algorithm's schedule and generator, on ``compute.device``; ``hooks``: ``extra_loss``,
-        ``loss_fn``, ``grad_hook``."""
-        if self._device is None:
-            self._device = self._training_device()
+        algorithm's schedule and generator, on :attr:`training_device`; ``hooks``:
+        ``extra_loss``, ``loss_fn``, ``grad_hook``. Tensors the hooks hold must already be on
+        that device; the model is on the CPU again on return."""
         return train_local(
             model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels,
-            device=self._device, **hooks,
+            device=self.training_device, **hooks,
         )  # fmt: skip
+
+    @property
+    def training_device(self) -> torch.device:
+        """The device :meth:`train` runs local training on: ``compute.device`` resolved
+        once, at the first use (the CPU for an algorithm without :attr:`supports_cuda`)."""
+        if self._device is None:
+            self._device = self._training_device()
+        return self._device
 
     def _training_device(self) -> torch.device:
         """``compute.device`` for this algorithm (said once in the log)."""

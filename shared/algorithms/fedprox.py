@@ -8,6 +8,9 @@ cloud is FedAvg. The anchor is taken when the device loads a received state
 aggregations (``r_e > 1``, the device continues its own model without a new download) the
 term still pulls towards the last model received, not towards the device's own previous
 round. Only trainable parameters are anchored (buffers are not optimized).
+
+The anchor is kept on the CPU; each device round copies it once to the training device
+(``compute.device``), so the term is computed where the parameters are.
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ def trainable_snapshot(model: nn.Module) -> TensorDict:
 
 def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
     """``mu/2 * sum_p ||p - anchor[p]||^2`` over the anchored parameters; its gradient with
-    respect to each parameter is ``mu * (p - anchor[p])``."""
-    total = torch.zeros(())
+    respect to each parameter is ``mu * (p - anchor[p])``. The sum lives on the parameters'
+    device (each ``anchor[p]`` must be on its parameter's)."""
+    total: torch.Tensor | None = None
     for name, p in model.named_parameters():
         ref = anchor.get(name)
         if ref is not None:
-            total = total + (p - ref).pow(2).sum()
+            term = (p - ref).pow(2).sum()
+            total = term if total is None else total + term
+    if total is None:  # nothing anchored: a zero on the parameters' device
+        first = next(model.parameters(), None)
+        total = torch.zeros((), device=first.device if first is not None else None)
     return 0.5 * mu * total
 
 
@@ -51,7 +59,6 @@ class FedProx(FedAvg):
     """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
 
     name = "fedprox"
-    supports_cuda = False  # its term holds CPU tensors of its own
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)
@@ -63,8 +70,11 @@ class FedProx(FedAvg):
         # a caller that put the edge model into ``model`` without device_load: anchor on it
         if ANCHOR not in ctx.state:
             ctx.state[ANCHOR] = trainable_snapshot(model)
-        anchor: TensorDict = ctx.state[ANCHOR]
         mu = self.cfg.algorithm.prox_mu
+        # the anchor where training runs: copied once per round (``to`` copies nothing on
+        # the CPU); the one in ``ctx.state`` stays on the CPU
+        device = self.training_device
+        anchor = {k: v.to(device) for k, v in ctx.state[ANCHOR].items()} if mu > 0 else {}
         result = self.train(
             ctx, model, extra_loss=(lambda m: proximal_term(m, anchor, mu)) if mu > 0 else None
         )

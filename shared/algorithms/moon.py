@@ -22,6 +22,9 @@ so with ``r_e > 1`` both stay fixed over the rounds in which the device continue
 model. Before the device's first upload there is no previous model and the contrastive
 term is skipped (MOON's reference code uses the global model instead, which makes the
 term the constant log 2 with zero gradient: the same training).
+
+Both states are kept on the CPU; the frozen copies built from them for a round live on the
+device that trains (``compute.device``) and are dropped when the round ends.
 """
 
 from __future__ import annotations
@@ -126,11 +129,16 @@ def moon_ddpm_loss(glob: nn.Module | None, prev: nn.Module | None, mu: float, ta
     return loss
 
 
-def frozen_copy(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
-    """A copy of ``model``'s architecture holding ``state``, in eval mode, without grads."""
+def frozen_copy(
+    model: nn.Module, state: Mapping[str, torch.Tensor], device: torch.device | None = None
+) -> nn.Module:
+    """A copy of ``model``'s architecture holding ``state``, in eval mode, without grads,
+    on ``device`` (default: where ``model`` is)."""
     twin = copy.deepcopy(model)
     twin.load_state_dict(state)
     twin.requires_grad_(False)
+    if device is not None:
+        twin.to(device)
     return twin.eval()
 
 
@@ -139,7 +147,6 @@ class Moon(FedAvg):
     """FedAvg aggregation; DDPM loss plus the model-contrastive loss on devices."""
 
     name = "moon"
-    supports_cuda = False  # its term holds CPU tensors of its own
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)
@@ -154,11 +161,14 @@ class Moon(FedAvg):
         prev_state: TensorDict | None = ctx.state.get(PREVIOUS)
         glob = prev = None
         if prev_state is not None and cfg.moon_mu > 0:  # else l_con is skipped: no copies
-            glob = frozen_copy(model, ctx.state[GLOBAL])
-            prev = frozen_copy(model, prev_state)
+            # built once per round where training runs (the CPU states stay in ctx.state)
+            device = self.training_device
+            glob = frozen_copy(model, ctx.state[GLOBAL], device)
+            prev = frozen_copy(model, prev_state, device)
         result = self.train(
             ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.moon_mu, cfg.moon_tau)
         )
+        glob = prev = None  # free the frozen copies (GPU memory) before the upload's copies
         if not upload:
             return LocalResult(None, result)
         tensors = model_state(model)

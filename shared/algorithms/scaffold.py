@@ -12,7 +12,9 @@ Device (``c_i`` lives in ``DeviceContext.state``, zeros until the first upload)
     correction precedes gradient clipping). After K local steps since the state was loaded
     (K summed over rounds when ``r_e > 1`` keeps the device training its own model),
     option II: ``c_i+ = c_i - c + (x - y_i) / (K * eta)``; upload ``y_i`` and
-    ``delta c_i = c_i+ - c_i``; keep ``c_i <- c_i+``.
+    ``delta c_i = c_i+ - c_i``; keep ``c_i <- c_i+``. The variates stay on the CPU; the
+    correction ``c - c_i`` of the trainable parameters is copied once per round to the
+    device that trains (``compute.device``).
 
 Edge e, serving devices S_e in an aggregation
     ``x_e = sum_i n_i y_i / sum_i n_i`` (sample-weighted, as FedAvg; the paper's plain mean
@@ -152,7 +154,6 @@ class Scaffold(Algorithm):
     two-tier rule for ``c``."""
 
     name = "scaffold"
-    supports_cuda = False  # its term holds CPU tensors of its own
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -192,8 +193,12 @@ class Scaffold(Algorithm):
             raise EstuaryError("SCAFFOLD: device_round before device_load (no control variate)")
         c: TensorDict = ctx.state[C_SERVER]
         c_i: TensorDict = ctx.state.get(C_LOCAL) or {k: torch.zeros_like(v) for k, v in c.items()}
-        hook = correction_hook({k: c[k] - c_i[k] for k in c})
-        result = self.train(ctx, model, grad_hook=hook)
+        # c - c_i where the gradients are: moved to the training device once per round (no
+        # copy on the CPU); c, c_i and the option II update stay on the CPU
+        device = self.training_device
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        correction = {k: (c[k] - c_i[k]).to(device) for k in c if k in trainable}
+        result = self.train(ctx, model, grad_hook=correction_hook(correction))
         ctx.state[STEPS] += result.steps
         if not upload:
             return LocalResult(None, result)
