@@ -718,7 +718,12 @@ class SparsityPenalty:
     tensor. A weight element that belongs to two groups (its output channel to one, its
     input channel to another) is penalized by both. ``λ_g = λ_0 / max(Q(θ_g), q_floor)``
     with ``Q`` the mean distance of the group's layers to the middle layer index, so the
-    middle of the U-Net, where redundancy is largest, is pushed hardest.
+    middle of the U-Net, where redundancy is largest, is pushed hardest. Layers are numbered
+    in forward order (:func:`forward_order`), so the middle is the lowest resolution.
+
+    λ_g acts through training only: it pulls a group's little-used channels towards zero,
+    and so shapes which units the L2 ranking of :func:`prune_unet` removes; how many units
+    each group loses is set by the local-ratio walk, whatever λ_g.
 
     Calling the penalty costs one square and a few reductions per parameter: the per-channel
     weights are precomputed into one coefficient vector per (parameter, dim).
