@@ -73,7 +73,9 @@ class DeviceAgent(RoleService):
         self.algo_state: dict[str, Any] = {}  # the algorithm's per-device state, kept here
         self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
         self.last_update: DeviceUpdate | None = None
-        self.kept_local: tuple[int, str] | None = None
+        #: (session, round, edge, edge model sha) of a round trained without upload: the
+        #: next round continues this model when it matches (the edge model is the same)
+        self.kept_local: tuple[str, int, str, str] | None = None
         self.selecting = cfg.federation.assignment != "static"
         self.offline_edges: set[str] = set()
         self.offline_devices: set[str] = set()
@@ -304,7 +306,8 @@ class DeviceAgent(RoleService):
         # is the state as it was before the round, to go back to if training diverges.
         before = dict(self.algo_state)
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
-        continuing = self.kept_local == (msg.round - 1, msg.model_ref.sha256)
+        # (the same edge, too: it counts the rounds behind an upload, see EdgeServer)
+        continuing = self.kept_local == (msg.session, msg.round - 1, msg.edge, msg.model_ref.sha256)
         if not continuing:
             shared = self.algorithm.shared_spec(self.spec)
             if (
@@ -331,7 +334,7 @@ class DeviceAgent(RoleService):
             self.reject("diverged", f"round {msg.round} at {msg.edge}: {reason}")
             return
         if not msg.upload:
-            self.kept_local = (msg.round, msg.model_ref.sha256)
+            self.kept_local = (msg.session, msg.round, msg.edge, msg.model_ref.sha256)
         ref = None
         if result.tensors is not None:
             ref = self.put_tensors(result.tensors, "device_update")

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from typing import NamedTuple
 
 from shared.algorithms import Algorithm, Update
 from shared.arch import Plan, check_plan, model_spec, plan_digest
@@ -43,6 +44,21 @@ from shared.service import RoleService, TensorDict
 log = logging.getLogger(__name__)
 
 MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
+
+#: a device's work not yet in the edge model: (samples, label counts) summed over rounds
+Pending = tuple[int, list[int]]
+
+
+class _Closed(NamedTuple):
+    """What closing a round computes; the edge takes it on only once all of it is known."""
+
+    model: TensorDict
+    model_ref: BlobRef | None
+    report: EdgeUpdate
+    acc_n: int
+    acc_counts: list[int]
+    acc_parts: dict[str, int] | None
+    pending: dict[str, Pending]
 
 
 class EdgeServer(RoleService):
@@ -89,9 +105,11 @@ class EdgeServer(RoleService):
         #: devices upload parts); None when not tracked, or unknown after a restart
         self.acc_parts = self._zero_parts()
         #: per device that trained here without uploading (rounds between edge aggregations,
-        #: r_e > 1) in the rounds up to the last one: the samples and label counts of those
-        #: rounds, counted once its upload is aggregated (its model holds that work then)
-        self.pending: dict[str, tuple[int, list[int]]] = {}
+        #: r_e > 1) in the rounds up to :attr:`pending_round`: the samples and label counts
+        #: of those rounds, added to the accumulated counts once its upload is aggregated
+        #: (its model holds that work then)
+        self.pending: dict[str, Pending] = {}
+        self.pending_round: int | None = None
 
     def _zero_parts(self) -> dict[str, int] | None:
         names = self.algorithm.part_names
@@ -403,33 +421,39 @@ class EdgeServer(RoleService):
             self.timer = None
         self.closed = True
         try:
-            model, model_ref, report, pending = self._close_report()
+            closed = self._close_report()
         except Exception as err:  # one bad round must not stop the edge
             log.exception("%s could not close round %s", self.name, self.round)
             self.reject("close_failed", f"round {self.round}: {type(err).__name__}: {err}")
+            self.pending = {}  # this round's work is not recorded: no chain continues
             return
         # everything is computed: only now does the edge's state change
-        self.model, self.model_ref = model, model_ref
-        self.acc_n, self.acc_counts = report.n_samples, list(report.label_counts)
-        self.acc_parts = None if report.part_samples is None else dict(report.part_samples)
-        self.pending = pending
-        self.send(self.topics.edge_up(self.name), report)
-        self.metrics.round.set(report.round)
+        self.model, self.model_ref = closed.model, closed.model_ref
+        self.acc_n, self.acc_counts, self.acc_parts = (
+            closed.acc_n,
+            closed.acc_counts,
+            closed.acc_parts,
+        )
+        self.pending, self.pending_round = closed.pending, self.round
+        self.send(self.topics.edge_up(self.name), closed.report)
+        self.metrics.round.set(closed.report.round)
         self._publish_state()
 
-    def _close_report(
-        self,
-    ) -> tuple[TensorDict, BlobRef | None, EdgeUpdate, dict[str, tuple[int, list[int]]]]:
-        """The round's edge model, its blob ref, the EdgeUpdate to send and the devices'
-        pending work (:attr:`pending`) after it; changes no state of the edge (raises when
-        the round cannot be closed).
+    def _close_report(self) -> _Closed:
+        """The round's edge model, its blob ref, the EdgeUpdate to send, the accumulated
+        counts and the devices' pending work after it; changes no state of the edge (raises
+        when the round cannot be closed).
 
-        The accumulated counts (eqs. 19, 22, 25) grow by the work aggregated into the edge
-        model: in an aggregation round, each aggregated device's samples for this round and
-        for the rounds it trained here just before without uploading; a round without
-        uploads only extends those devices' pending work. Work that never reaches the edge
-        model (a device not asked again, or whose upload is discarded) is never counted, so
-        an edge that aggregated nothing since the cloud's last aggregation sends no model."""
+        The accumulated counts (the cloud's n_e and q_e of eq. 22) grow by the work
+        aggregated into the edge model: in an aggregation round, each aggregated device's
+        samples for this round and for the rounds just before in which it trained here
+        without uploading (a device continues its own model only from the round before, at
+        the same edge); a round without uploads only extends those devices' pending work.
+        Work that never reaches the edge model (a device not asked again, or whose upload is
+        discarded) is never counted, so an edge that aggregated nothing since the cloud's
+        last aggregation sends no model. The report's counts add the pending work to the
+        accumulated counts: the load edge selection (eq. 25) sees; at a cloud round, which
+        is an aggregation round (r_e divides r_g), nothing is pending."""
         if self.round is None or self.model is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
@@ -451,9 +475,11 @@ class EdgeServer(RoleService):
                 f"round {self.round}: {discarded} update(s) < min_updates "
                 f"{self.cfg.federation.min_updates}; discarded",
             )
-        work: dict[str, tuple[int, list[int]]] = {}  # each contributor's, pending included
+        # pending work left by the round just before (a chain of rounds without upload)
+        before = self.pending if self.pending_round == self.round - 1 else {}
+        work: dict[str, Pending] = {}  # each contributor's, pending included
         for device, msg in contributors.items():
-            n, counts = self.pending.get(device, (0, [0] * NUM_CLASSES))
+            n, counts = before.get(device, (0, [0] * NUM_CLASSES))
             work[device] = (
                 n + msg.n_samples,
                 [a + b for a, b in zip(counts, msg.label_counts, strict=True)],
@@ -478,13 +504,17 @@ class EdgeServer(RoleService):
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
             )
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
+        served_n, served_counts = acc_n, acc_counts
+        for n, counts in pending.values():
+            served_n += n
+            served_counts = [a + b for a, b in zip(served_counts, counts, strict=True)]
         report = EdgeUpdate(
             round=self.round,
             session=self.session,
             edge=self.name,
             model_ref=ref,
-            n_samples=acc_n,
-            label_counts=acc_counts,
+            n_samples=served_n,
+            label_counts=served_counts,
             devices=sorted(contributors),
             mean_loss=sum(lo for lo, _ in losses) / len(losses) if losses else None,
             train_seconds=sum(m.train_seconds for m in contributors.values()),
@@ -494,7 +524,7 @@ class EdgeServer(RoleService):
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
-        return model, model_ref, report, pending
+        return _Closed(model, model_ref, report, acc_n, acc_counts, acc_parts, pending)
 
     def _publish_state(self) -> None:
         state = EdgeState(

@@ -90,7 +90,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = ckpt.config
     if args.num_samples is not None:
         cfg = with_overrides(
-            cfg, {"eval": {"num_samples": args.num_samples}}, source="--num-samples"
+            cfg, {"eval": {"num_samples": args.num_samples}}, source="--num-samples", stored=True
         )
     # where this host samples, not the run's compute.device (a deployment setting of the
     # host that trained: "cuda" there must not stop an evaluation on a CPU-only machine)

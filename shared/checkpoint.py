@@ -126,7 +126,7 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
     if digest != meta.get("model_sha256"):
         raise CodecError(f"{path}: model hash differs from the recorded one ({digest[:12]}…)")
     try:
-        cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata")
+        cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata", stored=True)
         round_ = int(meta["round"])
     except (KeyError, ValueError) as err:
         raise CodecError(f"{path}: round or config missing from the metadata ({err})") from None

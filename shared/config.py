@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -319,7 +320,7 @@ class RunConfig(_Section):
     compute: ComputeSection = ComputeSection()
 
     @model_validator(mode="after")
-    def _check(self) -> RunConfig:
+    def _check(self, info: ValidationInfo) -> RunConfig:
         if (
             self.algorithm.name == "feddiffuse"
             and self.algorithm.split == "usplit"
@@ -338,6 +339,24 @@ class RunConfig(_Section):
                 f"run.rounds ({self.run.rounds}): the cloud would never aggregate and the run "
                 "would end with the initial model"
             )
+        if not (info.context or {}).get("stored"):
+            self._check_waste()
+        steps = self.diffusion.num_train_timesteps
+        for section, value in (
+            ("eval", self.eval.sample_steps),
+            ("deploy", self.deploy.sample_steps),
+        ):
+            if value > steps:
+                raise ValueError(
+                    f"{section}.sample_steps ({value}) exceeds diffusion.num_train_timesteps "
+                    f"({steps})"
+                )
+        return self
+
+    def _check_waste(self) -> None:
+        """Settings that would train work the run throws away. Checked when a run is
+        configured, not when a stored config is read back (a checkpoint or record of a run
+        made before a rule existed stays readable)."""
         rounds, r_g = self.run.rounds, self.federation.cloud_every
         if rounds % r_g:
             raise ValueError(
@@ -367,17 +386,6 @@ class RunConfig(_Section):
                     f"algorithm.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
                     "the pruned model would never be trained (or never pruned)"
                 )
-        steps = self.diffusion.num_train_timesteps
-        for section, value in (
-            ("eval", self.eval.sample_steps),
-            ("deploy", self.deploy.sample_steps),
-        ):
-            if value > steps:
-                raise ValueError(
-                    f"{section}.sample_steps ({value}) exceeds diffusion.num_train_timesteps "
-                    f"({steps})"
-                )
-        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""
@@ -433,25 +441,36 @@ def apply_env_overrides(data: Mapping[str, Any], env: Mapping[str, str]) -> dict
 
 
 def config_from_dict(
-    data: Mapping[str, Any], *, env: Mapping[str, str] | None = None, source: str = "dict"
+    data: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    source: str = "dict",
+    stored: bool = False,
 ) -> RunConfig:
-    """Validate a mapping (plus optional env overrides) into a :class:`RunConfig`."""
+    """Validate a mapping (plus optional env overrides) into a :class:`RunConfig`;
+    ``stored``: the config of a run already made (a checkpoint's), read back without the
+    rules against wasted work (:meth:`RunConfig._check_waste`)."""
     merged = apply_env_overrides(data, env or {})
     try:
-        return RunConfig.model_validate(merged)
+        return RunConfig.model_validate(merged, context={"stored": stored})
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
 def with_overrides(
-    cfg: RunConfig, updates: Mapping[str, Mapping[str, Any]], *, source: str = "overrides"
+    cfg: RunConfig,
+    updates: Mapping[str, Mapping[str, Any]],
+    *,
+    source: str = "overrides",
+    stored: bool = False,
 ) -> RunConfig:
     """``cfg`` with ``{section: {key: value}}`` replaced, validated like a loaded config
-    (a ConfigError naming ``source`` if a value is out of range)."""
+    (a ConfigError naming ``source`` if a value is out of range); ``stored`` as in
+    :func:`config_from_dict`."""
     data = cfg.to_dict()
     for section, values in updates.items():
         data.setdefault(section, {}).update(values)
-    return config_from_dict(data, source=source)
+    return config_from_dict(data, source=source, stored=stored)
 
 
 def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> RunConfig:

@@ -3,9 +3,10 @@
 Used by ``estuary simulate`` during a run and by ``estuary eval`` on a finished one. Sample
 noise comes from CPU generators seeded by the run seed, so the same model gives the same
 images on any device (up to the device's float differences). Sampling runs on the device a
-caller passes (``compute.device`` for the CLI, the cloud and ``estuary compare``; the CPU by
-default); the sampled model is back where it was afterwards, and features are extracted on
-the CPU (a small CNN: cheap, and the metrics stay comparable with the reference numbers).
+caller passes (``compute.device`` for the cloud, ``estuary simulate`` and ``estuary
+compare``, ``--device`` for ``estuary eval``; the CPU by default); the sampled model is back
+where it was afterwards, and features are extracted on the CPU (a small CNN: cheap, and the
+metrics stay comparable with the reference numbers).
 """
 
 from __future__ import annotations

@@ -722,8 +722,10 @@ class SparsityPenalty:
     in forward order (:func:`forward_order`), so the middle is the lowest resolution.
 
     λ_g acts through training only: it pulls a group's little-used channels towards zero,
-    and so shapes which units the L2 ranking of :func:`prune_unet` removes; how many units
-    each group loses is set by the local-ratio walk, whatever λ_g.
+    and so shapes which units the L2 ranking of :func:`prune_unet` removes. How many units
+    each group loses is set by the local-ratio walk: the same for any λ_g up to the units
+    of the last, partly taken ratio step, which go by importance relative to the group's
+    mean (so a few channels, here a few hundred parameters, can move between groups).
 
     Calling the penalty costs one square and a few reductions per parameter: the per-channel
     weights are precomputed into one coefficient vector per (parameter, dim).
@@ -743,9 +745,11 @@ class SparsityPenalty:
         coef: dict[str, dict[int, torch.Tensor]] = {}
         for g in self.groups:
             for name, dim, idxs in g.slices:
-                vec = coef.setdefault(name, {}).setdefault(dim, torch.zeros(shapes[name][dim]))
+                vec = coef.setdefault(name, {}).setdefault(
+                    dim, torch.zeros(shapes[name][dim], dtype=torch.float32)
+                )
                 index = torch.tensor(idxs, dtype=torch.long)
-                vec.index_add_(0, index, torch.full((len(idxs),), g.weight))
+                vec.index_add_(0, index, torch.full((len(idxs),), g.weight, dtype=torch.float32))
         self._coef = coef
         #: the coefficients copied to another device / dtype once (not at every step: a
         #: host-to-device copy of pageable memory waits for the GPU)
@@ -794,15 +798,13 @@ class SparsityPenalty:
     def __call__(self, model: nn.Module) -> torch.Tensor:
         """``Ω`` for ``model``'s current parameters (differentiable)."""
         params = dict(model.named_parameters())
-        first = next(iter(params.values()), None)
-        coef = self._coef if first is None else self._coef_on(first.device, first.dtype)
         total: torch.Tensor | None = None
-        for name, dims in coef.items():
+        for name in self._coef:
             p = params.get(name)
             if p is None:
                 raise ConfigError(f"penalty built for another architecture: no parameter {name!r}")
             sq = p.square()
-            for dim, vec in dims.items():
+            for dim, vec in self._coef_on(p.device, p.dtype)[name].items():
                 if p.shape[dim] != vec.numel():
                     raise ConfigError(f"penalty built for another architecture: {name!r} differs")
                 rest = [d for d in range(p.ndim) if d != dim]

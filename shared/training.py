@@ -127,6 +127,7 @@ def train_local(
     ``after_step`` sees the model after each one (a weight average, say). The mean loss
     reported is that of ``loss_fn`` (the DDPM loss by default) without ``extra_loss``: a
     regularizer (FedPhD's group penalty, FedProx's proximal term) is not a measure of fit.
+    MOON's ``loss_fn`` includes its contrastive term (computed on the same forward pass).
 
     Each call makes a fresh optimizer (a device's restarts every round) unless one is given
     (built on ``model``'s trainable parameters, kept by a caller that trains in pieces).
@@ -168,7 +169,7 @@ def train_local(
                 loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
             else:
                 loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
-            total += loss.detach()  # the training loss itself, comparable across algorithms
+            total += loss.detach()  # loss_fn's value, before any regularizer
             if extra_loss is not None:
                 loss = loss + extra_loss(model)
             opt.zero_grad(set_to_none=True)

@@ -155,3 +155,18 @@ def test_role_command_line_overrides_are_validated(tmp_path: Path) -> None:
         load("--metrics-port", "70000")
     with pytest.raises(EstuaryError, match="--metrics-port must be >= -1"):
         load("--metrics-port", "-2")
+
+
+def test_stored_configs_are_read_back_without_the_waste_rules(tmp_path: Path) -> None:
+    """A checkpoint of a run made before a rule existed stays readable (estuary eval,
+    export); a new run with the same settings is refused."""
+    from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
+    from shared.models import build_unet
+
+    data = {"run": {"rounds": 10}, "federation": {"cloud_every": 3}}
+    with pytest.raises(ConfigError, match="not a multiple"):
+        config_from_dict(data)
+    cfg = config_from_dict(data, stored=True)
+    save_checkpoint(tmp_path, 8, build_unet(cfg.model.preset).state_dict(), cfg)
+    path = latest_checkpoint_path(tmp_path)
+    assert path is not None and load_checkpoint(path).config == cfg

@@ -121,6 +121,23 @@ def test_diverged_upload_round_is_rejected_and_nothing_leaves_the_device() -> No
     assert dev.kept_local is None and dev.algo_state == kept
 
 
+def test_local_model_is_continued_only_at_the_same_edge() -> None:
+    """r_e > 1: the next round continues the device's own model only when the same edge
+    announces the same model; at another edge (which counts only its own devices' rounds)
+    with the same global model it starts again from that edge's model."""
+    bus, dev, edge, ups = edge_setup()
+    other = Edge("edge1", dev.cfg, bus)
+    fetches = count_fetches(dev)
+    ref = edge.announce(0, upload=False)
+    bus.run(lambda: False)
+    edge.announce(1, upload=False, ref=ref)
+    bus.run(lambda: False)
+    assert len(fetches) == 1 and dev.kept_local is not None  # continued at edge0
+    other.announce(2, upload=True, ref=ref)
+    bus.run(lambda: False)
+    assert len(fetches) == 2 and [u.round for u in ups] == [0, 1, 2]
+
+
 def test_diverged_local_round_is_not_continued_next_round() -> None:
     """r_e > 1: a round without upload that diverged must not be trained on next round; the
     device fetches the edge's model again."""

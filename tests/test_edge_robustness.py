@@ -226,18 +226,24 @@ def test_update_must_carry_the_counts_its_device_registered_with() -> None:
     assert _rejected(bus).get("edge:counts_not_registered") == 2
 
 
+def _two_classes(n: int) -> list[int]:
+    return [0, n] + [0] * (NUM_CLASSES - 2)
+
+
 def test_rounds_without_upload_count_only_once_their_work_is_aggregated() -> None:
     """r_e = r_g = 2: a device's round-0 work (no upload) reaches the edge model only with
-    its round-1 upload; work that never does is not counted, and no model is sent."""
+    its round-1 upload; work that never does is not counted. Until then the report shows it
+    as pending load (what edge selection sees), and no model goes to the cloud."""
     bus, edge, cloud, devs, sent = _hierarchy(edge_every=2, cloud_every=2)
     ref = put_model(cloud, "global_model")
     cloud.open_round(0, ["dev000", "dev001"], ref=ref)
     bus.run(lambda: edge.round == 0)
     devs[0].report(0, n=32)
-    devs[1].report(0, n=16, counts=[0, 16] + [0] * (NUM_CLASSES - 2))
+    devs[1].report(0, n=16, counts=_two_classes(16))
     bus.run(lambda: False)
-    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 0, None)]
-    assert edge.pending["dev001"] == (16, [0, 16] + [0] * (NUM_CLASSES - 2))
+    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 48, None)]
+    assert sent[0].label_counts == [32, 16] + [0] * (NUM_CLASSES - 2)
+    assert (edge.acc_n, edge.pending["dev001"]) == (0, (16, _two_classes(16)))
     # round 1 aggregates dev000 only: its two rounds count; dev001's round 0 is lost
     cloud.open_round(1, ["dev000"], ref=ref, new_global=False)
     bus.run(lambda: edge.round == 1)
@@ -246,7 +252,7 @@ def test_rounds_without_upload_count_only_once_their_work_is_aggregated() -> Non
     last = sent[-1]
     assert (last.round, last.n_samples, last.devices) == (1, 64, ["dev000"])
     assert last.label_counts == [64] + [0] * (NUM_CLASSES - 1) and last.model_ref is not None
-    assert edge.pending == {}
+    assert (edge.acc_n, edge.pending) == (64, {})
 
 
 def test_edge_that_aggregated_nothing_sends_no_model_to_the_cloud() -> None:
@@ -259,5 +265,44 @@ def test_edge_that_aggregated_nothing_sends_no_model_to_the_cloud() -> None:
     bus.run(lambda: False)
     cloud.open_round(1, [], ref=ref, new_global=False)  # nobody trains in the upload round
     bus.run(lambda: False)
-    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 0, None), (1, 0, None)]
+    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(0, 64, None), (1, 0, None)]
+    assert edge.pending == {}
+
+
+def test_pending_work_is_dropped_when_its_chain_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the round just before continues a chain: after a failed close, or a round the
+    edge never closed, or a new global model, the devices start again from the edge's model."""
+    bus, edge, cloud, devs, sent = _hierarchy(edge_every=4, cloud_every=4)
+    ref = put_model(cloud, "global_model")
+    cloud.open_round(0, ["dev000"], ref=ref)
+    bus.run(lambda: edge.round == 0)
+    devs[0].report(0, n=32)
+    bus.run(lambda: False)
+    assert edge.pending == {"dev000": (32, [32] + [0] * (NUM_CLASSES - 1))}
+    # round 1 fails to close: no chain goes on from it
+    monkeypatch.setattr(edge, "_close_report", lambda: 1 / 0)
+    cloud.open_round(1, ["dev000"], ref=ref, new_global=False)
+    bus.run(lambda: edge.round == 1)
+    devs[0].report(1, n=32)
+    bus.run(lambda: False)
+    monkeypatch.undo()
+    assert _rejected(bus).get("edge:close_failed") == 1 and edge.pending == {}
+    # round 2 starts a chain; round 3 is announced but never closes (its deadline has not
+    # come when round 4's start arrives), so round 4 does not continue round 2's chain
+    cloud.open_round(2, ["dev000"], ref=ref, new_global=False)
+    bus.run(lambda: edge.round == 2)
+    devs[0].report(2, n=32)
+    bus.run(lambda: False)
+    assert edge.pending_round == 2 and edge.pending["dev000"][0] == 32
+    cloud.open_round(3, ["dev000", "dev001"], ref=ref, new_global=False)
+    bus.run(lambda: edge.round == 3)
+    devs[0].report(3, n=32)  # dev001 never reports: round 3 stays open
+    cloud.open_round(4, ["dev000"], ref=ref, new_global=False)
+    bus.run(lambda: edge.round == 4)
+    devs[0].report(4, n=32)
+    bus.run(lambda: False)
+    assert (sent[-1].round, sent[-1].n_samples) == (4, 32)
+    # a new global model: every device reloads, pending work is gone
+    cloud.open_round(5, ["dev000"], ref=put_model(cloud, "global_model", seed=5))
+    bus.run(lambda: edge.round == 5)
     assert edge.pending == {}

@@ -220,8 +220,9 @@ class _FakeEvaluator:
 def test_evaluation_callers_sample_on_the_compute_device(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The run recorder (cloud and simulate: grids and evaluations) and ``estuary eval``
-    sample on ``resolve_device(compute.device)`` ("meta" stands in for a GPU)."""
+    """The run recorder (cloud and simulate: grids and evaluations) samples on
+    ``resolve_device(compute.device)``, ``estuary eval`` on ``--device`` ("meta" stands in
+    for a GPU)."""
     from cloud.service import RoundSummary
     from estuary.cli import main
     from shared import evaluation, recorder, training
@@ -229,8 +230,14 @@ def test_evaluation_callers_sample_on_the_compute_device(
     from shared.telemetry import Traffic
 
     meta = torch.device("meta")
+    resolved: list[str] = []  # the names asked for; every one resolves to "meta"
+
+    def resolve(name: str) -> torch.device:
+        resolved.append(name)
+        return meta
+
     monkeypatch.setattr(_FakeEvaluator, "devices", [])
-    monkeypatch.setattr(recorder, "resolve_device", lambda name: meta)
+    monkeypatch.setattr(recorder, "resolve_device", resolve)
     monkeypatch.setattr(recorder, "Evaluator", _FakeEvaluator)
     grids: list[torch.device | None] = []
 
@@ -241,25 +248,28 @@ def test_evaluation_callers_sample_on_the_compute_device(
         return path
 
     monkeypatch.setattr(recorder, "write_grid", write_grid)
-    cfg = tiny_config(run={"rounds": 1}, eval={"every": 1, "sample_every": 1})
+    cfg = tiny_config(
+        run={"rounds": 1}, eval={"every": 1, "sample_every": 1}, compute={"device": "cpu"}
+    )
     rec = recorder.RunRecorder(cfg, tmp_path / "run", Traffic(), evaluate=True)
     rec.model_fn = lambda: torch.nn.Linear(1, 1)
     rec.on_round_end(RoundSummary(0, 1, 1, 0.5, True, "0" * 64, 1.0, 0.1, 0.5, 0))
     assert rec.rows[-1]["quality"] == {"fid": 1.0}
-    assert _FakeEvaluator.devices == [meta] and grids == [meta]
+    assert _FakeEvaluator.devices == [meta] and grids == [meta] and resolved == ["cpu"]
     # a run that samples nothing does not look at compute.device (cannot fail on it)
     quiet = tiny_config(eval={"every": 1, "sample_every": 0})
     assert (
         recorder.RunRecorder(quiet, tmp_path / "q", Traffic(), evaluate=False).device.type == "cpu"
     )
 
-    monkeypatch.setattr(training, "resolve_device", lambda name: meta)
+    monkeypatch.setattr(training, "resolve_device", resolve)
     monkeypatch.setattr(evaluation, "Evaluator", _FakeEvaluator)
     model = build_unet(cfg.model.preset, seed=0).state_dict()
     save_checkpoint(tmp_path / "done" / "checkpoints", 0, model, cfg)
     assert main(["eval", str(tmp_path / "done"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fid"] == 1.0
     assert _FakeEvaluator.devices == [meta, meta]
+    assert resolved == ["cpu", "auto"]  # estuary eval: --device (default auto), not the run's
 
 
 def test_evaluator_samples_on_the_cpu_by_default() -> None:
