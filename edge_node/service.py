@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from shared.algorithms import Algorithm, Update
@@ -47,6 +48,11 @@ MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
 
 #: a device's work not yet in the edge model: (samples, label counts) summed over rounds
 Pending = tuple[int, list[int]]
+
+
+def _plus(work: Pending, n: int, counts: Sequence[int]) -> Pending:
+    """``work`` with ``n`` more samples of label counts ``counts``."""
+    return work[0] + n, [a + b for a, b in zip(work[1], counts, strict=True)]
 
 
 class _Closed(NamedTuple):
@@ -429,11 +435,8 @@ class EdgeServer(RoleService):
             return
         # everything is computed: only now does the edge's state change
         self.model, self.model_ref = closed.model, closed.model_ref
-        self.acc_n, self.acc_counts, self.acc_parts = (
-            closed.acc_n,
-            closed.acc_counts,
-            closed.acc_parts,
-        )
+        self.acc_n, self.acc_counts = closed.acc_n, closed.acc_counts
+        self.acc_parts = closed.acc_parts
         self.pending, self.pending_round = closed.pending, self.round
         self.send(self.topics.edge_up(self.name), closed.report)
         self.metrics.round.set(closed.report.round)
@@ -477,44 +480,39 @@ class EdgeServer(RoleService):
             )
         # pending work left by the round just before (a chain of rounds without upload)
         before = self.pending if self.pending_round == self.round - 1 else {}
-        work: dict[str, Pending] = {}  # each contributor's, pending included
-        for device, msg in contributors.items():
-            n, counts = before.get(device, (0, [0] * NUM_CLASSES))
-            work[device] = (
-                n + msg.n_samples,
-                [a + b for a, b in zip(counts, msg.label_counts, strict=True)],
-            )
+        none: Pending = (0, [0] * NUM_CLASSES)
+        work = {  # each contributor's, pending included
+            device: _plus(before.get(device, none), msg.n_samples, msg.label_counts)
+            for device, msg in contributors.items()
+        }
         pending = {} if self.upload else work
-        acc_n = self.acc_n
-        acc_counts = list(self.acc_counts)
+        acc: Pending = (self.acc_n, list(self.acc_counts))
         acc_parts = None if self.acc_parts is None else dict(self.acc_parts)
         if self.upload:
             for device, (n, counts) in work.items():
-                acc_n += n
-                acc_counts = [a + b for a, b in zip(acc_counts, counts, strict=True)]
+                acc = _plus(acc, n, counts)
                 update = self.updates.get(device)
                 if acc_parts is not None and update is not None:
                     for part in self.algorithm.upload_parts(update.tensors):
                         acc_parts[part] += n
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
-        if cloud_round and acc_n:
+        if cloud_round and acc[0]:
             shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
             ref = self.put_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
             )
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
-        served_n, served_counts = acc_n, acc_counts
+        served = acc
         for n, counts in pending.values():
-            served_n += n
-            served_counts = [a + b for a, b in zip(served_counts, counts, strict=True)]
+            served = _plus(served, n, counts)
         report = EdgeUpdate(
             round=self.round,
             session=self.session,
             edge=self.name,
             model_ref=ref,
-            n_samples=served_n,
-            label_counts=served_counts,
+            n_samples=served[0],
+            label_counts=served[1],
             devices=sorted(contributors),
             mean_loss=sum(lo for lo, _ in losses) / len(losses) if losses else None,
             train_seconds=sum(m.train_seconds for m in contributors.values()),
@@ -524,7 +522,7 @@ class EdgeServer(RoleService):
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
-        return _Closed(model, model_ref, report, acc_n, acc_counts, acc_parts, pending)
+        return _Closed(model, model_ref, report, *acc, acc_parts, pending)
 
     def _publish_state(self) -> None:
         state = EdgeState(

@@ -11,8 +11,6 @@ metrics stay comparable with the reference numbers).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from shared.data import from_model_output, load_dataset, to_model_input
 from shared.diffusion import ddim_sample
 from shared.models import image_shape
 from shared.report import save_grid
+from shared.training import placed
 
 
 def model_from_state(
@@ -37,22 +36,6 @@ def model_from_state(
     keys = set(model.state_dict())
     model.load_state_dict({k: v for k, v in state.items() if k in keys})
     return model.eval()
-
-
-@contextmanager
-def placed(model: torch.nn.Module, device: torch.device | None) -> Iterator[torch.nn.Module]:
-    """``model`` moved to ``device`` for the ``with`` block and back to where its parameters
-    were afterwards, also on an error (the same module, not a copy); None: left where it is."""
-    first = next(model.parameters(), None)
-    home = first.device if first is not None else None
-    if device is None or home is None or home == device:
-        yield model
-        return
-    model.to(device)
-    try:
-        yield model
-    finally:
-        model.to(home)
 
 
 def sample_images(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda")
 
 
+@contextmanager
+def placed(model: nn.Module, device: torch.device | None) -> Iterator[nn.Module]:
+    """``model`` moved to ``device`` for the ``with`` block and back to where its parameters
+    were afterwards, also on an error (the same module, not a copy); None: left where it is."""
+    first = next(model.parameters(), None)
+    home = first.device if first is not None else None
+    if device is None or home is None or home == device:
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to(home)
+
+
 def train_local(
     model: nn.Module,
     data: torch.Tensor,
@@ -147,9 +164,7 @@ def train_local(
         )
     steps = steps if steps is not None else num_local_steps(n, cfg)
     on = device if device is not None and device.type != "cpu" else None
-    if on is not None:
-        model.to(on)
-    try:
+    with placed(model, on):
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
         model.train()
@@ -182,7 +197,4 @@ def train_local(
             if after_step is not None:
                 after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
-    finally:
-        if on is not None:
-            model.to("cpu")
     return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
