@@ -6,6 +6,10 @@ starts, FID(shipped pretrained generator vs train reference) where ``model.init 
 "pretrained"`` starts (the demo).
 
     python scripts/reference_numbers.py [--config configs/fedavg_iid_tiny.toml] [--json]
+        [--device auto|cpu|cuda]
+
+Samples are drawn on ``--device`` (default: CUDA when torch sees a GPU) from the same seeded
+CPU noise, so the figures do not depend on it beyond floating-point rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from shared import quality
 from shared.config import load_config
 from shared.evaluation import Evaluator, model_from_state, reference_images
 from shared.models import PRETRAINED, build_unet, initial_unet
+from shared.training import resolve_device
 
 
 def main() -> None:
@@ -24,9 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default="configs/fedavg_iid_tiny.toml")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = ap.parse_args()
     cfg = load_config(args.config)
-    ev = Evaluator(cfg)
+    ev = Evaluator(cfg, resolve_device(args.device))
     test = reference_images(cfg, "test", cfg.eval.num_samples)
     held_out = quality.evaluate(test, ev.reference)
     untrained = ev.evaluate(

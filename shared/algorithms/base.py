@@ -95,7 +95,6 @@ class Algorithm(ABC):
         self.scheduler = make_train_scheduler(cfg.diffusion)
         self._device: torch.device | None = None  # resolved at the first local round
 
-    # -- shapes of what travels -------------------------------------------------------------
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
         """:func:`~shared.training.train_local` on the device's images and labels with this
         algorithm's schedule and generator, on :attr:`training_device`; ``hooks``:
@@ -125,6 +124,7 @@ class Algorithm(ABC):
             log.info("local training on %s (%s)", device, torch.cuda.get_device_name(device))
         return device
 
+    # -- shapes of what travels -------------------------------------------------------------
     def init_global(self, model: TensorDict) -> TensorDict:
         """The cloud's first global state from the initial model's tensors."""
         return dict(model)
