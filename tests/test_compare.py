@@ -351,3 +351,46 @@ def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Pa
     save_record(MethodRun(m, run_dir, [{"round": 0}], {}, None, 1.0, steps), evaluate=False)
     done, why = load_record(m, run_dir, evaluate=True)
     assert done is None and "has evaluate False, this comparison True" in why
+
+
+def _shrunk(doc: dict[str, Any]) -> dict[str, Any]:
+    """A shipped comparison cut to a few steps per method: the same methods, preset, split and
+    hierarchy (every method still trains, FedPhD still prunes after sparse rounds, each is
+    evaluated), with 10 E=1 rounds (2 E=5 rounds), one local step per epoch, small batches
+    and a small evaluation."""
+    base = doc["base"]
+    base["run"]["rounds"] = 10
+    base["train"].pop("local_epochs", None)
+    base["train"].update(local_steps=1, batch_size=8)
+    base["eval"].update(
+        every=5, sample_every=10, num_samples=16, num_reference=64, sample_steps=2,
+        checkpoint_every=5,
+    )  # fmt: skip
+    base["diffusion"]["sample_steps"] = 2
+    for method in doc["method"]:
+        over = method.get("overrides", {})
+        if over.pop("train.local_epochs", None):  # the E = 5 baselines: 2 rounds of 5 steps
+            over.update({"run.rounds": 2, "train.local_steps": 5})
+            over.update({"eval.every": 1, "eval.sample_every": 2, "eval.checkpoint_every": 1})
+        if "algorithm.sparse_rounds" in over:
+            over["algorithm.sparse_rounds"] = 5
+    return doc
+
+
+@pytest.mark.slow
+def test_the_gpu_comparison_runs_end_to_end_shrunk(tmp_path: Path) -> None:
+    """Every method of ``configs/compare_gpu_small.toml`` (fmnist-small, Fashion-MNIST, the
+    paper's split) runs through ``estuary compare`` on the CPU when cut to a few steps: the
+    shipped GPU study fails at start, not after hours (about 10 min on 2 cores)."""
+    path = REPO / "configs" / "compare_gpu_small.toml"
+    spec = parse_compare(_shrunk(_toml(path)), path)
+    res = run_compare(spec, tmp_path / "out", progress=False)
+    doc = json.loads((res.out / "table.json").read_text())
+    by = {r["method"]: r for r in doc["rows"]}
+    assert list(by) == [m.label for m in spec.methods]
+    assert all(r["fid"] is not None for r in doc["rows"])
+    steps = {r["local_steps"] for r in doc["rows"]}
+    assert steps == {40}, steps  # equal local computation survives the cut
+    dense, phd = by["FedAvg"], by["FedPhD"]
+    assert phd["params_m"] == pytest.approx(0.56 * dense["params_m"], rel=0.01)
+    assert phd["cloud_bytes_per_agg"] <= 0.6 * dense["cloud_bytes_per_agg"]
