@@ -34,23 +34,29 @@ def dirichlet(labels: np.ndarray, n: int, beta: float, rng: np.random.Generator)
 def classes_per_device(labels: np.ndarray, n: int, k: int, rng: np.random.Generator) -> Parts:
     """Each device holds exactly ``k`` classes (FedPhD: 2); classes are used evenly.
 
-    Class slots are dealt from a cycle over a seeded permutation of the classes, so every
-    class goes to about ``n * k / C`` devices; each class's images are split evenly among
-    the devices holding it.
+    Class slots are dealt in passes, each pass a fresh seeded permutation of the classes, so
+    every class goes to about ``n * k / C`` devices (exactly, when ``C`` divides ``n * k``)
+    and the devices holding a class get different partners from pass to pass: a single
+    permutation dealt in a cycle would, for ``k = 2`` and an even ``C``, repeat the same
+    ``C / 2`` pairs, ``n * k / C`` identical devices each. A device takes the next ``k``
+    distinct classes of the deal; a class it already holds waits for the next device.
+    Each class's images are split evenly among the devices holding it.
     """
     classes = np.unique(labels)
     if k > len(classes):
         raise ConfigError(f"classes_per_device={k} but the dataset has {len(classes)} classes")
-    order = rng.permutation(classes)
+    deal: list[int] = []
     owners: dict[int, list[int]] = {int(c): [] for c in classes}
-    slot = 0
     for dev in range(n):
         chosen: list[int] = []
+        at = 0
         while len(chosen) < k:
-            c = int(order[slot % len(order)])
-            slot += 1
-            if c not in chosen:
-                chosen.append(c)
+            if at == len(deal):  # at most k - 1 classes wait, so a pass always has a new one
+                deal.extend(int(c) for c in rng.permutation(classes))
+            if deal[at] in chosen:
+                at += 1
+            else:
+                chosen.append(deal.pop(at))
         for c in chosen:
             owners[c].append(dev)
     parts: list[list[int]] = [[] for _ in range(n)]

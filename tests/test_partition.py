@@ -37,6 +37,19 @@ def test_k_classes_per_device() -> None:
     assert ((m > 0).sum(1) == 2).all()
     assert m.sum() == 1000  # every image used: each class goes to 4 devices, split evenly
     assert ((m > 0).sum(0) == 4).all()
+    # the devices holding a class have different partners: not the same C / 2 = 5 pairs
+    # four times over, as one permutation dealt in a cycle gives
+    pairs = {tuple(np.flatnonzero(row)) for row in m}
+    assert len(pairs) > 10
+
+
+@pytest.mark.parametrize(("k", "n"), [(1, 20), (3, 20), (3, 7), (9, 5), (10, 3)])
+def test_k_classes_are_distinct_and_used_evenly(k: int, n: int) -> None:
+    parts = make_partition(LABELS, n, DataSection(partition="classes", classes_per_device=k), 3)  # type: ignore[arg-type]
+    m = label_count_matrix(LABELS, parts, 10)
+    assert ((m > 0).sum(1) == k).all()
+    holders = (m > 0).sum(0)
+    assert holders.max() - holders.min() <= 1, holders
 
 
 def test_shards_use_four_shards_each() -> None:
