@@ -12,6 +12,7 @@ from diffusers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
 from shared.config import DiffusionSection
+from shared.models import module_device, num_classes_of
 
 
 def make_train_scheduler(cfg: DiffusionSection) -> DDPMScheduler:
@@ -88,14 +89,13 @@ def ddim_sample(
     """
     scheduler = make_sample_scheduler(cfg)
     scheduler.set_timesteps(steps or cfg.sample_steps)
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    device = module_device(model) or torch.device("cpu")
     was_training = model.training
     model.eval()
     if noise is None:
         noise = torch.randn(shape, generator=generator, device=generator.device)
     noise = noise.to(device)
-    classes = int(getattr(getattr(model, "config", None), "num_class_embeds", None) or 0)
+    classes = num_classes_of(model)
     if classes and class_labels is None:
         class_labels = torch.arange(shape[0]) % classes
     if class_labels is not None:

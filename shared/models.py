@@ -187,6 +187,12 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         return spec_of(UNet2DModel(**PRESETS[preset]).state_dict())
 
 
+def module_device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first parameter (None for a module without parameters)."""
+    first = next(model.parameters(), None)
+    return None if first is None else first.device
+
+
 def num_classes_of(model: nn.Module) -> int:
     """Number of classes a conditional U-Net embeds (0 for an unconditional one)."""
     cfg = getattr(model, "config", None)

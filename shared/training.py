@@ -16,6 +16,7 @@ from torch import nn
 from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
 from shared.errors import ConfigError
+from shared.models import module_device
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 #: replaces the DDPM loss: (model, x0 batch, scheduler, generator) -> scalar loss
@@ -111,8 +112,7 @@ def resolve_device(name: str) -> torch.device:
 def placed(model: nn.Module, device: torch.device | None) -> Iterator[nn.Module]:
     """``model`` moved to ``device`` for the ``with`` block and back to where its parameters
     were afterwards, also on an error (the same module, not a copy); None: left where it is."""
-    first = next(model.parameters(), None)
-    home = first.device if first is not None else None
+    home = module_device(model)
     if device is None or home is None or home == device:
         yield model
         return

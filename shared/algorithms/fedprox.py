@@ -28,6 +28,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
+from shared.models import module_device
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
 ANCHOR = "fedprox.anchor"
@@ -49,8 +50,7 @@ def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor], mu: floa
             term = (p - ref).pow(2).sum()
             total = term if total is None else total + term
     if total is None:  # nothing anchored: a zero on the parameters' device
-        first = next(model.parameters(), None)
-        total = torch.zeros((), device=first.device if first is not None else None)
+        total = torch.zeros((), device=module_device(model))
     return 0.5 * mu * total
 
 
