@@ -155,6 +155,12 @@ class TrainSection(_Section):
         0.9, ge=0.0, lt=1.0, description="SGD momentum (sgd only); SCAFFOLD as defined needs 0"
     )
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    optimizer_state: Literal["reset", "keep"] = Field(
+        "reset",
+        description="reset: a fresh optimizer every local round (FedAvg as usually run); "
+        "keep: each device keeps its optimizer's state (Adam's moments) from its last round, "
+        "on the device (never sent), starting afresh when the model's shapes change (pruning)",
+    )
     threads: int = Field(0, ge=0, description="torch threads; 0 = leave as is")
 
     @model_validator(mode="after")

@@ -147,7 +147,8 @@ def train_local(
     MOON's ``loss_fn`` includes its contrastive term (computed on the same forward pass).
 
     Each call makes a fresh optimizer (a device's restarts every round) unless one is given
-    (built on ``model``'s trainable parameters, kept by a caller that trains in pieces).
+    (built on ``model``'s trainable parameters, kept by a caller that trains in pieces:
+    centralized training, or a device with ``train.optimizer_state = "keep"``).
 
     A class-conditional model (``num_class_embeds``) is trained with each image's label
     from ``labels``. With a ``device`` other than the CPU the model trains there (batches

@@ -25,7 +25,7 @@ from shared.data import load_dataset
 from shared.diffusion import ddpm_loss, make_train_scheduler
 from shared.models import build_unet, state_spec
 from shared.partition import make_partition
-from shared.training import TrainResult
+from shared.training import TrainResult, make_optimizer, train_local
 from tests.conftest import tiny_config
 
 T = torch.tensor
@@ -559,3 +559,85 @@ def test_local_terms_train_on_cuda_and_track_the_cpu_run(
     assert (on_gpu - on_cpu).norm() <= 1e-3 * on_cpu.norm()
     assert (without - on_cpu).norm() >= 0.05 * on_cpu.norm()  # the term shapes the rounds
     assert losses["cuda", True] == pytest.approx(losses["cpu", True], rel=1e-3)
+
+
+# -- kept optimizer state (train.optimizer_state) -------------------------------------------
+def _adam_algo(keep: bool, device: str = "cpu") -> Algorithm:
+    train = {"optimizer": "adam", "local_steps": 3, "batch_size": 4, "lr": 1e-2, "grad_clip": 0.0}
+    if keep:
+        train["optimizer_state"] = "keep"
+    return make_algorithm(
+        tiny_config(train=train, algorithm={"name": "fedavg"}, compute={"device": device})
+    )
+
+
+def _kept_opt(ctx: DeviceContext) -> tuple[tuple[tuple[int, ...], ...], dict[str, Any]]:
+    kept: tuple[tuple[tuple[int, ...], ...], dict[str, Any]] = ctx.state[base.OPTIMIZER_STATE]
+    return kept
+
+
+def test_kept_optimizer_state_continues_one_adam_across_a_devices_rounds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``optimizer_state = "keep"``: a device's second round continues its first round's
+    Adam (bit for bit one optimizer over both rounds); the kept entry is a CPU copy that the
+    next round leaves as it was; a state for other shapes (a pruned model) is dropped;
+    ``"reset"`` keeps nothing and its second round differs."""
+    data = torch.rand(8, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    keep, reset = _adam_algo(True), _adam_algo(False)
+
+    ref = TinyConvDenoiser()
+    opt = make_optimizer(list(ref.parameters()), keep.cfg.train)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        train_local(ref, data, keep.cfg.train, keep.scheduler, gen, optimizer=opt)
+
+    model, ctx = TinyConvDenoiser(), ctx_for(data, seed=3)
+    keep.device_round(ctx, model, 0, upload=True)
+    first = _kept_opt(ctx)
+    snapshot = {i: {k: v.clone() for k, v in e.items()} for i, e in first[1]["state"].items()}
+    assert first[0] == tuple(tuple(p.shape) for p in model.parameters())
+    keep.device_round(ctx, model, 1, upload=True)
+    for i, entry in snapshot.items():  # round 1 trained on a copy of round 0's entry
+        for k, v in entry.items():
+            assert torch.equal(first[1]["state"][i][k], v)
+    second = _kept_opt(ctx)[1]["state"]
+    assert {int(e["step"]) for e in second.values()} == {6}
+    assert {v.device.type for e in second.values() for v in e.values()} == {"cpu"}
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    stale = ctx_for(data, seed=3)
+    stale.state[base.OPTIMIZER_STATE] = (((2, 2),), first[1])  # another architecture's
+    with caplog.at_level("INFO", logger="shared.algorithms.base"):
+        keep.device_round(stale, TinyConvDenoiser(), 0, upload=True)
+    assert "optimizer state starts afresh" in caplog.text
+    assert {int(e["step"]) for e in _kept_opt(stale)[1]["state"].values()} == {3}
+
+    fresh, rctx = TinyConvDenoiser(), ctx_for(data, seed=3)
+    for r in range(2):
+        reset.device_round(rctx, fresh, r, upload=True)
+    assert base.OPTIMIZER_STATE not in rctx.state
+    pairs = zip(fresh.parameters(), ref.parameters(), strict=True)
+    assert not all(torch.equal(p, q) for p, q in pairs)
+
+
+@pytest.mark.gpu
+def test_kept_optimizer_state_on_cuda_tracks_the_cpu_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two kept-state rounds on the GPU follow the same rounds on the CPU, and the state the
+    device keeps between them is on the CPU."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    data = torch.rand(8, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    runs = {}
+    for device in ("cuda", "cpu"):
+        algo, ctx = _adam_algo(True, device), ctx_for(data)
+        model = build_unet("fmnist-tiny", seed=0)
+        for r in range(2):
+            algo.device_round(ctx, model, r, upload=True)
+            kept = _kept_opt(ctx)[1]["state"]
+            assert {v.device.type for e in kept.values() for v in e.values()} == {"cpu"}
+        runs[device] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    dense = build_unet("fmnist-tiny", seed=0)
+    start = torch.cat([p.detach().flatten() for p in dense.parameters()])
+    assert (runs["cuda"] - runs["cpu"]).norm() <= 1e-3 * (runs["cpu"] - start).norm()

@@ -14,6 +14,7 @@ previous local model) in ``DeviceContext.state``, which the device agent owns.
 
 from __future__ import annotations
 
+import copy
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -27,12 +28,16 @@ from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
-from shared.training import TrainResult, resolve_device, train_local
+from shared.training import TrainResult, make_optimizer, placed, resolve_device, train_local
 
 log = logging.getLogger(__name__)
 
 TensorDict = dict[str, torch.Tensor]
 Plan = dict[str, Any]
+
+#: ``DeviceContext.state`` key of the kept optimizer state (``train.optimizer_state = "keep"``):
+#: (trainable parameter shapes, the optimizer's state dict on the CPU)
+OPTIMIZER_STATE = "optimizer.state"
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,18 @@ class LocalResult:
     train: TrainResult
 
 
+def _state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with every tensor copied to the CPU."""
+    return {
+        "state": {
+            i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in entry.items()}
+            for i, entry in state["state"].items()
+        },
+        "param_groups": copy.deepcopy(state["param_groups"]),
+    }  # fmt: skip
+
+
 def model_state(module: nn.Module) -> TensorDict:
     """Detached copies of a module's state dict (what a device uploads by default)."""
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -99,11 +116,34 @@ class Algorithm(ABC):
         """:func:`~shared.training.train_local` on the device's images and labels with this
         algorithm's schedule and generator, on :attr:`training_device`; ``hooks``:
         ``extra_loss``, ``loss_fn``, ``grad_hook``. Tensors the hooks hold must already be on
-        that device; the model is on the CPU again on return."""
-        return train_local(
-            model, ctx.data, self.cfg.train, self.scheduler, ctx.generator, labels=ctx.labels,
-            device=self.training_device, **hooks,
-        )  # fmt: skip
+        that device; the model is on the CPU again on return.
+
+        With ``train.optimizer_state = "keep"`` the optimizer starts from the state this
+        device's last round left in ``ctx.state`` (a copy, on the CPU) and leaves its own
+        there; a state for other parameter shapes (before pruning) is dropped."""
+        device = self.training_device
+        if self.cfg.train.optimizer_state == "reset":
+            return train_local(
+                model, ctx.data, self.cfg.train, self.scheduler, ctx.generator,
+                labels=ctx.labels, device=device, **hooks,
+            )  # fmt: skip
+        with placed(model, device if device.type != "cpu" else None):
+            params = [p for p in model.parameters() if p.requires_grad]
+            shapes = tuple(tuple(p.shape) for p in params)
+            opt = make_optimizer(params, self.cfg.train)
+            kept = ctx.state.get(OPTIMIZER_STATE)
+            if kept is not None and kept[0] == shapes:
+                # a copy: loading on the same device aliases the tensors, and the entry must
+                # stay as it was if this round diverges (the agent restores ctx.state)
+                opt.load_state_dict(copy.deepcopy(kept[1]))
+            elif kept is not None:
+                log.info("%s: model shapes changed; optimizer state starts afresh", ctx.device)
+            result = train_local(
+                model, ctx.data, self.cfg.train, self.scheduler, ctx.generator,
+                labels=ctx.labels, device=device, optimizer=opt, **hooks,
+            )  # fmt: skip
+            ctx.state[OPTIMIZER_STATE] = (shapes, _state_on_cpu(opt.state_dict()))
+        return result
 
     @property
     def training_device(self) -> torch.device:
