@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shared.codec import TensorSpec
-from shared.config import RunConfig
+from shared.config import RunConfig, TrainSection
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError
 from shared.training import TrainResult, make_optimizer, placed, resolve_device, train_local
@@ -89,6 +89,27 @@ def _state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _shapes(opt: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the parameters ``opt`` updates, in order."""
+    return tuple(tuple(p.shape) for group in opt.param_groups for p in group["params"])
+
+
+def _resumed_optimizer(
+    ctx: DeviceContext, model: nn.Module, cfg: TrainSection
+) -> torch.optim.Optimizer:
+    """A new optimizer on ``model``'s trainable parameters, starting from the state the
+    device's last round kept when it was for the same parameter shapes."""
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+    kept = ctx.state.get(OPTIMIZER_STATE)
+    if kept is not None and kept[0] == _shapes(opt):
+        # a copy: loading on the same device aliases the tensors, and the entry must stay
+        # as it was if this round diverges (the agent restores ctx.state)
+        opt.load_state_dict(copy.deepcopy(kept[1]))
+    elif kept is not None:
+        log.info("%s: model shapes changed; optimizer state starts afresh", ctx.device)
+    return opt
+
+
 def model_state(module: nn.Module) -> TensorDict:
     """Detached copies of a module's state dict (what a device uploads by default)."""
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -122,27 +143,16 @@ class Algorithm(ABC):
         device's last round left in ``ctx.state`` (a copy, on the CPU) and leaves its own
         there; a state for other parameter shapes (before pruning) is dropped."""
         device = self.training_device
-        if self.cfg.train.optimizer_state == "reset":
-            return train_local(
-                model, ctx.data, self.cfg.train, self.scheduler, ctx.generator,
-                labels=ctx.labels, device=device, **hooks,
-            )  # fmt: skip
-        with placed(model, device if device.type != "cpu" else None):
-            params = [p for p in model.parameters() if p.requires_grad]
-            shapes = tuple(tuple(p.shape) for p in params)
-            opt = make_optimizer(params, self.cfg.train)
-            kept = ctx.state.get(OPTIMIZER_STATE)
-            if kept is not None and kept[0] == shapes:
-                # a copy: loading on the same device aliases the tensors, and the entry must
-                # stay as it was if this round diverges (the agent restores ctx.state)
-                opt.load_state_dict(copy.deepcopy(kept[1]))
-            elif kept is not None:
-                log.info("%s: model shapes changed; optimizer state starts afresh", ctx.device)
+        keep = self.cfg.train.optimizer_state == "keep"
+        # a kept state is loaded where the model trains (train_local's own move is then a no-op)
+        with placed(model, device if keep and device.type != "cpu" else None):
+            opt = _resumed_optimizer(ctx, model, self.cfg.train) if keep else None
             result = train_local(
                 model, ctx.data, self.cfg.train, self.scheduler, ctx.generator,
                 labels=ctx.labels, device=device, optimizer=opt, **hooks,
             )  # fmt: skip
-            ctx.state[OPTIMIZER_STATE] = (shapes, _state_on_cpu(opt.state_dict()))
+            if opt is not None:
+                ctx.state[OPTIMIZER_STATE] = (_shapes(opt), _state_on_cpu(opt.state_dict()))
         return result
 
     @property
