@@ -65,6 +65,7 @@ class _Closed(NamedTuple):
     acc_counts: list[int]
     acc_parts: dict[str, int] | None
     pending: dict[str, Pending]
+    cloud_round: bool
 
 
 class EdgeServer(RoleService):
@@ -108,7 +109,7 @@ class EdgeServer(RoleService):
         self.acc_counts = [0] * NUM_CLASSES
         self.acc_n = 0
         #: samples behind each model part since the last cloud aggregation (algorithms whose
-        #: devices upload parts); None when not tracked, or unknown after a restart
+        #: devices upload parts); None when not tracked
         self.acc_parts = self._zero_parts()
         #: per device that trained here without uploading (rounds between edge aggregations,
         #: r_e > 1) in the rounds up to :attr:`pending_round`: the samples and label counts
@@ -116,6 +117,11 @@ class EdgeServer(RoleService):
         #: (its model holds that work then)
         self.pending: dict[str, Pending] = {}
         self.pending_round: int | None = None
+        #: what a restarted edge served before its restart in the current cloud period,
+        #: taken back from the cloud's record: load that edge selection (eq. 25) still sees,
+        #: but not work its model holds (the restart lost the edge model: it starts again
+        #: from the global), so not part of the eq. 22 weight. Dropped with the period
+        self.carried: Pending = (0, [0] * NUM_CLASSES)
 
     def _zero_parts(self) -> dict[str, int] | None:
         names = self.algorithm.part_names
@@ -250,16 +256,17 @@ class EdgeServer(RoleService):
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
                 self.acc_parts = self._zero_parts()
+                self.carried = (0, [0] * NUM_CLASSES)
             self.pending = {}  # devices start again from the new state: their work is gone
         counts = msg.edge_counts.get(self.name)
         if self.round is None and not msg.new_global and not self.acc_n and counts:
-            # a restarted edge takes back what it had accumulated from the cloud's record
+            # a restarted edge takes back the load it had served from the cloud's record;
+            # its model is the global again, so none of that is aggregated work
             reason = self._check_counts(counts)
             if reason:
                 self.reject("bad_edge_counts", f"round {msg.round}: {reason}; ignored")
             else:
-                self.acc_counts, self.acc_n = list(counts), sum(counts)
-                self.acc_parts = None  # not in the cloud's record: each part counts n_samples
+                self.carried = (sum(counts), list(counts))
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -396,7 +403,7 @@ class EdgeServer(RoleService):
             return "zero_samples"  # nothing to weight it by; all-zero weights cannot aggregate
         # what the round's EdgeUpdate sums must stay within its schema (a sum that overflows
         # would otherwise only fail when the round closes)
-        pending = sum(n for n, _ in self.pending.values())
+        pending = sum(n for n, _ in self.pending.values()) + self.carried[0]
         if self.acc_n + pending + self.reported_n + msg.n_samples > MAX_COUNT:
             return "too_many_samples"
         if not math.isfinite(self.reported_loss + msg.train_loss):
@@ -438,6 +445,8 @@ class EdgeServer(RoleService):
         self.acc_n, self.acc_counts = closed.acc_n, closed.acc_counts
         self.acc_parts = closed.acc_parts
         self.pending, self.pending_round = closed.pending, self.round
+        if closed.cloud_round:
+            self.carried = (0, [0] * NUM_CLASSES)  # the period it was served in has ended
         self.send(self.topics.edge_up(self.name), closed.report)
         self.metrics.round.set(closed.report.round)
         self._publish_state()
@@ -454,9 +463,11 @@ class EdgeServer(RoleService):
         the same edge); a round without uploads only extends those devices' pending work.
         Work that never reaches the edge model (a device not asked again, or whose upload is
         discarded) is never counted, so an edge that aggregated nothing since the cloud's
-        last aggregation sends no model. The report's counts add the pending work to the
-        accumulated counts: the load edge selection (eq. 25) sees; at a cloud round, which
-        is an aggregation round (r_e divides r_g), nothing is pending."""
+        last aggregation sends no model. The report's counts add the pending work, and what
+        a restarted edge served before its restart (:attr:`carried`), to the accumulated
+        counts: the load edge selection (eq. 25) sees. At a cloud round, which is an
+        aggregation round (r_e divides r_g), nothing is pending and nothing carried is
+        added: the counts are then eq. 22's n_e and q_e, the work the edge model holds."""
         if self.round is None or self.model is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
@@ -503,7 +514,7 @@ class EdgeServer(RoleService):
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
             )
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]
-        served = acc
+        served = acc if cloud_round else _plus(acc, *self.carried)
         for n, counts in pending.values():
             served = _plus(served, n, counts)
         report = EdgeUpdate(
@@ -522,7 +533,7 @@ class EdgeServer(RoleService):
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
-        return _Closed(model, model_ref, report, *acc, acc_parts, pending)
+        return _Closed(model, model_ref, report, *acc, acc_parts, pending, cloud_round)
 
     def _publish_state(self) -> None:
         state = EdgeState(

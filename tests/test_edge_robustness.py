@@ -194,12 +194,39 @@ def test_bad_restart_counts_are_ignored(counts: list[int]) -> None:
     assert [(r.round, r.n_samples) for r in sent] == [(1, 64)]
 
 
-def test_good_restart_counts_are_taken_back() -> None:
-    bus, edge, cloud, _devs, _sent = _hierarchy()
+def test_restart_counts_are_load_for_selection_not_aggregated_work() -> None:
+    """r_g = 4: an edge restarted in round 2 takes back what it had served from the cloud's
+    record. Its model is the global again, so the record is load that edge selection sees
+    (added to the round-2 report) but not part of eq. 22's weight: the cloud-round report
+    counts only the work aggregated since the restart, and the record is dropped with the
+    period."""
+    bus, edge, cloud, devs, sent = _hierarchy(cloud_every=4)
     counts = [3] * NUM_CLASSES
-    _open(bus, edge, cloud, 1, new_global=False, edge_counts={"edge0": counts})
-    assert (edge.acc_n, edge.acc_counts) == (30, counts)
+    _open(bus, edge, cloud, 2, new_global=False, edge_counts={"edge0": counts})
     assert "edge:bad_edge_counts" not in _rejected(bus)
+    assert (edge.acc_n, edge.acc_counts, edge.carried) == (0, [0] * NUM_CLASSES, (30, counts))
+    for dev in devs:
+        dev.report(2)
+    bus.run(lambda: False)
+    assert (sent[-1].round, sent[-1].n_samples, sent[-1].model_ref) == (2, 94, None)
+    assert sent[-1].label_counts == [67] + [3] * (NUM_CLASSES - 1)
+    _open(bus, edge, cloud, 3, new_global=False)  # the cloud round
+    for dev in devs:
+        dev.report(3)
+    bus.run(lambda: False)
+    assert (sent[-1].round, sent[-1].n_samples) == (3, 128) and sent[-1].model_ref is not None
+    assert sent[-1].label_counts == [128] + [0] * (NUM_CLASSES - 1)
+    assert edge.carried == (0, [0] * NUM_CLASSES)
+
+
+def test_restarted_edge_that_aggregated_nothing_sends_no_model() -> None:
+    """Restarted in the cloud round itself, with no update: the edge's model is the global,
+    so it sends none (no weight for work it does not hold) and reports no load."""
+    bus, edge, cloud, _devs, sent = _hierarchy(cloud_every=2)
+    _open(bus, edge, cloud, 1, new_global=False, edge_counts={"edge0": [3] * NUM_CLASSES})
+    bus.run(lambda: False)  # deadline: nobody reported
+    assert [(r.round, r.n_samples, r.model_ref) for r in sent] == [(1, 0, None)]
+    assert edge.carried == (0, [0] * NUM_CLASSES)
 
 
 def test_update_must_carry_the_counts_its_device_registered_with() -> None:

@@ -203,7 +203,7 @@ def test_two_tier_usplit_weights_each_part_by_its_reporters() -> None:
     ]
     got = algo.cloud_aggregate(updates, current)
     assert [got[k].item() for k in current] == pytest.approx([1.0, 10.0, 5.5])
-    # without part counts (an edge restarted mid-period): whole edges weighted by n_samples
+    # without part counts (an EdgeUpdate may omit them): whole edges weighted by n_samples
     legacy = algo.cloud_aggregate([Update(u.source, u.tensors, u.n_samples, u.label_counts)
                                    for u in updates], current)  # fmt: skip
     assert [legacy[k].item() for k in current] == pytest.approx([2 / 3, 10 / 3, 4.0])
