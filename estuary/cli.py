@@ -47,10 +47,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     spec = load_compare(args.config)
     out = Path(args.out) if args.out else Path("runs") / spec.name
     result = run_compare(
-        spec, out, evaluate=not args.no_eval, progress=not args.quiet, fresh=args.fresh
+        spec,
+        out,
+        evaluate=not args.no_eval,
+        progress=not args.quiet,
+        fresh=args.fresh,
+        only=args.only or (),
+        jobs=args.jobs,
+        tables=not args.no_table,
     )
-    print((result.out / "table.md").read_text())
-    print(f"tables and plots: {result.out}")
+    if result.rows:
+        print((result.out / "table.md").read_text())
+        print(f"tables and plots: {result.out}")
+    else:
+        print(f"records of {', '.join(r.method.label for r in result.runs) or 'no method'} "
+              f"in {result.out}")  # fmt: skip
     return 0
 
 
@@ -189,6 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh",
         action="store_true",
         help="run every method again (default: reuse methods already finished in --out)",
+    )
+    c.add_argument(
+        "--only",
+        action="append",
+        metavar="LABEL",
+        help="run only this method (repeatable); the others are reused from --out, and the "
+        "table is written once every method has finished",
+    )
+    c.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N methods at once, each in its own process with 1/N of the CPU "
+        "threads (default 1)",
+    )
+    c.add_argument(
+        "--no-table", action="store_true", help="run the methods only; write no table or plots"
     )
     c.set_defaults(func=_cmd_compare)
 

@@ -39,17 +39,31 @@ the rest, so a long comparison that was interrupted (or split over several time-
 sessions) picks up where it stopped; ``fresh=True`` (``--fresh``) runs everything again. A
 record that does not parse or belongs to another config is ignored with the reason printed,
 and that method runs.
+
+``only`` (``--only LABEL``, repeatable) runs just those methods; the others are reused where
+they have a record, and the tables and plots are written once every method has one (until
+then the missing ones are named). ``jobs`` (``--jobs N``) runs up to N methods at once, each
+in its own ``estuary compare --only`` process with ``1/N`` of the CPU threads (unless
+``train.threads`` says otherwise) and its output in ``<slug>/compare.log``; the parent reads
+back their records, so a method that fails leaves the others' records for the next run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import io
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 import tomllib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -67,7 +81,7 @@ from shared.checkpoint import atomic_write, save_checkpoint
 from shared.config import RunConfig, apply_env_overrides, config_from_dict
 from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
-from shared.errors import ConfigError
+from shared.errors import ConfigError, EstuaryError
 from shared.evaluation import Evaluator
 from shared.models import init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
@@ -105,6 +119,8 @@ class CompareSpec:
     methods: list[Method]
     reference: str
     distances: Distances = field(default_factory=Distances)
+    #: the TOML it was read from (None when parsed from a dict): what ``jobs`` > 1 re-reads
+    source: Path | None = None
 
 
 @dataclass
@@ -265,7 +281,7 @@ def load_compare(path: str | Path) -> CompareSpec:
         raw = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot parse {p}: {err}") from None
-    return parse_compare(raw, p, dict(os.environ))
+    return dataclasses.replace(parse_compare(raw, p, dict(os.environ)), source=p.resolve())
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -484,8 +500,9 @@ class CompareResult:
     """Where the comparison went and its table rows."""
 
     out: Path
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, Any]]  # empty until every method has a record
     runs: list[MethodRun]
+    missing: list[str] = field(default_factory=list)  # labels not run yet (``only``)
 
 
 def run_compare(
@@ -495,38 +512,188 @@ def run_compare(
     evaluate: bool = True,
     progress: bool = True,
     fresh: bool = False,
+    only: Sequence[str] = (),
+    jobs: int = 1,
+    tables: bool = True,
 ) -> CompareResult:
     """Run every method (reusing those already finished in ``out`` unless ``fresh``), then
-    write the tables and the plots."""
+    write the tables and the plots (``tables``) once every method has a record.
+
+    ``only``: labels of the methods to run (the rest only reused); ``jobs``: how many run at
+    once, each in its own process (see the module docstring). Raises
+    :class:`~shared.errors.EstuaryError` naming every method that failed in a job, after the
+    others finished."""
+    labels = [m.label for m in spec.methods]
+    unknown = [label for label in only if label not in labels]
+    if unknown:
+        raise ConfigError(f"--only {unknown}: no such method; this comparison has {labels}")
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, got {jobs}")
+    if jobs > 1 and spec.source is None:
+        raise ConfigError("jobs > 1 needs a comparison read from a file (load_compare)")
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    sizes: list[int] | None = None  # the split is the same for every method: count it once
+    n = len(spec.methods)
+    done: dict[str, MethodRun] = {}
+    todo: list[tuple[int, Method, str]] = []  # (position, method, init fingerprint)
     for i, m in enumerate(spec.methods, 1):
         init = _fingerprint(m)  # once per method, before it runs: the weights it starts from
-        if not fresh:
-            done, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
-            if done is not None:
+        if not fresh or (only and m.label not in only):
+            run, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
+            if run is not None:
                 if progress:
-                    print(f"[{i}/{len(spec.methods)}] {m.label}: reusing the run finished "
-                          f"earlier in {done.run_dir} ({done.wall_s:.1f} s)")  # fmt: skip
-                runs.append(done)
+                    print(f"[{i}/{n}] {m.label}: reusing the run finished "
+                          f"earlier in {run.run_dir} ({run.wall_s:.1f} s)")  # fmt: skip
+                done[m.label] = run
                 continue
-            if progress and why != NO_RECORD:
-                print(f"[{i}/{len(spec.methods)}] {m.label}: not reusing ({why})")
-        if progress:
-            kind = "centralized" if m.centralized else m.cfg.algorithm.name
-            print(f"[{i}/{len(spec.methods)}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
-        if sizes is None and not m.centralized:
-            sizes = _device_sizes(m.cfg)
-        runs.append(
-            run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes, init=init)
+            if progress and why != NO_RECORD and (not only or m.label in only):
+                print(f"[{i}/{n}] {m.label}: not reusing ({why})")
+        if not only or m.label in only:
+            todo.append((i, m, init))
+    if jobs > 1 and len(todo) > 1:
+        done.update(_run_jobs(spec, out, todo, jobs, evaluate=evaluate, progress=progress))
+    else:
+        sizes: list[int] | None = None  # the split is the same for every method: count it once
+        for i, m, init in todo:
+            if progress:
+                kind = "centralized" if m.centralized else m.cfg.algorithm.name
+                print(f"[{i}/{n}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
+            if sizes is None and not m.centralized:
+                sizes = _device_sizes(m.cfg)
+            run = run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes, init=init)
+            done[m.label] = run
+            if progress:
+                print(f"[{i}/{n}] {m.label} done in {run.wall_s:.1f} s")
+    runs = [done[label] for label in labels if label in done]
+    missing = [label for label in labels if label not in done]
+    rows: list[dict[str, Any]] = []
+    if missing:
+        if progress and tables:
+            print(f"no table yet: {', '.join(missing)} not run (--only); run them, or the "
+                  "whole comparison, into the same --out to finish it")  # fmt: skip
+    elif tables:
+        rows = summarize(runs, spec)
+        write_tables(rows, spec, out)
+        write_plots(runs, out, spec.distances)
+    return CompareResult(out, rows, runs, missing)
+
+
+#: how often the parent of ``jobs`` looks at its children, and how long a child it stops
+#: (Ctrl-C, or an error in the parent) gets to exit before it is killed
+JOB_POLL_S = 0.5
+JOB_STOP_S = 10.0
+
+
+def _job_threads(jobs: int) -> str:
+    """The CPU threads each of ``jobs`` processes gets (an equal share, at least one)."""
+    return str(max(1, (os.cpu_count() or 1) // jobs))
+
+
+def _run_jobs(
+    spec: CompareSpec,
+    out: Path,
+    todo: list[tuple[int, Method, str]],
+    jobs: int,
+    *,
+    evaluate: bool,
+    progress: bool,
+) -> dict[str, MethodRun]:
+    """Run ``todo`` in up to ``jobs`` child processes (``estuary compare --only LABEL``) and
+    read back their records; every child is stopped if this one is interrupted."""
+    assert spec.source is not None
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, _job_threads(jobs))  # torch's default intra-op threads
+    queue = list(todo)
+    running: dict[subprocess.Popen[bytes], tuple[int, Method, str, float]] = {}
+    finished: dict[str, MethodRun] = {}
+    failed: list[str] = []
+    n = len(spec.methods)
+    with _terminate_as_exit(), _stopping(running):
+        while queue or running:
+            while queue and len(running) < jobs:
+                i, m, init = queue.pop(0)
+                log_path = out / m.slug / "compare.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                cmd = [sys.executable, "-m", "estuary", "compare", str(spec.source),
+                       "--out", str(out), "--only", m.label, "--fresh", "--no-table"]  # fmt: skip
+                if not evaluate:
+                    cmd.append("--no-eval")
+                with log_path.open("wb") as log_file:
+                    proc = subprocess.Popen(
+                        cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=env, start_new_session=True,
+                    )  # fmt: skip
+                running[proc] = (i, m, init, time.perf_counter())
+                if progress:
+                    kind = "centralized" if m.centralized else m.cfg.algorithm.name
+                    print(f"[{i}/{n}] {m.label} ({kind}, {m.cfg.run.rounds} rounds): started, "
+                          f"output in {log_path}")  # fmt: skip
+            time.sleep(JOB_POLL_S)
+            for proc in [p for p in running if p.poll() is not None]:
+                i, m, init, t0 = running.pop(proc)
+                log_path = out / m.slug / "compare.log"
+                run, why = None, f"exit status {proc.returncode}"
+                if proc.returncode == 0:
+                    run, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
+                if run is None:
+                    failed.append(f"{m.label} ({why}; see {log_path})")
+                    if progress:
+                        took = time.perf_counter() - t0
+                        print(f"[{i}/{n}] {m.label} FAILED after {took:.1f} s: {why}")
+                    continue
+                finished[m.label] = run
+                if progress:
+                    print(f"[{i}/{n}] {m.label} done in {run.wall_s:.1f} s")
+    if failed:
+        raise EstuaryError(
+            f"{len(failed)} method(s) failed: {'; '.join(failed)}. The methods that finished "
+            f"kept their records in {out}: the same command runs only the rest"
         )
-        if progress:
-            print(f"[{i}/{len(spec.methods)}] {m.label} done in {runs[-1].wall_s:.1f} s")
-    rows = summarize(runs, spec)
-    write_tables(rows, spec, out)
-    write_plots(runs, out, spec.distances)
-    return CompareResult(out, rows, runs)
+    return finished
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, ``docker stop``) ends the block like Ctrl-C does, through its
+    ``finally`` clauses, so the jobs are stopped too (in the main thread only: elsewhere the
+    handler cannot be set, and the default stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _stopping(running: dict[subprocess.Popen[bytes], Any]) -> Iterator[None]:
+    """Whatever ends the block, the jobs still in ``running`` are stopped."""
+    try:
+        yield
+    finally:
+        _stop(list(running))
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop ``procs`` (their whole process groups): SIGTERM, then SIGKILL after
+    :data:`JOB_STOP_S`."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + JOB_STOP_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=JOB_STOP_S)
 
 
 # -- the table -------------------------------------------------------------------------------

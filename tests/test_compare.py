@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -394,3 +395,138 @@ def test_the_gpu_comparison_runs_end_to_end_shrunk(tmp_path: Path) -> None:
     dense, phd = by["FedAvg"], by["FedPhD"]
     assert phd["params_m"] == pytest.approx(0.56 * dense["params_m"], rel=0.01)
     assert phd["cloud_bytes_per_agg"] <= 0.6 * dense["cloud_bytes_per_agg"]
+
+
+def test_jobs_run_methods_in_their_own_processes_with_the_same_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--jobs 2``: every method runs in a child process (its output in its compare.log),
+    the parent writes the table from their records, a rerun reuses all of them, and the
+    rows match a sequential run's (the same training; only the thread count differs)."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    out = tmp_path / "jobs"
+    assert main(["compare", str(cfg), "--out", str(out), "--jobs", "2"]) == 0
+    said = capsys.readouterr().out
+    assert said.count("started, output in") == 3 and said.count(" done in ") == 3
+    for slug in ("fedavg", "fedphd-select", "centralized"):
+        assert (out / slug / "method.json").is_file(), slug
+        assert "done in" in (out / slug / "compare.log").read_text(), slug
+    table = (out / "table.json").read_text()
+    assert main(["compare", str(cfg), "--out", str(out), "--jobs", "2"]) == 0
+    assert capsys.readouterr().out.count("reusing the run finished earlier") == 3
+    assert (out / "table.json").read_text() == table
+
+    seq = run_compare(load_compare(cfg), tmp_path / "seq", progress=False)
+    par = {r["method"]: r for r in json.loads(table)["rows"]}
+    for row in seq.rows:
+        for key in ("fid", "is", "local_steps", "total_bytes", "params", "central_aggs"):
+            assert par[row["method"]][key] == pytest.approx(row[key], rel=1e-3), key
+
+
+def test_only_runs_the_named_methods_and_the_table_waits_for_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    out = tmp_path / "out"
+    spec = load_compare(cfg)
+    with pytest.raises(ConfigError, match=r"--only \['FedSGD'\]: no such method"):
+        run_compare(spec, out, only=["FedSGD"], progress=False)
+    with pytest.raises(ConfigError, match="jobs must be at least 1"):
+        run_compare(spec, out, jobs=0, progress=False)
+    part = run_compare(spec, out, only=["FedAvg"], evaluate=False)
+    assert [r.method.label for r in part.runs] == ["FedAvg"] and part.rows == []
+    assert part.missing == ["FedPhD (select)", "Centralized"]
+    assert not (out / "table.md").exists()
+    assert "no table yet: FedPhD (select), Centralized not run" in capsys.readouterr().out
+    stamp = (out / "fedavg" / "method.json").stat().st_mtime_ns
+    rest = run_compare(spec, out, only=["FedPhD (select)", "Centralized"], evaluate=False,
+                       fresh=True, progress=False)  # fmt: skip
+    assert rest.missing == [] and [r["method"] for r in rest.rows] == [
+        m.label for m in spec.methods
+    ]
+    assert (out / "table.md").is_file()  # fresh applies to the named methods only:
+    assert (out / "fedavg" / "method.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ConfigError, match="needs a comparison read from a file"):
+        run_compare(parse_compare(_raw(), cfg), tmp_path / "x", jobs=2, fresh=True)
+
+
+def test_a_failed_job_is_named_and_the_others_keep_their_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A method whose init file is missing fails in its process; the run fails naming it and
+    its log, the other methods' records stay, and the same command then runs only it."""
+    missing = tmp_path / "gone.safetensors"
+    old = 'overrides = {"algorithm.name" = "fedavg"}'
+    text = TINY.replace(old, old[:-1] + f', "model.init" = "{missing}"}}')
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    argv = ["compare", str(cfg), "--out", str(out), "--jobs", "2", "--no-eval"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "FedAvg FAILED" in captured.out
+    err = captured.err
+    assert "1 method(s) failed: FedAvg (exit status 2; see" in err, err
+    assert str(out / "fedavg" / "compare.log") in err
+    assert str(missing) in (out / "fedavg" / "compare.log").read_text()
+    assert not (out / "fedavg" / "method.json").exists() and not (out / "table.md").exists()
+    for slug in ("fedphd-select", "centralized"):
+        assert (out / slug / "method.json").is_file(), slug
+
+    from safetensors.torch import save_file
+
+    from shared.models import build_unet
+
+    save_file(build_unet("fmnist-tiny", seed=1).state_dict(), missing)
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert said.count("reusing the run finished earlier") == 2 and "FedAvg (fedavg" in said
+    assert (out / "table.md").is_file()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs of the live processes whose command line contains ``text``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and text in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_stopping_a_compare_with_jobs_stops_its_jobs(tmp_path: Path, sig: str) -> None:
+    """``kill`` (SIGTERM) or Ctrl-C (SIGINT) of the parent stops the running jobs too: none
+    is left training on its own."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = tmp_path / "long.toml"
+    cfg.write_text(TINY.replace("rounds = 2", "rounds = 2000"))
+    out = tmp_path / "out"
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "estuary", "compare", str(cfg), "--out", str(out), "--jobs", "2",
+         "--no-eval"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(_processes_mentioning(f"{out} --only")) < 2:
+            assert parent.poll() is None, "the comparison ended before its jobs started"
+            assert time.monotonic() < deadline, "the jobs did not start"
+            time.sleep(0.2)
+        parent.send_signal(getattr(signal, sig))
+        assert parent.wait(timeout=60) != 0
+        assert _processes_mentioning(f"{out} --only") == []
+        assert not (out / "fedavg" / "method.json").exists()
+    finally:
+        parent.kill()
+        for pid in _processes_mentioning(f"{out} --only"):
+            os.kill(pid, signal.SIGKILL)
