@@ -397,15 +397,20 @@ def test_the_gpu_comparison_runs_end_to_end_shrunk(tmp_path: Path) -> None:
     assert phd["cloud_bytes_per_agg"] <= 0.6 * dense["cloud_bytes_per_agg"]
 
 
+def _tiny_file(tmp_path: Path, text: str = TINY) -> Path:
+    """``text`` (the tiny comparison) written to ``tmp_path / "tiny.toml"``."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(text)
+    return cfg
+
+
 def test_jobs_run_methods_in_their_own_processes_with_the_same_results(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--jobs 2``: every method runs in a child process (its output in its compare.log),
     the parent writes the table from their records, a rerun reuses all of them, and the
     rows match a sequential run's (the same training; only the thread count differs)."""
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    out = tmp_path / "jobs"
+    cfg, out = _tiny_file(tmp_path), tmp_path / "jobs"
     assert main(["compare", str(cfg), "--out", str(out), "--jobs", "2"]) == 0
     said = capsys.readouterr().out
     assert said.count("started, output in") == 3 and said.count(" done in ") == 3
@@ -427,9 +432,7 @@ def test_jobs_run_methods_in_their_own_processes_with_the_same_results(
 def test_only_runs_the_named_methods_and_the_table_waits_for_the_rest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    out = tmp_path / "out"
+    cfg, out = _tiny_file(tmp_path), tmp_path / "out"
     spec = load_compare(cfg)
     with pytest.raises(ConfigError, match=r"--only \['FedSGD'\]: no such method"):
         run_compare(spec, out, only=["FedSGD"], progress=False)
@@ -459,9 +462,7 @@ def test_a_failed_job_is_named_and_the_others_keep_their_records(
     its log, the other methods' records stay, and the same command then runs only it."""
     missing = tmp_path / "gone.safetensors"
     old = 'overrides = {"algorithm.name" = "fedavg"}'
-    text = TINY.replace(old, old[:-1] + f', "model.init" = "{missing}"}}')
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(text)
+    cfg = _tiny_file(tmp_path, TINY.replace(old, old[:-1] + f', "model.init" = "{missing}"}}'))
     out = tmp_path / "out"
     argv = ["compare", str(cfg), "--out", str(out), "--jobs", "2", "--no-eval"]
     assert main(argv) == 2
