@@ -50,6 +50,11 @@ MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
 Pending = tuple[int, list[int]]
 
 
+def _no_work() -> Pending:
+    """No samples, no label counts."""
+    return 0, [0] * NUM_CLASSES
+
+
 def _plus(work: Pending, n: int, counts: Sequence[int]) -> Pending:
     """``work`` with ``n`` more samples of label counts ``counts``."""
     return work[0] + n, [a + b for a, b in zip(work[1], counts, strict=True)]
@@ -121,7 +126,7 @@ class EdgeServer(RoleService):
         #: taken back from the cloud's record: load that edge selection (eq. 25) still sees,
         #: but not work its model holds (the restart lost the edge model: it starts again
         #: from the global), so not part of the eq. 22 weight. Dropped with the period
-        self.carried: Pending = (0, [0] * NUM_CLASSES)
+        self.carried = _no_work()
 
     def _zero_parts(self) -> dict[str, int] | None:
         names = self.algorithm.part_names
@@ -256,7 +261,7 @@ class EdgeServer(RoleService):
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
                 self.acc_parts = self._zero_parts()
-                self.carried = (0, [0] * NUM_CLASSES)
+                self.carried = _no_work()
             self.pending = {}  # devices start again from the new state: their work is gone
         counts = msg.edge_counts.get(self.name)
         if self.round is None and not msg.new_global and not self.acc_n and counts:
@@ -446,7 +451,7 @@ class EdgeServer(RoleService):
         self.acc_parts = closed.acc_parts
         self.pending, self.pending_round = closed.pending, self.round
         if closed.cloud_round:
-            self.carried = (0, [0] * NUM_CLASSES)  # the period it was served in has ended
+            self.carried = _no_work()  # the period it was served in has ended
         self.send(self.topics.edge_up(self.name), closed.report)
         self.metrics.round.set(closed.report.round)
         self._publish_state()
@@ -491,7 +496,7 @@ class EdgeServer(RoleService):
             )
         # pending work left by the round just before (a chain of rounds without upload)
         before = self.pending if self.pending_round == self.round - 1 else {}
-        none: Pending = (0, [0] * NUM_CLASSES)
+        none = _no_work()
         work = {  # each contributor's, pending included
             device: _plus(before.get(device, none), msg.n_samples, msg.label_counts)
             for device, msg in contributors.items()

@@ -57,13 +57,12 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -73,6 +72,7 @@ import numpy as np
 import torch
 
 from cloud.service import sample_participants
+from estuary.launcher import stop_processes
 from shared import accounting as acc
 from shared.accounting import Distances
 from shared.algorithms import make_algorithm
@@ -88,6 +88,7 @@ from shared.naming import device_name
 from shared.partition import make_partition
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
+from shared.runtime import interrupts_as_keyboard
 from shared.training import (
     WeightAverage,
     make_optimizer,
@@ -536,6 +537,8 @@ def run_compare(
     done: dict[str, MethodRun] = {}
     todo: list[tuple[int, Method, str]] = []  # (position, method, init fingerprint)
     for i, m in enumerate(spec.methods, 1):
+        if only and m.label not in only and not tables:
+            continue  # read back only for the table (a job of --jobs reads none)
         init = _fingerprint(m)  # once per method, before it runs: the weights it starts from
         if not fresh or (only and m.label not in only):
             run, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
@@ -578,7 +581,7 @@ def run_compare(
 
 
 #: how often the parent of ``jobs`` looks at its children, and how long a child it stops
-#: (Ctrl-C, or an error in the parent) gets to exit before it is killed
+#: (Ctrl-C, ``kill``, or an error in the parent) gets to exit before it is killed
 JOB_POLL_S = 0.5
 JOB_STOP_S = 10.0
 
@@ -598,102 +601,59 @@ def _run_jobs(
     progress: bool,
 ) -> dict[str, MethodRun]:
     """Run ``todo`` in up to ``jobs`` child processes (``estuary compare --only LABEL``) and
-    read back their records; every child is stopped if this one is interrupted."""
+    read back their records; every child is stopped if this one is interrupted (Ctrl-C, or
+    SIGTERM, which unwinds the same way)."""
     assert spec.source is not None
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, _job_threads(jobs))  # torch's default intra-op threads
     queue = list(todo)
-    running: dict[subprocess.Popen[bytes], tuple[int, Method, str, float]] = {}
+    running: dict[subprocess.Popen[bytes], tuple[int, Method, str, Path, float]] = {}
     finished: dict[str, MethodRun] = {}
     failed: list[str] = []
     n = len(spec.methods)
-    with _terminate_as_exit(), _stopping(running):
-        while queue or running:
-            while queue and len(running) < jobs:
-                i, m, init = queue.pop(0)
-                log_path = out / m.slug / "compare.log"
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                cmd = [sys.executable, "-m", "estuary", "compare", str(spec.source),
-                       "--out", str(out), "--only", m.label, "--fresh", "--no-table"]  # fmt: skip
-                if not evaluate:
-                    cmd.append("--no-eval")
-                with log_path.open("wb") as log_file:
-                    proc = subprocess.Popen(
-                        cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        env=env, start_new_session=True,
-                    )  # fmt: skip
-                running[proc] = (i, m, init, time.perf_counter())
-                if progress:
-                    kind = "centralized" if m.centralized else m.cfg.algorithm.name
-                    print(f"[{i}/{n}] {m.label} ({kind}, {m.cfg.run.rounds} rounds): started, "
-                          f"output in {log_path}")  # fmt: skip
-            time.sleep(JOB_POLL_S)
-            for proc in [p for p in running if p.poll() is not None]:
-                i, m, init, t0 = running.pop(proc)
-                log_path = out / m.slug / "compare.log"
-                run, why = None, f"exit status {proc.returncode}"
-                if proc.returncode == 0:
-                    run, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
-                if run is None:
-                    failed.append(f"{m.label} ({why}; see {log_path})")
+    main = threading.current_thread() is threading.main_thread()  # signals are set there only
+    with interrupts_as_keyboard() if main else contextlib.nullcontext():
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    i, m, init = queue.pop(0)
+                    log_path = out / m.slug / "compare.log"
+                    log_path.parent.mkdir(parents=True, exist_ok=True)
+                    cmd = [sys.executable, "-m", "estuary", "compare", str(spec.source),
+                           "--out", str(out), "--only", m.label, "--fresh", "--no-table",
+                           *(() if evaluate else ("--no-eval",))]  # fmt: skip
+                    with log_path.open("wb") as log_file:
+                        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+                    running[proc] = (i, m, init, log_path, time.perf_counter())
                     if progress:
-                        took = time.perf_counter() - t0
-                        print(f"[{i}/{n}] {m.label} FAILED after {took:.1f} s: {why}")
-                    continue
-                finished[m.label] = run
-                if progress:
-                    print(f"[{i}/{n}] {m.label} done in {run.wall_s:.1f} s")
+                        kind = "centralized" if m.centralized else m.cfg.algorithm.name
+                        print(f"[{i}/{n}] {m.label} ({kind}, {m.cfg.run.rounds} rounds): "
+                              f"started, output in {log_path}")  # fmt: skip
+                time.sleep(JOB_POLL_S)
+                for proc in [p for p in running if p.poll() is not None]:
+                    i, m, init, log_path, t0 = running.pop(proc)
+                    run, why = None, f"exit status {proc.returncode}"
+                    if proc.returncode == 0:
+                        run, why = load_record(m, out / m.slug, evaluate=evaluate, init=init)
+                    if run is None:
+                        failed.append(f"{m.label} ({why}; see {log_path})")
+                        if progress:
+                            took = time.perf_counter() - t0
+                            print(f"[{i}/{n}] {m.label} FAILED after {took:.1f} s: {why}")
+                        continue
+                    finished[m.label] = run
+                    if progress:
+                        print(f"[{i}/{n}] {m.label} done in {run.wall_s:.1f} s")
+        finally:
+            stop_processes({m.label: p for p, (_, m, *_) in running.items()}, JOB_STOP_S)
     if failed:
         raise EstuaryError(
             f"{len(failed)} method(s) failed: {'; '.join(failed)}. The methods that finished "
             f"kept their records in {out}: the same command runs only the rest"
         )
     return finished
-
-
-@contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM (``kill``, ``docker stop``) ends the block like Ctrl-C does, through its
-    ``finally`` clauses, so the jobs are stopped too (in the main thread only: elsewhere the
-    handler cannot be set, and the default stays)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _exit(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _stopping(running: dict[subprocess.Popen[bytes], Any]) -> Iterator[None]:
-    """Whatever ends the block, the jobs still in ``running`` are stopped."""
-    try:
-        yield
-    finally:
-        _stop(list(running))
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Stop ``procs`` (their whole process groups): SIGTERM, then SIGKILL after
-    :data:`JOB_STOP_S`."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + JOB_STOP_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=JOB_STOP_S)
 
 
 # -- the table -------------------------------------------------------------------------------

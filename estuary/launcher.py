@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,17 +164,22 @@ class Hierarchy:
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every live process, then SIGKILL whatever is left after ``timeout_s``."""
-        live = [p for p in self.procs.values() if p.alive]
-        for p in live:
-            assert p.popen is not None
-            with contextlib.suppress(ProcessLookupError):
-                p.popen.terminate()
-        deadline = time.monotonic() + timeout_s
-        for p in live:
-            assert p.popen is not None
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM; killing it", p.name)
-                p.popen.kill()
-                p.popen.wait(5)
+        stop_processes(
+            {p.name: p.popen for p in self.procs.values() if p.alive and p.popen}, timeout_s
+        )
+
+
+def stop_processes(procs: Mapping[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """SIGTERM every process of ``procs`` (by name), then SIGKILL whatever is left after
+    ``timeout_s``; each is reaped (a kill waits at most 5 s more)."""
+    for popen in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            popen.terminate()
+    deadline = time.monotonic() + timeout_s
+    for name, popen in procs.items():
+        try:
+            popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s ignored SIGTERM; killing it", name)
+            popen.kill()
+            popen.wait(5)
