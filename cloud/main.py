@@ -22,6 +22,7 @@ from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
 from shared.errors import ConfigError, EstuaryError
+from shared.lifetime import die_with_parent
 from shared.models import init_fingerprint, initial_unet
 from shared.recorder import RunRecorder, prepare_run_dir
 from shared.report import last_quality, plot_report
@@ -29,7 +30,6 @@ from shared.runtime import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,
-    die_with_parent,
     load_role_config,
     run_until_done,
     serve_metrics,

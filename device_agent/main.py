@@ -16,11 +16,11 @@ from typing import Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
 from shared.errors import EstuaryError
+from shared.lifetime import die_with_parent
 from shared.runtime import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,
-    die_with_parent,
     load_role_config,
     serve_until_cloud_done,
     setup_logging,

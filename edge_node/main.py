@@ -13,12 +13,12 @@ from pathlib import Path
 from edge_node.service import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.errors import ConfigError, EstuaryError
+from shared.lifetime import die_with_parent
 from shared.naming import edge_ids
 from shared.runtime import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,
-    die_with_parent,
     load_role_config,
     serve_until_cloud_done,
     setup_logging,

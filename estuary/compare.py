@@ -83,6 +83,7 @@ from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError, EstuaryError
 from shared.evaluation import Evaluator
+from shared.lifetime import die_with_parent_preexec
 from shared.models import init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
 from shared.partition import make_partition
@@ -625,7 +626,8 @@ def _run_jobs(
                            *(() if evaluate else ("--no-eval",))]  # fmt: skip
                     with log_path.open("wb") as log_file:
                         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+                                                stdin=subprocess.DEVNULL, env=env,
+                                                preexec_fn=die_with_parent_preexec())  # fmt: skip
                     running[proc] = (i, m, init, log_path, time.perf_counter())
                     if progress:
                         kind = "centralized" if m.centralized else m.cfg.algorithm.name

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import functools
 import importlib.util
 import itertools
@@ -34,10 +33,8 @@ import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -50,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import paho.mqtt.client as mqtt
 
 from shared.errors import ConfigError, TransportError
+from shared.lifetime import die_with_parent_preexec
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +64,6 @@ _MAX_INFLIGHT_MESSAGES = 100
 # With persistence on, how stale the on-disk database may be after a crash (kill()).
 _AUTOSAVE_INTERVAL_S = 5
 _LOG_TAIL_LINES = 30
-_PR_SET_PDEATHSIG = 1
 _probe_ids = itertools.count()
 
 
@@ -349,7 +346,7 @@ class LocalBroker:
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
                 start_new_session=False,
-                preexec_fn=_die_with_parent_fn(),
+                preexec_fn=die_with_parent_preexec(),
             )
         proc = self._proc
         log.debug("mosquitto pid %d starting with %s", proc.pid, conf)
@@ -607,35 +604,3 @@ def _wait_quietly(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         log.error("broker pid %d still alive %.1fs after SIGKILL", proc.pid, timeout_s)
-
-
-@functools.cache
-def _libc_prctl() -> Callable[..., int] | None:
-    """libc's prctl, loaded in the parent (dlopen after fork is unsafe); None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-def _die_with_parent_fn() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies.
-
-    Linux ties the signal to the parent *thread* that forked, so start the broker from a
-    thread that outlives it (normally the main thread). Fails soft: no prctl, no signal.
-    """
-    prctl = _libc_prctl()
-    if prctl is None:
-        return None
-    parent_pid = os.getpid()
-
-    def preexec() -> None:
-        with contextlib.suppress(Exception):
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-            if os.getppid() != parent_pid:  # the parent died before prctl took effect
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec

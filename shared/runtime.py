@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -30,7 +29,6 @@ from shared.service import RoleService
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
-_PR_SET_PDEATHSIG = 1
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -72,15 +70,6 @@ def setup_logging(level: str, name: str) -> None:
         stream=sys.stdout,
         force=True,
     )
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans after a crash)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -500,10 +500,10 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_stopping_a_compare_with_jobs_stops_its_jobs(tmp_path: Path, sig: str) -> None:
-    """``kill`` (SIGTERM) or Ctrl-C (SIGINT) of the parent stops the running jobs too: none
-    is left training on its own."""
+    """``kill`` (SIGTERM) or Ctrl-C (SIGINT) of the parent stops the running jobs too, and
+    jobs whose parent was SIGKILLed stop on their own: none is left training."""
     import signal
     import subprocess
     import sys
@@ -525,6 +525,9 @@ def test_stopping_a_compare_with_jobs_stops_its_jobs(tmp_path: Path, sig: str) -
             time.sleep(0.2)
         parent.send_signal(getattr(signal, sig))
         assert parent.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30  # after SIGKILL, the jobs get SIGTERM from Linux
+        while _processes_mentioning(f"{out} --only") and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _processes_mentioning(f"{out} --only") == []
         assert not (out / "fedavg" / "method.json").exists()
     finally:
