@@ -331,9 +331,10 @@ class CloudServer(RoleService):
         self.send(self.topics.cloud_round, msg, retain=True)
         self._publish_state("training")
         # edges close at their deadline; give them time to aggregate and report
-        self.timer = self.ep.call_later(
-            self.cfg.federation.round_deadline_s * 1.5 + 10, self._on_deadline
-        )
+        deadline_s = self.cfg.federation.round_deadline_s * 1.5 + 10
+        self.metrics.round_started.set(time.time())
+        self.metrics.round_deadline.set(deadline_s)
+        self.timer = self.ep.call_later(deadline_s, self._on_deadline)
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""

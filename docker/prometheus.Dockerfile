@@ -10,7 +10,7 @@ LABEL org.opencontainers.image.title="estuary-prometheus" \
 COPY docker/os-setup.sh /usr/local/sbin/estuary-os-setup
 RUN estuary-os-setup prometheus \
     && install -d -o 10001 -g 10001 -m 0750 /prometheus
-COPY docker/prometheus.yml /etc/prometheus/prometheus.yml
+COPY docker/prometheus.yml docker/estuary-rules.yml /etc/prometheus/
 USER 10001:10001
 EXPOSE 9090
 VOLUME ["/prometheus"]

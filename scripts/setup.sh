@@ -4,6 +4,8 @@
 #   - PyTorch 2.13.0 CPU build first (so no CUDA wheels get pulled in),
 #   - the Mosquitto MQTT broker from Debian (when root and missing; else the embedded amqtt
 #     broker from the "broker" extra is used),
+#   - Prometheus from Debian (when root and missing): the tests run promtool and a real
+#     Prometheus server on the shipped alerting rules,
 #   - this package in editable mode with the train, dev and broker extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,19 @@ if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
     (systemctl disable --now mosquitto 2>/dev/null || service mosquitto stop 2>/dev/null) || true
   else
     echo "note: mosquitto not found; estuary demo will use the embedded amqtt broker" >&2
+  fi
+fi
+
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> installing Prometheus (apt: prometheus; the rules tests use it)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    # the tests start their own servers; the packaged system service is not needed
+    (systemctl disable --now prometheus 2>/dev/null || service prometheus stop 2>/dev/null) || true
+  else
+    echo "note: prometheus not found; the Prometheus rules tests will be skipped" >&2
   fi
 fi
 

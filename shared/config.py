@@ -274,6 +274,13 @@ class MetricsSection(_Section):
     enabled: bool = True
     addr: str = "0.0.0.0"
     port: int = Field(9100, ge=0, le=65_535, description="0 = any free port")
+    final_scrape_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="after a clean finish, keep /metrics up until Prometheus has scraped the "
+        "final state (the cloud's phase 'done'), at most this long; 0 = exit at once",
+    )
 
 
 class ComputeSection(_Section):

@@ -25,9 +25,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
-from typing import Final
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,8 +36,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -68,6 +69,8 @@ SAMPLING_BUCKETS: Final = (
 )  # fmt: skip
 
 STOP_TIMEOUT_S: Final = 5.0
+#: WSGI name of the header Prometheus sends with every scrape (health probes do not)
+PROMETHEUS_SCRAPE_HEADER: Final = "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS"
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -129,12 +132,13 @@ class RoleMetrics:
     """The metrics of one role instance, in a registry of its own.
 
     The attributes are plain prometheus_client objects for the service to update:
-    ``round``, ``phase`` (states :data:`PHASES`), ``round_seconds``, ``aggregation_seconds``,
-    ``training_seconds``, ``devices`` (label ``edge``), ``sh_score`` (label ``edge``),
-    ``model_params``, ``model_bytes``, ``images_generated``, ``sampling_seconds``,
-    ``images_per_second``, ``deployments`` (label ``outcome``, :data:`DEPLOY_OUTCOMES`),
-    ``deployed`` (label ``sha256``) and ``updates`` (label ``outcome``, one of
-    :data:`UPDATE_OUTCOMES`).
+    ``round``, ``round_started`` and ``round_deadline`` (the cloud's open round: when it opened
+    and how long it may stay open), ``phase`` (states :data:`PHASES`), ``round_seconds``,
+    ``aggregation_seconds``, ``training_seconds``, ``devices`` (label ``edge``), ``sh_score``
+    (label ``edge``), ``model_params``, ``model_bytes``, ``images_generated``,
+    ``sampling_seconds``, ``images_per_second``, ``deployments`` (label ``outcome``,
+    :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``) and ``updates`` (label
+    ``outcome``, one of :data:`UPDATE_OUTCOMES`).
     """
 
     def __init__(self, role: str, name: str, traffic: Traffic | None = None) -> None:
@@ -149,6 +153,9 @@ class RoleMetrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Prometheus scrapes: sequence numbers of the last one begun and the last one answered
+        self._scrapes = threading.Condition()
+        self._scrape_begun = self._scrape_answered = 0
         reg = self.registry
 
         info = Gauge(
@@ -156,6 +163,16 @@ class RoleMetrics:
         )
         info.labels(role=role, instance=name).set(1)
         self.round = Gauge("estuary_round", "Current federated round.", registry=reg)
+        self.round_started = Gauge(
+            "estuary_round_start_time_seconds",
+            "Unix time the current round opened (cloud).",
+            registry=reg,
+        )
+        self.round_deadline = Gauge(
+            "estuary_round_deadline_seconds",
+            "How long the current round may stay open before it is closed (cloud).",
+            registry=reg,
+        )
         self.phase = Enum(
             "estuary_phase", "What the role is doing now.", states=list(PHASES), registry=reg
         )
@@ -233,14 +250,47 @@ class RoleMetrics:
                     " call stop() first"
                 )
             try:
-                self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+                server = _make_server(addr, port, self._app())
             except OSError as exc:
                 raise ConfigError(
                     f"cannot serve metrics on {addr}:{port} ({exc}); pick a free port or 0"
                 ) from exc
-            bound = int(self._server.server_port)
+            thread = threading.Thread(
+                target=server.serve_forever, name=f"metrics-{self.name}", daemon=True
+            )
+            thread.start()
+            self._server, self._thread = server, thread
+            bound = int(server.server_port)
         log.info("%s %s metrics on http://%s:%d/metrics", self.role, self.name, addr, bound)
         return bound
+
+    def _app(self) -> Callable[..., Iterable[bytes]]:
+        """prometheus_client's WSGI app, noting which requests are Prometheus scrapes."""
+        app = make_wsgi_app(self.registry)
+
+        def noting(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if PROMETHEUS_SCRAPE_HEADER not in environ:
+                return app(environ, start_response)  # a health probe, a person, a test
+            with self._scrapes:
+                self._scrape_begun += 1
+                mine = self._scrape_begun
+            body = app(environ, start_response)  # the whole exposition, rendered now
+            with self._scrapes:
+                self._scrape_answered = max(self._scrape_answered, mine)
+                self._scrapes.notify_all()
+            return body
+
+        return noting
+
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until Prometheus has scraped a rendering made after
+        this call, so the final state (phase ``done``, last counters) is recorded before the
+        process exits; False on timeout or when not serving."""
+        if self.port is None:
+            return False
+        with self._scrapes:
+            mark = self._scrape_begun
+            return self._scrapes.wait_for(lambda: self._scrape_answered > mark, timeout_s)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop serving and free the port; waits at most about ``timeout_s``. Idempotent."""
@@ -311,3 +361,21 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     except (urllib.error.URLError, OSError) as exc:
         raise TransportError(f"cannot scrape {url}: {exc}") from exc
     return parse_exposition(text)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _make_server(addr: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:
+    """A threading WSGI server for ``app`` on ``addr:port`` (IPv4 or IPv6, as ``addr`` is)."""
+    info = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = info[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    return make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)

@@ -160,6 +160,13 @@ def run_until_done(
             service.stop()
         t0 = time.monotonic()
         bus.close()
+        closed_s = time.monotonic() - t0
+        wait_s = service.cfg.metrics.final_scrape_s
+        if code == EXIT_OK and wait_s > 0 and service.metrics.port is not None:
+            # the alerts tell a finished run from a crash by the last phase Prometheus saw
+            seen = service.metrics.wait_for_scrape(wait_s)
+            log.info("%s: final state %s", service.name,
+                     "scraped" if seen else f"not scraped within {wait_s:g} s")  # fmt: skip
         service.metrics.stop()
-        log.info("%s: disconnected (%.2fs)", service.name, time.monotonic() - t0)
+        log.info("%s: disconnected (%.2fs)", service.name, closed_s)
     return code

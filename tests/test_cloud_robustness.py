@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from shared.broker import LocalBroker, find_mosquitto
 from shared.bus import MemoryBus
 from shared.errors import ConfigError
 from shared.messages import DeviceHello, EdgeUpdate, Topics, encode
+from shared.metrics import parse_exposition
 from shared.models import initial_unet
 from tests.conftest import tiny_config
 
@@ -58,6 +60,26 @@ def _report(
         label_counts=counts, devices=[], train_seconds=0.0, part_samples=part_samples,
     )  # fmt: skip
     ep.publish(topics.edge_up(edge), encode(msg), kind="m")
+
+
+def test_an_open_round_exposes_when_it_opened_and_its_deadline() -> None:
+    """What the EstuaryRoundStalled alert reads (docker/estuary-rules.yml): the cloud's round
+    start as Unix time and how long the round may stay open (1.5 x the edges' deadline +
+    10 s); both move on with the next round."""
+    before = time.time()
+    bus, cloud, ep, topics = _cloud()
+    samples = parse_exposition(cloud.metrics.render().decode())
+    started = samples["estuary_round_start_time_seconds"]
+    assert before <= started <= time.time()
+    assert samples["estuary_round_deadline_seconds"] == 60 * 1.5 + 10
+    assert samples['estuary_phase{estuary_phase="training"}'] == 1
+    for edge in ("edge0", "edge1"):
+        _report(cloud, ep, topics, edge, [1] * 10)
+    assert bus.run(lambda: cloud.round == 1)
+    assert (
+        parse_exposition(cloud.metrics.render().decode())["estuary_round_start_time_seconds"]
+        >= started
+    )
 
 
 @pytest.mark.parametrize("counts", [[], [1] * 9, [2] * 10], ids=["empty", "nine", "bad_sum"])

@@ -182,3 +182,30 @@ def test_sample_key_sorts_and_escapes_labels() -> None:
 def test_garbage_exposition_is_a_codec_error() -> None:
     with pytest.raises(CodecError):
         parse_exposition("metric{ not valid\n")
+
+
+def test_wait_for_scrape_counts_prometheus_scrapes_made_after_the_call(
+    edge: RoleMetrics,
+) -> None:
+    """Only a request with Prometheus's scrape header, begun after the call, ends the wait; a
+    health probe's plain GET does not, and the wait is bounded."""
+    import threading
+    import urllib.request
+
+    assert not edge.wait_for_scrape(0.1)  # not serving
+    port = edge.serve(0, HOST)
+
+    def get(prometheus: bool) -> None:
+        headers = {"X-Prometheus-Scrape-Timeout-Seconds": "4"} if prometheus else {}
+        with urllib.request.urlopen(urllib.request.Request(url(port), headers=headers)) as r:
+            assert b"estuary_round" in r.read()
+
+    get(prometheus=True)  # before the call: does not count
+    probe = threading.Timer(0.2, get, kwargs={"prometheus": False})
+    probe.start()
+    assert not edge.wait_for_scrape(1.0)
+    probe.join()
+    scraper = threading.Timer(0.2, get, kwargs={"prometheus": True})
+    scraper.start()
+    assert edge.wait_for_scrape(10.0)
+    scraper.join()
