@@ -22,30 +22,28 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z
   fi
 fi
 
-if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
+# apt-get install the Debian package $1 (what it is: $2) when root, else say $3; we start our
+# own servers, so the packaged system service is stopped
+install_server_package() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> installing the Mosquitto broker (apt: mosquitto)"
+    echo "==> installing $2 (apt: $1)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends mosquitto >/dev/null
-    # we start our own brokers; the packaged system service is not needed
-    (systemctl disable --now mosquitto 2>/dev/null || service mosquitto stop 2>/dev/null) || true
+    apt-get install -y -qq --no-install-recommends "$1" >/dev/null
+    (systemctl disable --now "$1" 2>/dev/null || service "$1" stop 2>/dev/null) || true
   else
-    echo "note: mosquitto not found; estuary demo will use the embedded amqtt broker" >&2
+    echo "note: $1 not found; $3" >&2
   fi
+}
+
+if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
+  install_server_package mosquitto "the Mosquitto broker" \
+    "estuary demo will use the embedded amqtt broker"
 fi
 
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> installing Prometheus (apt: prometheus; the rules tests use it)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-    # the tests start their own servers; the packaged system service is not needed
-    (systemctl disable --now prometheus 2>/dev/null || service prometheus stop 2>/dev/null) || true
-  else
-    echo "note: prometheus not found; the Prometheus rules tests will be skipped" >&2
-  fi
+  install_server_package prometheus "Prometheus, for the rules tests" \
+    "the Prometheus rules tests will be skipped"
 fi
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then

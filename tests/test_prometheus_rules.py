@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from estuary.launcher import stop_processes
 from shared.broker import free_port
 from shared.metrics import RoleMetrics, parse_exposition
 from shared.telemetry import Traffic
@@ -167,12 +168,7 @@ def prometheus(tmp_path: Path, cloud_metrics: RoleMetrics) -> Iterator[str]:
         _until(lambda: _ready(url), 60, tmp_path / "prometheus.log")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_processes({"prometheus": proc}, 20)
         log.close()
 
 
