@@ -35,6 +35,7 @@ from prometheus_client import (
     Enum,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
     make_wsgi_app,
 )
@@ -138,7 +139,9 @@ class RoleMetrics:
     (label ``edge``), ``model_params``, ``model_bytes``, ``images_generated``,
     ``sampling_seconds``, ``images_per_second``, ``deployments`` (label ``outcome``,
     :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``) and ``updates`` (label
-    ``outcome``, one of :data:`UPDATE_OUTCOMES`).
+    ``outcome``, one of :data:`UPDATE_OUTCOMES`). The registry also carries the traffic
+    counters (:class:`TrafficCollector`) and the process's CPU time, memory, open files and
+    start time (prometheus_client's ``process_*`` metrics).
     """
 
     def __init__(self, role: str, name: str, traffic: Traffic | None = None) -> None:
@@ -234,6 +237,9 @@ class RoleMetrics:
         for outcome in UPDATE_OUTCOMES:
             self.updates.labels(outcome=outcome)  # exposed as 0 before the first update
         reg.register(TrafficCollector(self.traffic))
+        # the process's load: process_cpu_seconds_total, process_resident_memory_bytes,
+        # process_open_fds / process_max_fds, process_start_time_seconds (Linux /proc)
+        ProcessCollector(registry=reg)
 
     @property
     def port(self) -> int | None:

@@ -209,3 +209,13 @@ def test_wait_for_scrape_counts_prometheus_scrapes_made_after_the_call(
     scraper.start()
     assert edge.wait_for_scrape(10.0)
     scraper.join()
+
+
+def test_the_process_load_is_exposed(edge: RoleMetrics) -> None:
+    """CPU time, memory, open files and start time of the role's process (Linux /proc), what
+    the estuary:cpu_cores and EstuaryRoleRestarted rules read."""
+    samples = scrape(url(edge.serve(0, HOST)))
+    assert samples["process_cpu_seconds_total"] > 0
+    assert samples["process_resident_memory_bytes"] > 1 << 20
+    assert 0 < samples["process_open_fds"] < samples["process_max_fds"]
+    assert samples["process_start_time_seconds"] > 1.7e9
