@@ -242,8 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_model_info)
 
     from estuary.deploy_cli import add_parsers
+    from estuary.status import add_parser as add_status_parser
 
     add_parsers(sub)
+    add_status_parser(sub)
     return p
 
 

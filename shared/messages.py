@@ -113,6 +113,11 @@ class Topics:
         """Subscription pattern for every edge's presence."""
         return f"{self.base}/edge/+/status"
 
+    @property
+    def all_edge_state(self) -> str:
+        """Subscription pattern for every edge's retained state."""
+        return f"{self.base}/edge/+/state"
+
     def blob_chunk(self, src: str, sha256: str, chunk_bytes: int, index: int | str) -> str:
         """Chunk ``index`` of a blob served by ``src`` (``index`` may be ``+`` or ``missing``)."""
         return f"{self.base}/{src}/blob/{sha256}/{chunk_bytes}/{index}"

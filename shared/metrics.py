@@ -49,7 +49,7 @@ from shared.telemetry import Traffic
 
 log = logging.getLogger(__name__)
 
-ROLES: Final = ("cloud", "edge", "device")
+ROLES: Final = ("cloud", "edge", "device", "observer")  # observer: estuary status
 PHASES: Final = ("idle", "waiting", "training", "aggregating", "deploying", "done")
 """States of ``estuary_phase``; the first one is the state a fresh role starts in."""
 UPDATE_OUTCOMES: Final = ("accepted", "rejected", "late", "duplicate")

@@ -1,0 +1,262 @@
+"""``estuary status CONFIG``: where a federation stands, read from the broker.
+
+Every role keeps its current state retained on the broker: the cloud's phase, round and
+global model (``cloud/state``), every role's presence (``.../status``, which the broker turns
+to offline as the last will of a role that drops), each edge's state (``edge/{e}/state``),
+each device's registration (``device/{d}/hello``) and its last deployment report
+(``device/{d}/deploy``). This command subscribes to those topics for ``--wait-s`` seconds
+and prints them, so an operator sees a live federation from any machine that reaches the
+broker, without Prometheus, and changes nothing: it publishes no presence and has no last
+will, and it listens under a home of its own (``observer/...``), so it never answers a role's
+blob requests. Every message is validated like the roles do; one that does not parse or
+comes from the wrong sender is counted and named, and the rest are shown.
+
+It needs read access to the run's topics: the credentials of any role do, or an account with
+``topic read estuary/v1/{run}/#`` on a provisioned broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.config import RunConfig
+from shared.errors import EstuaryError
+from shared.messages import (
+    CloudState,
+    DeploymentReport,
+    DeviceHello,
+    EdgeState,
+    Presence,
+)
+from shared.mqtt import MqttBus
+from shared.naming import device_name, edge_ids
+from shared.service import RoleService
+
+#: seconds to listen for retained messages, by default
+DEFAULT_WAIT_S = 2.0
+#: the most seconds one may ask to listen
+MAX_WAIT_S = 600.0
+
+
+@dataclass
+class EdgeView:
+    """What the broker holds for one edge."""
+
+    online: bool | None = None  # None: no presence retained
+    state: EdgeState | None = None
+
+
+@dataclass
+class DeviceView:
+    """What the broker holds for one device."""
+
+    online: bool | None = None
+    hello: DeviceHello | None = None
+    report: DeploymentReport | None = None
+
+
+@dataclass
+class FederationStatus:
+    """A federation as its retained messages describe it."""
+
+    run: str
+    digest: str  # of the config this command was given
+    rounds: int
+    cloud: CloudState | None = None
+    cloud_online: bool | None = None
+    edges: dict[str, EdgeView] = field(default_factory=dict)
+    devices: dict[str, DeviceView] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``--json``)."""
+
+        def dump(msg: Any) -> Any:
+            return None if msg is None else msg.model_dump(mode="json")
+
+        return {
+            "run": self.run,
+            "config_digest": self.digest,
+            "same_config": None if self.cloud is None else self.cloud.config_digest == self.digest,
+            "rounds": self.rounds,
+            "cloud": {"online": self.cloud_online, "state": dump(self.cloud)},
+            "edges": {
+                e: {"online": v.online, "state": dump(v.state)} for e, v in self.edges.items()
+            },
+            "devices": {
+                d: {"online": v.online, "hello": dump(v.hello), "deploy": dump(v.report)}
+                for d, v in self.devices.items()
+            },
+            "rejected": self.rejected,
+        }
+
+
+class StatusObserver(RoleService):
+    """A read-only endpoint that records the retained state of one run."""
+
+    role = "observer"
+
+    def __init__(self, name: str, cfg: RunConfig, bus: Any) -> None:
+        super().__init__(name, cfg, bus)
+        self.status = FederationStatus(
+            cfg.run.name, cfg.digest(), cfg.run.rounds,
+            edges={e: EdgeView() for e in edge_ids(cfg)},
+            devices={device_name(i): DeviceView() for i in range(cfg.federation.num_devices)},
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Subscribe to every retained topic of the run (no presence of its own)."""
+        t, st = self.topics, self.status
+        self.on(t.cloud_state, CloudState, self._cloud, "msg_cloud_state")
+        self.on(t.status("cloud"), Presence, self._presence, "msg_presence")
+        self.on(t.all_edge_status, Presence, self._presence, "msg_presence")
+        self.on(t.all_device_status, Presence, self._presence, "msg_presence")
+        self.on(
+            t.all_edge_state,
+            EdgeState,
+            lambda m: setattr(st.edges.setdefault(m.edge, EdgeView()), "state", m),
+            "msg_edge_state",
+        )
+        self.on(
+            t.all_device_hello,
+            DeviceHello,
+            lambda m: setattr(st.devices.setdefault(m.device, DeviceView()), "hello", m),
+            "msg_hello",
+        )
+        self.on(
+            t.all_device_deploy,
+            DeploymentReport,
+            lambda m: setattr(st.devices.setdefault(m.device, DeviceView()), "report", m),
+            "msg_deploy_report",
+        )
+
+    def _cloud(self, msg: CloudState) -> None:
+        self.status.cloud = msg
+
+    def _presence(self, msg: Presence) -> None:
+        st = self.status
+        if msg.role == "cloud":
+            st.cloud_online = msg.online
+        elif msg.role == "edge":
+            st.edges.setdefault(msg.name, EdgeView()).online = msg.online
+        elif msg.role == "device":
+            st.devices.setdefault(msg.name, DeviceView()).online = msg.online
+
+
+def collect_status(cfg: RunConfig, bus: MqttBus, wait_s: float) -> FederationStatus:
+    """Listen on ``bus`` (an :class:`~shared.mqtt.MqttBus`, connected) for ``wait_s`` seconds
+    and return what the run's retained messages say."""
+    observer = StatusObserver(f"status-{os.getpid()}", cfg, bus)
+    observer.start()
+    bus.pump(wait_s)
+    prefix = f"{observer.role}:"
+    observer.status.rejected = {
+        key.removeprefix(prefix): n
+        for key, n in bus.traffic.snapshot()["rejected"].items()
+        if key.startswith(prefix)
+    }
+    return observer.status
+
+
+def _online(flag: bool | None) -> str:
+    return {True: "online", False: "offline", None: "unknown"}[flag]
+
+
+def _sha(sha: str | None) -> str:
+    return sha[:12] if sha else "-"
+
+
+def format_status(st: FederationStatus, where: str) -> str:
+    """The human-readable report."""
+    lines = [f'run "{st.run}" on {where}']
+    c = st.cloud
+    if c is None:
+        lines.append(
+            f"cloud   {_online(st.cloud_online)}; no cloud state retained: no run with this name "
+            "has started on this broker"
+        )
+    else:
+        same = (
+            "this config"
+            if c.config_digest == st.digest
+            else (f"ANOTHER config (digest {c.config_digest[:12]}, this file {st.digest[:12]})")
+        )
+        model = _sha(c.model_ref.sha256 if c.model_ref else None)
+        lines.append(
+            f"cloud   {_online(st.cloud_online):8} {c.phase:9} round {c.round} of {st.rounds}   "
+            f"global model {model}   running {same}"
+        )
+    online = sum(v.online is True for v in st.edges.values())
+    lines.append(f"edges   {online} of {len(st.edges)} online")
+    for name, e in sorted(st.edges.items()):
+        if e.state is None:
+            what = "no state retained"
+        else:
+            last = "none yet" if e.state.round is None else str(e.state.round)
+            what = (f"last closed round {last}: {e.state.devices_last_round} devices; "
+                    f"{e.state.n_samples} samples since the last cloud aggregation")  # fmt: skip
+        lines.append(f"  {name:8} {_online(e.online):8} {what}")
+    online = sum(v.online is True for v in st.devices.values())
+    lines.append(f"devices {online} of {len(st.devices)} online")
+    for name, d in sorted(st.devices.items()):
+        if d.hello is None and d.online is None and d.report is None:
+            lines.append(f"  {name:8} never seen")
+            continue
+        home = f"home {d.hello.home_edge}, {d.hello.n_samples} samples" if d.hello else "no hello"
+        lines.append(f"  {name:8} {_online(d.online):8} {home}   {_report(d.report)}")
+    if st.rejected:
+        named = ", ".join(f"{r} x{n}" for r, n in sorted(st.rejected.items()))
+        lines.append(f"rejected {sum(st.rejected.values())} message(s): {named} "
+                     "(run with -v to see each)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _report(r: DeploymentReport | None) -> str:
+    if r is None:
+        return "no deployment report"
+    if r.event == "refused":
+        return f"REFUSED {_sha(r.model_sha256)}: {r.reason}"
+    serving = f"serving {_sha(r.serving or r.model_sha256)}"
+    if r.event == "sampled":
+        return (f"{serving}; sampled {r.n} in {r.steps} steps at {r.images_per_s:.2f} images/s "
+                f"({r.provider or 'unknown provider'})")  # fmt: skip
+    return f"{serving} (loaded)"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``estuary status``: 0 when the run's cloud state was found, 1 when not."""
+    from shared.runtime import load_role_config
+
+    if not 0 < args.wait_s <= MAX_WAIT_S:
+        raise EstuaryError(f"--wait-s must be in (0, {MAX_WAIT_S:g}], got {args.wait_s:g}")
+    cfg = load_role_config(args)
+    b = cfg.broker
+    bus = MqttBus(
+        b, run=cfg.run.name, client_id=f"{cfg.run.name}-status-{os.getpid()}",
+        home=f"observer/status-{os.getpid()}", will=None,
+    )  # fmt: skip
+    bus.connect()
+    try:
+        st = collect_status(cfg, bus, args.wait_s)
+    finally:
+        bus.close()
+    if args.json:
+        print(json.dumps(st.as_dict(), indent=2))
+    else:
+        print(format_status(st, f"{b.host}:{b.port}"))
+    return 0 if st.cloud is not None else 1
+
+
+def add_parser(sub: Any) -> None:
+    """The ``status`` subcommand."""
+    s = sub.add_parser("status", help="where a running federation stands (from the broker)")
+    s.add_argument("config", help="run config (run name, broker address and credentials)")
+    s.add_argument("--broker", help="HOST:PORT (overrides broker.host/port)")
+    s.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
+                   help=f"seconds to listen (default {DEFAULT_WAIT_S:g})")  # fmt: skip
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_status, metrics_port=-1)

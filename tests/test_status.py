@@ -1,0 +1,146 @@
+"""``estuary status`` against a real mosquitto holding the retained state of a real run."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from estuary.cli import main
+from shared.broker import LocalBroker
+from shared.config import RunConfig
+from shared.messages import DeviceHello, Topics, encode
+from tests.conftest import tiny_config
+from tests.mqtt_probe import close, connect
+from tests.test_mqtt_federation import _run_over_mqtt
+
+RUN = "status-run"
+ROLE_TREES = ("cloud", "edge", "device")
+
+
+@pytest.fixture(scope="module")
+def finished() -> Iterator[tuple[LocalBroker, RunConfig]]:
+    """A mosquitto that served a whole 2-round federation (cloud, 2 edges, 4 devices)."""
+    cfg = tiny_config(
+        run={"name": RUN, "rounds": 2}, federation={"num_devices": 4, "num_edges": 2},
+        train={"threads": 1},
+    )  # fmt: skip
+    with LocalBroker(kind="mosquitto") as broker:
+        _run_over_mqtt(cfg, broker)
+        yield broker, cfg
+
+
+def _config_file(tmp_path: Path, cfg: RunConfig) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    return str(path)
+
+
+def _status(
+    tmp_path: Path, broker: LocalBroker, cfg: RunConfig, *extra: str
+) -> tuple[int, list[str]]:
+    argv = ["status", _config_file(tmp_path, cfg), "--broker", f"127.0.0.1:{broker.port}",
+            "--wait-s", "1.5", *extra]  # fmt: skip
+    return main(argv), argv
+
+
+def test_status_reads_the_run_from_the_broker(
+    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broker, cfg = finished
+    code, _ = _status(tmp_path, broker, cfg, "--json")
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["cloud"]["state"]["phase"] == "done" and doc["cloud"]["state"]["round"] == 2
+    assert doc["same_config"] is True and doc["rounds"] == 2
+    assert sorted(doc["edges"]) == ["edge0", "edge1"]
+    for edge in doc["edges"].values():
+        assert edge["online"] is True  # these roles closed without a goodbye: still retained
+        assert edge["state"]["round"] == 1  # the last round each edge closed
+    assert sorted(doc["devices"]) == ["dev000", "dev001", "dev002", "dev003"]
+    homes = {d: v["hello"]["home_edge"] for d, v in doc["devices"].items()}
+    assert set(homes.values()) == {"edge0", "edge1"}
+    assert doc["rejected"] == {}
+
+    code, _ = _status(tmp_path, broker, cfg)
+    text = capsys.readouterr().out
+    assert code == 0
+    assert f'run "{RUN}" on 127.0.0.1:{broker.port}' in text
+    assert "done      round 2 of 2" in text and "running this config" in text
+    assert "edges   2 of 2 online" in text and "devices 4 of 4 online" in text
+    assert "home edge0" in text and "no deployment report" in text
+
+
+def test_another_config_and_an_unknown_run_are_named(
+    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broker, cfg = finished
+    other = tiny_config(run={"name": RUN, "rounds": 7}, federation={"num_devices": 4})
+    assert _status(tmp_path, broker, other)[0] == 0
+    assert "ANOTHER config (digest" in capsys.readouterr().out
+
+    nobody = tiny_config(run={"name": "no-such-run"})
+    assert _status(tmp_path, broker, nobody)[0] == 1
+    text = capsys.readouterr().out
+    assert "no cloud state retained" in text and "dev000   never seen" in text
+
+    assert _status(tmp_path, broker, cfg, "--wait-s", "0")[0] == 2
+    assert "--wait-s must be in (0, 600]" in capsys.readouterr().err
+
+
+def test_bad_retained_messages_are_counted_and_the_rest_shown(
+    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hello that does not parse, and one for dev001 on dev003's topic (wrong sender), are
+    rejected with their reasons; the other devices' state is still reported."""
+    broker, cfg = finished
+    topics = Topics(RUN)
+    client, rc = connect("127.0.0.1", broker.port, None, None)
+    assert rc == 0
+    bad = DeviceHello(device="dev001", home_edge="edge0", n_samples=1, label_counts=[1] * 10)
+    try:
+        for topic, payload in ((topics.device_hello("dev002"), b"{not json"),
+                               (topics.device_hello("dev003"), encode(bad))):  # fmt: skip
+            client.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
+        assert _status(tmp_path, broker, cfg, "--json")[0] == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert sum(doc["rejected"].values()) == 2 and "wrong_sender" in doc["rejected"]
+        assert doc["devices"]["dev002"]["hello"] is None
+        assert doc["devices"]["dev003"]["hello"] is None
+        assert doc["devices"]["dev000"]["hello"]["device"] == "dev000"
+        assert _status(tmp_path, broker, cfg)[0] == 0
+        assert "rejected 2 message(s)" in capsys.readouterr().out
+    finally:
+        for d in ("dev002", "dev003"):  # leave the module's broker as the run left it
+            client.publish(topics.device_hello(d), b"", qos=1, retain=True).wait_for_publish(10)
+        close(client)
+
+
+def test_status_leaves_nothing_on_the_broker(
+    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It publishes nothing retained (no presence): after a status call, every retained topic
+    of the run is still one of the roles' own (cloud, edge, device)."""
+    broker, cfg = finished
+    assert _status(tmp_path, broker, cfg)[0] == 0
+    capsys.readouterr()
+    client, rc = connect("127.0.0.1", broker.port, None, None)
+    assert rc == 0
+    retained: set[str] = set()
+
+    def on_message(_c: mqtt.Client, _u: object, msg: mqtt.MQTTMessage) -> None:
+        if msg.retain:
+            retained.add(msg.topic)
+
+    client.on_message = on_message
+    client.subscribe(f"estuary/v1/{RUN}/#", qos=1)
+    time.sleep(1.5)
+    close(client)
+    assert retained, "the run left no retained state"
+    prefix = f"estuary/v1/{RUN}/"
+    others = [t for t in retained if t.removeprefix(prefix).split("/")[0] not in ROLE_TREES]
+    assert not others, others
