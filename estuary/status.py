@@ -11,8 +11,8 @@ will, and it listens under a home of its own (``observer/...``), so it never ans
 blob requests. Every message is validated like the roles do; one that does not parse or
 comes from the wrong sender is counted and named, and the rest are shown.
 
-It needs read access to the run's topics: the credentials of any role do, or an account with
-``topic read estuary/v1/{run}/#`` on a provisioned broker.
+It needs read access to the run's topics: on a provisioned broker the cloud's or an edge's
+credentials (``topic read estuary/v1/{run}/#``); a device may not read other devices' topics.
 """
 
 from __future__ import annotations
