@@ -377,6 +377,26 @@ def test_devices_wrote_grids_from_the_deployed_model(stack: Stack) -> None:
         assert list(deploy.rglob("model.onnx")), f"{device} kept no deployed model"
 
 
+def test_status_reads_the_finished_run_through_the_acl(stack: Stack) -> None:
+    """``estuary status`` with the cloud's credentials on the provisioned broker: the run is
+    done, every role said goodbye, and every device sampled the deployed model."""
+    creds = stack.copy_out("provision", "/provision/credentials")
+    env = {**os.environ, "ESTUARY__BROKER__USERNAME": "cloud",
+           "ESTUARY_MQTT_PASSWORD": (creds / "cloud.password").read_text()}  # fmt: skip
+    config = str(ROOT / "docker" / "config.toml")
+    proc = _run([sys.executable, "-m", "estuary", "status", config, "--json",
+                 "--broker", f"127.0.0.1:{stack.broker_port}"], timeout=120, env=env)  # fmt: skip
+    doc = json.loads(proc.stdout)
+    assert doc["cloud"]["state"]["phase"] == "done" and doc["same_config"] is True, doc
+    assert doc["cloud"]["online"] is False
+    assert all(e["online"] is False and e["state"] for e in doc["edges"].values()), doc["edges"]
+    for device in DEVICES:
+        view = doc["devices"][device]
+        assert view["online"] is False and view["hello"]["device"] == device, view
+        assert view["deploy"]["event"] == "sampled", view
+    assert doc["rejected"] == {}
+
+
 def test_device_credentials_cannot_write_cloud_topics_or_read_other_devices(
     stack: Stack,
 ) -> None:
