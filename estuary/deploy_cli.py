@@ -130,7 +130,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     key_path = args.key or cfg.deploy.signing_key
     if not key_path:
         raise EstuaryError("no signing key: pass --key or set deploy.signing_key")
-    bus = connect_bus(cfg, "cloud", "cloud-deploy", None)
+    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=False)  # the cloud may be up
     try:
         service = PublisherService("cloud", cfg, bus)
         online: set[str] = set()

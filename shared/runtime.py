@@ -88,15 +88,23 @@ def interrupts_as_keyboard() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def connect_bus(cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None) -> MqttBus:
-    """The MQTT connection of one role instance, with its presence as the last will."""
+def connect_bus(
+    cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None, *, will: bool = True
+) -> MqttBus:
+    """The MQTT connection of one role instance, with its presence as the last will (unless
+    ``will`` is False: a tool speaking for a role, like ``estuary deploy``, must not mark
+    that role offline when the tool itself drops)."""
     settings = cfg.broker
     if cache_dir is not None and not settings.cache_dir:
         settings = settings.model_copy(update={"cache_dir": str(cache_dir)})
     home = home_of(service_role, name)
-    will = encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
+    last_will = (
+        encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
+        if will
+        else None
+    )
     bus = MqttBus(
-        settings, run=cfg.run.name, client_id=f"{cfg.run.name}-{name}", home=home, will=will
+        settings, run=cfg.run.name, client_id=f"{cfg.run.name}-{name}", home=home, will=last_will
     )
     return bus.connect()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from estuary.cli import main
 from shared.broker import LocalBroker
 from shared.config import RunConfig
 from shared.messages import DeviceHello, Topics, encode
+from shared.runtime import connect_bus
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect
 from tests.test_mqtt_federation import _run_over_mqtt
@@ -144,3 +146,34 @@ def test_status_leaves_nothing_on_the_broker(
     prefix = f"estuary/v1/{RUN}/"
     others = [t for t in retained if t.removeprefix(prefix).split("/")[0] not in ROLE_TREES]
     assert not others, others
+
+
+@pytest.mark.parametrize("will", [True, False], ids=["role", "tool"])
+def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
+    finished: tuple[LocalBroker, RunConfig], will: bool
+) -> None:
+    """A role's connection that drops without a goodbye leaves its presence offline (its last
+    will); ``estuary deploy`` connects as the cloud with ``will=False``, so its dropping does
+    not mark the (running) cloud offline."""
+    broker, _ = finished
+    run = f"will-{'role' if will else 'tool'}"
+    cfg = tiny_config(run={"name": run}, broker={"port": broker.port})
+    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=will)
+    try:
+        sock = bus.client.socket()
+        assert sock is not None
+        sock.shutdown(socket.SHUT_RDWR)  # the broker sees the TCP stream end, no DISCONNECT
+        time.sleep(1.0)
+    finally:
+        bus.close()
+    client, rc = connect("127.0.0.1", broker.port, None, None)
+    assert rc == 0
+    got: list[bytes] = []
+    client.on_message = lambda _c, _u, msg: got.append(msg.payload) if msg.retain else None
+    client.subscribe(Topics(run).status("cloud"), qos=1)
+    time.sleep(1.0)
+    close(client)
+    if will:
+        assert len(got) == 1 and b'"online":false' in got[0].replace(b" ", b""), got
+    else:
+        assert got == []
