@@ -5,7 +5,8 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
 
     mosquitto/passwd              one PBKDF2-SHA512 ($7$) entry per role instance
     mosquitto/acl                 per-user topic rules (below)
-    credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*
+    credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*, and
+                                  observer (read-only account of `estuary status`)
     keys/deploy_ed25519.pem       deployment signing key (cloud only)
     keys/deploy_ed25519.pub.pem   verification key (devices)
     tls/ca.pem, tls/server.pem, tls/server.key     with --tls
@@ -17,6 +18,8 @@ only ``device/<d>/#`` and reads the cloud's topics, its edge's (every edge's whe
 pick their edge), the presence and edge choices of other devices, and requests for its own
 blobs; it cannot read other devices' updates or blobs. An edge writes only its own subtree
 and reads the run. Only the cloud writes ``cloud/#`` (global state, rounds, deployments).
+The ``observer`` account writes nothing and reads only the retained state and presence
+``estuary status`` shows (:func:`estuary.status.observer_topics`).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from estuary.status import OBSERVER, observer_topics
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.messages import ROOT
+from shared.messages import ROOT, Topics
 from shared.naming import device_name, edge_ids
 from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 
@@ -66,6 +70,12 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
     ]
     for e in edges:
         lines += [f"user {e}", f"topic readwrite {base}/edge/{e}/#", f"topic read {base}/#", ""]
+    # `estuary status`: the retained state and presence, nothing else, and no writes
+    lines += [
+        f"user {OBSERVER}",
+        *(f"topic read {t}" for t in observer_topics(Topics(cfg.run.name))),
+        "",
+    ]
     picks = cfg.federation.assignment != "static"
     for i, d in enumerate(devices):
         own = f"{base}/device/{d}"
@@ -152,6 +162,13 @@ def _kept(out: Path, run: str, names: list[str]) -> dict[str, Any]:
         raise EstuaryError(
             f"{out} holds a password file but no readable provision.json: {err}"
         ) from None
+    if info.get("users") == [n for n in names if n != OBSERVER]:
+        # made before the observer account: everything else still holds
+        log.warning(
+            "%s has no %s account (made by an older estuary); `estuary status` needs another "
+            "role's credentials, or provision --force", out, OBSERVER,
+        )  # fmt: skip
+        names = info["users"]
     if info.get("run") != run or info.get("users") != names:
         raise EstuaryError(
             f"{out} is provisioned for run {info.get('run')!r} with users "
@@ -204,7 +221,7 @@ def provision(
     """
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
-    names = ["cloud", *edges, *devices]
+    names = ["cloud", *edges, *devices, OBSERVER]
     unfinished = False
     if (out / "mosquitto" / "passwd").exists() and not force:
         if keep and not (out / "provision.json").exists():

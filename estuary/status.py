@@ -11,8 +11,9 @@ will, and it listens under a home of its own (``observer/...``), so it never ans
 blob requests. Every message is validated like the roles do; one that does not parse or
 comes from the wrong sender is counted and named, and the rest are shown.
 
-It needs read access to the run's topics: on a provisioned broker the cloud's or an edge's
-credentials (``topic read estuary/v1/{run}/#``); a device may not read other devices' topics.
+It needs read access to those topics (:func:`observer_topics`): on a provisioned broker the
+``observer`` account, which may read them and nothing else (no updates, no model blobs), or
+the cloud's or an edge's credentials; a device may not read other devices' topics.
 """
 
 from __future__ import annotations
@@ -31,10 +32,28 @@ from shared.messages import (
     DeviceHello,
     EdgeState,
     Presence,
+    Topics,
 )
 from shared.mqtt import MqttBus
 from shared.naming import device_name, edge_ids
 from shared.service import RoleService
+
+#: the account ``estuary provision`` makes for this command: it may read only these topics
+OBSERVER = "observer"
+
+
+def observer_topics(topics: Topics) -> list[str]:
+    """Every topic (pattern) the status command reads: the ACL of the observer account."""
+    return [
+        topics.cloud_state,
+        topics.status("cloud"),
+        topics.all_edge_status,
+        topics.all_edge_state,
+        topics.all_device_status,
+        topics.all_device_hello,
+        topics.all_device_deploy,
+    ]
+
 
 #: seconds to listen for retained messages, by default
 DEFAULT_WAIT_S = 2.0

@@ -378,11 +378,11 @@ def test_devices_wrote_grids_from_the_deployed_model(stack: Stack) -> None:
 
 
 def test_status_reads_the_finished_run_through_the_acl(stack: Stack) -> None:
-    """``estuary status`` with the cloud's credentials on the provisioned broker: the run is
-    done, every role said goodbye, and every device sampled the deployed model."""
+    """``estuary status`` as the provisioned read-only observer account: the run is done,
+    every role said goodbye, and every device sampled the deployed model."""
     creds = stack.copy_out("provision", "/provision/credentials")
-    env = {**os.environ, "ESTUARY__BROKER__USERNAME": "cloud",
-           "ESTUARY_MQTT_PASSWORD": (creds / "cloud.password").read_text()}  # fmt: skip
+    env = {**os.environ, "ESTUARY__BROKER__USERNAME": "observer",
+           "ESTUARY_MQTT_PASSWORD": (creds / "observer.password").read_text()}  # fmt: skip
     config = str(ROOT / "docker" / "config.toml")
     proc = _run([sys.executable, "-m", "estuary", "status", config, "--json",
                  "--broker", f"127.0.0.1:{stack.broker_port}"], timeout=120, env=env)  # fmt: skip

@@ -89,10 +89,43 @@ def test_acl_device_cannot_write_cloud_or_read_other_devices(
     close(cloud, edge0, dev0, dev1)
 
 
+def test_acl_observer_reads_only_the_state_and_writes_nothing(
+    secured: tuple[LocalBroker, Path],
+) -> None:
+    """The account of `estuary status` receives the retained state and presence topics, never
+    updates, joins or blobs, and nothing it publishes reaches anyone."""
+    broker, out = secured
+    cloud, edge0 = _login(broker, out, "cloud"), _login(broker, out, "edge0")
+    dev0, observer = _login(broker, out, "dev000"), _login(broker, out, "observer")
+    at_observer, at_cloud = inbox(observer, f"{BASE}/#"), inbox(cloud, f"{BASE}/#")
+    state = {f"{BASE}/cloud/state", f"{BASE}/cloud/status", f"{BASE}/edge/edge0/state",
+             f"{BASE}/edge/edge0/status", f"{BASE}/device/dev000/hello",
+             f"{BASE}/device/dev000/status", f"{BASE}/device/dev000/deploy"}  # fmt: skip
+    private = {f"{BASE}/cloud/round", f"{BASE}/cloud/deploy", f"{BASE}/edge/edge0/round",
+               f"{BASE}/edge/edge0/up", f"{BASE}/edge/edge0/blob/ab/1/0",
+               f"{BASE}/device/dev000/up", f"{BASE}/device/dev000/join",
+               f"{BASE}/device/dev000/blob/ab/1/0"}  # fmt: skip
+    for topic in sorted(state | private):
+        sender = cloud if "/cloud/" in topic else edge0 if "/edge/" in topic else dev0
+        sender.publish(topic, b"{}", qos=1)
+    assert received(at_observer) == state
+    received(at_cloud)  # drain
+    observer.publish(f"{BASE}/cloud/state", b"{}", qos=1)
+    observer.publish(f"{BASE}/observer/status", b"{}", qos=1)
+    assert received(at_cloud) == set()
+    close(cloud, edge0, dev0, observer)
+
+
 @pytest.mark.parametrize("assignment", ["static", "select"])
-def test_federation_runs_with_per_role_credentials(tmp_path: Path, assignment: str) -> None:
+def test_federation_runs_with_per_role_credentials(
+    tmp_path: Path,
+    assignment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every process logs in as itself through the provisioned ACL; training and the signed
-    deployment complete (a too-strict ACL would stall a round or the deployment)."""
+    deployment complete (a too-strict ACL would stall a round or the deployment), and the
+    observer account reads the outcome."""
     cfg = tiny_config(
         run={"name": "acl", "rounds": 2},
         federation={"num_devices": 2, "num_edges": 2, "round_deadline_s": 60,
@@ -121,6 +154,17 @@ def test_federation_runs_with_per_role_credentials(tmp_path: Path, assignment: s
         reports = json.loads((tmp_path / "run" / "deploy" / "reports.json").read_text())
         assert {d: r["event"] for d, r in reports.items()} == {"dev000": "sampled",
                                                                  "dev001": "sampled"}  # fmt: skip
+        # `estuary status` as the read-only observer account sees the finished run
+        password = (prov / "credentials" / "observer.password").read_text()
+        monkeypatch.setenv("ESTUARY_MQTT_PASSWORD", password)
+        monkeypatch.setenv("ESTUARY__BROKER__USERNAME", "observer")
+        capsys.readouterr()
+        argv = ["status", str(path), "--broker", f"{broker.host}:{broker.port}", "--json"]
+        assert cli_main(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["cloud"]["state"]["phase"] == "done" and doc["rejected"] == {}
+        assert {d: v["deploy"]["event"] for d, v in doc["devices"].items()} == {
+            "dev000": "sampled", "dev001": "sampled"}  # fmt: skip
     finally:
         hier.stop_all(timeout_s=10)
         broker.stop()
@@ -141,6 +185,27 @@ def test_provision_keep_reuses_matching_and_refuses_other_federations(tmp_path: 
         provision(bigger, out, keep=True)
     (out / "credentials" / "dev000.password").unlink()
     with pytest.raises(EstuaryError, match="missing dev000"):
+        provision(cfg, out, keep=True)
+
+
+def test_provision_keep_accepts_one_made_before_the_observer_account(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``docker compose up`` runs ``provision --keep`` on a volume an older estuary may have
+    filled: without the observer account, it is kept as it is (with a warning)."""
+    cfg = tiny_config(run={"name": "old"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+    first = provision(cfg, out)
+    record = json.loads((out / "provision.json").read_text())
+    record["users"] = [u for u in record["users"] if u != "observer"]
+    (out / "provision.json").write_text(json.dumps(record))
+    (out / "credentials" / "observer.password").unlink()
+    kept = provision(cfg, out, keep=True)
+    assert kept["kept"] and "observer" not in kept["users"] and first["run"] == kept["run"]
+    assert "has no observer account" in caplog.text
+    record["users"].append("dev002")  # anything else that differs is still refused
+    (out / "provision.json").write_text(json.dumps(record))
+    with pytest.raises(EstuaryError, match="pass --force"):
         provision(cfg, out, keep=True)
 
 
