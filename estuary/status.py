@@ -129,29 +129,40 @@ class StatusObserver(RoleService):
 
     def start(self) -> None:
         """Subscribe to every retained topic of the run (no presence of its own)."""
-        t, st = self.topics, self.status
+        t = self.topics
         self.on(t.cloud_state, CloudState, self._cloud, "msg_cloud_state")
         self.on(t.status("cloud"), Presence, self._presence, "msg_presence")
         self.on(t.all_edge_status, Presence, self._presence, "msg_presence")
         self.on(t.all_device_status, Presence, self._presence, "msg_presence")
-        self.on(
-            t.all_edge_state,
-            EdgeState,
-            lambda m: setattr(st.edges.setdefault(m.edge, EdgeView()), "state", m),
-            "msg_edge_state",
-        )
-        self.on(
-            t.all_device_hello,
-            DeviceHello,
-            lambda m: setattr(st.devices.setdefault(m.device, DeviceView()), "hello", m),
-            "msg_hello",
-        )
-        self.on(
-            t.all_device_deploy,
-            DeploymentReport,
-            lambda m: setattr(st.devices.setdefault(m.device, DeviceView()), "report", m),
-            "msg_deploy_report",
-        )
+        self.on(t.all_edge_state, EdgeState, self._edge_state, "msg_edge_state")
+        self.on(t.all_device_hello, DeviceHello, self._hello, "msg_hello")
+        self.on(t.all_device_deploy, DeploymentReport, self._report, "msg_deploy_report")
+
+    # Only this config's edges and devices are shown: the views stay bounded whatever names
+    # the broker holds, and the others are counted as rejected.
+    def _edge(self, name: str) -> EdgeView | None:
+        view = self.status.edges.get(name)
+        if view is None:
+            self.reject("unknown_instance", f"edge {name!r} is not in this config")
+        return view
+
+    def _device(self, name: str) -> DeviceView | None:
+        view = self.status.devices.get(name)
+        if view is None:
+            self.reject("unknown_instance", f"device {name!r} is not in this config")
+        return view
+
+    def _edge_state(self, msg: EdgeState) -> None:
+        if (view := self._edge(msg.edge)) is not None:
+            view.state = msg
+
+    def _hello(self, msg: DeviceHello) -> None:
+        if (view := self._device(msg.device)) is not None:
+            view.hello = msg
+
+    def _report(self, msg: DeploymentReport) -> None:
+        if (view := self._device(msg.device)) is not None:
+            view.report = msg
 
     def _cloud(self, msg: CloudState) -> None:
         self.status.cloud = msg
@@ -160,10 +171,10 @@ class StatusObserver(RoleService):
         st = self.status
         if msg.role == "cloud":
             st.cloud_online = msg.online
-        elif msg.role == "edge":
-            st.edges.setdefault(msg.name, EdgeView()).online = msg.online
-        elif msg.role == "device":
-            st.devices.setdefault(msg.name, DeviceView()).online = msg.online
+        elif msg.role == "edge" and (edge := self._edge(msg.name)) is not None:
+            edge.online = msg.online
+        elif msg.role == "device" and (device := self._device(msg.name)) is not None:
+            device.online = msg.online
 
 
 def collect_status(cfg: RunConfig, bus: MqttBus, wait_s: float) -> FederationStatus:

@@ -97,28 +97,34 @@ def test_another_config_and_an_unknown_run_are_named(
 def test_bad_retained_messages_are_counted_and_the_rest_shown(
     finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A hello that does not parse, and one for dev001 on dev003's topic (wrong sender), are
-    rejected with their reasons; the other devices' state is still reported."""
+    """A hello that does not parse, one for dev001 on dev003's topic (wrong sender), and one
+    from a device this config does not have, are rejected with their reasons; the other
+    devices' state is still reported."""
     broker, cfg = finished
     topics = Topics(RUN)
     client, rc = connect("127.0.0.1", broker.port, None, None)
     assert rc == 0
     bad = DeviceHello(device="dev001", home_edge="edge0", n_samples=1, label_counts=[1] * 10)
+    alien = bad.model_copy(update={"device": "dev999"})
+    planted = ((topics.device_hello("dev002"), b"{not json"),
+               (topics.device_hello("dev003"), encode(bad)),
+               (topics.device_hello("dev999"), encode(alien)))  # fmt: skip
     try:
-        for topic, payload in ((topics.device_hello("dev002"), b"{not json"),
-                               (topics.device_hello("dev003"), encode(bad))):  # fmt: skip
+        for topic, payload in planted:
             client.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
         assert _status(tmp_path, broker, cfg, "--json")[0] == 0
         doc = json.loads(capsys.readouterr().out)
-        assert sum(doc["rejected"].values()) == 2 and "wrong_sender" in doc["rejected"]
+        assert sum(doc["rejected"].values()) == 3, doc["rejected"]
+        assert doc["rejected"]["wrong_sender"] == doc["rejected"]["unknown_instance"] == 1
+        assert "dev999" not in doc["devices"]
         assert doc["devices"]["dev002"]["hello"] is None
         assert doc["devices"]["dev003"]["hello"] is None
         assert doc["devices"]["dev000"]["hello"]["device"] == "dev000"
         assert _status(tmp_path, broker, cfg)[0] == 0
-        assert "rejected 2 message(s)" in capsys.readouterr().out
+        assert "rejected 3 message(s)" in capsys.readouterr().out
     finally:
-        for d in ("dev002", "dev003"):  # leave the module's broker as the run left it
-            client.publish(topics.device_hello(d), b"", qos=1, retain=True).wait_for_publish(10)
+        for topic, _ in planted:  # clear what it planted (dev002 and dev003 then have no hello)
+            client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
         close(client)
 
 
