@@ -184,11 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_metrics(cloud, cfg)
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)
-    code = run_until_done(cloud, bus, lambda: cloud.done or cloud.failed is not None)
-    if cloud.failed is not None:
-        log.error("cloud stopped: %s", cloud.failed)
-        return EXIT_ERROR
-    if cloud.done and cloud.round >= cfg.run.rounds:
+
+    def write_outputs() -> None:
         plot_report(recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} (MQTT)")
         summary = {
             "rounds": cloud.round,
@@ -201,6 +198,29 @@ def main(argv: list[str] | None = None) -> int:
         }
         atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("run complete: final global model %s; outputs in %s", cloud.model_sha, run_dir)
+
+    staying: list[bool] = []
+
+    def finished() -> bool:
+        """Done, failed, or (``--stay``) done and the outputs written: keep serving."""
+        if cloud.failed is not None:
+            return True
+        if cloud.done and args.stay and not staying:
+            staying.append(True)
+            if cloud.round >= cfg.run.rounds:
+                write_outputs()
+            log.info(
+                "run done; staying up (--stay) for /metrics, the retained state and the "
+                "deployed model's blobs until stopped"
+            )
+        return cloud.done and not args.stay
+
+    code = run_until_done(cloud, bus, finished)
+    if cloud.failed is not None:
+        log.error("cloud stopped: %s", cloud.failed)
+        return EXIT_ERROR
+    if cloud.done and cloud.round >= cfg.run.rounds:
+        write_outputs()  # again after --stay: the traffic until the end
     elif cloud.done:  # stopped before the last round: no device registered in time
         log.error("cloud stopped after round %d of %d", cloud.round, cfg.run.rounds)
         return EXIT_ERROR

@@ -74,6 +74,8 @@ class Hierarchy:
     procs: dict[str, RoleProcess] = field(default_factory=dict)
     #: ``estuary provision`` output: each process logs in as itself with its own password
     credentials: Path | None = None
+    #: extra command-line arguments of the cloud process (e.g. ``["--stay"]``)
+    cloud_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,7 @@ class Hierarchy:
             argv += ["--out", str(self.run_dir)]
             if not self.evaluate:
                 argv.append("--no-eval")
+            argv += self.cloud_args
         else:
             argv += ["--id", name, "--cache-dir", str(self.run_dir / "cache" / name)]
         return argv

@@ -42,7 +42,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stay",
         action="store_true",
-        help="keep running after the cloud reports the run done (edges and devices)",
+        help="keep running after the run is done, until stopped (the cloud keeps serving its "
+        "state and the deployed model's blobs; edges and devices stay connected)",
     )
 
 

@@ -401,11 +401,11 @@ def test_cloud_command_and_credentials(rendered: dict[str, list[Obj]]) -> None:
     cmd = c["command"] + c.get("args", [])
     assert cmd == [
         "estuary", "cloud", CONFIG_PATH, "--out", "/var/lib/estuary/run",
-        "--broker", BROKER_ADDR, "--metrics-port", str(METRICS_PORT),
+        "--broker", BROKER_ADDR, "--metrics-port", str(METRICS_PORT), "--stay",
     ]  # fmt: skip
     args, rest = parse_role_args(cmd[2:])
     assert args.config == CONFIG_PATH and args.broker == BROKER_ADDR
-    assert args.metrics_port == METRICS_PORT and not args.stay
+    assert args.metrics_port == METRICS_PORT and args.stay  # a StatefulSet restarts an exit
     assert rest == ["--out", "/var/lib/estuary/run"]
     env = env_of(c)
     user = env["ESTUARY__BROKER__USERNAME"]["valueFrom"]["secretKeyRef"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,6 +105,29 @@ def test_cloud_sigkill_resumes_to_the_uninterrupted_model(
     rounds = [r["round"] for r in read_metrics(hier.run_dir / "metrics.jsonl")]
     assert rounds == list(range(cfg.run.rounds))
     assert "resuming after round" in hier.procs["cloud"].log_path.read_text()
+
+
+def test_a_cloud_with_stay_serves_after_the_run_until_stopped(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """``--stay`` (what the Kubernetes StatefulSet runs, since it restarts a cloud that
+    exits): the finished cloud writes its summary at once, stays up with phase ``done`` on
+    /metrics, and ends on SIGTERM after its goodbye."""
+    cfg, path = _setup(tmp_path, "stay", run={"rounds": 2})
+    hier = hierarchy(cfg, path)
+    hier.cloud_args = ["--stay"]
+    hier.start_all()
+    _wait(lambda: (hier.run_dir / "summary.json").is_file(), 150, "the summary", hier)
+    _wait(lambda: all(not hier.procs[d].alive for d in ("dev000", "dev001")), 60,
+          "the devices to leave", hier)  # fmt: skip
+    cloud = hier.procs["cloud"]
+    assert cloud.alive, cloud.log_tail(20)
+    assert json.loads((hier.run_dir / "summary.json").read_text())["rounds"] == 2
+    assert hier.scrape_all()["cloud"]['estuary_phase{estuary_phase="done"}'] == 1
+    hier.kill("cloud", signal.SIGTERM)
+    assert cloud.returncode == 130, cloud.log_tail(20)
+    text = cloud.log_path.read_text()
+    assert "staying up (--stay)" in text and "cloud: disconnected" in text
 
 
 def test_device_killed_mid_round_does_not_stall(
