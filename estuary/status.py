@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from shared.config import RunConfig
 from shared.errors import EstuaryError
@@ -42,17 +45,22 @@ from shared.service import RoleService
 OBSERVER = "observer"
 
 
+#: what the status command reads, as (topic of :class:`Topics`, message type, handler of
+#: :class:`StatusObserver`, traffic kind): its subscriptions and the observer account's ACL
+_READS: list[tuple[Callable[[Topics], str], type[BaseModel], str, str]] = [
+    (lambda t: t.cloud_state, CloudState, "_cloud", "msg_cloud_state"),
+    (lambda t: t.status("cloud"), Presence, "_presence", "msg_presence"),
+    (lambda t: t.all_edge_status, Presence, "_presence", "msg_presence"),
+    (lambda t: t.all_device_status, Presence, "_presence", "msg_presence"),
+    (lambda t: t.all_edge_state, EdgeState, "_edge_state", "msg_edge_state"),
+    (lambda t: t.all_device_hello, DeviceHello, "_hello", "msg_hello"),
+    (lambda t: t.all_device_deploy, DeploymentReport, "_report", "msg_deploy_report"),
+]
+
+
 def observer_topics(topics: Topics) -> list[str]:
     """Every topic (pattern) the status command reads: the ACL of the observer account."""
-    return [
-        topics.cloud_state,
-        topics.status("cloud"),
-        topics.all_edge_status,
-        topics.all_edge_state,
-        topics.all_device_status,
-        topics.all_device_hello,
-        topics.all_device_deploy,
-    ]
+    return [topic(topics) for topic, *_ in _READS]
 
 
 #: seconds to listen for retained messages, by default
@@ -129,14 +137,8 @@ class StatusObserver(RoleService):
 
     def start(self) -> None:
         """Subscribe to every retained topic of the run (no presence of its own)."""
-        t = self.topics
-        self.on(t.cloud_state, CloudState, self._cloud, "msg_cloud_state")
-        self.on(t.status("cloud"), Presence, self._presence, "msg_presence")
-        self.on(t.all_edge_status, Presence, self._presence, "msg_presence")
-        self.on(t.all_device_status, Presence, self._presence, "msg_presence")
-        self.on(t.all_edge_state, EdgeState, self._edge_state, "msg_edge_state")
-        self.on(t.all_device_hello, DeviceHello, self._hello, "msg_hello")
-        self.on(t.all_device_deploy, DeploymentReport, self._report, "msg_deploy_report")
+        for topic, msg_type, handler, kind in _READS:
+            self.on(topic(self.topics), msg_type, getattr(self, handler), kind)
 
     # Only this config's edges and devices are shown: the views stay bounded whatever names
     # the broker holds, and the others are counted as rejected.
@@ -177,10 +179,12 @@ class StatusObserver(RoleService):
             device.online = msg.online
 
 
-def collect_status(cfg: RunConfig, bus: MqttBus, wait_s: float) -> FederationStatus:
+def collect_status(
+    cfg: RunConfig, bus: MqttBus, wait_s: float, *, name: str = "status"
+) -> FederationStatus:
     """Listen on ``bus`` (an :class:`~shared.mqtt.MqttBus`, connected) for ``wait_s`` seconds
     and return what the run's retained messages say."""
-    observer = StatusObserver(f"status-{os.getpid()}", cfg, bus)
+    observer = StatusObserver(name, cfg, bus)
     observer.start()
     bus.pump(wait_s)
     prefix = f"{observer.role}:"
@@ -259,19 +263,15 @@ def _report(r: DeploymentReport | None) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """``estuary status``: 0 when the run's cloud state was found, 1 when not."""
-    from shared.runtime import load_role_config
+    from shared.runtime import connect_bus, load_role_config
 
     if not 0 < args.wait_s <= MAX_WAIT_S:
         raise EstuaryError(f"--wait-s must be in (0, {MAX_WAIT_S:g}], got {args.wait_s:g}")
     cfg = load_role_config(args)
-    b = cfg.broker
-    bus = MqttBus(
-        b, run=cfg.run.name, client_id=f"{cfg.run.name}-status-{os.getpid()}",
-        home=f"observer/status-{os.getpid()}", will=None,
-    )  # fmt: skip
-    bus.connect()
+    b, name = cfg.broker, f"status-{os.getpid()}"
+    bus = connect_bus(cfg, OBSERVER, name, None, will=False)  # home observer/<name>
     try:
-        st = collect_status(cfg, bus, args.wait_s)
+        st = collect_status(cfg, bus, args.wait_s, name=name)
     finally:
         bus.close()
     if args.json:
