@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +69,12 @@ def observer_topics(topics: Topics) -> list[str]:
 DEFAULT_WAIT_S = 2.0
 #: the most seconds one may ask to listen
 MAX_WAIT_S = 600.0
+#: ``--watch``: seconds between reports by default, and the fewest one may ask for
+DEFAULT_EVERY_S = 5.0
+MIN_EVERY_S = 0.2
+#: ``--for-s``: how long ``--watch`` keeps watching by default, and at most (a week)
+DEFAULT_WATCH_S = 3600.0
+MAX_WATCH_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -179,6 +187,16 @@ class StatusObserver(RoleService):
             device.online = msg.online
 
 
+def _count_rejected(observer: StatusObserver, bus: MqttBus) -> None:
+    """Copy the bus's rejection counts for the observer into its status (by reason)."""
+    prefix = f"{observer.role}:"
+    observer.status.rejected = {
+        key.removeprefix(prefix): n
+        for key, n in bus.traffic.snapshot()["rejected"].items()
+        if key.startswith(prefix)
+    }
+
+
 def collect_status(
     cfg: RunConfig, bus: MqttBus, wait_s: float, *, name: str = "status"
 ) -> FederationStatus:
@@ -187,13 +205,44 @@ def collect_status(
     observer = StatusObserver(name, cfg, bus)
     observer.start()
     bus.pump(wait_s)
-    prefix = f"{observer.role}:"
-    observer.status.rejected = {
-        key.removeprefix(prefix): n
-        for key, n in bus.traffic.snapshot()["rejected"].items()
-        if key.startswith(prefix)
-    }
+    _count_rejected(observer, bus)
     return observer.status
+
+
+def watch_status(
+    cfg: RunConfig,
+    bus: MqttBus,
+    wait_s: float,
+    every_s: float,
+    for_s: float,
+    show: Callable[[FederationStatus, bool], None],
+    *,
+    until_done: bool = False,
+    name: str = "status",
+    clock: Callable[[], float] = time.monotonic,
+) -> FederationStatus:
+    """Listen on ``bus`` and call ``show(status, connected)`` after ``wait_s`` seconds and then
+    every ``every_s`` seconds, until ``for_s`` seconds have passed, or (``until_done``) the
+    cloud running this config says its run is done. The observer stays subscribed the whole
+    time, so every retained message a role publishes meanwhile updates the view; Ctrl-C
+    (KeyboardInterrupt) is left to the caller. Returns the last status."""
+    observer = StatusObserver(name, cfg, bus)
+    observer.start()
+    st = observer.status
+    deadline = clock() + for_s
+    step, finished = wait_s, False
+    while not finished:  # bounded by the deadline: each pump ends at it at the latest
+        bus.pump(max(0.0, min(step, deadline - clock())))
+        _count_rejected(observer, bus)
+        show(st, bus.connected)
+        finished = (until_done and _done(st)) or clock() >= deadline
+        step = every_s
+    return st
+
+
+def _done(st: FederationStatus) -> bool:
+    """Whether the cloud running this config (not another one) says the run is done."""
+    return st.cloud is not None and st.cloud.phase == "done" and st.cloud.config_digest == st.digest
 
 
 def _online(flag: bool | None) -> str:
@@ -261,23 +310,71 @@ def _report(r: DeploymentReport | None) -> str:
     return f"{serving} (loaded)"
 
 
+class _Printer:
+    """Prints each watched status: on a terminal it redraws the screen every time; otherwise
+    (a log, a pipe) it prints a report only when something changed, and with ``--json`` one
+    compact JSON document per line (JSON Lines)."""
+
+    def __init__(self, where: str, as_json: bool, every_s: float, tty: bool) -> None:
+        self.where, self.as_json, self.every_s, self.tty = where, as_json, every_s, tty
+        self._last: str | None = None
+
+    def __call__(self, st: FederationStatus, connected: bool) -> None:
+        doc = st.as_dict()
+        key = json.dumps(doc, sort_keys=True) + str(connected)
+        if key == self._last and not (self.tty and not self.as_json):
+            return
+        self._last = key
+        at = time.strftime("%H:%M:%S")
+        if self.as_json:
+            print(json.dumps({"at": time.time(), "connected": connected, **doc}), flush=True)
+            return
+        head = (f"at {at}: watching every {self.every_s:g} s, Ctrl-C to stop"
+                + ("" if connected else "; BROKER CONNECTION LOST, reconnecting: "
+                   "what follows may be stale"))  # fmt: skip
+        clear = "\033[H\033[2J" if self.tty else ""
+        print(f"{clear}{head}\n{format_status(st, self.where)}\n", flush=True)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """``estuary status``: 0 when the run's cloud state was found, 1 when not."""
+    """``estuary status``: 0 when the run's cloud state was found, 1 when not; with
+    ``--watch --until-done``, 3 when the run was not done within ``--for-s``."""
     from shared.runtime import connect_bus, load_role_config
 
     if not 0 < args.wait_s <= MAX_WAIT_S:
         raise EstuaryError(f"--wait-s must be in (0, {MAX_WAIT_S:g}], got {args.wait_s:g}")
+    watching = args.watch is not None
+    if watching and not MIN_EVERY_S <= args.watch <= MAX_WAIT_S:
+        raise EstuaryError(
+            f"--watch must be in [{MIN_EVERY_S:g}, {MAX_WAIT_S:g}] seconds, got {args.watch:g}"
+        )
+    if not 0 < args.for_s <= MAX_WATCH_S:
+        raise EstuaryError(f"--for-s must be in (0, {MAX_WATCH_S:g}], got {args.for_s:g}")
+    if args.until_done and not watching:
+        raise EstuaryError("--until-done needs --watch")
     cfg = load_role_config(args)
     b, name = cfg.broker, f"status-{os.getpid()}"
+    where = f"{b.host}:{b.port}"
     bus = connect_bus(cfg, OBSERVER, name, None, will=False)  # home observer/<name>
     try:
-        st = collect_status(cfg, bus, args.wait_s, name=name)
+        if not watching:
+            st = collect_status(cfg, bus, args.wait_s, name=name)
+        else:
+            printer = _Printer(where, args.json, args.watch, sys.stdout.isatty())
+            try:
+                st = watch_status(cfg, bus, args.wait_s, args.watch, args.for_s, printer,
+                                  until_done=args.until_done, name=name)  # fmt: skip
+            except KeyboardInterrupt:  # the user stopped watching: a normal end
+                return 0
+            if args.until_done:
+                return 0 if _done(st) else 3
+            return 0 if st.cloud is not None else 1
     finally:
         bus.close()
     if args.json:
         print(json.dumps(st.as_dict(), indent=2))
     else:
-        print(format_status(st, f"{b.host}:{b.port}"))
+        print(format_status(st, where))
     return 0 if st.cloud is not None else 1
 
 
@@ -288,5 +385,30 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--broker", help="HOST:PORT (overrides broker.host/port)")
     s.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
                    help=f"seconds to listen (default {DEFAULT_WAIT_S:g})")  # fmt: skip
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output (with --watch: one JSON document per line)",
+    )
+    s.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=DEFAULT_EVERY_S,
+        metavar="SECONDS",
+        help="keep watching: report again every SECONDS (default "
+        f"{DEFAULT_EVERY_S:g}; when not on a terminal, only when something changed)",
+    )
+    s.add_argument(
+        "--for-s",
+        type=float,
+        default=DEFAULT_WATCH_S,
+        help=f"with --watch, stop after this long (default {DEFAULT_WATCH_S:g})",
+    )
+    s.add_argument(
+        "--until-done",
+        action="store_true",
+        help="with --watch, stop when the cloud says the run is done (exit status "
+        "3 when it is not done within --for-s)",
+    )
     s.set_defaults(func=cmd_status, metrics_port=-1)

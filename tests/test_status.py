@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +186,70 @@ def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
         assert len(got) == 1 and b'"online":false' in got[0].replace(b" ", b""), got
     else:
         assert got == []
+
+
+def test_watch_follows_a_live_run_until_it_is_done(tmp_path: Path) -> None:
+    """``--watch --until-done --json`` started before the run, as its own process: its JSON
+    lines follow the cloud from nothing through training to done, and it exits 0 at done."""
+    cfg = tiny_config(
+        run={"name": "watched", "rounds": 2}, federation={"num_devices": 4, "num_edges": 2},
+        train={"threads": 1},
+    )  # fmt: skip
+    with LocalBroker(kind="mosquitto") as broker:
+        argv = [sys.executable, "-m", "estuary.cli", "status", _config_file(tmp_path, cfg),
+                "--broker", f"127.0.0.1:{broker.port}", "--wait-s", "0.5", "--watch", "0.2",
+                "--until-done", "--for-s", "300", "--json"]  # fmt: skip
+        watcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(8.0)  # the watcher is up and has reported the empty broker
+            _run_over_mqtt(cfg, broker)
+            out, _ = watcher.communicate(timeout=60)
+        finally:
+            watcher.kill()
+    assert watcher.returncode == 0
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert docs[0]["cloud"]["state"] is None  # nothing retained before the run
+    seen = [(d["cloud"]["state"]["phase"], d["cloud"]["state"]["round"])
+            for d in docs if d["cloud"]["state"] is not None]  # fmt: skip
+    assert ("training", 0) in seen or ("training", 1) in seen, seen
+    assert seen[-1] == ("done", 2) and seen.count(("done", 2)) == 1, seen
+    assert all(d["connected"] for d in docs)
+    # only changes are printed: no two consecutive lines carry the same state
+    states = [json.dumps({k: v for k, v in d.items() if k != "at"}, sort_keys=True) for d in docs]
+    assert all(a != b for a, b in itertools.pairwise(states))
+    assert len(docs) > 3
+
+
+def test_watch_prints_changes_only_and_stops_when_told(
+    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a finished run nothing changes: off a terminal, ``--watch`` prints one report in its
+    whole ``--for-s``; ``--until-done`` returns at once, and 3 for a run that never ends."""
+    broker, cfg = finished
+    start = time.monotonic()
+    assert _status(tmp_path, broker, cfg, "--watch", "0.2", "--for-s", "2")[0] == 0
+    assert time.monotonic() - start >= 2.0
+    text = capsys.readouterr().out
+    assert text.count(f'run "{RUN}" on') == 1 and "watching every 0.2 s" in text
+
+    start = time.monotonic()
+    assert _status(tmp_path, broker, cfg, "--watch", "--until-done", "--for-s", "60")[0] == 0
+    assert time.monotonic() - start < 30.0
+    assert "done      round 2 of 2" in capsys.readouterr().out
+
+    nobody = tiny_config(run={"name": "no-such-run"})
+    assert (
+        _status(tmp_path, broker, nobody, "--watch", "0.2", "--until-done", "--for-s", "1")[0] == 3
+    )
+    assert "no cloud state retained" in capsys.readouterr().out
+    # another config's finished run is not this run being done
+    other = tiny_config(run={"name": RUN, "rounds": 7}, federation={"num_devices": 4})
+    assert (
+        _status(tmp_path, broker, other, "--watch", "0.2", "--until-done", "--for-s", "1")[0] == 3
+    )
+
+    for bad, msg in ((("--watch", "0.01"), "--watch must be in [0.2, 600]"),
+                     (("--watch", "1", "--for-s", "0"), "--for-s must be in (0, 604800]"),
+                     (("--until-done",), "--until-done needs --watch")):  # fmt: skip
+        assert _status(tmp_path, broker, cfg, *bad)[0] == 2
+        assert msg in capsys.readouterr().err
