@@ -306,11 +306,7 @@ class CloudServer(RoleService):
         if not selecting:
             for dev in participants:
                 self.assignment[self.devices[dev].home_edge].append(dev)
-        if self.fresh_global or self.global_ref is None:
-            self.global_ref, self.shared_ref = self.put_state(
-                self.model, self.algorithm.shared_spec(self.spec), "global_model"
-            )
-            self.metrics.model_bytes.set(self.global_ref.size)
+        self._put_global()
         msg = RoundStart(
             round=r,
             session=self.session,
@@ -474,7 +470,18 @@ class CloudServer(RoleService):
             trained_arch=trained_arch,
         )
 
+    def _put_global(self) -> None:
+        """Put the global model as a blob (:attr:`global_ref`) when it changed since."""
+        if self.fresh_global or self.global_ref is None:
+            self.global_ref, self.shared_ref = self.put_state(
+                self.model, self.algorithm.shared_spec(self.spec), "global_model"
+            )
+            self.metrics.model_bytes.set(self.global_ref.size)
+
     def _finish(self) -> None:
+        # the retained state of a finished run names the final model (fetchable from a cloud
+        # that stays), not the last one the edges were sent
+        self._put_global()
         if self.on_trained is not None:
             self._publish_state("deploying")
             self.on_trained()

@@ -328,7 +328,10 @@ class EdgeState(_Msg):
 
 
 class CloudState(_Msg):
-    """Retained cloud state so late joiners know where the run is."""
+    """Retained cloud state so late joiners know where the run is. ``model_ref`` is the
+    global model the edges were last sent, and once the run is done (or deploying), the
+    final model; its ``sha256`` is the model's digest (``summary.json``'s
+    ``final_model_sha256``)."""
 
     kind: Literal["cloud_state"] = "cloud_state"
     round: Round

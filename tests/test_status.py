@@ -28,15 +28,16 @@ ROLE_TREES = ("cloud", "edge", "device")
 
 
 @pytest.fixture(scope="module")
-def finished() -> Iterator[tuple[LocalBroker, RunConfig]]:
-    """A mosquitto that served a whole 2-round federation (cloud, 2 edges, 4 devices)."""
+def finished() -> Iterator[tuple[LocalBroker, RunConfig, str]]:
+    """A mosquitto that served a whole 2-round federation (cloud, 2 edges, 4 devices), and
+    the final model's digest."""
     cfg = tiny_config(
         run={"name": RUN, "rounds": 2}, federation={"num_devices": 4, "num_edges": 2},
         train={"threads": 1},
     )  # fmt: skip
     with LocalBroker(kind="mosquitto") as broker:
-        _run_over_mqtt(cfg, broker)
-        yield broker, cfg
+        final, _ = _run_over_mqtt(cfg, broker)
+        yield broker, cfg, final
 
 
 def _config_file(tmp_path: Path, cfg: RunConfig) -> str:
@@ -54,13 +55,16 @@ def _status(
 
 
 def test_status_reads_the_run_from_the_broker(
-    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    broker, cfg = finished
+    broker, cfg, final = finished
     code, _ = _status(tmp_path, broker, cfg, "--json")
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     assert doc["cloud"]["state"]["phase"] == "done" and doc["cloud"]["state"]["round"] == 2
+    # the final model (its blob is the canonical safetensors the digest is of), not the last
+    # one the edges were sent
+    assert doc["cloud"]["state"]["model_ref"]["sha256"] == final
     assert doc["same_config"] is True and doc["rounds"] == 2
     assert sorted(doc["edges"]) == ["edge0", "edge1"]
     for edge in doc["edges"].values():
@@ -76,14 +80,15 @@ def test_status_reads_the_run_from_the_broker(
     assert code == 0
     assert f'run "{RUN}" on 127.0.0.1:{broker.port}' in text
     assert "done      round 2 of 2" in text and "running this config" in text
+    assert f"global model {final[:12]}" in text
     assert "edges   2 of 2 online" in text and "devices 4 of 4 online" in text
     assert "home edge0" in text and "no deployment report" in text
 
 
 def test_another_config_and_an_unknown_run_are_named(
-    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    broker, cfg = finished
+    broker, cfg, _ = finished
     other = tiny_config(run={"name": RUN, "rounds": 7}, federation={"num_devices": 4})
     assert _status(tmp_path, broker, other)[0] == 0
     assert "ANOTHER config (digest" in capsys.readouterr().out
@@ -98,12 +103,12 @@ def test_another_config_and_an_unknown_run_are_named(
 
 
 def test_bad_retained_messages_are_counted_and_the_rest_shown(
-    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A hello that does not parse, one for dev001 on dev003's topic (wrong sender), and one
     from a device this config does not have, are rejected with their reasons; the other
     devices' state is still reported."""
-    broker, cfg = finished
+    broker, cfg, _ = finished
     topics = Topics(RUN)
     client, rc = connect("127.0.0.1", broker.port, None, None)
     assert rc == 0
@@ -132,11 +137,11 @@ def test_bad_retained_messages_are_counted_and_the_rest_shown(
 
 
 def test_status_leaves_nothing_on_the_broker(
-    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """It publishes nothing retained (no presence): after a status call, every retained topic
     of the run is still one of the roles' own (cloud, edge, device)."""
-    broker, cfg = finished
+    broker, cfg, _ = finished
     assert _status(tmp_path, broker, cfg)[0] == 0
     capsys.readouterr()
     client, rc = connect("127.0.0.1", broker.port, None, None)
@@ -159,12 +164,12 @@ def test_status_leaves_nothing_on_the_broker(
 
 @pytest.mark.parametrize("will", [True, False], ids=["role", "tool"])
 def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
-    finished: tuple[LocalBroker, RunConfig], will: bool
+    finished: tuple[LocalBroker, RunConfig, str], will: bool
 ) -> None:
     """A role's connection that drops without a goodbye leaves its presence offline (its last
     will); ``estuary deploy`` connects as the cloud with ``will=False``, so its dropping does
     not mark the (running) cloud offline."""
-    broker, _ = finished
+    broker, _, _ = finished
     run = f"will-{'role' if will else 'tool'}"
     cfg = tiny_config(run={"name": run}, broker={"port": broker.port})
     bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=will)
@@ -221,11 +226,11 @@ def test_watch_follows_a_live_run_until_it_is_done(tmp_path: Path) -> None:
 
 
 def test_watch_prints_changes_only_and_stops_when_told(
-    finished: tuple[LocalBroker, RunConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """On a finished run nothing changes: off a terminal, ``--watch`` prints one report in its
     whole ``--for-s``; ``--until-done`` returns at once, and 3 for a run that never ends."""
-    broker, cfg = finished
+    broker, cfg, _ = finished
     start = time.monotonic()
     assert _status(tmp_path, broker, cfg, "--watch", "0.2", "--for-s", "2")[0] == 0
     assert time.monotonic() - start >= 2.0
