@@ -21,6 +21,7 @@ from shared.algorithms import make_algorithm
 from shared.arch import Plan
 from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
 from shared.config import RunConfig
+from shared.cpu import set_torch_threads
 from shared.errors import ConfigError, EstuaryError
 from shared.lifetime import die_with_parent
 from shared.models import init_fingerprint, initial_unet
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         cfg = load_role_config(args)
+        set_torch_threads(0)  # evaluation: torch's default, within this process's CPU limit
         check_round_start_fits(cfg)
         # refused before the run directory changes (a refused resume keeps its config.json)
         resumed = None if args.fresh else resume_point(cfg, Path(args.out))

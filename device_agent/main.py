@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
+from shared.cpu import set_torch_threads
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
 from shared.runtime import (
@@ -83,8 +84,7 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     from shared.partition import make_partition
 
     index = device_index(args.id, cfg)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_torch_threads(cfg.train.threads)
     data = load_dataset(
         cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
     )

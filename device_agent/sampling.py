@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.cpu import ort_threads
 from shared.errors import EstuaryError
 from shared.signing import (
     SignatureError,
@@ -216,8 +217,8 @@ def make_session(
         _preload_cuda_libraries()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads > 0:
-        opts.intra_op_num_threads = threads
+    if (n := ort_threads(threads)) > 0:  # 0: ONNX Runtime's default (no CPU limit below it)
+        opts.intra_op_num_threads = n
     opts.log_severity_level = 3
     source = str(model) if isinstance(model, Path) else model
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from edge_node.service import EdgeServer
 from shared.algorithms import make_algorithm
+from shared.cpu import set_torch_threads
 from shared.errors import ConfigError, EstuaryError
 from shared.lifetime import die_with_parent
 from shared.naming import edge_ids
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         cfg = load_role_config(args)
+        set_torch_threads(0)  # aggregation: torch's default, within this process's CPU limit
         if args.id not in edge_ids(cfg):
             raise ConfigError(f"edge id {args.id!r} is not one of {edge_ids(cfg)}")
         cache = Path(args.cache_dir) if args.cache_dir else None

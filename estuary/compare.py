@@ -79,6 +79,7 @@ from shared.algorithms import make_algorithm
 from shared.arch import build_model
 from shared.checkpoint import atomic_write, save_checkpoint
 from shared.config import RunConfig, apply_env_overrides, config_from_dict
+from shared.cpu import cpu_budget, set_torch_threads
 from shared.data import load_dataset, to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError, EstuaryError
@@ -327,8 +328,7 @@ def run_centralized(
     exponential moving average of the weights (:class:`~shared.training.WeightAverage`), as
     in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.). ``init`` is
     the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_torch_threads(cfg.train.threads)
     prepare_run_dir(cfg, run_dir)
     data, parts = _split(cfg)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
@@ -588,8 +588,9 @@ JOB_STOP_S = 10.0
 
 
 def _job_threads(jobs: int) -> str:
-    """The CPU threads each of ``jobs`` processes gets (an equal share, at least one)."""
-    return str(max(1, (os.cpu_count() or 1) // jobs))
+    """The CPU threads each of ``jobs`` processes gets (an equal share of
+    :func:`~shared.cpu.cpu_budget`, at least one)."""
+    return str(max(1, cpu_budget() // jobs))
 
 
 def _run_jobs(

@@ -28,6 +28,7 @@ from shared.algorithms import make_algorithm
 from shared.bus import MemoryBus
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
+from shared.cpu import set_torch_threads
 from shared.data import NUM_CLASSES, ImageDataset, load_dataset, to_model_input
 from shared.models import initial_unet
 from shared.naming import device_name, edge_ids, home_edge
@@ -127,8 +128,7 @@ def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_torch_threads(cfg.train.threads)
     run_dir = prepare_run_dir(cfg, out)
     data = load_dataset(
         cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed

@@ -161,7 +161,13 @@ class TrainSection(_Section):
         "keep: each device keeps its optimizer's state (Adam's moments) from its last round, "
         "on the device (never sent), starting afresh when the model's shapes change (pruning)",
     )
-    threads: int = Field(0, ge=0, description="torch threads; 0 = leave as is")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads of this process; 0 = torch's default within the process's "
+        "CPU limit (shared.cpu). Per process, like the deployment sections: not part of the "
+        "config digest, so each device may set its own",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -314,6 +320,8 @@ class DeploySection(_Section):
 
 
 DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
+#: settings of other sections that are per process too (left out of the digest)
+PER_PROCESS_KEYS = (("train", "threads"),)
 
 
 class RunConfig(_Section):
@@ -410,9 +418,11 @@ class RunConfig(_Section):
 
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
-        metrics, deploy): identifies the experiment on the wire, wherever each role connects
-        from."""
+        metrics, deploy, compute) and the per-process keys (``train.threads``): identifies the
+        experiment on the wire, wherever each role connects from and whatever it runs on."""
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
+        for section, key in PER_PROCESS_KEYS:
+            data[section] = {k: v for k, v in data[section].items() if k != key}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -18,6 +18,23 @@ def test_defaults_are_valid_and_round_trip() -> None:
     assert again.digest() == cfg.digest()
 
 
+def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
+    """Per-process settings (where to connect, which device, how many threads) may differ
+    between the roles of one run; anything that changes the experiment changes the digest."""
+    cfg = RunConfig()
+    same = [
+        {"train": {"threads": 3}},
+        {"compute": {"device": "cpu"}},
+        {"broker": {"port": 1884}},
+        {"deploy": {"threads": 2}},
+        {"metrics": {"port": 9}},
+    ]
+    for update in same:
+        assert config_from_dict(update).digest() == cfg.digest(), update
+    for update in ({"train": {"lr": 5e-4}}, {"train": {"batch_size": 8}}, {"run": {"seed": 1}}):
+        assert config_from_dict(update).digest() != cfg.digest(), update
+
+
 def test_bad_value_is_named() -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict({"train": {"lr": -1.0}})
