@@ -421,3 +421,27 @@ def test_device_credentials_cannot_write_cloud_topics_or_read_other_devices(
         assert received(at_dev0, 0.5) == set(), "dev000 read another device's update"
     finally:
         close(cloud, dev0, dev1)
+
+
+_CPU_PROBE = """
+import json, torch
+from shared.cpu import cgroup_cpu_limit, cpu_budget, set_torch_threads
+before = torch.get_num_threads()
+print(json.dumps({"limit": cgroup_cpu_limit(), "before": before, "budget": cpu_budget(),
+                  "after": set_torch_threads(0), "torch": torch.get_num_threads()}))
+"""
+
+
+def test_a_cpu_limited_device_container_trains_with_that_many_threads(stack: Stack) -> None:
+    """``docker run --cpus 1`` of the device image: torch in the container counts every core
+    of the host, and the roles' cap (``shared.cpu``, ``train.threads = 0``) uses the one CPU
+    the container may."""
+    image = f"estuary/device:{stack.env['ESTUARY_TAG']}"
+    proc = _run(["docker", "run", "--rm", "--cpus", "1", "--network", "none",
+                 "--entrypoint", "/opt/venv/bin/python", image, "-c", _CPU_PROBE],
+                timeout=300)  # fmt: skip
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["limit"] == 1.0 and got["budget"] == 1, got
+    assert got["after"] == got["torch"] == 1, got
+    if (os.cpu_count() or 1) > 1:
+        assert got["before"] > 1, got  # what a role used before the cap
