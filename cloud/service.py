@@ -179,6 +179,8 @@ class CloudServer(RoleService):
         self.round = start_round
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
+        #: the open round's start (Unix time) and the cloud's deadline for it, in seconds
+        self.round_clock: tuple[float | None, float | None] = (None, None)
         self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
@@ -228,12 +230,15 @@ class CloudServer(RoleService):
     def _publish_state(self, phase: Literal["waiting", "training", "deploying", "done"]) -> None:
         self.metrics.phase.state(phase)
         self.metrics.round.set(self.round)
+        opened_at, deadline_s = self.round_clock if phase == "training" else (None, None)
         state = CloudState(
             round=self.round,
             session=self.session,
             phase=phase,
             model_ref=self.global_ref,
             config_digest=self.cfg.digest(),
+            opened_at=opened_at,
+            deadline_s=deadline_s,
         )
         self.send(self.topics.cloud_state, state, retain=True)
 
@@ -323,12 +328,13 @@ class CloudServer(RoleService):
         self.fresh_global = False
         self.reports = {}
         self.opened_at = time.perf_counter()
+        # edges close at their deadline; give them time to aggregate and report
+        deadline_s = self.cfg.federation.round_deadline_s * 1.5 + 10
+        self.round_clock = (time.time(), deadline_s)
         # retained: an edge that (re)starts mid-round learns the round from the broker
         self.send(self.topics.cloud_round, msg, retain=True)
         self._publish_state("training")
-        # edges close at their deadline; give them time to aggregate and report
-        deadline_s = self.cfg.federation.round_deadline_s * 1.5 + 10
-        self.metrics.round_started.set(time.time())
+        self.metrics.round_started.set(self.round_clock[0])
         self.metrics.round_deadline.set(deadline_s)
         self.timer = self.ep.call_later(deadline_s, self._on_deadline)
 

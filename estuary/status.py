@@ -253,8 +253,18 @@ def _sha(sha: str | None) -> str:
     return sha[:12] if sha else "-"
 
 
-def format_status(st: FederationStatus, where: str) -> str:
-    """The human-readable report."""
+def _round_clock(c: CloudState, now: float) -> str:
+    """How long the open round has been open, against the cloud's deadline for it."""
+    if c.phase != "training" or c.opened_at is None or c.deadline_s is None:
+        return ""
+    open_s = max(0.0, now - c.opened_at)
+    late = "  OVERDUE" if open_s > c.deadline_s else ""
+    return f" (open {open_s:.0f} s of {c.deadline_s:.0f} s{late})"
+
+
+def format_status(st: FederationStatus, where: str, now: float | None = None) -> str:
+    """The human-readable report; ``now`` (Unix time, default the clock) dates the open
+    round against the cloud's clock, so a skew between the two machines shows in it."""
     lines = [f'run "{st.run}" on {where}']
     c = st.cloud
     if c is None:
@@ -269,9 +279,10 @@ def format_status(st: FederationStatus, where: str) -> str:
             else (f"ANOTHER config (digest {c.config_digest[:12]}, this file {st.digest[:12]})")
         )
         model = _sha(c.model_ref.sha256 if c.model_ref else None)
+        clock = _round_clock(c, time.time() if now is None else now)
         lines.append(
-            f"cloud   {_online(st.cloud_online):8} {c.phase:9} round {c.round} of {st.rounds}   "
-            f"global model {model}   running {same}"
+            f"cloud   {_online(st.cloud_online):8} {c.phase:9} round {c.round} of {st.rounds}"
+            f"{clock}   global model {model}   running {same}"
         )
     online = sum(v.online is True for v in st.edges.values())
     lines.append(f"edges   {online} of {len(st.edges)} online")

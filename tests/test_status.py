@@ -15,9 +15,10 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from estuary.cli import main
+from estuary.status import FederationStatus, format_status
 from shared.broker import LocalBroker
 from shared.config import RunConfig
-from shared.messages import DeviceHello, Topics, encode
+from shared.messages import CloudState, DeviceHello, Topics, encode
 from shared.runtime import connect_bus
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect
@@ -218,6 +219,12 @@ def test_watch_follows_a_live_run_until_it_is_done(tmp_path: Path) -> None:
             for d in docs if d["cloud"]["state"] is not None]  # fmt: skip
     assert ("training", 0) in seen or ("training", 1) in seen, seen
     assert seen[-1] == ("done", 2) and seen.count(("done", 2)) == 1, seen
+    for d in docs:  # an open round carries its start and the cloud's deadline (60 x 1.5 + 10)
+        state = d["cloud"]["state"]
+        if state is not None and state["phase"] == "training":
+            assert state["deadline_s"] == 100.0 and abs(state["opened_at"] - d["at"]) < 60
+        elif state is not None:
+            assert state["opened_at"] is None and state["deadline_s"] is None
     assert all(d["connected"] for d in docs)
     # only changes are printed: no two consecutive lines carry the same state
     states = [json.dumps({k: v for k, v in d.items() if k != "at"}, sort_keys=True) for d in docs]
@@ -258,3 +265,15 @@ def test_watch_prints_changes_only_and_stops_when_told(
                      (("--until-done",), "--until-done needs --watch")):  # fmt: skip
         assert _status(tmp_path, broker, cfg, *bad)[0] == 2
         assert msg in capsys.readouterr().err
+
+
+def test_an_open_round_is_dated_against_its_deadline() -> None:
+    cfg = tiny_config(run={"name": RUN, "rounds": 5})
+    state = CloudState(round=3, session="a" * 16, phase="training", config_digest=cfg.digest(),
+                       opened_at=1_000.0, deadline_s=100.0)  # fmt: skip
+    st = FederationStatus(RUN, cfg.digest(), 5, cloud=state, cloud_online=True)
+    assert "training  round 3 of 5 (open 42 s of 100 s)   global" in format_status(st, "b", 1042.0)
+    assert "(open 150 s of 100 s  OVERDUE)" in format_status(st, "b", 1150.0)
+    done = state.model_copy(update={"phase": "done", "opened_at": None, "deadline_s": None})
+    text = format_status(FederationStatus(RUN, cfg.digest(), 5, cloud=done), "b", 1150.0)
+    assert "done      round 3 of 5   global" in text
