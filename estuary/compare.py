@@ -43,7 +43,7 @@ and that method runs.
 ``only`` (``--only LABEL``, repeatable) runs just those methods; the others are reused where
 they have a record, and the tables and plots are written once every method has one (until
 then the missing ones are named). ``jobs`` (``--jobs N``) runs up to N methods at once, each
-in its own ``estuary compare --only`` process with ``1/N`` of the CPU threads (unless
+in its own ``estuary compare --only`` process with ``1/N`` of the CPUs it may use (unless
 ``train.threads`` says otherwise) and its output in ``<slug>/compare.log``; the parent reads
 back their records, so a method that fails leaves the others' records for the next run.
 """
