@@ -418,11 +418,15 @@ class RunConfig(_Section):
 
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
-        metrics, deploy, compute) and the per-process keys (``train.threads``): identifies the
-        experiment on the wire, wherever each role connects from and whatever it runs on."""
+        metrics, deploy, compute) and with the per-process keys (``train.threads``) at their
+        defaults: identifies the experiment on the wire, wherever each role connects from and
+        whatever it runs on."""
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
+        # per-process keys count at their defaults, so digests of configs that leave them
+        # unset are the ones earlier versions computed (compare records, checkpoints)
+        defaults = RunConfig().to_dict()
         for section, key in PER_PROCESS_KEYS:
-            data[section] = {k: v for k, v in data[section].items() if k != key}
+            data[section] = {**data[section], key: defaults[section][key]}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
