@@ -180,7 +180,7 @@ class CloudServer(RoleService):
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
         #: the open round's start (Unix time) and the cloud's deadline for it, in seconds
-        self.round_clock: tuple[float | None, float | None] = (None, None)
+        self.round_clock: tuple[int | None, float | None] = (None, None)
         self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
@@ -330,11 +330,12 @@ class CloudServer(RoleService):
         self.opened_at = time.perf_counter()
         # edges close at their deadline; give them time to aggregate and report
         deadline_s = self.cfg.federation.round_deadline_s * 1.5 + 10
-        self.round_clock = (time.time(), deadline_s)
+        opened = time.time()
+        self.round_clock = (int(opened), deadline_s)
         # retained: an edge that (re)starts mid-round learns the round from the broker
         self.send(self.topics.cloud_round, msg, retain=True)
         self._publish_state("training")
-        self.metrics.round_started.set(self.round_clock[0])
+        self.metrics.round_started.set(opened)
         self.metrics.round_deadline.set(deadline_s)
         self.timer = self.ep.call_later(deadline_s, self._on_deadline)
 

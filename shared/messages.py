@@ -339,9 +339,10 @@ class CloudState(_Msg):
     phase: Literal["waiting", "training", "deploying", "done"]
     model_ref: BlobRef | None = None
     config_digest: str = Field(max_length=64)
-    #: while training: when the open round opened (Unix time, the cloud's clock) and the
-    #: seconds after which the cloud closes it with whatever reports it has
-    opened_at: float | None = Field(None, ge=0.0, le=1e11)
+    #: while training: when the open round opened (Unix time in whole seconds, the cloud's
+    #: clock: a fixed-length field, so the message's size does not depend on the moment) and
+    #: the seconds after which the cloud closes it with whatever reports it has
+    opened_at: int | None = Field(None, ge=0, le=10**11)
     deadline_s: float | None = Field(None, gt=0.0, le=1e8)
 
 

@@ -270,7 +270,7 @@ def test_watch_prints_changes_only_and_stops_when_told(
 def test_an_open_round_is_dated_against_its_deadline() -> None:
     cfg = tiny_config(run={"name": RUN, "rounds": 5})
     state = CloudState(round=3, session="a" * 16, phase="training", config_digest=cfg.digest(),
-                       opened_at=1_000.0, deadline_s=100.0)  # fmt: skip
+                       opened_at=1_000, deadline_s=100.0)  # fmt: skip
     st = FederationStatus(RUN, cfg.digest(), 5, cloud=state, cloud_online=True)
     assert "training  round 3 of 5 (open 42 s of 100 s)   global" in format_status(st, "b", 1042.0)
     assert "(open 150 s of 100 s  OVERDUE)" in format_status(st, "b", 1150.0)
