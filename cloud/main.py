@@ -201,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("run complete: final global model %s; outputs in %s", cloud.model_sha, run_dir)
 
-    staying: list[bool] = []
+    staying = False
 
     def finished() -> bool:
         """Done, failed, or (``--stay``) done and the outputs written: keep serving."""
+        nonlocal staying
         if cloud.failed is not None:
             return True
         if cloud.done and args.stay and not staying:
-            staying.append(True)
+            staying = True
             if cloud.round >= cfg.run.rounds:
                 write_outputs()
             log.info(

@@ -179,8 +179,7 @@ class CloudServer(RoleService):
         self.round = start_round
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
-        #: the open round's start (Unix time) and the cloud's deadline for it, in seconds
-        self.round_clock: tuple[int | None, float | None] = (None, None)
+        self.opened_wall = 0  # the open round's start, Unix time in whole seconds
         self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
@@ -230,15 +229,15 @@ class CloudServer(RoleService):
     def _publish_state(self, phase: Literal["waiting", "training", "deploying", "done"]) -> None:
         self.metrics.phase.state(phase)
         self.metrics.round.set(self.round)
-        opened_at, deadline_s = self.round_clock if phase == "training" else (None, None)
+        training = phase == "training"
         state = CloudState(
             round=self.round,
             session=self.session,
             phase=phase,
             model_ref=self.global_ref,
             config_digest=self.cfg.digest(),
-            opened_at=opened_at,
-            deadline_s=deadline_s,
+            opened_at=self.opened_wall if training else None,
+            deadline_s=self.cloud_deadline_s if training else None,
         )
         self.send(self.topics.cloud_state, state, retain=True)
 
@@ -328,16 +327,20 @@ class CloudServer(RoleService):
         self.fresh_global = False
         self.reports = {}
         self.opened_at = time.perf_counter()
-        # edges close at their deadline; give them time to aggregate and report
-        deadline_s = self.cfg.federation.round_deadline_s * 1.5 + 10
         opened = time.time()
-        self.round_clock = (int(opened), deadline_s)
+        self.opened_wall = int(opened)
         # retained: an edge that (re)starts mid-round learns the round from the broker
         self.send(self.topics.cloud_round, msg, retain=True)
         self._publish_state("training")
         self.metrics.round_started.set(opened)
-        self.metrics.round_deadline.set(deadline_s)
-        self.timer = self.ep.call_later(deadline_s, self._on_deadline)
+        self.metrics.round_deadline.set(self.cloud_deadline_s)
+        self.timer = self.ep.call_later(self.cloud_deadline_s, self._on_deadline)
+
+    @property
+    def cloud_deadline_s(self) -> float:
+        """Seconds after which the cloud closes a round: the edges close theirs at the
+        configured deadline, and get time to aggregate and report."""
+        return self.cfg.federation.round_deadline_s * 1.5 + 10
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""

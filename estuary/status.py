@@ -202,11 +202,7 @@ def collect_status(
 ) -> FederationStatus:
     """Listen on ``bus`` (an :class:`~shared.mqtt.MqttBus`, connected) for ``wait_s`` seconds
     and return what the run's retained messages say."""
-    observer = StatusObserver(name, cfg, bus)
-    observer.start()
-    bus.pump(wait_s)
-    _count_rejected(observer, bus)
-    return observer.status
+    return watch_status(cfg, bus, wait_s, wait_s, wait_s, lambda *_: None, name=name)
 
 
 def watch_status(
@@ -242,7 +238,7 @@ def watch_status(
 
 def _done(st: FederationStatus) -> bool:
     """Whether the cloud running this config (not another one) says the run is done."""
-    return st.cloud is not None and st.cloud.phase == "done" and st.cloud.config_digest == st.digest
+    return st.cloud is not None and st.cloud.done_for(st.digest)
 
 
 def _online(flag: bool | None) -> str:
@@ -333,14 +329,15 @@ class _Printer:
     def __call__(self, st: FederationStatus, connected: bool) -> None:
         doc = st.as_dict()
         key = json.dumps(doc, sort_keys=True) + str(connected)
-        if key == self._last and not (self.tty and not self.as_json):
+        redraw = self.tty and not self.as_json  # every time: the round's clock moves
+        if key == self._last and not redraw:
             return
         self._last = key
-        at = time.strftime("%H:%M:%S")
         if self.as_json:
             print(json.dumps({"at": time.time(), "connected": connected, **doc}), flush=True)
             return
-        head = (f"at {at}: watching every {self.every_s:g} s, Ctrl-C to stop"
+        head = (f"at {time.strftime('%H:%M:%S')}: watching every {self.every_s:g} s, "
+                "Ctrl-C to stop"
                 + ("" if connected else "; BROKER CONNECTION LOST, reconnecting: "
                    "what follows may be stale"))  # fmt: skip
         clear = "\033[H\033[2J" if self.tty else ""

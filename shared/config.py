@@ -424,9 +424,9 @@ class RunConfig(_Section):
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
         # per-process keys count at their defaults, so digests of configs that leave them
         # unset are the ones earlier versions computed (compare records, checkpoints)
-        defaults = RunConfig().to_dict()
         for section, key in PER_PROCESS_KEYS:
-            data[section] = {**data[section], key: defaults[section][key]}
+            default = type(getattr(self, section)).model_fields[key].default
+            data[section] = {**data[section], key: default}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -128,8 +128,8 @@ def set_torch_threads(requested: int) -> int:
     current, budget = torch.get_num_threads(), cpu_budget()
     if budget < current:
         torch.set_num_threads(budget)
-        log.info("using %d torch threads, not %d: this process may use %d CPU(s) "
-                 "(cgroup limit %s)", budget, current, budget, cgroup_cpu_limit())  # fmt: skip
+        log.info("using %d torch threads, not %d: this process may use %d CPU(s) (affinity "
+                 "mask and cgroup CPU limit)", budget, current, budget)  # fmt: skip
         return budget
     return current
 

@@ -345,6 +345,11 @@ class CloudState(_Msg):
     opened_at: int | None = Field(None, ge=0, le=10**11)
     deadline_s: float | None = Field(None, gt=0.0, le=1e8)
 
+    def done_for(self, config_digest: str) -> bool:
+        """Whether this says the run of the config with ``config_digest`` is over (a cloud
+        running another config under the same run name does not count)."""
+        return self.phase == "done" and self.config_digest == config_digest
+
 
 class Deployment(_Msg):
     """A signed deployment: ``manifest`` is the canonical JSON text the Ed25519

@@ -114,7 +114,7 @@ def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
     """Call ``on_done`` once the cloud's retained state says the run is over."""
 
     def handler(msg: CloudState) -> None:
-        if msg.phase == "done" and msg.config_digest == service.cfg.digest():
+        if msg.done_for(service.cfg.digest()):
             on_done()
 
     service.on(service.topics.cloud_state, CloudState, handler, "msg_cloud_state")

@@ -79,7 +79,8 @@ def test_an_explicit_thread_count_is_kept() -> None:
 
 # -- a real cgroup -----------------------------------------------------------------------
 
-_PROBE = """
+#: what a process reports about its CPU budget (also run in a container by the docker e2e)
+PROBE = """
 import json, torch
 from shared.cpu import cgroup_cpu_limit, cpu_budget, ort_threads, set_torch_threads
 before = torch.get_num_threads()
@@ -133,7 +134,7 @@ def _probe(group: Path | None) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's own default
     env["PYTHONPATH"] = str(Path(__file__).parents[1])
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
         preexec_fn=enter if group is not None else None, check=True,
     ).stdout  # fmt: skip
     return json.loads(out)

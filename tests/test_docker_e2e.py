@@ -37,6 +37,7 @@ import pytest
 from PIL import Image
 
 from tests.mqtt_probe import close, connect, inbox, login, received
+from tests.test_cpu import PROBE
 
 pytestmark = pytest.mark.docker
 
@@ -423,22 +424,13 @@ def test_device_credentials_cannot_write_cloud_topics_or_read_other_devices(
         close(cloud, dev0, dev1)
 
 
-_CPU_PROBE = """
-import json, torch
-from shared.cpu import cgroup_cpu_limit, cpu_budget, set_torch_threads
-before = torch.get_num_threads()
-print(json.dumps({"limit": cgroup_cpu_limit(), "before": before, "budget": cpu_budget(),
-                  "after": set_torch_threads(0), "torch": torch.get_num_threads()}))
-"""
-
-
 def test_a_cpu_limited_device_container_trains_with_that_many_threads(stack: Stack) -> None:
     """``docker run --cpus 1`` of the device image: torch in the container counts every core
     of the host, and the roles' cap (``shared.cpu``, ``train.threads = 0``) uses the one CPU
     the container may."""
     image = f"estuary/device:{stack.env['ESTUARY_TAG']}"
     proc = _run(["docker", "run", "--rm", "--cpus", "1", "--network", "none",
-                 "--entrypoint", "/opt/venv/bin/python", image, "-c", _CPU_PROBE],
+                 "--entrypoint", "/opt/venv/bin/python", image, "-c", PROBE],
                 timeout=300)  # fmt: skip
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["limit"] == 1.0 and got["budget"] == 1, got
