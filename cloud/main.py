@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p)
     p.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     p.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    p.add_argument(
+        "--data",
+        metavar="DIR",
+        help="with data.dataset = 'folder': the real images quality metrics compare with, "
+        "DIR/<class>/<files> (sets data.local_dir)",
+    )
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in --out")
     return p
 
@@ -133,14 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return EXIT_ERROR
     start_round = start.next_round
-    recorder = RunRecorder(
-        cfg,
-        run_dir,
-        bus.traffic,
-        evaluate=not args.no_eval,
-        resume_after=start_round - 1 if resumed else None,
-        traffic_scope="cloud",
-    )
+    try:  # the evaluator reads its reference images here (a folder run: --data)
+        recorder = RunRecorder(
+            cfg,
+            run_dir,
+            bus.traffic,
+            evaluate=not args.no_eval,
+            resume_after=start_round - 1 if resumed else None,
+            traffic_scope="cloud",
+        )
+    except EstuaryError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
 
     def on_round_end(s: RoundSummary) -> None:
         recorder.on_round_end(s)

@@ -1,7 +1,8 @@
 """``python -m device_agent`` / ``estuary device --id dev000``: one device agent over MQTT.
 
-The device loads the dataset locally and keeps only its own partition (the same seeded
-split ``estuary simulate`` makes); raw data never leaves the process. It also serves the
+The device trains on its own image folder (``data.dataset = "folder"``, ``--data DIR``), or
+loads the config's dataset and keeps only its own partition (the same seeded split
+``estuary simulate`` makes); raw data never leaves the process. It also serves the
 generator the cloud deploys (verified, then sampled with ONNX Runtime; its own model, built
 from the deployment and the parts it keeps, when the algorithm keeps parts on the devices). With
 ``--sample-only`` it does nothing else, and never imports torch.
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not train: only serve deployed generators (no torch needed)",
     )
     p.add_argument("--out-dir", help="deployed models and sample grids (default: deploy.out_dir)")
+    p.add_argument(
+        "--data",
+        metavar="DIR",
+        help="this device's own images, DIR/<class>/<files> (sets data.local_dir; the run's "
+        "config must say data.dataset = 'folder')",
+    )
     return p
 
 
@@ -79,17 +86,12 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 
     from device_agent.service import DeviceAgent
     from shared.algorithms import make_algorithm
-    from shared.data import load_dataset, to_model_input
+    from shared.data import to_model_input
     from shared.naming import device_index, home_edge
-    from shared.partition import make_partition
 
     index = device_index(args.id, cfg)
     set_torch_threads(cfg.train.threads)
-    data = load_dataset(
-        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
-    )
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    mine = parts[index]
+    data = device_data(cfg, index)
     bus = connect_bus(cfg, "device", args.id, cache)
     device = DeviceAgent(
         cfg,
@@ -98,9 +100,34 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
         device_id=args.id,
         index=index,
         home_edge=home_edge(index, cfg),
-        data=to_model_input(data.images[mine]),
-        labels=torch.from_numpy(data.labels[mine]),
+        data=to_model_input(data.images),
+        labels=torch.from_numpy(data.labels),
     )
-    del data
-    log.info("%s has %d samples (home %s)", args.id, len(mine), device.home_edge)
+    log.info("%s has %d samples from %s (home %s)", args.id, len(data), data.name, device.home_edge)
     return device, bus
+
+
+def device_data(cfg: Any, index: int) -> Any:
+    """Device ``index``'s training images: its own folder (``data.dataset = "folder"``,
+    ``data.local_dir``, at most ``data.max_samples_per_device`` of them), or its share of the
+    config's dataset (the seeded split ``estuary simulate`` makes)."""
+    from shared.data import load_dataset, load_image_folder
+    from shared.errors import ConfigError
+    from shared.partition import make_partition
+
+    d = cfg.data
+    if d.dataset == "folder":
+        if not d.local_dir:
+            raise ConfigError(
+                "data.dataset = 'folder': this device needs its image folder; pass --data DIR "
+                "(or set ESTUARY__DATA__LOCAL_DIR)"
+            )
+        return load_image_folder(
+            d.local_dir,
+            class_names=d.class_names,
+            max_images=d.max_samples_per_device,
+            seed=cfg.run.seed + index,
+        )
+    data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+    return data.subset(parts[index])

@@ -1,5 +1,5 @@
 """``estuary`` command line: demo, simulate, compare, cloud, edge, device, eval, model-info,
-keys, export, sample, deploy."""
+split-data, keys, export, sample, provision, deploy, status."""
 
 from __future__ import annotations
 
@@ -62,6 +62,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     else:
         print(f"records of {', '.join(r.method.label for r in result.runs) or 'no method'} "
               f"in {result.out}")  # fmt: skip
+    return 0
+
+
+def _cmd_split_data(args: argparse.Namespace) -> int:
+    from estuary.split_data import split_data
+    from shared.config import load_config
+
+    out = Path(args.out)
+    result = split_data(load_config(args.config), out, progress=not args.quiet)
+    sizes = result.device_images
+    print(f"{len(sizes)} device folders ({min(sizes)}-{max(sizes)} images each) and the "
+          f"cloud's {result.reference_images} reference images in {out}")  # fmt: skip
+    print(f"config reading them: {result.config_path}; run the roles with")
+    print(f"  estuary cloud {result.config_path} --out runs/folder --data {out / 'cloud'}")
+    print(f"  estuary device {result.config_path} --id dev000 --data {out / 'dev000'}   "
+          "(and each other device, its own folder)")  # fmt: skip
     return 0
 
 
@@ -240,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prune-seed", type=int, default=0, help="init (and random ranking) seed")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_cmd_model_info)
+
+    sd = sub.add_parser(
+        "split-data",
+        help="write a config's split as per-device image folders (to try --data DIR)",
+    )
+    sd.add_argument("config", help="run config (fashion-mnist or synthetic)")
+    sd.add_argument("--out", required=True, help="new directory for the folders")
+    sd.add_argument("--quiet", action="store_true", help="no progress bar")
+    sd.set_defaults(func=_cmd_split_data)
 
     from estuary.deploy_cli import add_parsers
     from estuary.status import add_parser as add_status_parser

@@ -76,6 +76,9 @@ class Hierarchy:
     credentials: Path | None = None
     #: extra command-line arguments of the cloud process (e.g. ``["--stay"]``)
     cloud_args: list[str] = field(default_factory=list)
+    #: ``estuary split-data`` output: each device gets ``--data DIR/<its id>``, the cloud
+    #: ``--data DIR/cloud`` (a config with ``data.dataset = "folder"``)
+    data_dir: Path | None = None
 
     def __post_init__(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -90,6 +93,8 @@ class Hierarchy:
             argv += self.cloud_args
         else:
             argv += ["--id", name, "--cache-dir", str(self.run_dir / "cache" / name)]
+        if self.data_dir is not None and role in ("cloud", "device"):
+            argv += ["--data", str(self.data_dir / name)]
         return argv
 
     def _spawn(self, proc: RoleProcess) -> None:

@@ -129,10 +129,10 @@ def simulate(
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
     set_torch_threads(cfg.train.threads)
-    run_dir = prepare_run_dir(cfg, out)
-    data = load_dataset(
+    data = load_dataset(  # first: a dataset that is not there leaves no run directory
         cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
     )
+    run_dir = prepare_run_dir(cfg, out)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)

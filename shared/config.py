@@ -86,8 +86,20 @@ PartitionName = Literal["iid", "dirichlet", "classes", "shards", "quantity", "do
 class DataSection(_Section):
     """Dataset and how it is split across devices (DESIGN section 3)."""
 
-    dataset: Literal["fashion-mnist", "synthetic"] = "fashion-mnist"
+    dataset: Literal["fashion-mnist", "synthetic", "folder"] = "fashion-mnist"
     path: str = Field("", description="directory with the IDX .gz files; empty = search")
+    local_dir: str = Field(
+        "",
+        max_length=4096,
+        description="dataset = 'folder': this process's own images, DIR/<class>/<files> "
+        "(a device trains on them, the cloud evaluates against them); per process",
+    )
+    class_names: list[str] = Field(
+        default_factory=list,
+        max_length=10,
+        description="dataset = 'folder': the class folder names, in label order "
+        "(empty: 0-9 or Fashion-MNIST's names)",
+    )
     partition: PartitionName = "iid"
     classes_per_device: int = Field(2, ge=1, le=10)
     dirichlet_beta: float = Field(0.5, gt=0.0)
@@ -96,6 +108,16 @@ class DataSection(_Section):
     quantity_sigma: float = Field(1.0, gt=0.0)
     max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
     synthetic_size: int = Field(512, ge=10, le=1_000_000)
+
+    @field_validator("class_names")
+    @classmethod
+    def _check_class_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or name.startswith(".") or "/" in name or "\\" in name or len(name) > 100:
+                raise ValueError(f"{name!r} cannot be a folder name")
+        if len(set(names)) != len(names):
+            raise ValueError("class names must differ")
+        return names
 
 
 class ModelSection(_Section):
@@ -320,8 +342,11 @@ class DeploySection(_Section):
 
 
 DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
-#: settings of other sections that are per process too (left out of the digest)
-PER_PROCESS_KEYS = (("train", "threads"),)
+#: settings of other sections that are per process too (counted at their defaults)
+PER_PROCESS_KEYS = (("train", "threads"), ("data", "local_dir"))
+#: keys added after digests were first recorded: left out of the digest at their default, so
+#: configs that do not set them keep the digests earlier versions computed
+LATER_KEYS = (("data", "local_dir"), ("data", "class_names"))
 
 
 class RunConfig(_Section):
@@ -386,6 +411,12 @@ class RunConfig(_Section):
                 f"reaching the cloud's model; use {rounds - rounds % r_g} or "
                 f"{rounds - rounds % r_g + r_g} rounds"
             )
+        if self.data.dataset == "folder" and self.data.partition != "iid":
+            raise ValueError(
+                f"data.partition = {self.data.partition!r} splits one dataset across the "
+                "devices, but with data.dataset = 'folder' each device trains on its own "
+                "folder as it is; leave data.partition unset"
+            )
         algo = self.algorithm
         if algo.name == "fedphd" and algo.prune_ratio > 0:
             r_s = algo.sparse_rounds
@@ -418,16 +449,24 @@ class RunConfig(_Section):
 
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
-        metrics, deploy, compute) and with the per-process keys (``train.threads``) at their
-        defaults: identifies the experiment on the wire, wherever each role connects from and
-        whatever it runs on."""
+        metrics, deploy, compute), with the per-process keys (``train.threads``,
+        ``data.local_dir``) at their defaults and the later keys left out at their defaults:
+        identifies the experiment on the wire, wherever each role connects from and whatever
+        it runs on."""
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
         # per-process keys count at their defaults, so digests of configs that leave them
         # unset are the ones earlier versions computed (compare records, checkpoints)
         for section, key in PER_PROCESS_KEYS:
-            default = type(getattr(self, section)).model_fields[key].default
-            data[section] = {**data[section], key: default}
+            data[section] = {**data[section], key: _default(self, section, key)}
+        for section, key in LATER_KEYS:
+            if data[section][key] == _default(self, section, key):
+                data[section] = {k: v for k, v in data[section].items() if k != key}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _default(cfg: RunConfig, section: str, key: str) -> Any:
+    """The default of ``section.key`` (from the section's class, not from ``cfg``)."""
+    return type(getattr(cfg, section)).model_fields[key].get_default(call_default_factory=True)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -1,4 +1,5 @@
-"""Datasets: Fashion-MNIST from IDX files, and a small synthetic set for unit tests.
+"""Datasets: Fashion-MNIST from IDX files, a device's own image folder, and a small synthetic
+set for unit tests.
 
 Images are returned as ``uint8`` arrays ``(N, 28, 28)`` plus ``int64`` labels; ``to_model_input``
 turns them into float tensors in [-1, 1], padded to 32x32 so U-Nets can downsample three times.
@@ -7,6 +8,10 @@ Search order for Fashion-MNIST (first directory holding all four files wins):
 an explicit path, ``$ESTUARY_FMNIST_DIR``, ``/usr/share/datasets/fashion-mnist`` (Debian's
 ``dataset-fashion-mnist``), then ``~/.cache/estuary/fashion-mnist`` (downloaded into when a
 network exists and ``download=True``).
+
+An image folder (``data.dataset = "folder"``, :func:`load_image_folder`) is one process's own
+data: ``DIR/<class>/<image files>``, each image converted to 8-bit grayscale, centre-cropped to
+a square and resized to 28x28, the format of the other datasets.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from shared.errors import DataError
 
@@ -42,6 +48,13 @@ CLASSES = (
 NUM_CLASSES = 10
 IMAGE_SIZE = 32  # model resolution (28x28 padded by 2 on each side)
 MAX_IDX_BYTES = 200 * 2**20
+#: image files an image folder may hold (28x28 bytes each in memory: 784 MB at the limit)
+MAX_FOLDER_IMAGES = 1_000_000
+#: largest image file read from an image folder
+MAX_IMAGE_FILE_BYTES = 64 * 2**20
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".pgm")
+#: the side of the stored images (before padding to ``IMAGE_SIZE``)
+STORED_SIZE = 28
 
 
 def histogram_problem(counts: Sequence[int], n_samples: int | None = None) -> str:
@@ -176,12 +189,165 @@ def synthetic_dataset(
 def load_dataset(
     name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0
 ) -> ImageDataset:
-    """Dataset by config name (``fashion-mnist`` or ``synthetic``)."""
+    """Dataset by config name (``fashion-mnist`` or ``synthetic``; an image folder is one
+    process's own data: :func:`load_image_folder`)."""
+    if name == "folder":
+        raise DataError(
+            "data.dataset = 'folder' is each device's own image folder (data.local_dir), not "
+            "one dataset that `estuary simulate` or `compare` can split: run the roles as "
+            "processes (`estuary device --id ID --data DIR`), or use 'fashion-mnist' or "
+            "'synthetic' here"
+        )
     if name == "fashion-mnist":
         return load_fashion_mnist(split, path or None, download=True)
     if name == "synthetic":
         return synthetic_dataset(size, seed=seed + (0 if split == "train" else 1))
     raise DataError(f"unknown dataset {name!r}")
+
+
+def class_slug(name: str) -> str:
+    """A class name as a folder name: lower case, runs of other characters as one ``-``
+    (``"T-shirt/top"`` -> ``"t-shirt-top"``)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def class_folders(class_names: Sequence[str] = ()) -> dict[str, int]:
+    """Folder name -> label of an image folder. With ``class_names`` (at most
+    ``NUM_CLASSES``), exactly those names, in label order; without, the digits ``0``-``9`` and
+    Fashion-MNIST's class names as :func:`class_slug` writes them (``t-shirt-top``, ...,
+    ``ankle-boot``)."""
+    if class_names:
+        if len(class_names) > NUM_CLASSES:
+            raise DataError(f"{len(class_names)} class names; at most {NUM_CLASSES}")
+        return {name: label for label, name in enumerate(class_names)}
+    folders = {str(label): label for label in range(NUM_CLASSES)}
+    folders.update({class_slug(name): label for label, name in enumerate(CLASSES)})
+    return folders
+
+
+def _list_image_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, int]]:
+    """Every image file under ``root``'s class folders with its label, in name order
+    (file name, then path), bounded by ``MAX_FOLDER_IMAGES``."""
+    if not root.is_dir():
+        raise DataError(f"image folder {root} does not exist (or is not a directory)")
+    found: list[tuple[str, str, Path, int]] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
+            raise DataError(
+                f"{entry} is not in a class folder: put each image in {root}/<class>/, "
+                f"<class> one of {sorted(folders, key=folders.__getitem__)}"
+            )
+        if not entry.is_dir():
+            continue
+        if entry.name not in folders:
+            raise DataError(
+                f"{entry}: {entry.name!r} is not a class; class folders are named "
+                f"{sorted(folders, key=folders.__getitem__)} (set data.class_names to name "
+                "your own classes)"
+            )
+        label = folders[entry.name]
+        for dirpath, dirnames, filenames in os.walk(entry):  # does not follow links to dirs
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in filenames:
+                if name.startswith(".") or Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+                    continue
+                path = Path(dirpath) / name
+                found.append((name, str(path.relative_to(root)), path, label))
+                if len(found) > MAX_FOLDER_IMAGES:
+                    raise DataError(
+                        f"{root} holds more than {MAX_FOLDER_IMAGES} images; set "
+                        "data.max_samples_per_device to train on a sample of them"
+                    )
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [(path, label) for _, _, path, label in found]
+
+
+def _read_image(path: Path) -> np.ndarray:
+    """One image file as uint8 ``(STORED_SIZE, STORED_SIZE)`` grayscale: converted to 8-bit
+    luminance, centre-cropped to a square, resized (an image of that size already in 8-bit
+    grayscale is read unchanged)."""
+    from PIL import Image
+
+    size = path.stat().st_size
+    if size > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
+    with Image.open(path) as im:
+        im.draft("L", (STORED_SIZE, STORED_SIZE))  # JPEG: decode at a reduced size
+        gray = im.convert("L")
+    w, h = gray.size
+    side = min(w, h)
+    if (w, h) != (side, side):
+        left, top = (w - side) // 2, (h - side) // 2
+        gray = gray.crop((left, top, left + side, top + side))
+    if side != STORED_SIZE:
+        gray = gray.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BOX)
+    return np.asarray(gray, dtype=np.uint8)
+
+
+def load_image_folder(
+    root: str | Path,
+    *,
+    class_names: Sequence[str] = (),
+    max_images: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+) -> ImageDataset:
+    """A process's own images: ``root/<class>/...`` (any depth below the class folder; see
+    :func:`class_folders` for the names), in name order. ``max_images`` > 0 keeps that many,
+    drawn with ``seed`` (before any file is decoded). A file that cannot be read as an image
+    is skipped and reported; a folder with no readable image is an error."""
+    from PIL import Image
+
+    root = Path(root)
+    files = _list_image_folder(root, class_folders(class_names))
+    if max_images and len(files) > max_images:
+        keep = np.sort(np.random.default_rng(seed).permutation(len(files))[:max_images])
+        files = [files[i] for i in keep]
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    skipped: list[str] = []
+    bar = tqdm(
+        files, desc=f"reading {root}", unit="img", mininterval=2.0,
+        disable=not progress or len(files) < 5000,
+    )  # fmt: skip
+    for path, label in bar:
+        try:
+            images.append(_read_image(path))
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+            skipped.append(f"{path}: {err}")
+            continue
+        labels.append(label)
+    if skipped:
+        log.warning(
+            "%s: skipped %d of %d files that are not readable images (first: %s)",
+            root, len(skipped), len(files), "; ".join(skipped[:3]),
+        )  # fmt: skip
+    if not images:
+        raise DataError(
+            f"no readable images in {root}: expected {root}/<class>/<image files> "
+            f"({', '.join(IMAGE_SUFFIXES)})"
+            + (f"; {len(skipped)} files failed, first: {skipped[0]}" if skipped else "")
+        )
+    return ImageDataset(np.stack(images), np.asarray(labels, dtype=np.int64), f"folder:{root}")
+
+
+def write_image_folder(data: ImageDataset, root: str | Path, names: Sequence[str]) -> int:
+    """Write ``data`` as ``root/<class slug>/<name>.png`` (one name per image, in order), the
+    layout :func:`load_image_folder` reads back unchanged when the names sort in that order.
+    Returns the number of files written."""
+    from PIL import Image
+
+    if len(names) != len(data):
+        raise DataError(f"{len(names)} names for {len(data)} images")
+    root = Path(root)
+    slugs = [class_slug(c) for c in CLASSES]
+    for image, label, name in zip(data.images, data.labels, names, strict=True):
+        folder = root / slugs[int(label)]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, mode="L").save(folder / f"{name}.png")
+    return len(data)
 
 
 def to_model_input(images: np.ndarray) -> torch.Tensor:

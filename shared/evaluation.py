@@ -19,8 +19,9 @@ import torch
 
 from shared.arch import build_model
 from shared.config import RunConfig
-from shared.data import from_model_output, load_dataset, to_model_input
+from shared.data import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion import ddim_sample
+from shared.errors import DataError
 from shared.models import image_shape
 from shared.report import save_grid
 from shared.training import placed
@@ -70,17 +71,34 @@ def write_grid(
 
 
 def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
-    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed."""
-    real = load_dataset(
-        cfg.data.dataset,
-        cfg.data.path,
-        split=split,
-        size=cfg.data.synthetic_size,
-        seed=cfg.run.seed,
-    )
-    count = min(len(real), n or cfg.eval.num_reference)
-    idx = np.sort(np.random.default_rng([0xF1D, len(real)]).choice(len(real), count, replace=False))
-    return to_model_input(real.images[idx])
+    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
+    With ``data.dataset = "folder"`` they come from this process's ``data.local_dir`` (the
+    cloud's own reference images; there are no splits)."""
+    if cfg.data.dataset == "folder":
+        if not cfg.data.local_dir:
+            raise DataError(
+                "quality metrics need real images to compare with, and with data.dataset = "
+                "'folder' no dataset is shared: give this process a folder of them "
+                "(data.local_dir, ESTUARY__DATA__LOCAL_DIR, or the cloud's --data DIR), "
+                "or set eval.every = 0"
+            )
+        real = load_image_folder(cfg.data.local_dir, class_names=cfg.data.class_names)
+    else:
+        real = load_dataset(
+            cfg.data.dataset,
+            cfg.data.path,
+            split=split,
+            size=cfg.data.synthetic_size,
+            seed=cfg.run.seed,
+        )
+    return to_model_input(real.images[reference_indices(len(real), n or cfg.eval.num_reference)])
+
+
+def reference_indices(size: int, n: int) -> np.ndarray:
+    """Which ``n`` of ``size`` real images :func:`reference_images` takes (sorted; all of them,
+    in order, when ``n >= size``)."""
+    count = min(size, n)
+    return np.sort(np.random.default_rng([0xF1D, size]).choice(size, count, replace=False))
 
 
 class Evaluator:

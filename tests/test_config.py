@@ -28,11 +28,18 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
         {"broker": {"port": 1884}},
         {"deploy": {"threads": 2}},
         {"metrics": {"port": 9}},
+        {"data": {"local_dir": "/srv/images"}},
+        {"data": {"class_names": []}},
     ]
     for update in same:
         assert config_from_dict(update).digest() == cfg.digest(), update
-    for update in ({"train": {"lr": 5e-4}}, {"train": {"batch_size": 8}}, {"run": {"seed": 1}}):
+    for update in ({"train": {"lr": 5e-4}}, {"train": {"batch_size": 8}}, {"run": {"seed": 1}},
+                   {"data": {"class_names": ["cat", "dog"]}}):  # fmt: skip
         assert config_from_dict(update).digest() != cfg.digest(), update
+    folder = config_from_dict({"data": {"dataset": "folder"}})
+    assert folder.digest() != cfg.digest()
+    mine = config_from_dict({"data": {"dataset": "folder", "local_dir": "/data/dev007"}})
+    assert mine.digest() == folder.digest()
 
 
 def test_bad_value_is_named() -> None:
@@ -97,9 +104,18 @@ def test_cross_field_rule() -> None:
                            "prune_at": "init"}},
             r"prune_at = 'init' \(FedPhD-OS\) .* set sparse_rounds = 0",
         ),
+        # each device trains on its own folder as it is: no split to choose
+        (
+            {"data": {"dataset": "folder", "partition": "classes"}},
+            r"data.partition = 'classes' splits one dataset .* leave data.partition unset",
+        ),
+        ({"data": {"class_names": ["a", "b", "a"]}}, "class names must differ"),
+        ({"data": {"class_names": ["ok", "x/y"]}}, "'x/y' cannot be a folder name"),
+        ({"data": {"class_names": [str(i) for i in range(11)]}}, "at most 10 items"),
     ],
     ids=["never_aggregates", "eval_steps", "deploy_steps", "nan", "inf", "trailing_rounds",
-         "sparse_not_at_aggregation", "sparse_past_run", "os_with_penalty"],
+         "sparse_not_at_aggregation", "sparse_past_run", "os_with_penalty", "folder_partition",
+         "class_names_repeat", "class_name_path", "class_names_too_many"],
 )  # fmt: skip
 def test_cross_section_and_non_finite_values_are_refused(data: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -172,6 +188,27 @@ def test_role_command_line_overrides_are_validated(tmp_path: Path) -> None:
         load("--metrics-port", "70000")
     with pytest.raises(EstuaryError, match="--metrics-port must be >= -1"):
         load("--metrics-port", "-2")
+
+
+def test_data_gives_a_folder_run_its_own_images(tmp_path: Path) -> None:
+    """``--data DIR`` (cloud and device) sets this process's ``data.local_dir``; a config
+    that splits a shared dataset refuses it instead of ignoring it."""
+    import argparse
+
+    from shared.errors import EstuaryError
+    from shared.runtime import add_common_args, load_role_config
+
+    p = argparse.ArgumentParser()
+    add_common_args(p)
+    p.add_argument("--data")
+    folder, shared_data = tmp_path / "folder.toml", tmp_path / "fmnist.toml"
+    folder.write_text('[data]\ndataset = "folder"\n')
+    shared_data.write_text('[data]\ndataset = "fashion-mnist"\n')
+    cfg = load_role_config(p.parse_args([str(folder), "--data", "/srv/dev003"]))
+    assert cfg.data.local_dir == "/srv/dev003"
+    assert cfg.digest() == load_role_config(p.parse_args([str(folder)])).digest()
+    with pytest.raises(EstuaryError, match=r"config says data.dataset = 'fashion-mnist'"):
+        load_role_config(p.parse_args([str(shared_data), "--data", "/srv/dev003"]))
 
 
 def test_stored_configs_are_read_back_without_the_waste_rules(tmp_path: Path) -> None:

@@ -1,0 +1,86 @@
+"""``estuary split-data CONFIG --out DIR``: a config's federated split as image folders.
+
+Writes each device's share of the config's dataset (the seeded split ``estuary simulate``
+makes) as ``DIR/<device id>/<class>/<index>.png`` and the cloud's evaluation reference as
+``DIR/cloud/<class>/<index>.png``, plus ``DIR/config.json``: the same run with
+``data.dataset = "folder"``. Devices started with ``--data DIR/<device id>`` (and the cloud
+with ``--data DIR/cloud``) then train exactly as the original config does, each reading only
+its own folder; it is the layout a device on a real fleet keeps its own images in, and the
+way to try that layout before there is a fleet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from shared.atomic import atomic_write
+from shared.config import RunConfig, with_overrides
+from shared.data import ImageDataset, load_dataset, write_image_folder
+from shared.errors import ConfigError
+from shared.evaluation import reference_indices
+from shared.naming import device_name
+from shared.partition import make_partition
+
+
+@dataclass(frozen=True)
+class SplitSummary:
+    """What :func:`split_data` wrote."""
+
+    out: Path
+    #: images per device, in device order
+    device_images: list[int]
+    reference_images: int
+    config_path: Path
+
+
+def folder_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` reading image folders: ``data.dataset = "folder"``, no partition (each device
+    holds its share already) and no per-device cap (already applied)."""
+    return with_overrides(
+        cfg,
+        {"data": {"dataset": "folder", "partition": "iid", "max_samples_per_device": 0,
+                  "path": "", "local_dir": ""}},
+        source="split-data",
+    )  # fmt: skip
+
+
+def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSummary:
+    """Write ``cfg``'s split of its dataset under ``out`` (which must be new or empty)."""
+    if cfg.data.dataset == "folder":
+        raise ConfigError("the config already reads image folders (data.dataset = 'folder')")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} is not empty; split-data writes only into a new directory")
+    data = load_dataset(
+        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
+    )
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    width = len(str(len(data) - 1))
+    fcfg = folder_config(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(share: ImageDataset, indices: np.ndarray, folder: Path) -> int:
+        # names are the dataset indices, zero-padded: name order is the split's order
+        return write_image_folder(share, folder, [f"{i:0{width}d}" for i in indices])
+
+    sizes = []
+    for i, idx in enumerate(tqdm(parts, desc="devices", unit="dev", disable=not progress)):
+        sizes.append(write(data.subset(idx), idx, out / device_name(i)))
+    ref = reference_indices(len(data), cfg.eval.num_reference)
+    n_ref = write(data.subset(ref), ref, out / "cloud")
+    config_path = out / "config.json"
+    atomic_write(config_path, fcfg.to_json().encode())
+    atomic_write(
+        out / "split.json",
+        json.dumps(
+            {"source": cfg.data.dataset, "config_digest": cfg.digest(),
+             "folder_config_digest": fcfg.digest(), "device_images": sizes,
+             "reference_images": n_ref},
+            indent=2,
+        ).encode(),
+    )  # fmt: skip
+    return SplitSummary(out, sizes, n_ref, config_path)

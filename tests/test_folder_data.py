@@ -1,0 +1,217 @@
+"""Devices training on their own image folders (``data.dataset = "folder"``): the reader,
+``estuary split-data``, and a federation of processes over a real mosquitto whose devices each
+read only their own folder and end with the model of the same split held in memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import shared.data as data_mod
+from device_agent.main import device_data
+from estuary.launcher import Hierarchy
+from estuary.simulate import simulate
+from estuary.split_data import split_data
+from shared.broker import LocalBroker, find_mosquitto
+from shared.config import RunConfig, load_config, with_overrides
+from shared.data import (
+    CLASSES,
+    DataError,
+    class_folders,
+    class_slug,
+    load_dataset,
+    load_image_folder,
+    synthetic_dataset,
+    write_image_folder,
+)
+from shared.errors import ConfigError
+from shared.evaluation import reference_images
+from tests.conftest import tiny_config
+
+
+def _save(path: Path, array: np.ndarray, mode: str | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array, mode=mode).save(path)
+
+
+def test_folder_names_are_digits_or_fashion_mnist_classes_or_your_own() -> None:
+    assert class_slug("T-shirt/top") == "t-shirt-top" and class_slug("Ankle boot") == "ankle-boot"
+    folders = class_folders()
+    assert folders["0"] == folders["t-shirt-top"] == 0
+    assert folders["9"] == folders["ankle-boot"] == 9
+    assert len(folders) == 20
+    assert class_folders(["cat", "dog"]) == {"cat": 0, "dog": 1}
+
+
+def test_a_written_folder_reads_back_unchanged(tmp_path: Path) -> None:
+    data = synthetic_dataset(40, seed=3)
+    names = [f"{i:03d}" for i in range(len(data))]
+    assert write_image_folder(data, tmp_path, names) == 40
+    assert {p.name for p in tmp_path.iterdir()} <= {class_slug(c) for c in CLASSES}
+    back = load_image_folder(tmp_path)
+    assert np.array_equal(back.images, data.images)
+    assert np.array_equal(back.labels, data.labels)
+    assert back.name == f"folder:{tmp_path}"
+
+
+def test_photos_are_gray_square_and_28_pixels(tmp_path: Path) -> None:
+    """RGB, RGBA, palette and 16-bit-free JPEG files of any size: converted to luminance,
+    centre-cropped, resized; nested folders below a class count."""
+    rgb = np.zeros((48, 96, 3), np.uint8)
+    rgb[:, 24:72] = (255, 255, 255)  # a white centre square on a black strip
+    _save(tmp_path / "3" / "wide.png", rgb)
+    _save(tmp_path / "3" / "deeper" / "again.jpg", rgb)
+    rgba = np.full((10, 10, 4), 128, np.uint8)
+    _save(tmp_path / "sneaker" / "small.png", rgba)
+    back = load_image_folder(tmp_path)
+    assert back.images.shape == (3, 28, 28) and back.images.dtype == np.uint8
+    # name order: "again.jpg", "small.png", "wide.png"
+    assert back.labels.tolist() == [3, 7, 3]
+    assert back.images[2].min() == 255  # the crop kept only the white centre
+    assert abs(int(back.images[0].mean()) - 255) <= 3  # JPEG, nearly white
+    assert set(np.unique(back.images[1])) == {128}
+
+
+def test_bad_layouts_are_refused_with_the_fix(tmp_path: Path) -> None:
+    img = np.zeros((28, 28), np.uint8)
+    with pytest.raises(DataError, match="does not exist"):
+        load_image_folder(tmp_path / "nope")
+    with pytest.raises(DataError, match="no readable images"):
+        load_image_folder(tmp_path)
+    _save(tmp_path / "loose.png", img)
+    with pytest.raises(DataError, match=r"loose.png is not in a class folder"):
+        load_image_folder(tmp_path)
+    (tmp_path / "loose.png").unlink()
+    _save(tmp_path / "cats" / "a.png", img)
+    with pytest.raises(DataError, match=r"'cats' is not a class; .*data.class_names"):
+        load_image_folder(tmp_path)
+    assert load_image_folder(tmp_path, class_names=["dogs", "cats"]).labels.tolist() == [1]
+
+
+def test_unreadable_files_are_skipped_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    img = np.full((28, 28), 7, np.uint8)
+    _save(tmp_path / "1" / "good.png", img)
+    (tmp_path / "1" / "broken.png").write_bytes(b"\x89PNG not really")
+    noise = np.random.default_rng(0).integers(0, 256, (40, 40), dtype=np.uint8)
+    _save(tmp_path / "1" / "huge.png", noise)  # over 1 KB: incompressible
+    (tmp_path / "1" / "notes.txt").write_text("not an image, not counted")
+    monkeypatch.setattr(data_mod, "MAX_IMAGE_FILE_BYTES", 1000)
+    with caplog.at_level(logging.WARNING):
+        back = load_image_folder(tmp_path)
+    assert back.labels.tolist() == [1]
+    assert "skipped 2 of 3 files" in caplog.text and "broken.png" in caplog.text
+    (tmp_path / "1" / "good.png").unlink()
+    with pytest.raises(DataError, match=r"no readable images .* 2 files failed"):
+        load_image_folder(tmp_path)
+
+
+def test_listing_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(4):
+        _save(tmp_path / "0" / f"{i}.png", np.zeros((28, 28), np.uint8))
+    monkeypatch.setattr(data_mod, "MAX_FOLDER_IMAGES", 3)
+    with pytest.raises(DataError, match=r"more than 3 images; set data.max_samples_per_device"):
+        load_image_folder(tmp_path)
+
+
+def test_max_images_draws_a_seeded_sample_before_decoding(tmp_path: Path) -> None:
+    data = synthetic_dataset(30, seed=1)
+    write_image_folder(data, tmp_path, [f"{i:02d}" for i in range(30)])
+    a = load_image_folder(tmp_path, max_images=10, seed=5)
+    assert len(a) == 10 and np.array_equal(a.images, load_image_folder(
+        tmp_path, max_images=10, seed=5).images)  # fmt: skip
+    assert not np.array_equal(a.images, load_image_folder(tmp_path, max_images=10, seed=6).images)
+
+
+def test_split_data_folders_train_the_devices_on_the_same_images(tmp_path: Path) -> None:
+    """Each device's folder holds exactly its share of the split, in the split's order; the
+    cloud's folder is the evaluation's reference set; the written config differs only in
+    reading folders."""
+    cfg = tiny_config(
+        federation={"num_devices": 4},
+        data={"partition": "classes", "classes_per_device": 2},
+        eval={"num_reference": 50},
+    )
+    out = tmp_path / "split"
+    summary = split_data(cfg, out, progress=False)
+    assert 0 < sum(summary.device_images) <= cfg.data.synthetic_size
+    assert summary.reference_images == 50
+    folder_cfg = load_config(summary.config_path)
+    assert folder_cfg.data.dataset == "folder"
+    for i in range(4):
+        mine = with_overrides(folder_cfg, {"data": {"local_dir": str(out / f"dev00{i}")}})
+        want, got = device_data(cfg, i), device_data(mine, i)
+        assert np.array_equal(want.images, got.images) and np.array_equal(want.labels, got.labels)
+        assert len(got) == summary.device_images[i]
+        assert len(np.unique(got.labels)) <= 2
+    cloud = with_overrides(folder_cfg, {"data": {"local_dir": str(out / "cloud")}})
+    assert torch.equal(reference_images(cfg), reference_images(cloud))
+    split = json.loads((out / "split.json").read_text())
+    assert split["folder_config_digest"] == folder_cfg.digest() != cfg.digest()
+    with pytest.raises(ConfigError, match="not empty"):
+        split_data(cfg, out, progress=False)
+    with pytest.raises(ConfigError, match="already reads image folders"):
+        split_data(folder_cfg, tmp_path / "again", progress=False)
+
+
+def test_folder_runs_need_their_folders(tmp_path: Path) -> None:
+    folder_cfg = tiny_config(data={"dataset": "folder"}, eval={"every": 1})
+    with pytest.raises(ConfigError, match="needs its image folder; pass --data DIR"):
+        device_data(folder_cfg, 0)
+    with pytest.raises(DataError, match=r"quality metrics need real images .* --data DIR"):
+        reference_images(folder_cfg)
+    with pytest.raises(DataError, match=r"not one dataset that `estuary simulate` .* can split"):
+        simulate(folder_cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(DataError, match="not one dataset"):
+        load_dataset("folder")
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_devices_reading_only_their_own_folders_train_the_same_model(tmp_path: Path) -> None:
+    """Cloud, 2 edges and 4 device processes on a real mosquitto, each device started with
+    ``--data`` on its own folder from ``split-data`` and the cloud evaluating against its own:
+    the final model is the one ``simulate`` trains from the shared dataset, and so is the FID."""
+    cfg = tiny_config(
+        run={"name": "folders", "rounds": 2},
+        federation={"num_devices": 4, "num_edges": 2, "round_deadline_s": 60},
+        data={"partition": "classes", "classes_per_device": 2},
+        train={"local_steps": 3, "batch_size": 8, "threads": 1},
+        eval={"every": 2, "num_samples": 16, "num_reference": 40, "sample_steps": 5},
+    )
+    reference = simulate(cfg, tmp_path / "reference", progress=False, evaluate=True)
+    split = split_data(cfg, tmp_path / "split", progress=False)
+    folder_cfg = load_config(split.config_path)
+    broker = LocalBroker(kind="mosquitto", workdir=tmp_path / "broker").start()
+    hier = Hierarchy(folder_cfg, split.config_path, tmp_path / "run", broker, metrics=False,
+                     data_dir=tmp_path / "split")  # fmt: skip
+    try:
+        hier.start_all()
+        code = hier.wait("cloud", 180)
+        assert code == 0, hier.procs["cloud"].log_tail(30)
+    finally:
+        hier.stop_all(timeout_s=10)
+        broker.stop()
+    summary = json.loads((hier.run_dir / "summary.json").read_text())
+    assert summary["final_model_sha256"] == reference.final_model_sha256
+    device_log = hier.procs["dev002"].log_path.read_text()
+    assert f"from folder:{tmp_path / 'split' / 'dev002'}" in device_log
+    rows = [json.loads(line) for line in (hier.run_dir / "metrics.jsonl").read_text().splitlines()]
+    fid = [r["quality"]["fid"] for r in rows if r.get("quality")]
+    want = [r["quality"]["fid"] for r in reference.rows if r.get("quality")]
+    assert len(fid) == len(want) == 1
+    assert fid[0] == pytest.approx(want[0], rel=1e-3)
+
+
+def test_folder_config_round_trips(tmp_path: Path) -> None:
+    cfg: RunConfig = tiny_config(data={"dataset": "folder", "class_names": ["a", "b"]})
+    path = tmp_path / "c.json"
+    path.write_text(cfg.to_json())
+    assert load_config(path) == cfg
