@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
 from shared.cpu import set_torch_threads
@@ -27,6 +27,10 @@ from shared.runtime import (
     serve_until_cloud_done,
     setup_logging,
 )
+
+if TYPE_CHECKING:  # shared.data imports torch, which a sampling-only device lacks
+    from shared.config import RunConfig
+    from shared.data import ImageDataset
 
 log = logging.getLogger("device_agent")
 
@@ -107,7 +111,7 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     return device, bus
 
 
-def device_data(cfg: Any, index: int) -> Any:
+def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     """Device ``index``'s training images: its own folder (``data.dataset = "folder"``,
     ``data.local_dir``, at most ``data.max_samples_per_device`` of them), or its share of the
     config's dataset (the seeded split ``estuary simulate`` makes)."""

@@ -437,3 +437,30 @@ def test_a_cpu_limited_device_container_trains_with_that_many_threads(stack: Sta
     assert got["after"] == got["torch"] == 1, got
     if (os.cpu_count() or 1) > 1:
         assert got["before"] > 1, got  # what a role used before the cap
+
+
+FOLDER_PROBE = """
+import json
+from shared.data import load_image_folder
+d = load_image_folder("/data", progress=False)
+print(json.dumps({"n": len(d), "labels": d.labels.tolist(), "sum": int(d.images.sum())}))
+"""
+
+
+def test_a_device_container_reads_its_mounted_image_folder(stack: Stack, tmp_path: Path) -> None:
+    """A device's own images mounted read-only into the device image (``--data /data``):
+    the container's non-root user reads them as the host does."""
+    from shared.data import load_image_folder, synthetic_dataset, write_image_folder
+
+    folder = tmp_path / "images"
+    data = synthetic_dataset(24, seed=4)
+    write_image_folder(data, folder, [f"{i:02d}" for i in range(len(data))])
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    want = load_image_folder(folder, progress=False)
+    image = f"estuary/device:{stack.env['ESTUARY_TAG']}"
+    proc = _run(["docker", "run", "--rm", "--network", "none", "-v", f"{folder}:/data:ro",
+                 "--entrypoint", "/opt/venv/bin/python", image, "-c", FOLDER_PROBE],
+                timeout=300)  # fmt: skip
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"n": 24, "labels": want.labels.tolist(), "sum": int(want.images.sum())}
