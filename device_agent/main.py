@@ -115,12 +115,14 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     """Device ``index``'s training images: its own folder (``data.dataset = "folder"``,
     ``data.local_dir``, at most ``data.max_samples_per_device`` of them), or its share of the
     config's dataset (the seeded split ``estuary simulate`` makes)."""
-    from shared.data import load_dataset, load_image_folder
+    from shared.data import load_image_folder
     from shared.errors import ConfigError
-    from shared.partition import make_partition
+    from shared.models import check_trainable
+    from shared.partition import split_dataset
 
     d = cfg.data
     if d.dataset == "folder":
+        check_trainable(cfg.model.preset)
         if not d.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder': this device needs its image folder; pass --data DIR "
@@ -132,6 +134,5 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
             max_images=d.max_samples_per_device,
             seed=cfg.run.seed + index,
         )
-    data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+    data, parts = split_dataset(cfg)
     return data.subset(parts[index])

@@ -80,14 +80,14 @@ from shared.arch import build_model
 from shared.checkpoint import atomic_write, save_checkpoint
 from shared.config import RunConfig, apply_env_overrides, config_from_dict
 from shared.cpu import cpu_budget, set_torch_threads
-from shared.data import load_dataset, to_model_input
+from shared.data import to_model_input
 from shared.diffusion import make_train_scheduler
 from shared.errors import ConfigError, EstuaryError
 from shared.evaluation import Evaluator
 from shared.lifetime import die_with_parent_preexec
-from shared.models import init_fingerprint, initial_unet, model_info
+from shared.models import check_trainable, init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
-from shared.partition import make_partition
+from shared.partition import split_dataset
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
 from shared.runtime import interrupts_as_keyboard
@@ -299,16 +299,9 @@ def steps_per_round(cfg: RunConfig, sizes: list[int]) -> list[int]:
     return out
 
 
-def _split(cfg: RunConfig) -> tuple[Any, list[np.ndarray]]:
-    data = load_dataset(
-        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
-    )
-    return data, make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-
-
 def _device_sizes(cfg: RunConfig) -> list[int]:
     """How many samples each device holds under ``cfg``'s split."""
-    return [len(p) for p in _split(cfg)[1]]
+    return [len(p) for p in split_dataset(cfg)[1]]
 
 
 def run_centralized(
@@ -330,7 +323,7 @@ def run_centralized(
     the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
     set_torch_threads(cfg.train.threads)
     prepare_run_dir(cfg, run_dir)
-    data, parts = _split(cfg)
+    data, parts = split_dataset(cfg)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
@@ -533,6 +526,8 @@ def run_compare(
         raise ConfigError(f"jobs must be at least 1, got {jobs}")
     if jobs > 1 and spec.source is None:
         raise ConfigError("jobs > 1 needs a comparison read from a file (load_compare)")
+    for m in spec.methods:  # refused now, not after the methods before it have trained
+        check_trainable(m.cfg.model.preset)
     out.mkdir(parents=True, exist_ok=True)
     n = len(spec.methods)
     done: dict[str, MethodRun] = {}

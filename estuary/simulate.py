@@ -29,10 +29,10 @@ from shared.bus import MemoryBus
 from shared.checkpoint import atomic_write
 from shared.config import RunConfig
 from shared.cpu import set_torch_threads
-from shared.data import NUM_CLASSES, ImageDataset, load_dataset, to_model_input
+from shared.data import NUM_CLASSES, ImageDataset, to_model_input
 from shared.models import initial_unet
 from shared.naming import device_name, edge_ids, home_edge
-from shared.partition import label_count_matrix, make_partition
+from shared.partition import label_count_matrix, split_dataset
 from shared.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.report import plot_report
 
@@ -129,11 +129,8 @@ def simulate(
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
     set_torch_threads(cfg.train.threads)
-    data = load_dataset(  # first: a dataset that is not there leaves no run directory
-        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
-    )
+    data, parts = split_dataset(cfg)  # first: a refused split leaves no run directory
     run_dir = prepare_run_dir(cfg, out)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     save_label_counts(run_dir, matrix, device_names, show=progress)

@@ -20,11 +20,11 @@ from tqdm import tqdm
 
 from shared.atomic import atomic_write
 from shared.config import RunConfig, with_overrides
-from shared.data import ImageDataset, load_dataset, write_image_folder
+from shared.data import ImageDataset, write_image_folder
 from shared.errors import ConfigError
 from shared.evaluation import reference_indices
 from shared.naming import device_name
-from shared.partition import make_partition
+from shared.partition import split_dataset
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,7 @@ def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSumm
         raise ConfigError("the config already reads image folders (data.dataset = 'folder')")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} is not empty; split-data writes only into a new directory")
-    data = load_dataset(
-        cfg.data.dataset, cfg.data.path, size=cfg.data.synthetic_size, seed=cfg.run.seed
-    )
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    data, parts = split_dataset(cfg)
     width = len(str(len(data) - 1))
     fcfg = folder_config(cfg)
     out.mkdir(parents=True, exist_ok=True)

@@ -205,6 +205,19 @@ def image_shape(preset: str) -> tuple[int, int, int]:
     return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
 
 
+def check_trainable(preset: str) -> None:
+    """Refuse to train ``preset`` when no dataset here has images of its shape: every one
+    (Fashion-MNIST, synthetic, image folders) is read as grayscale."""
+    channels = image_shape(preset)[0]
+    if channels != 1:
+        raise ConfigError(
+            f"model.preset = {preset!r} takes {channels}-channel images, and the datasets "
+            "Estuary trains on are grayscale (1 channel): the preset is for `estuary "
+            "model-info`, the accounting of FedPhD's Tables III-IV and ONNX export and "
+            "sampling; train 'fmnist-small' or 'fmnist-tiny'"
+        )
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Size of a model: parameters, multiply-accumulates per image, fp32 bytes.

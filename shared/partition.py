@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.config import DataSection
+from shared.config import DataSection, RunConfig
+from shared.data import ImageDataset, load_dataset
 from shared.errors import ConfigError
+from shared.models import check_trainable
 
 Parts = list[np.ndarray]
 
@@ -155,3 +157,12 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
         "total".ljust(10) + "".join(f"{v:>{width}}" for v in matrix.sum(0)) + f"{matrix.sum():>8}"
     )
     return "\n".join(lines)
+
+
+def split_dataset(cfg: RunConfig) -> tuple[ImageDataset, Parts]:
+    """``cfg``'s dataset and its split across ``federation.num_devices`` devices (refused for a
+    preset no dataset here can train: :func:`shared.models.check_trainable`)."""
+    check_trainable(cfg.model.preset)
+    d = cfg.data
+    data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)
+    return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)

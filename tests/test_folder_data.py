@@ -215,3 +215,25 @@ def test_folder_config_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text(cfg.to_json())
     assert load_config(path) == cfg
+
+
+def test_an_rgb_preset_is_refused_before_training(tmp_path: Path) -> None:
+    """``ddpm-cifar10`` takes 3-channel images and every dataset is grayscale: simulate,
+    compare and a device refuse it at start (it used to fail inside the first training
+    step with a convolution shape error)."""
+    from estuary.compare import CompareSpec, Method, run_compare
+
+    cfg = tiny_config(model={"preset": "ddpm-cifar10"})
+    with pytest.raises(ConfigError, match=r"'ddpm-cifar10' takes 3-channel images"):
+        simulate(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="3-channel"):
+        device_data(cfg, 0)
+    folder = with_overrides(cfg, {"data": {"dataset": "folder", "local_dir": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="3-channel"):
+        device_data(folder, 0)
+    methods = [Method("ok", "ok", tiny_config()), Method("rgb", "rgb", cfg)]
+    spec = CompareSpec(name="c", methods=methods, reference="ok")
+    with pytest.raises(ConfigError, match="3-channel"):
+        run_compare(spec, tmp_path / "cmp", progress=False)
+    assert not (tmp_path / "cmp").exists()
