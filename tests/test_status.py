@@ -176,7 +176,7 @@ def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
     bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=will)
     try:
         sock = bus.client.socket()
-        assert sock is not None
+        assert isinstance(sock, socket.socket)
         sock.shutdown(socket.SHUT_RDWR)  # the broker sees the TCP stream end, no DISCONNECT
         time.sleep(1.0)
     finally:
@@ -184,7 +184,7 @@ def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
     client, rc = connect("127.0.0.1", broker.port, None, None)
     assert rc == 0
     got: list[bytes] = []
-    client.on_message = lambda _c, _u, msg: got.append(msg.payload) if msg.retain else None
+    client.on_message = lambda _c, _u, msg: got.append(bytes(msg.payload)) if msg.retain else None
     client.subscribe(Topics(run).status("cloud"), qos=1)
     time.sleep(1.0)
     close(client)
