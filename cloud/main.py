@@ -48,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     p.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     p.add_argument(
-        "--data",
+        "--reference",
         metavar="DIR",
         help="with data.dataset = 'folder': the real images quality metrics compare with, "
-        "DIR/<class>/<files> (sets data.local_dir)",
+        "DIR/<class>/<files> (sets eval.reference_dir)",
     )
     p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in --out")
     return p
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return EXIT_ERROR
     start_round = start.next_round
-    try:  # the evaluator reads its reference images here (a folder run: --data)
+    try:  # the evaluator reads its reference images here (a folder run: --reference)
         recorder = RunRecorder(
             cfg,
             run_dir,

@@ -115,24 +115,15 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     """Device ``index``'s training images: its own folder (``data.dataset = "folder"``,
     ``data.local_dir``, at most ``data.max_samples_per_device`` of them), or its share of the
     config's dataset (the seeded split ``estuary simulate`` makes)."""
-    from shared.data import load_image_folder
     from shared.errors import ConfigError
-    from shared.models import check_trainable
-    from shared.partition import split_dataset
+    from shared.partition import device_folder, split_dataset
 
-    d = cfg.data
-    if d.dataset == "folder":
-        check_trainable(cfg.model.preset)
-        if not d.local_dir:
+    if cfg.data.dataset == "folder":
+        if not cfg.data.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder': this device needs its image folder; pass --data DIR "
                 "(or set ESTUARY__DATA__LOCAL_DIR)"
             )
-        return load_image_folder(
-            d.local_dir,
-            class_names=d.class_names,
-            max_images=d.max_samples_per_device,
-            seed=cfg.run.seed + index,
-        )
+        return device_folder(cfg, index, Path(cfg.data.local_dir), progress=True)
     data, parts = split_dataset(cfg)
     return data.subset(parts[index])

@@ -74,8 +74,10 @@ def _cmd_split_data(args: argparse.Namespace) -> int:
     sizes = result.device_images
     print(f"{len(sizes)} device folders ({min(sizes)}-{max(sizes)} images each) and the "
           f"cloud's {result.reference_images} reference images in {out}")  # fmt: skip
-    print(f"config reading them: {result.config_path}; run the roles with")
-    print(f"  estuary cloud {result.config_path} --out runs/folder --data {out / 'cloud'}")
+    print(f"config reading them: {result.config_path}; train on them in one process with")
+    print(f"  estuary simulate {result.config_path}")
+    print("or as role processes, each device given only its own folder:")
+    print(f"  estuary cloud {result.config_path} --out runs/folder --reference {out / 'cloud'}")
     print(f"  estuary device {result.config_path} --id dev000 --data {out / 'dev000'}   "
           "(and each other device, its own folder)")  # fmt: skip
     return 0

@@ -77,7 +77,7 @@ class Hierarchy:
     #: extra command-line arguments of the cloud process (e.g. ``["--stay"]``)
     cloud_args: list[str] = field(default_factory=list)
     #: ``estuary split-data`` output: each device gets ``--data DIR/<its id>``, the cloud
-    #: ``--data DIR/cloud`` (a config with ``data.dataset = "folder"``)
+    #: ``--reference DIR/cloud`` (a config with ``data.dataset = "folder"``)
     data_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -94,7 +94,7 @@ class Hierarchy:
         else:
             argv += ["--id", name, "--cache-dir", str(self.run_dir / "cache" / name)]
         if self.data_dir is not None and role in ("cloud", "device"):
-            argv += ["--data", str(self.data_dir / name)]
+            argv += ["--reference" if role == "cloud" else "--data", str(self.data_dir / name)]
         return argv
 
     def _spawn(self, proc: RoleProcess) -> None:

@@ -3,10 +3,11 @@
 Writes each device's share of the config's dataset (the seeded split ``estuary simulate``
 makes) as ``DIR/<device id>/<class>/<index>.png`` and the cloud's evaluation reference as
 ``DIR/cloud/<class>/<index>.png``, plus ``DIR/config.json``: the same run with
-``data.dataset = "folder"``. Devices started with ``--data DIR/<device id>`` (and the cloud
-with ``--data DIR/cloud``) then train exactly as the original config does, each reading only
-its own folder; it is the layout a device on a real fleet keeps its own images in, and the
-way to try that layout before there is a fleet.
+``data.dataset = "folder"``. ``estuary simulate DIR/config.json`` trains on them
+as the original config trains on the dataset, and so do role processes started with
+``--data DIR/<device id>`` (the cloud with ``--reference DIR/cloud``), each device reading only
+its own folder: the layout a device on a real fleet keeps its own images in, and the way to
+try it before there is a fleet.
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ class SplitSummary:
     config_path: Path
 
 
-def folder_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` reading image folders: ``data.dataset = "folder"``, no partition (each device
-    holds its share already) and no per-device cap (already applied)."""
+def folder_config(cfg: RunConfig, out: Path) -> RunConfig:
+    """``cfg`` reading the image folders under ``out``: ``data.dataset = "folder"``, no
+    partition (each device holds its share already), no per-device cap (already applied),
+    ``data.local_dir`` = ``out`` and ``eval.reference_dir`` = ``out/cloud`` (absolute), so
+    ``estuary simulate``/``compare`` read them as they are; role processes give each their
+    own folder (``--data``, ``--reference``)."""
+    root = out.resolve()
     return with_overrides(
         cfg,
         {"data": {"dataset": "folder", "partition": "iid", "max_samples_per_device": 0,
-                  "path": "", "local_dir": ""}},
+                  "path": "", "local_dir": str(root)},
+         "eval": {"reference_dir": str(root / "cloud")}},
         source="split-data",
     )  # fmt: skip
 
@@ -57,7 +63,7 @@ def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSumm
         raise ConfigError(f"{out} is not empty; split-data writes only into a new directory")
     data, parts = split_dataset(cfg)
     width = len(str(len(data) - 1))
-    fcfg = folder_config(cfg)
+    fcfg = folder_config(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
 
     def write(share: ImageDataset, indices: np.ndarray, folder: Path) -> int:

@@ -91,8 +91,9 @@ class DataSection(_Section):
     local_dir: str = Field(
         "",
         max_length=4096,
-        description="dataset = 'folder': this process's own images, DIR/<class>/<files> "
-        "(a device trains on them, the cloud evaluates against them); per process",
+        description="dataset = 'folder': a device's own images, DIR/<class>/<files>; in "
+        "simulate and compare, the directory holding one such folder per device (dev000, "
+        "dev001, ...); per process",
     )
     class_names: list[str] = Field(
         default_factory=list,
@@ -253,6 +254,12 @@ class EvalSection(_Section):
         description="client-level evaluation (models with device-local parts, in-process "
         "runs): the devices averaged, the first k by name among those holding local parts",
     )
+    reference_dir: str = Field(
+        "",
+        max_length=4096,
+        description="data.dataset = 'folder': the real images quality metrics compare with, "
+        "DIR/<class>/<files> (the cloud's, or an in-process run's); per process",
+    )
 
 
 class BrokerSection(_Section):
@@ -343,10 +350,10 @@ class DeploySection(_Section):
 
 DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
 #: settings of other sections that are per process too (counted at their defaults)
-PER_PROCESS_KEYS = (("train", "threads"), ("data", "local_dir"))
+PER_PROCESS_KEYS = (("train", "threads"), ("data", "local_dir"), ("eval", "reference_dir"))
 #: keys added after digests were first recorded: left out of the digest at their default, so
 #: configs that do not set them keep the digests earlier versions computed
-LATER_KEYS = (("data", "local_dir"), ("data", "class_names"))
+LATER_KEYS = (("data", "local_dir"), ("data", "class_names"), ("eval", "reference_dir"))
 
 
 class RunConfig(_Section):
@@ -450,9 +457,9 @@ class RunConfig(_Section):
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
         metrics, deploy, compute), with the per-process keys (``train.threads``,
-        ``data.local_dir``) at their defaults and the later keys left out at their defaults:
-        identifies the experiment on the wire, wherever each role connects from and whatever
-        it runs on."""
+        ``data.local_dir``, ``eval.reference_dir``) at their defaults and the later keys left
+        out at their defaults: identifies the experiment on the wire, wherever each role
+        connects from and whatever it runs on."""
         data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
         # per-process keys count at their defaults, so digests of configs that leave them
         # unset are the ones earlier versions computed (compare records, checkpoints)

@@ -189,14 +189,12 @@ def synthetic_dataset(
 def load_dataset(
     name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0
 ) -> ImageDataset:
-    """Dataset by config name (``fashion-mnist`` or ``synthetic``; an image folder is one
-    process's own data: :func:`load_image_folder`)."""
+    """Dataset by config name (``fashion-mnist`` or ``synthetic``; image folders are the
+    devices' own data: :func:`load_image_folder`)."""
     if name == "folder":
         raise DataError(
-            "data.dataset = 'folder' is each device's own image folder (data.local_dir), not "
-            "one dataset that `estuary simulate` or `compare` can split: run the roles as "
-            "processes (`estuary device --id ID --data DIR`), or use 'fashion-mnist' or "
-            "'synthetic' here"
+            "data.dataset = 'folder' is the devices' own image folders, not one dataset to "
+            "split: read them with shared.partition.split_dataset or device_folder"
         )
     if name == "fashion-mnist":
         return load_fashion_mnist(split, path or None, download=True)

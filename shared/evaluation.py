@@ -72,17 +72,17 @@ def write_grid(
 
 def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
     """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
-    With ``data.dataset = "folder"`` they come from this process's ``data.local_dir`` (the
-    cloud's own reference images; there are no splits)."""
+    With ``data.dataset = "folder"`` they come from this process's ``eval.reference_dir``
+    (there are no splits)."""
     if cfg.data.dataset == "folder":
-        if not cfg.data.local_dir:
+        if not cfg.eval.reference_dir:
             raise DataError(
                 "quality metrics need real images to compare with, and with data.dataset = "
                 "'folder' no dataset is shared: give this process a folder of them "
-                "(data.local_dir, ESTUARY__DATA__LOCAL_DIR, or the cloud's --data DIR), "
-                "or set eval.every = 0"
+                "(eval.reference_dir, ESTUARY__EVAL__REFERENCE_DIR, or the cloud's "
+                "--reference DIR), or turn evaluation off (eval.every = 0, --no-eval)"
             )
-        real = load_image_folder(cfg.data.local_dir, class_names=cfg.data.class_names)
+        real = load_image_folder(cfg.eval.reference_dir, class_names=cfg.data.class_names)
     else:
         real = load_dataset(
             cfg.data.dataset,

@@ -7,12 +7,16 @@ table every run prints and saves.
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import numpy as np
 
 from shared.config import DataSection, RunConfig
-from shared.data import ImageDataset, load_dataset
+from shared.data import ImageDataset, load_dataset, load_image_folder
 from shared.errors import ConfigError
 from shared.models import check_trainable
+from shared.naming import device_name
 
 Parts = list[np.ndarray]
 
@@ -160,9 +164,45 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
 
 
 def split_dataset(cfg: RunConfig) -> tuple[ImageDataset, Parts]:
-    """``cfg``'s dataset and its split across ``federation.num_devices`` devices (refused for a
-    preset no dataset here can train: :func:`shared.models.check_trainable`)."""
+    """``cfg``'s training images and which of them each of ``federation.num_devices`` devices
+    holds: the seeded split of the config's dataset, or with ``data.dataset = "folder"`` the
+    devices' own folders ``data.local_dir/<device id>`` one after another (the layout
+    ``estuary split-data`` writes). Refused for a preset no dataset here can train
+    (:func:`shared.models.check_trainable`)."""
     check_trainable(cfg.model.preset)
     d = cfg.data
+    if d.dataset == "folder":
+        if not d.local_dir:
+            raise ConfigError(
+                "data.dataset = 'folder' in one process (simulate, compare): set data.local_dir "
+                "to the directory holding one image folder per device (dev000, dev001, ...; "
+                "`estuary split-data` writes that layout)"
+            )
+        shares = [
+            device_folder(cfg, i, Path(d.local_dir) / device_name(i))
+            for i in range(cfg.federation.num_devices)
+        ]
+        cuts = np.cumsum([0] + [len(s) for s in shares])
+        data = ImageDataset(
+            np.concatenate([s.images for s in shares]),
+            np.concatenate([s.labels for s in shares]),
+            f"folders:{d.local_dir}",
+        )
+        return data, [np.arange(a, b) for a, b in itertools.pairwise(cuts)]
     data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)
     return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+
+
+def device_folder(
+    cfg: RunConfig, index: int, folder: Path, *, progress: bool = False
+) -> ImageDataset:
+    """Device ``index``'s own images from ``folder`` (at most
+    ``data.max_samples_per_device``, drawn with the run's seed and the index)."""
+    check_trainable(cfg.model.preset)
+    return load_image_folder(
+        folder,
+        class_names=cfg.data.class_names,
+        max_images=cfg.data.max_samples_per_device,
+        seed=cfg.run.seed + index,
+        progress=progress,
+    )

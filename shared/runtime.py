@@ -56,14 +56,18 @@ def load_role_config(args: argparse.Namespace) -> RunConfig:
         if not host or not port.isdigit():
             raise EstuaryError(f"--broker must be HOST:PORT, got {args.broker!r}")
         updates["broker"] = {"host": host, "port": int(port)}
-    if getattr(args, "data", None):
-        if cfg.data.dataset != "folder":
-            raise EstuaryError(
-                f"--data gives this process its own image folder, but the run's config says "
-                f"data.dataset = {cfg.data.dataset!r}; every role must run with "
-                "data.dataset = 'folder' for that"
-            )
-        updates["data"] = {"local_dir": args.data}
+    for flag, section, key in (
+        ("data", "data", "local_dir"),
+        ("reference", "eval", "reference_dir"),
+    ):
+        if getattr(args, flag, None):
+            if cfg.data.dataset != "folder":
+                raise EstuaryError(
+                    f"--{flag} names an image folder of this process's own, but the run's "
+                    f"config says data.dataset = {cfg.data.dataset!r}; every role must run "
+                    "with data.dataset = 'folder' for that"
+                )
+            updates[section] = {key: getattr(args, flag)}
     if args.metrics_port is not None:
         if args.metrics_port < -1:
             raise EstuaryError(f"--metrics-port must be >= -1, got {args.metrics_port}")

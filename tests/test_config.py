@@ -29,6 +29,7 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
         {"deploy": {"threads": 2}},
         {"metrics": {"port": 9}},
         {"data": {"local_dir": "/srv/images"}},
+        {"eval": {"reference_dir": "/srv/real"}},
         {"data": {"class_names": []}},
     ]
     for update in same:
@@ -191,8 +192,9 @@ def test_role_command_line_overrides_are_validated(tmp_path: Path) -> None:
 
 
 def test_data_gives_a_folder_run_its_own_images(tmp_path: Path) -> None:
-    """``--data DIR`` (cloud and device) sets this process's ``data.local_dir``; a config
-    that splits a shared dataset refuses it instead of ignoring it."""
+    """``--data DIR`` (a device) sets this process's ``data.local_dir``, ``--reference DIR``
+    (the cloud) its ``eval.reference_dir``; a config that splits a shared dataset refuses
+    them instead of ignoring them."""
     import argparse
 
     from shared.errors import EstuaryError
@@ -201,14 +203,19 @@ def test_data_gives_a_folder_run_its_own_images(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     add_common_args(p)
     p.add_argument("--data")
+    p.add_argument("--reference")
     folder, shared_data = tmp_path / "folder.toml", tmp_path / "fmnist.toml"
     folder.write_text('[data]\ndataset = "folder"\n')
     shared_data.write_text('[data]\ndataset = "fashion-mnist"\n')
     cfg = load_role_config(p.parse_args([str(folder), "--data", "/srv/dev003"]))
     assert cfg.data.local_dir == "/srv/dev003"
     assert cfg.digest() == load_role_config(p.parse_args([str(folder)])).digest()
-    with pytest.raises(EstuaryError, match=r"config says data.dataset = 'fashion-mnist'"):
-        load_role_config(p.parse_args([str(shared_data), "--data", "/srv/dev003"]))
+    cloud = load_role_config(p.parse_args([str(folder), "--reference", "/srv/real"]))
+    assert cloud.eval.reference_dir == "/srv/real" and cloud.digest() == cfg.digest()
+    for flag in ("--data", "--reference"):
+        with pytest.raises(EstuaryError, match=rf"{flag} names .* config says data.dataset = "
+                                               "'fashion-mnist'"):  # fmt: skip
+            load_role_config(p.parse_args([str(shared_data), flag, "/srv/x"]))
 
 
 def test_stored_configs_are_read_back_without_the_waste_rules(tmp_path: Path) -> None:

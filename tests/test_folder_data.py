@@ -151,8 +151,8 @@ def test_split_data_folders_train_the_devices_on_the_same_images(tmp_path: Path)
         assert np.array_equal(want.images, got.images) and np.array_equal(want.labels, got.labels)
         assert len(got) == summary.device_images[i]
         assert len(np.unique(got.labels)) <= 2
-    cloud = with_overrides(folder_cfg, {"data": {"local_dir": str(out / "cloud")}})
-    assert torch.equal(reference_images(cfg), reference_images(cloud))
+    assert folder_cfg.eval.reference_dir == str((out / "cloud").resolve())
+    assert torch.equal(reference_images(cfg), reference_images(folder_cfg))
     split = json.loads((out / "split.json").read_text())
     assert split["folder_config_digest"] == folder_cfg.digest() != cfg.digest()
     with pytest.raises(ConfigError, match="not empty"):
@@ -165,13 +165,48 @@ def test_folder_runs_need_their_folders(tmp_path: Path) -> None:
     folder_cfg = tiny_config(data={"dataset": "folder"}, eval={"every": 1})
     with pytest.raises(ConfigError, match="needs its image folder; pass --data DIR"):
         device_data(folder_cfg, 0)
-    with pytest.raises(DataError, match=r"quality metrics need real images .* --data DIR"):
+    with pytest.raises(DataError, match=r"quality metrics need real images .* --reference DIR"):
         reference_images(folder_cfg)
-    with pytest.raises(DataError, match=r"not one dataset that `estuary simulate` .* can split"):
+    with pytest.raises(ConfigError, match=r"set data.local_dir to the directory holding one"):
         simulate(folder_cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(DataError, match="not one dataset"):
+    (tmp_path / "fleet" / "dev000" / "0").mkdir(parents=True)
+    _save(tmp_path / "fleet" / "dev000" / "0" / "a.png", np.zeros((28, 28), np.uint8))
+    missing = with_overrides(folder_cfg, {"data": {"local_dir": str(tmp_path / "fleet")}})
+    with pytest.raises(DataError, match=r"fleet/dev001 does not exist"):
+        simulate(missing, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(DataError, match="not one dataset to split"):
         load_dataset("folder")
+
+
+def test_simulate_and_compare_train_on_the_folders_as_on_the_dataset(tmp_path: Path) -> None:
+    """``estuary simulate DIR/config.json`` on ``split-data``'s folders: the same final model
+    and FID as the original config on the dataset in memory, in ``compare`` too, whose
+    centralized method pools the folders."""
+    from estuary.compare import CompareSpec, Method, run_compare
+
+    cfg = tiny_config(
+        run={"rounds": 2},
+        federation={"num_devices": 4},
+        data={"partition": "dirichlet"},
+        eval={"every": 2, "num_samples": 16, "num_reference": 40, "sample_steps": 5},
+    )
+    split = split_data(cfg, tmp_path / "split", progress=False)
+    folder_cfg = load_config(split.config_path)
+    want = simulate(cfg, tmp_path / "a", progress=False)
+    got = simulate(folder_cfg, tmp_path / "b", progress=False)
+    assert got.final_model_sha256 == want.final_model_sha256
+    fid = [r["quality"]["fid"] for r in (want.rows, got.rows)[1] if r.get("quality")]
+    assert fid == [r["quality"]["fid"] for r in want.rows if r.get("quality")] and fid
+    rows = {}
+    for name, c in (("dataset", cfg), ("folders", folder_cfg)):
+        methods = [Method("FedAvg", "fedavg", c), Method("C", "c", c, centralized=True)]
+        spec = CompareSpec(name=name, methods=methods, reference="FedAvg")
+        rows[name] = run_compare(spec, tmp_path / name, progress=False).rows
+    assert rows["folders"][0]["fid"] == rows["dataset"][0]["fid"] == fid[-1]
+    # centralized pools the same images, in the folders' order rather than the dataset's
+    assert rows["folders"][1]["fid"] == pytest.approx(rows["dataset"][1]["fid"], rel=0.2)
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
