@@ -412,11 +412,17 @@ NO_RECORD = "no finished run"
 
 
 def _training_key(m: Method) -> dict[str, Any]:
-    """What a centralized method's record must match beyond its config: how it trained (a
-    record from before one optimizer per run and the weight average lacks it, so reruns)."""
-    if not m.centralized:
-        return {}
-    return {"centralized_training": {"optimizer": "one per run", "ema": m.ema}}
+    """What a method's record must match beyond its config digest: how a centralized method
+    trained (a record from before one optimizer per run and the weight average lacks it, so
+    reruns), and which folders a folder run read (``data.local_dir`` and
+    ``eval.reference_dir`` are per-process settings, outside the digest)."""
+    key: dict[str, Any] = {}
+    if m.centralized:
+        key["centralized_training"] = {"optimizer": "one per run", "ema": m.ema}
+    if m.cfg.data.dataset == "folder":
+        key["folders"] = [str(Path(d).resolve()) if d else ""
+                          for d in (m.cfg.data.local_dir, m.cfg.eval.reference_dir)]  # fmt: skip
+    return key
 
 
 def _fingerprint(m: Method) -> str:

@@ -273,7 +273,14 @@ def _read_image(path: Path) -> np.ndarray:
         raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
     with Image.open(path) as im:
         im.draft("L", (STORED_SIZE, STORED_SIZE))  # JPEG: decode at a reduced size
-        gray = im.convert("L")
+        if im.mode in ("I", "F") or im.mode.startswith("I;16"):
+            # 16-bit (and 32-bit) grayscale: Pillow's convert("L") would clip at 255
+            a = np.asarray(im, dtype=np.float64)
+            a = a * 255.0 if im.mode == "F" and a.max(initial=0.0) <= 1.0 else a
+            a = a / 257.0 if im.mode != "F" else a  # 0..65535 -> 0..255
+            gray = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+        else:
+            gray = im.convert("L")
     w, h = gray.size
     side = min(w, h)
     if (w, h) != (side, side):

@@ -78,6 +78,18 @@ def test_photos_are_gray_square_and_28_pixels(tmp_path: Path) -> None:
     assert set(np.unique(back.images[1])) == {128}
 
 
+def test_16_bit_and_float_images_keep_their_range(tmp_path: Path) -> None:
+    """Pillow's ``convert("L")`` clips 16-bit grayscale at 255 (a scan of 0..65535 came out
+    nearly all white); it is scaled instead, as float images in [0, 1] are."""
+    ramp = np.arange(28 * 28, dtype=np.float64).reshape(28, 28) / (28 * 28 - 1)
+    _save(tmp_path / "0" / "a16.png", np.rint(ramp * 65535).astype(np.uint16))
+    _save(tmp_path / "1" / "b8.png", np.rint(ramp * 255).astype(np.uint8))
+    (tmp_path / "2").mkdir()
+    Image.fromarray(ramp.astype(np.float32)).save(tmp_path / "2" / "c.tiff")
+    sixteen, eight, floats = load_image_folder(tmp_path).images.astype(int)
+    assert np.abs(sixteen - eight).max() <= 1 and np.abs(floats - eight).max() <= 1
+
+
 def test_bad_layouts_are_refused_with_the_fix(tmp_path: Path) -> None:
     img = np.zeros((28, 28), np.uint8)
     with pytest.raises(DataError, match="does not exist"):
@@ -184,7 +196,7 @@ def test_simulate_and_compare_train_on_the_folders_as_on_the_dataset(tmp_path: P
     """``estuary simulate DIR/config.json`` on ``split-data``'s folders: the same final model
     and FID as the original config on the dataset in memory, in ``compare`` too, whose
     centralized method pools the folders."""
-    from estuary.compare import CompareSpec, Method, run_compare
+    from estuary.compare import CompareSpec, Method, load_record, run_compare
 
     cfg = tiny_config(
         run={"rounds": 2},
@@ -205,6 +217,17 @@ def test_simulate_and_compare_train_on_the_folders_as_on_the_dataset(tmp_path: P
         spec = CompareSpec(name=name, methods=methods, reference="FedAvg")
         rows[name] = run_compare(spec, tmp_path / name, progress=False).rows
     assert rows["folders"][0]["fid"] == rows["dataset"][0]["fid"] == fid[-1]
+    # the folders are per-process settings outside the digest: other folders, no reuse
+    moved = tmp_path / "moved"
+    (tmp_path / "split").rename(moved)
+    dirs = {"data": {"local_dir": str(moved)}, "eval": {"reference_dir": str(moved / "cloud")}}
+    again = with_overrides(folder_cfg, dirs)
+    assert again.digest() == folder_cfg.digest()
+    method = Method("FedAvg", "fedavg", again)
+    record, why = load_record(method, tmp_path / "folders" / "fedavg", evaluate=True)
+    assert record is None and "has folders" in why
+    method = Method("FedAvg", "fedavg", folder_cfg)
+    assert load_record(method, tmp_path / "folders" / "fedavg", evaluate=True)[0] is not None
     # centralized pools the same images, in the folders' order rather than the dataset's
     assert rows["folders"][1]["fid"] == pytest.approx(rows["dataset"][1]["fid"], rel=0.2)
 
