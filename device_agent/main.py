@@ -112,10 +112,12 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 
 
 def device_data(cfg: RunConfig, index: int) -> ImageDataset:
-    """Device ``index``'s training images: its own folder (``data.dataset = "folder"``,
-    ``data.local_dir``, at most ``data.max_samples_per_device`` of them), or its share of the
+    """Device ``index``'s training images: its own folder (``data.dataset = "folder"``:
+    ``data.local_dir``, or ``data.local_dir/<device id>`` where that exists, the layout
+    ``simulate`` reads; at most ``data.max_samples_per_device`` of them), or its share of the
     config's dataset (the seeded split ``estuary simulate`` makes)."""
     from shared.errors import ConfigError
+    from shared.naming import device_name
     from shared.partition import device_folder, split_dataset
 
     if cfg.data.dataset == "folder":
@@ -124,6 +126,9 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
                 "data.dataset = 'folder': this device needs its image folder; pass --data DIR "
                 "(or set ESTUARY__DATA__LOCAL_DIR)"
             )
-        return device_folder(cfg, index, Path(cfg.data.local_dir), progress=True)
+        folder = Path(cfg.data.local_dir)
+        if (folder / device_name(index)).is_dir():
+            folder = folder / device_name(index)
+        return device_folder(cfg, index, folder, progress=True)
     data, parts = split_dataset(cfg)
     return data.subset(parts[index])

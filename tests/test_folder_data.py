@@ -162,6 +162,8 @@ def test_split_data_folders_train_the_devices_on_the_same_images(tmp_path: Path)
         want, got = device_data(cfg, i), device_data(mine, i)
         assert np.array_equal(want.images, got.images) and np.array_equal(want.labels, got.labels)
         assert len(got) == summary.device_images[i]
+        # given the whole layout (split-data's config as it is), a device reads its own folder
+        assert np.array_equal(device_data(folder_cfg, i).images, want.images)
         assert len(np.unique(got.labels)) <= 2
     assert folder_cfg.eval.reference_dir == str((out / "cloud").resolve())
     assert torch.equal(reference_images(cfg), reference_images(folder_cfg))
