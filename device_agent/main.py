@@ -108,6 +108,8 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
         labels=torch.from_numpy(data.labels),
     )
     log.info("%s has %d samples from %s (home %s)", args.id, len(data), data.name, device.home_edge)
+    device.metrics.training_images.set(len(data))
+    device.metrics.skipped_image_files.set(data.skipped)
     return device, bus
 
 

@@ -75,6 +75,8 @@ class ImageDataset:
     images: np.ndarray
     labels: np.ndarray
     name: str
+    #: files of an image folder that were not readable images (skipped when it was read)
+    skipped: int = 0
 
     def __post_init__(self) -> None:
         if self.images.ndim != 3 or self.images.dtype != np.uint8:
@@ -87,7 +89,7 @@ class ImageDataset:
 
     def subset(self, indices: np.ndarray) -> ImageDataset:
         """A new dataset holding ``indices`` (copied)."""
-        return ImageDataset(self.images[indices], self.labels[indices], self.name)
+        return ImageDataset(self.images[indices], self.labels[indices], self.name, self.skipped)
 
 
 def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
@@ -335,7 +337,9 @@ def load_image_folder(
             f"({', '.join(IMAGE_SUFFIXES)})"
             + (f"; {len(skipped)} files failed, first: {skipped[0]}" if skipped else "")
         )
-    return ImageDataset(np.stack(images), np.asarray(labels, dtype=np.int64), f"folder:{root}")
+    return ImageDataset(
+        np.stack(images), np.asarray(labels, dtype=np.int64), f"folder:{root}", len(skipped)
+    )
 
 
 def write_image_folder(data: ImageDataset, root: str | Path, names: Sequence[str]) -> int:

@@ -136,7 +136,8 @@ class RoleMetrics:
     ``round``, ``round_started`` and ``round_deadline`` (the cloud's open round: when it opened
     and how long it may stay open), ``phase`` (states :data:`PHASES`), ``round_seconds``,
     ``aggregation_seconds``, ``training_seconds``, ``devices`` (label ``edge``), ``sh_score``
-    (label ``edge``), ``model_params``, ``model_bytes``, ``images_generated``,
+    (label ``edge``), ``model_params``, ``model_bytes``, ``training_images`` and
+    ``skipped_image_files`` (devices only), ``images_generated``,
     ``sampling_seconds``, ``images_per_second``, ``deployments`` (label ``outcome``,
     :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``) and ``updates`` (label
     ``outcome``, one of :data:`UPDATE_OUTCOMES`). The registry also carries the traffic
@@ -203,6 +204,17 @@ class RoleMetrics:
         self.sh_score = Gauge("estuary_sh_score", "SH score, per edge.", ("edge",), registry=reg)
         self.model_params = Gauge("estuary_model_params", "Model parameters.", registry=reg)
         self.model_bytes = Gauge("estuary_model_bytes", "Encoded model size.", registry=reg)
+        device_reg = reg if role == "device" else None  # the next two exist on devices only
+        self.training_images = Gauge(
+            "estuary_training_images",
+            "Images this device trains on (its share of the split, or its own folder).",
+            registry=device_reg,
+        )
+        self.skipped_image_files = Gauge(
+            "estuary_skipped_image_files",
+            "Files in this device's image folder that are not readable images (skipped).",
+            registry=device_reg,
+        )
         self.images_generated = Counter(
             "estuary_images_generated", "Images sampled from the model.", registry=reg
         )

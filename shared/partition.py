@@ -187,6 +187,7 @@ def split_dataset(cfg: RunConfig) -> tuple[ImageDataset, Parts]:
             np.concatenate([s.images for s in shares]),
             np.concatenate([s.labels for s in shares]),
             f"folders:{d.local_dir}",
+            sum(s.skipped for s in shares),
         )
         return data, [np.arange(a, b) for a, b in itertools.pairwise(cuts)]
     data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)

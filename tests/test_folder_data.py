@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +119,7 @@ def test_unreadable_files_are_skipped_and_reported(
     monkeypatch.setattr(data_mod, "MAX_IMAGE_FILE_BYTES", 1000)
     with caplog.at_level(logging.WARNING):
         back = load_image_folder(tmp_path)
-    assert back.labels.tolist() == [1]
+    assert back.labels.tolist() == [1] and back.skipped == 2
     assert "skipped 2 of 3 files" in caplog.text and "broken.png" in caplog.text
     (tmp_path / "1" / "good.png").unlink()
     with pytest.raises(DataError, match=r"no readable images .* 2 files failed"):
@@ -238,7 +239,8 @@ def test_simulate_and_compare_train_on_the_folders_as_on_the_dataset(tmp_path: P
 def test_devices_reading_only_their_own_folders_train_the_same_model(tmp_path: Path) -> None:
     """Cloud, 2 edges and 4 device processes on a real mosquitto, each device started with
     ``--data`` on its own folder from ``split-data`` and the cloud evaluating against its own:
-    the final model is the one ``simulate`` trains from the shared dataset, and so is the FID."""
+    the final model is the one ``simulate`` trains from the shared dataset, and so is the FID.
+    A broken file in dev001's folder is skipped and shows on its /metrics."""
     cfg = tiny_config(
         run={"name": "folders", "rounds": 2},
         federation={"num_devices": 4, "num_edges": 2, "round_deadline_s": 60},
@@ -249,11 +251,20 @@ def test_devices_reading_only_their_own_folders_train_the_same_model(tmp_path: P
     reference = simulate(cfg, tmp_path / "reference", progress=False, evaluate=True)
     split = split_data(cfg, tmp_path / "split", progress=False)
     folder_cfg = load_config(split.config_path)
+    (tmp_path / "split" / "dev001" / "3").mkdir(exist_ok=True)
+    (tmp_path / "split" / "dev001" / "3" / "zz-truncated.png").write_bytes(b"\x89PNG\r\n")
     broker = LocalBroker(kind="mosquitto", workdir=tmp_path / "broker").start()
-    hier = Hierarchy(folder_cfg, split.config_path, tmp_path / "run", broker, metrics=False,
+    hier = Hierarchy(folder_cfg, split.config_path, tmp_path / "run", broker,
                      data_dir=tmp_path / "split")  # fmt: skip
     try:
         hier.start_all()
+        deadline = time.monotonic() + 60
+        gauges: dict[str, float] = {}
+        while "estuary_training_images" not in gauges and time.monotonic() < deadline:
+            time.sleep(0.2)  # until dev001 has read its folder
+            gauges = hier.scrape_all().get("dev001", {})
+        assert gauges.get("estuary_training_images") == split.device_images[1], gauges
+        assert gauges.get("estuary_skipped_image_files") == 1, gauges
         code = hier.wait("cloud", 180)
         assert code == 0, hier.procs["cloud"].log_tail(30)
     finally:

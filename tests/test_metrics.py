@@ -114,6 +114,13 @@ def test_fresh_role_is_idle_with_no_traffic() -> None:
     assert samples['estuary_phase{estuary_phase="idle"}'] == 1
     assert samples['estuary_info{instance="dev000",role="device"}'] == 1
     assert not any(k.startswith(("estuary_bytes_total{", "estuary_transport_")) for k in samples)
+    assert samples["estuary_training_images"] == samples["estuary_skipped_image_files"] == 0
+
+
+def test_data_gauges_exist_on_devices_only(edge: RoleMetrics) -> None:
+    edge.training_images.set(5)  # a role that holds no data: not exposed
+    text = edge.render().decode()
+    assert "estuary_training_images" not in text and "estuary_skipped_image_files" not in text
 
 
 def test_no_doubled_total_suffix(edge: RoleMetrics) -> None:

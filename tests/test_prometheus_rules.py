@@ -47,7 +47,7 @@ def _promtool(*args: str | Path) -> str:
 
 @needs_prometheus
 def test_promtool_accepts_the_rules_and_the_compose_config() -> None:
-    assert "SUCCESS: 20 rules found" in _promtool("check", "rules", RULES)
+    assert "SUCCESS: 21 rules found" in _promtool("check", "rules", RULES)
     assert "SUCCESS: 1 rule files found" in _promtool(
         "check", "config", ROOT / "docker" / "prometheus.yml"
     )
@@ -118,7 +118,8 @@ def test_every_metric_the_rules_use_is_one_a_role_exposes() -> None:
     traffic.reject("edge", "bad_json")
     exposed = {
         key.split("{")[0]
-        for key in parse_exposition(RoleMetrics("cloud", "cloud", traffic).render().decode())
+        for role, name in (("cloud", "cloud"), ("device", "dev000"))  # devices: data gauges
+        for key in parse_exposition(RoleMetrics(role, name, traffic).render().decode())
     }
     transport = (ROOT / "shared" / "mqtt.py").read_text()
     # metric names (estuary_phase is also a label name, of the same metric)
