@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -230,8 +231,16 @@ def _list_image_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, 
     (file name, then path), bounded by ``MAX_FOLDER_IMAGES``."""
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist (or is not a directory)")
+
+    def unlistable(err: OSError) -> NoReturn:  # os.walk would skip it without a word
+        raise DataError(f"cannot list {err.filename}: {err.strerror}")
+
     found: list[tuple[str, str, Path, int]] = []
-    for entry in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as err:
+        unlistable(err)
+    for entry in entries:
         if entry.name.startswith("."):
             continue
         if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
@@ -248,7 +257,8 @@ def _list_image_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, 
                 "your own classes)"
             )
         label = folders[entry.name]
-        for dirpath, dirnames, filenames in os.walk(entry):  # does not follow links to dirs
+        # os.walk does not follow links to directories (no cycles)
+        for dirpath, dirnames, filenames in os.walk(entry, onerror=unlistable):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for name in filenames:
                 if name.startswith(".") or Path(name).suffix.lower() not in IMAGE_SUFFIXES:

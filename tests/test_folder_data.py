@@ -126,6 +126,27 @@ def test_unreadable_files_are_skipped_and_reported(
         load_image_folder(tmp_path)
 
 
+def test_a_folder_that_cannot_be_listed_is_an_error_not_a_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.walk`` skips a sub-folder it cannot list (permissions, I/O error) unless asked;
+    a device would train on part of its data without a word."""
+    import os
+
+    for sub in ("a", "b"):
+        _save(tmp_path / "4" / sub / "x.png", np.zeros((28, 28), np.uint8))
+    real = os.scandir
+
+    def scandir(path: str | os.PathLike[str]) -> os.ScandirIterator[str]:
+        if Path(path).name == "b":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)  # type: ignore[return-value]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(DataError, match=r"cannot list .*4/b: Permission denied"):
+        load_image_folder(tmp_path)
+
+
 def test_listing_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(4):
         _save(tmp_path / "0" / f"{i}.png", np.zeros((28, 28), np.uint8))
