@@ -323,7 +323,7 @@ def run_centralized(
     the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
     set_torch_threads(cfg.train.threads)
     prepare_run_dir(cfg, run_dir)
-    data, parts = split_dataset(cfg)
+    data, parts = split_dataset(cfg, progress=progress)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)

@@ -129,7 +129,8 @@ def simulate(
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
     set_torch_threads(cfg.train.threads)
-    data, parts = split_dataset(cfg)  # first: a refused split leaves no run directory
+    # first: a refused split leaves no run directory
+    data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)

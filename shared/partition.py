@@ -11,6 +11,7 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from shared.config import DataSection, RunConfig
 from shared.data import ImageDataset, load_dataset, load_image_folder
@@ -163,12 +164,12 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
     return "\n".join(lines)
 
 
-def split_dataset(cfg: RunConfig) -> tuple[ImageDataset, Parts]:
+def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDataset, Parts]:
     """``cfg``'s training images and which of them each of ``federation.num_devices`` devices
     holds: the seeded split of the config's dataset, or with ``data.dataset = "folder"`` the
     devices' own folders ``data.local_dir/<device id>`` one after another (the layout
-    ``estuary split-data`` writes). Refused for a preset no dataset here can train
-    (:func:`shared.models.check_trainable`)."""
+    ``estuary split-data`` writes; ``progress``: a bar over the folders). Refused for a preset
+    no dataset here can train (:func:`shared.models.check_trainable`)."""
     check_trainable(cfg.model.preset)
     d = cfg.data
     if d.dataset == "folder":
@@ -178,10 +179,11 @@ def split_dataset(cfg: RunConfig) -> tuple[ImageDataset, Parts]:
                 "to the directory holding one image folder per device (dev000, dev001, ...; "
                 "`estuary split-data` writes that layout)"
             )
-        shares = [
-            device_folder(cfg, i, Path(d.local_dir) / device_name(i))
-            for i in range(cfg.federation.num_devices)
-        ]
+        devices = tqdm(
+            range(cfg.federation.num_devices), desc="reading device folders", unit="dev",
+            disable=not progress,
+        )  # fmt: skip
+        shares = [device_folder(cfg, i, Path(d.local_dir) / device_name(i)) for i in devices]
         cuts = np.cumsum([0] + [len(s) for s in shares])
         data = ImageDataset(
             np.concatenate([s.images for s in shares]),
