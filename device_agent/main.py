@@ -114,15 +114,15 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 
 
 def device_data(cfg: RunConfig, index: int) -> ImageDataset:
-    """Device ``index``'s training images: its own folder (``data.dataset = "folder"``:
-    ``data.local_dir``, or ``data.local_dir/<device id>`` where that exists, the layout
-    ``simulate`` reads; at most ``data.max_samples_per_device`` of them), or its share of the
-    config's dataset (the seeded split ``estuary simulate`` makes)."""
+    """Device ``index``'s training images: its own folder (``data.dataset = "folder"`` without
+    ``data.path``: ``data.local_dir``, or ``data.local_dir/<device id>`` where that exists,
+    the layout ``simulate`` reads; at most ``data.max_samples_per_device`` of them), or its
+    share of the config's dataset (the seeded split ``estuary simulate`` makes)."""
     from shared.errors import ConfigError
     from shared.naming import device_name
     from shared.partition import device_folder, split_dataset
 
-    if cfg.data.dataset == "folder":
+    if cfg.data.dataset == "folder" and not cfg.data.path:
         if not cfg.data.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder': this device needs its image folder; pass --data DIR "

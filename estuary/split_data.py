@@ -57,8 +57,11 @@ def folder_config(cfg: RunConfig, out: Path) -> RunConfig:
 
 def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSummary:
     """Write ``cfg``'s split of its dataset under ``out`` (which must be new or empty)."""
-    if cfg.data.dataset == "folder":
-        raise ConfigError("the config already reads image folders (data.dataset = 'folder')")
+    if cfg.data.dataset == "folder" and not cfg.data.path:
+        raise ConfigError(
+            "the config already reads the devices' own image folders (data.dataset = 'folder' "
+            "without data.path)"
+        )
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} is not empty; split-data writes only into a new directory")
     data, parts = split_dataset(cfg)

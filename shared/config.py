@@ -87,7 +87,11 @@ class DataSection(_Section):
     """Dataset and how it is split across devices (DESIGN section 3)."""
 
     dataset: Literal["fashion-mnist", "synthetic", "folder"] = "fashion-mnist"
-    path: str = Field("", description="directory with the IDX .gz files; empty = search")
+    path: str = Field(
+        "",
+        description="fashion-mnist: directory with the IDX .gz files (empty = search); "
+        "folder: one image folder DIR/<class>/<files> split across the devices",
+    )
     local_dir: str = Field(
         "",
         max_length=4096,
@@ -418,11 +422,17 @@ class RunConfig(_Section):
                 f"reaching the cloud's model; use {rounds - rounds % r_g} or "
                 f"{rounds - rounds % r_g + r_g} rounds"
             )
-        if self.data.dataset == "folder" and self.data.partition != "iid":
+        if self.data.dataset == "folder" and self.data.path and self.data.local_dir:
+            raise ValueError(
+                "data.path (one image folder split across the devices) and data.local_dir "
+                "(each device's own folder) exclude each other; set one"
+            )
+        if self.data.dataset == "folder" and not self.data.path and self.data.partition != "iid":
             raise ValueError(
                 f"data.partition = {self.data.partition!r} splits one dataset across the "
-                "devices, but with data.dataset = 'folder' each device trains on its own "
-                "folder as it is; leave data.partition unset"
+                "devices, but with data.dataset = 'folder' and no data.path each device trains "
+                "on its own folder as it is; leave data.partition unset (or set data.path to "
+                "one image folder to split)"
             )
         algo = self.algorithm
         if algo.name == "fedphd" and algo.prune_ratio > 0:

@@ -9,8 +9,9 @@ an explicit path, ``$ESTUARY_FMNIST_DIR``, ``/usr/share/datasets/fashion-mnist``
 ``dataset-fashion-mnist``), then ``~/.cache/estuary/fashion-mnist`` (downloaded into when a
 network exists and ``download=True``).
 
-An image folder (``data.dataset = "folder"``, :func:`load_image_folder`) is one process's own
-data: ``DIR/<class>/<image files>``, each image converted to 8-bit grayscale, centre-cropped to
+An image folder (``data.dataset = "folder"``, :func:`load_image_folder`) is a device's own data
+(``data.local_dir``) or one dataset split across the devices (``data.path``):
+``DIR/<class>/<image files>``, each image converted to 8-bit grayscale, centre-cropped to
 a square and resized to 28x28, the format of the other datasets.
 """
 
@@ -190,15 +191,25 @@ def synthetic_dataset(
 
 
 def load_dataset(
-    name: str, path: str = "", *, split: str = "train", size: int = 512, seed: int = 0
+    name: str,
+    path: str = "",
+    *,
+    split: str = "train",
+    size: int = 512,
+    seed: int = 0,
+    class_names: Sequence[str] = (),
 ) -> ImageDataset:
-    """Dataset by config name (``fashion-mnist`` or ``synthetic``; image folders are the
-    devices' own data: :func:`load_image_folder`)."""
+    """Dataset by config name: ``fashion-mnist``, ``synthetic``, or ``folder`` with a
+    ``path``, one image folder holding the whole dataset (:func:`load_image_folder`; it has
+    no splits). Without a path, image folders are the devices' own data (see
+    :func:`shared.partition.split_dataset`)."""
     if name == "folder":
-        raise DataError(
-            "data.dataset = 'folder' is the devices' own image folders, not one dataset to "
-            "split: read them with shared.partition.split_dataset or device_folder"
-        )
+        if not path:
+            raise DataError(
+                "data.dataset = 'folder' without data.path is the devices' own image folders, "
+                "not one dataset: read them with shared.partition.split_dataset"
+            )
+        return load_image_folder(path, class_names=class_names)
     if name == "fashion-mnist":
         return load_fashion_mnist(split, path or None, download=True)
     if name == "synthetic":

@@ -72,9 +72,9 @@ def write_grid(
 
 def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
     """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
-    With ``data.dataset = "folder"`` they come from this process's ``eval.reference_dir``
-    (there are no splits)."""
-    if cfg.data.dataset == "folder":
+    ``eval.reference_dir``, when set, holds them instead (an image folder; this process's
+    own, and the only source when devices train on folders of their own)."""
+    if cfg.eval.reference_dir or (cfg.data.dataset == "folder" and not cfg.data.path):
         if not cfg.eval.reference_dir:
             raise DataError(
                 "quality metrics need real images to compare with, and with data.dataset = "
@@ -90,6 +90,7 @@ def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None)
             split=split,
             size=cfg.data.synthetic_size,
             seed=cfg.run.seed,
+            class_names=cfg.data.class_names,
         )
     return to_model_input(real.images[reference_indices(len(real), n or cfg.eval.num_reference)])
 

@@ -166,18 +166,20 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
 
 def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDataset, Parts]:
     """``cfg``'s training images and which of them each of ``federation.num_devices`` devices
-    holds: the seeded split of the config's dataset, or with ``data.dataset = "folder"`` the
-    devices' own folders ``data.local_dir/<device id>`` one after another (the layout
+    holds: the seeded split of the config's dataset (an image folder at ``data.path`` too),
+    or with ``data.dataset = "folder"`` and no path the devices' own folders
+    ``data.local_dir/<device id>`` one after another (the layout
     ``estuary split-data`` writes; ``progress``: a bar over the folders). Refused for a preset
     no dataset here can train (:func:`shared.models.check_trainable`)."""
     check_trainable(cfg.model.preset)
     d = cfg.data
-    if d.dataset == "folder":
+    if d.dataset == "folder" and not d.path:
         if not d.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder' in one process (simulate, compare): set data.local_dir "
                 "to the directory holding one image folder per device (dev000, dev001, ...; "
-                "`estuary split-data` writes that layout)"
+                "`estuary split-data` writes that layout), or data.path to one image folder "
+                "to split across the devices"
             )
         devices = tqdm(
             range(cfg.federation.num_devices), desc="reading device folders", unit="dev",
@@ -192,7 +194,9 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
             sum(s.skipped for s in shares),
         )
         return data, [np.arange(a, b) for a, b in itertools.pairwise(cuts)]
-    data = load_dataset(d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed)
+    data = load_dataset(
+        d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed, class_names=d.class_names
+    )
     return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
 
 

@@ -193,7 +193,7 @@ def test_split_data_folders_train_the_devices_on_the_same_images(tmp_path: Path)
     assert split["folder_config_digest"] == folder_cfg.digest() != cfg.digest()
     with pytest.raises(ConfigError, match="not empty"):
         split_data(cfg, out, progress=False)
-    with pytest.raises(ConfigError, match="already reads image folders"):
+    with pytest.raises(ConfigError, match="already reads the devices' own image folders"):
         split_data(folder_cfg, tmp_path / "again", progress=False)
 
 
@@ -212,7 +212,7 @@ def test_folder_runs_need_their_folders(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"fleet/dev001 does not exist"):
         simulate(missing, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(DataError, match="not one dataset to split"):
+    with pytest.raises(DataError, match=r"without data.path is the devices. own image folders"):
         load_dataset("folder")
 
 
@@ -329,3 +329,31 @@ def test_an_rgb_preset_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="3-channel"):
         run_compare(spec, tmp_path / "cmp", progress=False)
     assert not (tmp_path / "cmp").exists()
+
+
+def test_one_folder_split_across_the_devices_is_a_dataset_like_the_others(tmp_path: Path) -> None:
+    """``data.dataset = "folder"`` with ``data.path``: one labelled image folder (your own
+    Fashion-MNIST-like set) split by ``data.partition`` in every role, evaluated against
+    images drawn from it; written from the synthetic set in index order, it trains the
+    synthetic set's model and FID exactly."""
+    data = load_dataset("synthetic", size=256, seed=0)
+    write_image_folder(data, tmp_path / "all", [f"{i:03d}" for i in range(len(data))])
+    over = {
+        "run": {"rounds": 2},
+        "federation": {"num_devices": 4},
+        "data": {"partition": "classes", "classes_per_device": 2},
+        "eval": {"every": 2, "num_samples": 16, "num_reference": 40, "sample_steps": 5},
+    }
+    cfg = tiny_config(**over)
+    folder = with_overrides(cfg, {"data": {"dataset": "folder", "path": str(tmp_path / "all")}})
+    want = simulate(cfg, tmp_path / "a", progress=False)
+    got = simulate(folder, tmp_path / "b", progress=False)
+    assert got.final_model_sha256 == want.final_model_sha256
+    assert [r.get("quality") for r in got.rows] == [r.get("quality") for r in want.rows]
+    for i in range(4):
+        assert np.array_equal(device_data(folder, i).images, device_data(cfg, i).images)
+    # ... and split-data writes its per-device layout like any dataset's
+    split = split_data(folder, tmp_path / "split", progress=False)
+    assert split.device_images == [len(device_data(cfg, i)) for i in range(4)]
+    with pytest.raises(ConfigError, match=r"data.path .* and data.local_dir .* exclude"):
+        with_overrides(folder, {"data": {"local_dir": str(tmp_path)}})
