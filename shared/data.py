@@ -29,6 +29,7 @@ from typing import NoReturn
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from shared.errors import DataError
@@ -289,8 +290,6 @@ def _read_image(path: Path) -> np.ndarray:
     """One image file as uint8 ``(STORED_SIZE, STORED_SIZE)`` grayscale: converted to 8-bit
     luminance, centre-cropped to a square, resized (an image of that size already in 8-bit
     grayscale is read unchanged)."""
-    from PIL import Image
-
     size = path.stat().st_size
     if size > MAX_IMAGE_FILE_BYTES:
         raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
@@ -326,8 +325,6 @@ def load_image_folder(
     :func:`class_folders` for the names), in name order. ``max_images`` > 0 keeps that many,
     drawn with ``seed`` (before any file is decoded). A file that cannot be read as an image
     is skipped and reported; a folder with no readable image is an error."""
-    from PIL import Image
-
     root = Path(root)
     files = _list_image_folder(root, class_folders(class_names))
     if max_images and len(files) > max_images:
@@ -367,8 +364,6 @@ def write_image_folder(data: ImageDataset, root: str | Path, names: Sequence[str
     """Write ``data`` as ``root/<class slug>/<name>.png`` (one name per image, in order), the
     layout :func:`load_image_folder` reads back unchanged when the names sort in that order.
     Returns the number of files written."""
-    from PIL import Image
-
     if len(names) != len(data):
         raise DataError(f"{len(names)} names for {len(data)} images")
     root = Path(root)
