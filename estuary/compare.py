@@ -407,6 +407,8 @@ RECORD = "method.json"
 RECORD_FORMAT = "estuary.compare-method/1"
 #: a record larger than this is not read (rows of 10,000 rounds are well under it)
 RECORD_MAX_BYTES = 64 * 2**20
+#: what a record written before a key existed implies for it (earlier runs trained in fp32)
+RECORD_DEFAULTS: dict[str, Any] = {"precision": "fp32"}
 #: :func:`load_record`'s reason when the method has not finished before (nothing to report)
 NO_RECORD = "no finished run"
 
@@ -414,9 +416,10 @@ NO_RECORD = "no finished run"
 def _training_key(m: Method) -> dict[str, Any]:
     """What a method's record must match beyond its config digest: how a centralized method
     trained (a record from before one optimizer per run and the weight average lacks it, so
-    reruns), and which folders a folder run read (``data.local_dir`` and
-    ``eval.reference_dir`` are per-process settings, outside the digest)."""
-    key: dict[str, Any] = {}
+    reruns), which folders a folder run read (``data.local_dir`` and
+    ``eval.reference_dir`` are per-process settings, outside the digest), and the precision
+    it trained in (``train.precision``, per process too)."""
+    key: dict[str, Any] = {"precision": m.cfg.train.precision}
     if m.centralized:
         key["centralized_training"] = {"optimizer": "one per run", "ema": m.ema}
     if m.cfg.data.dataset == "folder":
@@ -475,8 +478,9 @@ def load_record(
         "evaluate": evaluate or doc.get("evaluate") is True,
     }
     for key, value in want.items():
-        if doc.get(key) != value:
-            return None, f"{path} has {key} {doc.get(key)!r}, this comparison {value!r}"
+        got = doc.get(key, RECORD_DEFAULTS.get(key))
+        if got != value:
+            return None, f"{path} has {key} {got!r}, this comparison {value!r}"
     rows, traffic, plan, wall_s, steps = (
         doc.get(k) for k in ("rows", "traffic", "plan", "wall_s", "steps")
     )

@@ -54,7 +54,14 @@ FILL = 0.75
 
 
 def _calibrate_worker(
-    idx: int, preset: str, batch: int, seconds: float, device: str, barrier: Any, queue: Any
+    idx: int,
+    preset: str,
+    batch: int,
+    precision: str,
+    seconds: float,
+    device: str,
+    barrier: Any,
+    queue: Any,
 ) -> None:
     """One calibration process: train ``preset`` in device rounds of 24 steps, then sample
     with DDIM, each for ``seconds`` (halved for sampling), in step with the others."""
@@ -69,7 +76,8 @@ def _calibrate_worker(
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, barrier.parties)))
         cfg = config_from_dict({
             "model": {"preset": preset},
-            "train": {"batch_size": batch, "lr": 5e-4, "optimizer": "adam", "grad_clip": 1.0},
+            "train": {"batch_size": batch, "lr": 5e-4, "optimizer": "adam", "grad_clip": 1.0,
+                      "precision": precision},
         })  # fmt: skip
         dev = torch.device(device)
         model = build_unet(preset, seed=idx)
@@ -96,18 +104,20 @@ def _calibrate_worker(
         queue.put({"worker": idx, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def calibrate(preset: str, batch: int, jobs: int, seconds: float, device: str) -> dict[str, Any]:
+def calibrate(
+    preset: str, batch: int, precision: str, jobs: int, seconds: float, device: str
+) -> dict[str, Any]:
     """Rates of ``jobs`` processes training and sampling ``preset`` at once (the slowest's)."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(jobs), ctx.Queue()
     procs = [
         ctx.Process(target=_calibrate_worker,
-                    args=(i, preset, batch, seconds, device, barrier, queue))
+                    args=(i, preset, batch, precision, seconds, device, barrier, queue))
         for i in range(jobs)
     ]  # fmt: skip
     for p in procs:
         p.start()
-    results = []
+    results: list[dict[str, Any]] = []
     deadline = time.monotonic() + 240 + 2 * seconds
     while len(results) < jobs and time.monotonic() < deadline:
         try:
@@ -253,6 +263,22 @@ overrides = {{"algorithm.name" = "scaffold", {e5}}}
 """  # noqa: E501
 
 
+#: the issue's methods, in the order :func:`compare_toml` writes them
+METHODS = ("FedAvg", "FedAvg (E=1)", "FedPhD", "FedPhD (OS)", "FedDiffuse (USPLIT)", "SCAFFOLD")
+
+
+def keep_methods(toml: str, labels: list[str]) -> str:
+    """``toml`` with only the ``[[method]]`` tables of ``labels`` (FedAvg, the reference,
+    must be among them)."""
+    unknown = sorted(set(labels) - set(METHODS))
+    if unknown or "FedAvg" not in labels:
+        raise SystemExit(f"--methods: {unknown or 'FedAvg (the reference) is missing'}; "
+                         f"choose from {', '.join(METHODS)}")  # fmt: skip
+    head, *tables = toml.split("\n[[method]]\n")
+    kept = [t for t in tables if t.split("\n", 1)[0] in {f'label = "{x}"' for x in labels}]
+    return "\n[[method]]\n".join([head, *kept])
+
+
 def run_compare(toml: Path, out: Path, jobs: int, deadline: float, log: Path) -> int | None:
     """``estuary compare --jobs`` until it ends or ``deadline`` (monotonic): its exit status,
     or None when it was stopped at the deadline."""
@@ -308,7 +334,18 @@ def main() -> int:
     )
     ap.add_argument("--out", required=True, help="directory for the packed results")
     ap.add_argument("--work", default="runs/compare-gpu-budget", help="comparison directory")
-    ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument("--jobs", type=int, default=0, help="methods at once (0: all of them)")
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated labels to run (FedAvg is the reference; default: all six)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="train.precision of every method (bf16: autocast, GPUs from Ampere on)",
+    )
     ap.add_argument("--calibrate-s", type=float, default=8.0)
     ap.add_argument("--max-rounds", type=int, default=60, help="cap on FedAvg (E=5) rounds")
     ap.add_argument(
@@ -321,7 +358,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     deadline = t_start + args.budget_s
-    info: dict[str, Any] = {"budget_s": args.budget_s, "jobs": args.jobs}
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    keep_methods("", methods)  # check the labels before any work
+    args.jobs = args.jobs or len(methods)
+    os.environ["ESTUARY__TRAIN__PRECISION"] = args.precision  # every method, every process
+    info: dict[str, Any] = {
+        "budget_s": args.budget_s,
+        "jobs": args.jobs,
+        "methods": methods,
+        "precision": args.precision,
+    }
 
     import torch
 
@@ -341,7 +387,7 @@ def main() -> int:
     print(f"[gpu_compare] {info}", flush=True)
 
     try:
-        cal = calibrate(preset, batch, args.jobs, args.calibrate_s, device)
+        cal = calibrate(preset, batch, args.precision, args.jobs, args.calibrate_s, device)
     except Exception as exc:  # a cautious guess: the comparison's own log then says more
         print(f"[gpu_compare] {exc}; planning from a guess", file=sys.stderr, flush=True)
         cal = {"jobs": args.jobs, "error": str(exc), "steps_per_s": 10.0,
@@ -357,18 +403,9 @@ def main() -> int:
     info["plan"] = p
     print(f"[gpu_compare] plan: {p} within {compare_budget:.0f} s", flush=True)
     toml = work / "compare.toml"
-    toml.write_text(
-        compare_toml(
-            p,
-            preset=preset,
-            batch=batch,
-            lr=5e-4,
-            num_samples=samples,
-            num_reference=ref,
-            sample_steps=steps,
-            clients=clients,
-        )
-    )
+    text = compare_toml(p, preset=preset, batch=batch, lr=5e-4, num_samples=samples,
+                        num_reference=ref, sample_steps=steps, clients=clients)  # fmt: skip
+    toml.write_text(keep_methods(text, methods))
     log = work / "compare-parent.log"
     t0 = time.monotonic()
     rc = run_compare(toml, work, args.jobs, deadline - reserve, log)

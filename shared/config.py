@@ -195,6 +195,13 @@ class TrainSection(_Section):
         "CPU limit (shared.cpu). Per process, like the deployment sections: not part of the "
         "config digest, so each device may set its own",
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="local training's forward passes: fp32, or bf16 autocast (weights, "
+        "gradients, optimizer state and everything sent stay fp32; for GPUs with bf16, "
+        "Ampere and later). Per process, like threads: a GPU device may use bf16 in a "
+        "federation whose CPU devices train in fp32",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -354,10 +361,20 @@ class DeploySection(_Section):
 
 DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
 #: settings of other sections that are per process too (counted at their defaults)
-PER_PROCESS_KEYS = (("train", "threads"), ("data", "local_dir"), ("eval", "reference_dir"))
+PER_PROCESS_KEYS = (
+    ("train", "threads"),
+    ("train", "precision"),
+    ("data", "local_dir"),
+    ("eval", "reference_dir"),
+)
 #: keys added after digests were first recorded: left out of the digest at their default, so
 #: configs that do not set them keep the digests earlier versions computed
-LATER_KEYS = (("data", "local_dir"), ("data", "class_names"), ("eval", "reference_dir"))
+LATER_KEYS = (
+    ("train", "precision"),
+    ("data", "local_dir"),
+    ("data", "class_names"),
+    ("eval", "reference_dir"),
+)
 
 
 class RunConfig(_Section):

@@ -6,7 +6,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda")
 
 
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[object]:
+    """The context local training runs its forward passes (and loss) in: bf16 autocast for
+    ``train.precision = "bf16"``, else nothing. Autocast leaves the weights, their gradients
+    and the optimizer in fp32 and runs the losses (MSE, softmax) in fp32, so bf16 needs no
+    loss scaling. A CUDA device without native bf16 (before Ampere) is refused: it would
+    emulate it, slower than fp32."""
+    if precision == "fp32":
+        return nullcontext()
+    if precision != "bf16":
+        raise ConfigError(f"unknown train.precision {precision!r}; choose 'fp32' or 'bf16'")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ConfigError(
+            f"train.precision = 'bf16', but {torch.cuda.get_device_name(device)} has no native "
+            "bf16 (it needs compute capability 8.0, Ampere, or later); use 'fp32'"
+        )
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
 @contextmanager
 def placed(model: nn.Module, device: torch.device | None) -> Iterator[nn.Module]:
     """``model`` moved to ``device`` for the ``with`` block and back to where its parameters
@@ -153,7 +171,8 @@ def train_local(
     A class-conditional model (``num_class_embeds``) is trained with each image's label
     from ``labels``. With a ``device`` other than the CPU the model trains there (batches
     are moved step by step; ``data`` stays where it is) and is back on the CPU on return,
-    so its state dict is ready to upload.
+    so its state dict is ready to upload. ``train.precision = "bf16"`` runs the forward
+    passes under bf16 autocast (:func:`autocast_for`); the mean loss is still fp32.
     """
     start = time.perf_counter()
     n = data.shape[0]
@@ -165,6 +184,7 @@ def train_local(
         )
     steps = steps if steps is not None else num_local_steps(n, cfg)
     on = device if device is not None and device.type != "cpu" else None
+    autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
     with placed(model, on):
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
@@ -179,12 +199,14 @@ def train_local(
             idx = order[cursor : cursor + cfg.batch_size]
             cursor += cfg.batch_size
             x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
-            if conditional:
-                assert labels is not None
-                y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
-                loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
-            else:
-                loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+            with autocast:  # forward and loss; the regularizer and backward in fp32
+                if conditional:
+                    assert labels is not None
+                    y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
+                    loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
+                else:
+                    loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+            loss = loss.float()  # a loss_fn's own reduction may have stayed in bf16
             total += loss.detach()  # loss_fn's value, before any regularizer
             if extra_loss is not None:
                 loss = loss + extra_loss(model)

@@ -317,6 +317,34 @@ def test_a_record_is_not_reused_once_the_init_file_changes(tmp_path: Path) -> No
     assert done is None and "'unreadable: No such file or directory'" in why
 
 
+def test_a_record_is_not_reused_at_another_precision(tmp_path: Path) -> None:
+    """``train.precision`` is per process (outside the digest), so the record keeps it:
+    a bf16 run is not reused for an fp32 comparison, nor the other way round."""
+    from estuary.compare import MethodRun, load_record, save_record
+
+    fp32 = parse_compare(_toml_text(TINY), tmp_path / "x.toml").methods[0]
+    bf16 = parse_compare(
+        _toml_text(TINY.replace("[base.train]", '[base.train]\nprecision = "bf16"')),
+        tmp_path / "x.toml",
+    ).methods[0]
+    assert bf16.cfg.train.precision == "bf16" and bf16.cfg.digest() == fp32.cfg.digest()
+    run_dir = tmp_path / fp32.slug
+    run_dir.mkdir()
+    steps = [1] * fp32.cfg.run.rounds
+    save_record(MethodRun(fp32, run_dir, [{"round": 1}], {}, None, 1.0, steps), evaluate=False)
+    assert load_record(fp32, run_dir, evaluate=False)[0] is not None
+    assert load_record(bf16, run_dir, evaluate=False)[0] is None
+    save_record(MethodRun(bf16, run_dir, [{"round": 1}], {}, None, 1.0, steps), evaluate=False)
+    assert load_record(bf16, run_dir, evaluate=False)[0] is not None
+    done, why = load_record(fp32, run_dir, evaluate=False)
+    assert done is None and "has precision 'bf16', this comparison 'fp32'" in why
+    record = json.loads((run_dir / "method.json").read_text())
+    del record["precision"]  # a record from before the key: trained in fp32
+    (run_dir / "method.json").write_text(json.dumps(record))
+    assert load_record(fp32, run_dir, evaluate=False)[0] is not None
+    assert load_record(bf16, run_dir, evaluate=False)[0] is None
+
+
 def test_init_fingerprint(tmp_path: Path) -> None:
     from shared.models import PRETRAINED, init_fingerprint
 

@@ -24,6 +24,7 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
     cfg = RunConfig()
     same = [
         {"train": {"threads": 3}},
+        {"train": {"precision": "bf16"}},
         {"compute": {"device": "cpu"}},
         {"broker": {"port": 1884}},
         {"deploy": {"threads": 2}},
