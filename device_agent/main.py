@@ -122,7 +122,7 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     from shared.naming import device_name
     from shared.partition import device_folder, split_dataset
 
-    if cfg.data.dataset == "folder" and not cfg.data.path:
+    if cfg.data.own_folders:
         if not cfg.data.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder': this device needs its image folder; pass --data DIR "

@@ -57,7 +57,7 @@ def folder_config(cfg: RunConfig, out: Path) -> RunConfig:
 
 def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSummary:
     """Write ``cfg``'s split of its dataset under ``out`` (which must be new or empty)."""
-    if cfg.data.dataset == "folder" and not cfg.data.path:
+    if cfg.data.own_folders:
         raise ConfigError(
             "the config already reads the devices' own image folders (data.dataset = 'folder' "
             "without data.path)"

@@ -39,10 +39,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# the project without an install (a GPU machine that only has the wheels): here, in the
-# calibration processes (which import this module) and in the comparison's processes
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 #: devices per round (N = 20, kappa = 0.2) and their E = 1 steps (~3000 images, batch 128)
 DEVICES_PER_ROUND = 4
 #: seconds a method spends before its first round (imports, data, reference features)
@@ -158,15 +154,14 @@ def plan(cal: dict[str, Any], budget_s: float, *, num_samples: int, sample_steps
              + n_eval * clients * eval_s + 5 * r * ROUND_OVERHEAD_S)  # fmt: skip
         return t, every
 
-    best = None
-    for r in range(2, max_rounds + 1):
+    def entry(r: int) -> dict[str, Any]:
         t, every = predict(r)
-        if t <= FILL * budget_s:
-            best = {"rounds_e5": r, "eval_every_e5": every, "predicted_s": t}
-    if best is None:
-        t, every = predict(2)
-        best = {"rounds_e5": 2, "eval_every_e5": every, "predicted_s": t}
-    best["eval_s_each"] = eval_s
+        return {"rounds_e5": r, "eval_every_e5": every, "predicted_s": t, "eval_s_each": eval_s}
+
+    best = entry(2)  # the shortest comparison, even where nothing fits
+    for r in range(3, max_rounds + 1):
+        if (e := entry(r))["predicted_s"] <= FILL * budget_s:
+            best = e
     return best
 
 
@@ -323,6 +318,10 @@ def pack(out: Path, compare_dir: Path, extra: list[Path]) -> Path:
 def main() -> int:
     """Calibrate, size, compare, pack."""
     t_start = time.monotonic()
+    # the project without an install (a GPU machine that only has the wheels): here, in the
+    # calibration processes (spawn hands them this sys.path) and the comparison's processes
+    sys.path.insert(0, str(ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")]))
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -114,6 +114,12 @@ class DataSection(_Section):
     max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
     synthetic_size: int = Field(512, ge=10, le=1_000_000)
 
+    @property
+    def own_folders(self) -> bool:
+        """Each device trains on an image folder of its own (``dataset = "folder"`` without
+        ``path``; with a path, the one folder is split like any dataset)."""
+        return self.dataset == "folder" and not self.path
+
     @field_validator("class_names")
     @classmethod
     def _check_class_names(cls, names: list[str]) -> list[str]:
@@ -444,7 +450,7 @@ class RunConfig(_Section):
                 "data.path (one image folder split across the devices) and data.local_dir "
                 "(each device's own folder) exclude each other; set one"
             )
-        if self.data.dataset == "folder" and not self.data.path and self.data.partition != "iid":
+        if self.data.own_folders and self.data.partition != "iid":
             raise ValueError(
                 f"data.partition = {self.data.partition!r} splits one dataset across the "
                 "devices, but with data.dataset = 'folder' and no data.path each device trains "

@@ -74,7 +74,7 @@ def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None)
     """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
     ``eval.reference_dir``, when set, holds them instead (an image folder; this process's
     own, and the only source when devices train on folders of their own)."""
-    if cfg.eval.reference_dir or (cfg.data.dataset == "folder" and not cfg.data.path):
+    if cfg.eval.reference_dir or cfg.data.own_folders:
         if not cfg.eval.reference_dir:
             raise DataError(
                 "quality metrics need real images to compare with, and with data.dataset = "

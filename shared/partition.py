@@ -173,7 +173,7 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
     no dataset here can train (:func:`shared.models.check_trainable`)."""
     check_trainable(cfg.model.preset)
     d = cfg.data
-    if d.dataset == "folder" and not d.path:
+    if d.own_folders:
         if not d.local_dir:
             raise ConfigError(
                 "data.dataset = 'folder' in one process (simulate, compare): set data.local_dir "

@@ -206,7 +206,6 @@ def train_local(
                     loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
                 else:
                     loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
-            loss = loss.float()  # a loss_fn's own reduction may have stayed in bf16
             total += loss.detach()  # loss_fn's value, before any regularizer
             if extra_loss is not None:
                 loss = loss + extra_loss(model)
