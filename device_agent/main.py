@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="device id: dev000, dev001, ...")
     p.add_argument("--cache-dir", help="on-disk blob cache (default: memory only)")
     p.add_argument(
+        "--state-dir",
+        help="where the device keeps what it carries between rounds (control variates, "
+        "local model parts, optimizer state), so that a restart goes on where it stopped "
+        "(default: memory only)",
+    )
+    p.add_argument(
         "--sample-only",
         action="store_true",
         help="do not train: only serve deployed generators (no torch needed)",
@@ -106,6 +112,7 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
         home_edge=home_edge(index, cfg),
         data=to_model_input(data.images),
         labels=torch.from_numpy(data.labels),
+        state_dir=Path(args.state_dir) if args.state_dir else None,
     )
     log.info("%s has %d samples from %s (home %s)", args.id, len(data), data.name, device.home_edge)
     device.metrics.training_images.set(len(data))

@@ -12,17 +12,28 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from device_agent.state import (
+    DeviceState,
+    StateError,
+    read_state,
+    save_state,
+    set_aside,
+    state_path,
+)
 from shared.algorithms import Algorithm, DeviceContext, LocalResult
 from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
 from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
 from shared.bus import Bus, Timer
+from shared.codec import check_spec
 from shared.config import RunConfig
 from shared.data import NUM_CLASSES, histogram_problem
+from shared.errors import CodecError
 from shared.messages import (
     DeviceHello,
     DeviceJoin,
@@ -60,6 +71,7 @@ class DeviceAgent(RoleService):
         home_edge: str,
         data: torch.Tensor,
         labels: torch.Tensor,
+        state_dir: Path | None = None,
     ) -> None:
         super().__init__(device_id, cfg, bus)
         self.index = index
@@ -87,9 +99,16 @@ class DeviceAgent(RoleService):
         self.current: tuple[str, int] | None = None  # (session, round) of the last RoundStart
         self.choices: OrderedDict[tuple[str, int], str] = OrderedDict()  # (session, round)
         self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
+        #: the session of the last round trained (a round 0 of another one: a new run)
+        self.state_session: str | None = None
+        #: where the state is kept across restarts (``--state-dir``); None: memory only
+        self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
+        self.config_digest = cfg.digest()
 
     def start(self) -> None:
-        """Subscribe to round announcements and publish the retained registration."""
+        """Read the saved state (``--state-dir``), subscribe to round announcements and
+        publish the retained registration."""
+        self.restore_state()
         self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
         if self.selecting:
             self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
@@ -233,6 +252,113 @@ class DeviceAgent(RoleService):
         if pending is not None:
             self.train_round(pending)
 
+    # -- state across restarts (--state-dir, device_agent.state) ----------------------------
+    def restore_state(self) -> bool:
+        """Take up the state saved by this device's last run of this config, if there is
+        one; an unusable file is moved aside (never deleted) and the device starts afresh.
+        Returns whether a state was restored."""
+        path = self.state_file
+        if path is None:
+            return False
+        try:
+            saved = read_state(path)
+        except (StateError, CodecError, OSError) as err:
+            self._set_aside("unreadable", f"{type(err).__name__}: {err}")
+            return False
+        if saved is None:
+            return False
+        why = self._unusable(saved)
+        if why:
+            self._set_aside(*why)
+            return False
+        last = DeviceUpdate.model_validate(saved.last_update) if saved.last_update else None
+        self._adopt_arch(saved.plan)
+        self.algo_state.clear()
+        self.algo_state.update(saved.algo_state)
+        if saved.model is not None:
+            self.model.load_state_dict(saved.model)
+        self.kept_local = saved.kept_local
+        self.last_update = last
+        self.state_session = saved.session
+        self.choices = OrderedDict(((s, r), e) for s, r, e in saved.choices)
+        self.metrics.device_state.labels(event="restored").inc()
+        log.info(
+            "%s: restored its state from %s (round %d of session %s: %s)", self.name, path,
+            saved.round, saved.session, ", ".join(sorted(saved.algo_state)) or "no entries",
+        )  # fmt: skip
+        return True
+
+    def _unusable(self, saved: DeviceState) -> tuple[str, str] | None:
+        """(reason slug, detail) when ``saved`` is not this device's state for this run."""
+        if saved.device != self.name:
+            return "other-device", f"it is {saved.device}'s"
+        if saved.config_digest != self.config_digest:
+            return "other-config", (
+                f"saved under config {saved.config_digest}, this run is {self.config_digest}"
+            )
+        reason = check_plan(self.cfg.model.preset, saved.plan)
+        if reason:
+            return "bad-plan", reason
+        if saved.model is not None:
+            try:
+                check_spec(saved.model, model_spec(self.cfg.model.preset, saved.plan))
+            except CodecError as err:
+                return "bad-model", str(err)
+        if saved.last_update is not None:
+            try:
+                DeviceUpdate.model_validate(saved.last_update)
+            except ValueError as err:  # pydantic's ValidationError
+                return "bad-update", str(err).splitlines()[0]
+        return None
+
+    def _set_aside(self, reason: str, detail: str) -> None:
+        assert self.state_file is not None
+        try:
+            moved = str(set_aside(self.state_file, reason))
+        except OSError as err:
+            moved = f"not moved ({err})"
+        self.metrics.device_state.labels(event="set_aside").inc()
+        log.warning("%s: state file %s not used (%s): %s; starting afresh", self.name,
+                    self.state_file, detail, moved)  # fmt: skip
+
+    def save_state(self, round_: int, session: str) -> None:
+        """Write what this device keeps between rounds (after a round it trained)."""
+        self.state_session = session
+        if self.state_file is None:
+            return
+        state = DeviceState(
+            device=self.name,
+            config_digest=self.config_digest,
+            plan=self.plan,
+            algo_state=self.algo_state,
+            round=round_,
+            session=session,
+            kept_local=self.kept_local,
+            model=dict(self.model.state_dict()) if self.kept_local is not None else None,
+            last_update=self.last_update.model_dump(mode="json") if self.last_update else None,
+            choices=[(s, r, e) for (s, r), e in self.choices.items()],
+        )
+        try:
+            size = save_state(self.state_file, state, self.algorithm.device_cache_keys)
+        except (StateError, OSError) as err:
+            # the round still counts: only a restart would lose what is not on disk
+            self.metrics.device_state.labels(event="save_failed").inc()
+            log.error("%s: state not saved to %s: %s", self.name, self.state_file, err)
+            return
+        self.metrics.device_state.labels(event="saved").inc()
+        log.debug("%s: state saved (%d bytes)", self.name, size)
+
+    def _start_over(self, session: str) -> None:
+        """A round 0 from another session than the kept state's: the cloud started the run
+        over (a resumed cloud starts at round 1 or later), so nothing kept applies."""
+        log.info("%s: round 0 of session %s after session %s: the run started over; "
+                 "dropping the state kept from before", self.name, session,
+                 self.state_session)  # fmt: skip
+        self.algo_state.clear()
+        self.kept_local = None
+        self.last_update = None
+        self.state_session = None
+
     # -- training ------------------------------------------------------------------------
     def on_edge_round(self, msg: EdgeRound) -> None:
         """Train on the announced model if this device is assigned to (or chose) it."""
@@ -277,6 +403,8 @@ class DeviceAgent(RoleService):
 
     def train_round(self, msg: EdgeRound) -> None:
         """Train on the edge's model for ``msg.round`` and report (upload when asked)."""
+        if msg.round == 0 and self.state_session not in (None, msg.session):
+            self._start_over(msg.session)
         last = self.last_update
         if last is not None and (last.session, last.round) == (msg.session, msg.round):
             # Announced again (the edge restarted, or a retained replay after a reconnect):
@@ -353,5 +481,6 @@ class DeviceAgent(RoleService):
         self.last_update = update
         self.metrics.round.set(msg.round)
         self.metrics.training_seconds.observe(result.train.seconds)
+        self.save_state(msg.round, msg.session)  # before the report: a restart resends it
         self.send(self.topics.device_up(self.name), update)
         log.debug("%s round %d loss %.4f", self.name, msg.round, result.train.mean_loss)

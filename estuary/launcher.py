@@ -93,6 +93,8 @@ class Hierarchy:
             argv += self.cloud_args
         else:
             argv += ["--id", name, "--cache-dir", str(self.run_dir / "cache" / name)]
+            if role == "device":
+                argv += ["--state-dir", str(self.run_dir / "state")]
         if self.data_dir is not None and role in ("cloud", "device"):
             argv += ["--reference" if role == "cloud" else "--data", str(self.data_dir / name)]
         return argv

@@ -54,6 +54,8 @@ PHASES: Final = ("idle", "waiting", "training", "aggregating", "deploying", "don
 """States of ``estuary_phase``; the first one is the state a fresh role starts in."""
 UPDATE_OUTCOMES: Final = ("accepted", "rejected", "late", "duplicate")
 DEPLOY_OUTCOMES: Final = ("loaded", "refused")
+#: what a device did with its state file (``--state-dir``, :mod:`device_agent.state`)
+STATE_EVENTS: Final = ("saved", "restored", "set_aside", "save_failed")
 
 # Round, aggregation and training times range from a fraction of a second (tiny test models)
 # to about an hour (a real local epoch on a slow device).
@@ -136,8 +138,9 @@ class RoleMetrics:
     ``round``, ``round_started`` and ``round_deadline`` (the cloud's open round: when it opened
     and how long it may stay open), ``phase`` (states :data:`PHASES`), ``round_seconds``,
     ``aggregation_seconds``, ``training_seconds``, ``devices`` (label ``edge``), ``sh_score``
-    (label ``edge``), ``model_params``, ``model_bytes``, ``training_images`` and
-    ``skipped_image_files`` (devices only), ``images_generated``,
+    (label ``edge``), ``model_params``, ``model_bytes``, ``training_images``,
+    ``skipped_image_files`` and ``device_state`` (label ``event``, :data:`STATE_EVENTS`)
+    (devices only), ``images_generated``,
     ``sampling_seconds``, ``images_per_second``, ``deployments`` (label ``outcome``,
     :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``) and ``updates`` (label
     ``outcome``, one of :data:`UPDATE_OUTCOMES`). The registry also carries the traffic
@@ -204,7 +207,7 @@ class RoleMetrics:
         self.sh_score = Gauge("estuary_sh_score", "SH score, per edge.", ("edge",), registry=reg)
         self.model_params = Gauge("estuary_model_params", "Model parameters.", registry=reg)
         self.model_bytes = Gauge("estuary_model_bytes", "Encoded model size.", registry=reg)
-        device_reg = reg if role == "device" else None  # the next two exist on devices only
+        device_reg = reg if role == "device" else None  # the next three exist on devices only
         self.training_images = Gauge(
             "estuary_training_images",
             "Images this device trains on (its share of the split, or its own folder).",
@@ -215,6 +218,15 @@ class RoleMetrics:
             "Files in this device's image folder that are not readable images (skipped).",
             registry=device_reg,
         )
+        self.device_state = Counter(
+            "estuary_device_state",
+            "This device's state file (--state-dir), by event (saved, restored, set_aside: "
+            "unusable and moved aside, save_failed).",
+            ("event",),
+            registry=device_reg,
+        )
+        for event in STATE_EVENTS:
+            self.device_state.labels(event=event)
         self.images_generated = Counter(
             "estuary_images_generated", "Images sampled from the model.", registry=reg
         )

@@ -501,10 +501,11 @@ def test_device_wrapper_derives_the_id_from_the_node(
     argv = (tmp_path / "record.args").read_text(encoding="utf-8").splitlines()
     assert argv == [
         "device", CONFIG_PATH, "--id", device, "--broker", BROKER_ADDR,
-        "--metrics-port", str(METRICS_PORT), "--stay",
+        "--metrics-port", str(METRICS_PORT), "--state-dir", "/var/lib/estuary/state", "--stay",
     ]  # fmt: skip
     args, rest = parse_role_args(argv[1:])
-    assert args.stay and rest == ["--id", device]
+    assert args.stay and rest == ["--id", device, "--state-dir", "/var/lib/estuary/state"]
+    assert under("/var/lib/estuary/state", writable_mounts(devices, c))
     seen = dict(
         line.split("=", 1)
         for line in (tmp_path / "record.env").read_text(encoding="utf-8").splitlines()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from device_agent.state import read_state
 from estuary.launcher import Hierarchy
 from estuary.simulate import simulate
 from shared.broker import LocalBroker, find_mosquitto
@@ -184,6 +185,40 @@ def test_edge_restart_and_broker_restart_are_survived(
     assert summary["rounds"] == cfg.run.rounds
     assert summary["transport"].get("reconnects", 0) >= 1
     assert hier.procs["edge0"].restarts == 1
+
+
+def test_a_restarted_device_takes_up_its_saved_state(
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+) -> None:
+    """SIGKILL a SCAFFOLD device after round 0 and start it again: it reads back the control
+    variate and optimizer state it saved (``--state-dir``), trains the later rounds from
+    them, and the run completes with both devices reporting."""
+    cfg, path = _setup(
+        tmp_path,
+        "restartdev",
+        run={"rounds": 10},
+        algorithm={"name": "scaffold"},
+        train={"local_steps": 12, "optimizer_state": "keep"},
+        federation={"round_deadline_s": 30},
+    )
+    hier = hierarchy(cfg, path)
+    hier.start_all()
+    state = hier.run_dir / "state" / "dev001.safetensors"
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0 and state.is_file(), 120, "round 0", hier)
+    hier.kill("dev001")
+    hier.start("device", "dev001")
+    summary = _finish(hier, timeout_s=180)
+    assert summary["rounds"] == cfg.run.rounds
+    log = hier.procs["dev001"].log_path.read_text()
+    restored = re.search(r"dev001: restored its state from \S+ \(round (\d+) of session", log)
+    assert restored, log[-2000:]
+    assert "optimizer.state, scaffold.c_i" in log
+    rows = read_metrics(hier.run_dir / "metrics.jsonl")
+    # the cloud draws it again once it is back online, and it trains and reports
+    assert rows[-1]["updates"] == 2, [(r["round"], r["updates"]) for r in rows]
+    saved = read_state(state)
+    assert saved is not None and saved.round == cfg.run.rounds - 1
+    assert int(restored.group(1)) < saved.round
 
 
 def test_deployment_reaches_training_and_sampling_only_devices(

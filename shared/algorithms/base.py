@@ -122,6 +122,9 @@ class Algorithm(ABC):
     name: ClassVar[str]
     #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
     partial_uploads: ClassVar[bool] = False
+    #: entries of a device's ``ctx.state`` that are caches, rebuilt when missing: a device
+    #: agent's state file (``--state-dir``) leaves them out; every other entry is stored
+    device_cache_keys: ClassVar[frozenset[str]] = frozenset()
     #: local training may run on a GPU (``compute.device``). Every registered algorithm
     #: does: one whose hooks hold tensors of their own (control variates, anchors, twin
     #: models) moves them to :attr:`training_device` before it trains. A subclass that

@@ -51,6 +51,9 @@ from shared.training import ExtraLoss
 
 log = logging.getLogger(__name__)
 
+#: the device's group penalty (a cache: rebuilt from the module when missing)
+PENALTY_KEY = "fedphd.penalty"
+
 
 def distribution(counts: Sequence[float] | np.ndarray) -> np.ndarray:
     """Label counts as a distribution (all zeros stay zeros)."""
@@ -139,6 +142,7 @@ class FedPhD(Algorithm):
     """SH-weighted aggregation at both tiers, sparse training, pruning on the cloud."""
 
     name = "fedphd"
+    device_cache_keys = frozenset({PENALTY_KEY})
 
     def _target(self) -> list[float] | None:
         return list(self.cfg.algorithm.target_distribution) or None
@@ -159,10 +163,10 @@ class FedPhD(Algorithm):
         from shared.pruning import SparsityPenalty
 
         shapes = tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
-        cached = ctx.state.get("fedphd.penalty")
+        cached = ctx.state.get(PENALTY_KEY)
         if cached is None or cached[0] != shapes:
             cached = (shapes, SparsityPenalty.from_model(model, self.cfg.algorithm.lambda0))
-            ctx.state["fedphd.penalty"] = cached
+            ctx.state[PENALTY_KEY] = cached
         return cached[1]
 
     # -- aggregation ---------------------------------------------------------------------
