@@ -260,6 +260,20 @@ def test_devices_restarted_mid_run_end_at_the_uninterrupted_model(
     assert forgotten != reference
 
 
+def test_a_state_that_cannot_be_written_is_counted_and_training_goes_on(tmp_path: Path) -> None:
+    """A state directory that cannot be created (here: a file is in the way) fails every
+    save; each failure is logged and counted, and the run is the one without a state file."""
+    cfg = _cfg({"name": "scaffold"})
+    reference, _ = _run(cfg, None, {})
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("in the way")
+    sha, agents = _run(cfg, blocker, {})
+    assert sha == reference
+    for agent in agents.values():
+        assert agent.metrics.device_state.labels(event="save_failed")._value.get() == cfg.run.rounds
+        assert agent.metrics.device_state.labels(event="saved")._value.get() == 0
+
+
 def _agent(cfg: RunConfig, state_dir: Path, name: str = "dev001") -> DeviceAgent:
     from shared.algorithms import make_algorithm
 
