@@ -454,8 +454,9 @@ class MqttBus(Bus):
             patterns.update(self.topics.blob_want_patterns(self.home))
             for f in list(self._fetches.values()):
                 patterns.add(self._chunk_pattern(f))
-            for pattern in sorted(patterns):
-                self.client.subscribe(pattern, qos=QOS)
+            # acknowledged before the bus says it is connected: a request published to it
+            # right after connect() returns is not lost to a subscription still in flight
+            self._subscribe_all(sorted(patterns))
         for topic, payload in list(self._retained.items()):
             if not first and (topic == self._status_topic or not session_present):
                 self._raw_publish(topic, payload, retain=True)
@@ -571,18 +572,30 @@ class MqttBus(Bus):
             self._subscribe_wait(pattern)
 
     def _subscribe_wait(self, pattern: str, timeout_s: float = 10.0) -> None:
-        event = threading.Event()
-        rc, mid = self.client.subscribe(pattern, qos=QOS)
-        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
-            return  # not connected: the reconnect path subscribes again
-        with self._suback_lock:
-            if mid in self._early_subacks:
-                self._early_subacks.discard(mid)
-                return
-            self._suback[mid] = event
-        if not event.wait(timeout_s):
-            self._suback.pop(mid, None)
-            log.warning("%s: no SUBACK for %s within %.0fs", self.client_id, pattern, timeout_s)
+        self._subscribe_all([pattern], timeout_s)
+
+    def _subscribe_all(self, patterns: list[str], timeout_s: float = 10.0) -> None:
+        """Subscribe to ``patterns`` at once and wait (``timeout_s`` in all) for their
+        SUBACKs; a missing one is logged (the reconnect path subscribes again)."""
+        waits: list[tuple[str, int, threading.Event]] = []
+        for pattern in patterns:
+            rc, mid = self.client.subscribe(pattern, qos=QOS)
+            if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+                return  # not connected: the reconnect path subscribes again
+            event = threading.Event()
+            with self._suback_lock:
+                if mid in self._early_subacks:
+                    self._early_subacks.discard(mid)
+                    continue
+                self._suback[mid] = event
+            waits.append((pattern, mid, event))
+        deadline = time.monotonic() + timeout_s
+        for pattern, mid, event in waits:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                with self._suback_lock:
+                    self._suback.pop(mid, None)
+                log.warning("%s: no SUBACK for %s within %.0fs", self.client_id, pattern,
+                            timeout_s)  # fmt: skip
 
     # -- blobs ---------------------------------------------------------------------------
     def _put_blob(self, data: bytes) -> str:
