@@ -418,7 +418,7 @@ def test_two_rounds_end_to_end(name: str) -> None:
     )
     data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[Any]()
     fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
     initial = dict(fed.cloud.model)
     fed.start()

@@ -22,7 +22,7 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
     """Per-process settings (where to connect, which device, how many threads) may differ
     between the roles of one run; anything that changes the experiment changes the digest."""
     cfg = RunConfig()
-    same = [
+    same: list[dict[str, Any]] = [
         {"train": {"threads": 3}},
         {"train": {"precision": "bf16"}},
         {"compute": {"device": "cpu"}},

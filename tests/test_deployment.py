@@ -167,7 +167,8 @@ def test_agent_serves_verified_deployments_and_keeps_old_model_after_refusal(
         report = publisher.reports["dev000"]
         assert report.event == "refused" and report.reason.startswith(reason.strip())
         assert report.serving == first.model_ref.sha256
-        assert agent.receiver.served.sha256 == first.model_ref.sha256  # old model kept
+        served = agent.receiver.served
+        assert served is not None and served.sha256 == first.model_ref.sha256  # old model kept
     refused = m.registry.get_sample_value("estuary_deployments_total", {"outcome": "refused"})
     assert refused == 3
     rejected = bus.traffic.snapshot()["rejected"]
@@ -185,7 +186,8 @@ def test_agent_serves_verified_deployments_and_keeps_old_model_after_refusal(
     publisher.current = good
     cloud.send(cloud.topics.cloud_deploy, good, retain=True)
     bus.run(lambda: publisher.settled(["dev000"]))
-    assert agent.receiver.served.sha256 == good.model_ref.sha256
+    served = agent.receiver.served
+    assert served is not None and served.sha256 == good.model_ref.sha256
 
 
 def test_agent_without_verify_key_refuses(exports: list[Path], keys: tuple[Path, Path],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -77,10 +78,10 @@ def test_choose_edge_samples_and_falls_back_to_the_next_best_online_edge() -> No
     tied = {"edge0": 1.0, "edge1": 0.0, "edge10": 0.0}
     assert choose_edge(tied, {"edge10", "edge1"}, np.random.default_rng(0)) == "edge1"
     # the device's RNG: same (seed, device, round) -> same draw; never the global RNG
-    state = np.random.get_state()
+    state = cast(tuple[Any, ...], np.random.get_state())
     a = choose_edge(probs, None, selection_rng(3, 5, 7))
     assert a == choose_edge(probs, None, selection_rng(3, 5, 7))
-    assert np.all(np.random.get_state()[1] == state[1])
+    assert np.all(cast(tuple[Any, ...], np.random.get_state())[1] == state[1])
 
 
 def _devices(n: int) -> list[np.ndarray]:

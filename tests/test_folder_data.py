@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,7 +139,7 @@ def test_a_folder_that_cannot_be_listed_is_an_error_not_a_gap(
         _save(tmp_path / "4" / sub / "x.png", np.zeros((28, 28), np.uint8))
     real = os.scandir
 
-    def scandir(path: str | os.PathLike[str]) -> os.ScandirIterator[str]:
+    def scandir(path: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:
         if Path(path).name == "b":
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)  # type: ignore[return-value]
@@ -338,7 +340,7 @@ def test_one_folder_split_across_the_devices_is_a_dataset_like_the_others(tmp_pa
     synthetic set's model and FID exactly."""
     data = load_dataset("synthetic", size=256, seed=0)
     write_image_folder(data, tmp_path / "all", [f"{i:03d}" for i in range(len(data))])
-    over = {
+    over: dict[str, dict[str, Any]] = {
         "run": {"rounds": 2},
         "federation": {"num_devices": 4},
         "data": {"partition": "classes", "classes_per_device": 2},

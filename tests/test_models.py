@@ -245,6 +245,7 @@ def test_weight_average_warms_up_and_follows_the_weights() -> None:
     torch.nn.init.zeros_(net.weight)
     torch.nn.init.zeros_(net.bias)
     avg = WeightAverage(net, 0.9)
+    assert isinstance(avg.model, torch.nn.Linear)
     torch.nn.init.ones_(net.weight)
     avg.update(net)  # decay min(0.9, 1/10) = 0.1
     assert avg.model.weight.detach().flatten().tolist() == pytest.approx([0.9, 0.9])

@@ -269,7 +269,11 @@ def test_bad_chunk_index_ends_the_fetch_and_the_bus_keeps_receiving(net: Net, in
     sha = "ab" * 32
     evil = net.raw("evil")
     bad_chunk = net.topics.blob_chunk(SERVER, sha, 4096, index)
-    evil.on = lambda topic, _p: evil.client.publish(bad_chunk, b"x", qos=1)
+
+    def answer_with_a_bad_chunk(_topic: str, _payload: bytes) -> None:
+        evil.client.publish(bad_chunk, b"x", qos=1)
+
+    evil.on = answer_with_a_bad_chunk
     evil.subscribe(net.topics.blob_want(CLIENT, SERVER))
     started = time.monotonic()
     with pytest.raises(EstuaryError):

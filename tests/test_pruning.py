@@ -9,8 +9,9 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_bad_prune_arguments(tiny: UNet2DModel, sp: Any, method: Any, match: str
 
 
 def test_pruning_is_deterministic_per_seed(tiny: UNet2DModel) -> None:
-    def weights(method: str, seed: int) -> dict[str, torch.Tensor]:
+    def weights(method: Literal["l2", "random"], seed: int) -> dict[str, torch.Tensor]:
         return prune_unet(tiny, 0.4, method=method, seed=seed).state_dict()
 
     a, b, c = weights("random", 3), weights("random", 3), weights("random", 4)
@@ -197,7 +198,7 @@ def _edit(plan: dict[str, Any], module: str, **values: Any) -> dict[str, Any]:
     return plan
 
 
-BAD_PLANS = {
+BAD_PLANS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "not an object": (lambda p: [p], "JSON object"),
     "format": (lambda p: {**p, "format": "estuary.channel-plan/0"}, "format"),
     "preset": (lambda p: {**p, "preset": "fmnist-small"}, "for preset 'fmnist-small'"),
@@ -445,7 +446,7 @@ def test_pruned_model_exports_to_onnx(preset: str) -> None:
     torch.onnx.export(
         model,
         (x, t),
-        buf,
+        buf,  # type: ignore[arg-type]  # a file-like object works (the stub says a path)
         opset_version=17,
         dynamo=False,
         input_names=["sample", "timestep"],

@@ -186,9 +186,9 @@ def test_evaluate_with_reference_stats(tmp_path) -> None:
     }  # fmt: skip
     assert out["n_fake"] == out["n_real"] == 200
     assert out["extractor"] == quality.EXTRACTOR_NAME
-    assert 0.0 <= out["precision"] <= 1.0 and 0.0 <= out["coverage"] <= 1.0
+    assert 0.0 <= float(out["precision"]) <= 1.0 and 0.0 <= float(out["coverage"]) <= 1.0
     noise = torch.rand(200, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    assert evaluate(noise, ref)["fid"] > 5 * out["fid"]
+    assert float(evaluate(noise, ref)["fid"]) > 5 * float(out["fid"])
     assert evaluate(images[200:], images[:200]) == out  # tensor reference gives the same
     ref.save(tmp_path / "ref.npz")
     loaded = ReferenceStats.load(tmp_path / "ref.npz")

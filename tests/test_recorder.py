@@ -52,9 +52,10 @@ def test_cloud_scope_counts_what_the_cloud_received_and_sent(
     title, up, down = traffic_labels(rows)
     assert "at the cloud" in title and "received by the cloud" in up and "sent by the cloud" in down
     fig = report_figure(rows, title="demo (MQTT)")
-    assert fig._suptitle is not None and fig._suptitle.get_text() == "demo (MQTT)"
+    assert fig.get_suptitle() == "demo (MQTT)"
     assert fig.axes[1].get_title() == title
-    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == [up, down]
+    legend = fig.axes[1].get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == [up, down]
     assert plot_report(rows, tmp_path / "report.png").stat().st_size > 10_000
 
 

@@ -65,7 +65,7 @@ def _federation(cfg, bus, summaries):  # type: ignore[no-untyped-def]
 def test_dead_device_does_not_stall_the_round() -> None:
     """A registered device that never answers: edges close at the deadline, run completes."""
     cfg = tiny_config(federation={"num_devices": 5, "num_edges": 2, "min_updates": 1})
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     fed.devices.pop()  # dev004 registers (below) but never trains
     fed.start()
@@ -80,12 +80,12 @@ def test_dead_device_does_not_stall_the_round() -> None:
 def test_duplicate_and_late_updates_are_ignored() -> None:
     """Replaying every device update (duplicates, then late) leaves the model unchanged."""
     cfg = tiny_config()
-    clean_bus, clean = MemoryBus(), []
+    clean_bus, clean = MemoryBus(), list[RoundSummary]()
     ref = _federation(cfg, clean_bus, clean)
     ref.start()
     clean_bus.run(lambda: ref.cloud.done)
 
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     attacker = bus.endpoint("replay")
     seen: list[tuple[str, bytes]] = []
@@ -115,7 +115,7 @@ def test_flat_fl_partial_participation_and_rg() -> None:
         run={"rounds": 4},
         federation={"num_devices": 6, "num_edges": 1, "participation": 0.5, "cloud_every": 2},
     )
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
@@ -129,7 +129,7 @@ def test_flat_fl_partial_participation_and_rg() -> None:
 def test_edge_every_two_rounds_devices_continue_locally() -> None:
     """r_e = 2: devices keep training their own model between edge aggregations."""
     cfg = tiny_config(run={"rounds": 4}, federation={"edge_every": 2, "cloud_every": 2})
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
@@ -142,7 +142,7 @@ def test_edge_every_two_rounds_devices_continue_locally() -> None:
 def test_bad_update_rejected_round_still_completes() -> None:
     """A device update whose blob holds NaN is rejected and counted; the run finishes."""
     cfg = tiny_config(run={"rounds": 1})
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     victim = fed.devices[0]
     original = victim.algorithm.device_round
@@ -164,7 +164,7 @@ def test_bad_update_rejected_round_still_completes() -> None:
 def test_edge_state_is_retained_for_late_joiners() -> None:
     """After a run, a newcomer reading edge state gets the accumulated label counts."""
     cfg = tiny_config(run={"rounds": 2}, federation={"cloud_every": 2})
-    bus, summaries = MemoryBus(), []
+    bus, summaries = MemoryBus(), list[RoundSummary]()
     fed = _federation(cfg, bus, summaries)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)

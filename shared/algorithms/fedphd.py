@@ -96,8 +96,8 @@ def sh_weights(
 
 
 def selection_probs(
-    edge_counts: Mapping[str, Sequence[int]],
-    device_counts: Sequence[int],
+    edge_counts: Mapping[str, Sequence[int] | np.ndarray],
+    device_counts: Sequence[int] | np.ndarray,
     a: float,
     b: float,
     target: Sequence[float] | None = None,
