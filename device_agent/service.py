@@ -268,10 +268,15 @@ class DeviceAgent(RoleService):
         if saved is None:
             return False
         why = self._unusable(saved)
+        last = None  # the update to resend if its round is announced again
+        if not why and saved.last_update is not None:
+            try:
+                last = DeviceUpdate.model_validate(saved.last_update)
+            except ValueError as err:  # pydantic's ValidationError
+                why = "bad-update", str(err).splitlines()[0]
         if why:
             self._set_aside(*why)
             return False
-        last = DeviceUpdate.model_validate(saved.last_update) if saved.last_update else None
         self._adopt_arch(saved.plan)
         self.algo_state.clear()
         self.algo_state.update(saved.algo_state)
@@ -304,11 +309,6 @@ class DeviceAgent(RoleService):
                 check_spec(saved.model, model_spec(self.cfg.model.preset, saved.plan))
             except CodecError as err:
                 return "bad-model", str(err)
-        if saved.last_update is not None:
-            try:
-                DeviceUpdate.model_validate(saved.last_update)
-            except ValueError as err:  # pydantic's ValidationError
-                return "bad-update", str(err).splitlines()[0]
         return None
 
     def _set_aside(self, reason: str, detail: str) -> None:

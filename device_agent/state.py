@@ -239,9 +239,9 @@ def decode_state(data: bytes) -> DeviceState:
             last_update=last,
             choices=choices,
         )
+    except StateError:
+        raise
     except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, StateError):
-            raise
         raise StateError(f"state document: {type(err).__name__}: {err}") from None
 
 

@@ -376,7 +376,6 @@ def main() -> int:
     args.jobs = args.jobs or len(methods)
     os.environ["ESTUARY__TRAIN__PRECISION"] = args.precision  # every method, every process
     info: dict[str, Any] = {
-        "preset": "fmnist-tiny" if args.dry_run else args.preset,
         "budget_s": args.budget_s,
         "jobs": args.jobs,
         "methods": methods,
@@ -397,6 +396,7 @@ def main() -> int:
         device, preset, batch, samples, ref, steps, clients = (
             "cuda", args.preset, 128, 1000, 10000, 50, 2)  # fmt: skip
         info["gpu"] = torch.cuda.get_device_name(0)
+    info["preset"] = preset
     info["torch"] = torch.__version__
     print(f"[gpu_compare] {info}", flush=True)
 
