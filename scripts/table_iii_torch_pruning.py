@@ -9,6 +9,7 @@ whichever Torch-Pruning it imports, so the versions can be compared with Table I
     pip install --no-deps --target /tmp/tp-1.5.2 torch-pruning==1.5.2
     python scripts/table_iii_torch_pruning.py --tp /tmp/tp-1.5.2 --ratios 0.11,0.22,0.31,0.41
     python scripts/table_iii_torch_pruning.py --twice 0.22,0.25    # installed version, twice
+    python scripts/table_iii_torch_pruning.py --global --ratios 0.45,0.5,0.55,0.6
 
 Without ``--tp`` the installed Torch-Pruning is used.
 """
@@ -44,14 +45,19 @@ def _ratios(text: str) -> list[float]:
     return values
 
 
-def prune(tp: Any, model: Any, ratio: float, inputs: dict[str, Any]) -> Any:
-    """Diff-Pruning's step: local magnitude pruning at ``ratio``, ``conv_out`` kept."""
+def prune(
+    tp: Any, model: Any, ratio: float, inputs: dict[str, Any], *, global_pruning: bool = False
+) -> Any:
+    """Diff-Pruning's step: local magnitude pruning at ``ratio``, ``conv_out`` kept
+    (``global_pruning``: Torch-Pruning ranks the groups of the whole network instead)."""
     kwargs = {
         "importance": tp.importance.MagnitudeImportance(),
         "iterative_steps": 1,
         "channel_groups": {},
         "ignored_layers": [model.conv_out],
     }
+    if global_pruning:
+        kwargs["global_pruning"] = True
     try:  # Torch-Pruning >= 1.4 renamed ch_sparsity
         pruner = tp.pruner.MagnitudePruner(model, inputs, pruning_ratio=ratio, **kwargs)
     except TypeError:
@@ -75,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--ratios", type=_ratios, default=_ratios("0.1,0.25,0.3,0.4"))
     group.add_argument("--twice", type=_ratios, help="two ratios: prune, then prune the result")
+    ap.add_argument(
+        "--global", dest="global_pruning", action="store_true",
+        help="Torch-Pruning's global pruning (groups ranked across the network by their "
+        "weights, here the seed-0 initial ones) instead of Diff-Pruning's local pruning",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.twice is not None and len(args.twice) != 2:
         ap.error("--twice takes exactly two ratios")
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for ratios in steps:
         model = build_unet("ddpm-cifar10", seed=0).eval()
         for r in ratios:
-            model = prune(tp, model, r, inputs)
+            model = prune(tp, model, r, inputs, global_pruning=args.global_pruning)
         macs, params = tp.utils.count_ops_and_params(model, inputs)
         removed = 1 - params / base_params
         row = min(TABLE_III, key=lambda k: abs(k - removed))

@@ -67,6 +67,12 @@ round GroupNorm units down: ratio 0.3 gives Diff-Pruning's published 19.85 M / 3
 13.90 M / 2.08 G. But every ratio from 0.38 to 0.49 gives 9.41-9.00 M with 1.555-1.523 G
 (9.30 M / 1.547 G at 0.41). Pruning twice with 1.6.1, at any two of eleven ratios from 0.05
 to 0.5, lands on the same line (9.28 M / 1.545 G) or far below it (8.8 M / 1.13 G).
+Torch-Pruning's *global* pruning (``global_pruning=True``, group L2 norm, ``conv_out`` kept)
+does allocate differently, with fewer MACs per parameter (19.60 M / 3.045 G at ratio 0.45),
+but it ranks the groups of the whole network by their weights, so the architecture it leaves
+depends on the trained model and not on the ratio alone. On the seed-0 initial model it is not
+even monotone in the ratio (0.45, 0.5, 0.55, 0.6 leave 19.60, 7.78, 2.93, 14.85 M), so a row
+made with it could only be checked against the paper's own weights.
 The paper's text, though, fits 1.546 G: "parameter and MACs reductions of up to 74% and 75%"
 (section V-D) puts the last row, as a whole-percent reduction of the dense 6.064 G, at
 1.486-1.546 G; 1.546 G is a 74.51 % reduction, whereas the CelebA column's 5.9 / 24.3 is

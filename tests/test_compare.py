@@ -183,16 +183,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    "name", ["compare_cpu_tiny.toml", "compare_cpu_tiny_long.toml", "compare_gpu_small.toml"]
+    "name",
+    [
+        "compare_cpu_tiny.toml",
+        "compare_cpu_tiny_long.toml",
+        "compare_cpu_tiny_xlong.toml",
+        "compare_gpu_small.toml",
+    ],
 )
 def test_shipped_comparisons_load(name: str) -> None:
     spec = parse_compare(_toml(REPO / "configs" / name), REPO / "configs" / name)
     labels = [m.label for m in spec.methods]
-    assert {"FedAvg", "FedPhD", "Centralized"} <= set(labels)
+    assert {"FedAvg", "FedPhD"} <= set(labels)
     if "long" not in name:
         assert {"FedAvg (E=1)", "FedPhD (OS)"} <= set(labels)
-    central = next(m for m in spec.methods if m.centralized)
-    assert 0.99 <= central.ema < 1  # the paper's centralized baseline uses EMA
+    if "xlong" not in name:  # the 16 k-step run compares FedAvg and FedPhD only
+        central = next(m for m in spec.methods if m.centralized)
+        assert 0.99 <= central.ema < 1  # the paper's centralized baseline uses EMA
     steps = {
         m.label: m.cfg.run.rounds * (m.cfg.train.local_steps or m.cfg.train.local_epochs)
         for m in spec.methods
