@@ -55,9 +55,8 @@ def prune(
         "iterative_steps": 1,
         "channel_groups": {},
         "ignored_layers": [model.conv_out],
+        "global_pruning": global_pruning,
     }
-    if global_pruning:
-        kwargs["global_pruning"] = True
     try:  # Torch-Pruning >= 1.4 renamed ch_sparsity
         pruner = tp.pruner.MagnitudePruner(model, inputs, pruning_ratio=ratio, **kwargs)
     except TypeError:
