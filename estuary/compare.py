@@ -22,6 +22,11 @@ The config is TOML: a base run config and a list of methods, each a label plus o
     ema = 0.999            # optional: evaluate an average of its weights (the paper's
                            # centralized baseline uses EMA; its federated methods do not)
 
+    [[method]]
+    label = "Centralized (s_p=0.44)"
+    centralized = true     # the ceiling of a pruned architecture: pruned once at init
+    overrides = {"algorithm.prune_ratio" = 0.44, "algorithm.prune_at" = "init"}
+
 Overrides are dotted ``section.key`` names (an ``[method.overrides]`` sub-table, or nested
 tables, work too); an unknown section or key is a :class:`ConfigError` naming it.
 
@@ -88,6 +93,7 @@ from shared.lifetime import die_with_parent_preexec
 from shared.models import check_trainable, init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
 from shared.partition import split_dataset
+from shared.pruning import channel_plan, prune_unet
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
 from shared.runtime import interrupts_as_keyboard
@@ -231,6 +237,13 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
+    algo = cfg.algorithm
+    if centralized and algo.prune_ratio > 0 and algo.prune_at != "init":
+        raise ConfigError(
+            f"{path}: method {label!r}: centralized training has no sparse rounds, so it "
+            "prunes only before its first step: set algorithm.prune_at = 'init' (and "
+            "algorithm.sparse_rounds = 0)"
+        )
     return Method(label, slug, cfg, centralized, float(ema))
 
 
@@ -312,9 +325,15 @@ def run_centralized(
     progress: bool,
     ema: float = 0.0,
     init: str | None = None,
-) -> tuple[list[dict[str, Any]], list[int]]:
+) -> tuple[list[dict[str, Any]], list[int], dict[str, Any] | None]:
     """The ceiling: one model on the pooled data of every device, trained for the local
-    steps the federation would run (round by round), evaluated at the same rounds.
+    steps the federation would run (round by round), evaluated at the same rounds; returns
+    the rows, the steps per round and the channel plan (None: dense).
+
+    With ``algorithm.prune_ratio`` > 0 (``prune_at = "init"``) the initial model is pruned
+    first, as FedPhD-OS prunes it (``algorithm.prune_method``, seed ``run.seed``): the
+    ceiling of that architecture, which separates what pruning costs from what federating
+    costs.
 
     It is ordinary centralized training: one optimizer for the whole run (its state carries
     over the evaluation points). With ``ema`` > 0 the evaluated and checkpointed model is the
@@ -327,6 +346,13 @@ def run_centralized(
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    plan: dict[str, Any] | None = None
+    algo = cfg.algorithm
+    if algo.prune_ratio > 0:
+        with torch.no_grad():
+            model = prune_unet(model, algo.prune_ratio, method=algo.prune_method,
+                               seed=cfg.run.seed)  # fmt: skip
+        plan = channel_plan(model)
     scheduler = make_train_scheduler(cfg.diffusion)
     device = resolve_device(cfg.compute.device)
     gen = torch.Generator().manual_seed(
@@ -360,10 +386,10 @@ def run_centralized(
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
     final = average.averaged() if average is not None else model
     save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg,
-                    init=init)  # fmt: skip
+                    plan=plan, init=init)  # fmt: skip
     atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
     plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
-    return rows, steps
+    return rows, steps, plan
 
 
 def run_method(
@@ -386,10 +412,10 @@ def run_method(
     (run_dir / RECORD).unlink(missing_ok=True)  # an interrupted rerun must not look finished
     t0 = time.perf_counter()
     if m.centralized:
-        rows, steps = run_centralized(
+        rows, steps, plan = run_centralized(
             m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema, init=init
         )
-        run = MethodRun(m, run_dir, rows, {}, None, time.perf_counter() - t0, steps)
+        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
         steps = steps_per_round(m.cfg, sizes or _device_sizes(m.cfg))
@@ -422,6 +448,8 @@ def _training_key(m: Method) -> dict[str, Any]:
     key: dict[str, Any] = {"precision": m.cfg.train.precision}
     if m.centralized:
         key["centralized_training"] = {"optimizer": "one per run", "ema": m.ema}
+        if m.cfg.algorithm.prune_ratio > 0:  # earlier versions trained such a method dense
+            key["pruned_at_init"] = True
     if m.cfg.data.dataset == "folder":
         key["folders"] = [str(Path(d).resolve()) if d else ""
                           for d in (m.cfg.data.local_dir, m.cfg.eval.reference_dir)]  # fmt: skip
@@ -707,9 +735,10 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _algorithm(m: Method) -> str:
-    if m.centralized:
-        return f"centralized ema={m.ema!r}" if m.ema else "centralized"
     a, f = m.cfg.algorithm, m.cfg.federation
+    if m.centralized:
+        text = f"centralized ema={m.ema!r}" if m.ema else "centralized"
+        return text + (f" s_p={a.prune_ratio} OS" if a.prune_ratio > 0 else "")
     text = f"{a.name} r_e={f.edge_every} r_g={f.cloud_every}"
     if a.name == "feddiffuse":
         text += f" {a.split}"

@@ -142,6 +142,14 @@ def test_unknown_override_key_is_named() -> None:
         ({"label": "A", "centralized": True, "ema": True}, "'ema' must be a number"),
         ({"label": "A", "centralized": True, "ema": float("nan")}, "'ema' must be a number"),
         ({"label": "A", "centralized": True, "ema": -0.1}, "'ema' must be a number"),
+        (
+            {
+                "label": "A",
+                "centralized": True,
+                "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.sparse_rounds": 1},
+            },
+            "prunes only before its first step",
+        ),
     ],
 )
 def test_bad_methods_rejected(method: dict[str, Any], match: str) -> None:
@@ -295,6 +303,43 @@ def test_centralized_training_with_a_weight_average(
     del record["centralized_training"]  # a record from before: not reused
     (tmp_path / m.slug / "method.json").write_text(json.dumps(record))
     assert load_record(m, tmp_path / m.slug, evaluate=True)[0] is None
+
+
+def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
+    """A centralized method with ``prune_ratio`` (``prune_at = "init"``) trains the pruned
+    architecture (FedPhD-OS's ceiling): its plan reaches the record, the table's params and
+    the checkpoint, and a record of the same config trained dense (earlier versions ignored
+    the ratio) is not reused."""
+    from estuary.compare import load_record, run_method, summarize
+    from shared.arch import build_model
+    from shared.checkpoint import latest_checkpoint_path, load_checkpoint
+
+    pruned = {
+        "label": "Centralized (s_p=0.44)",
+        "centralized": True,
+        "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.prune_at": "init"},
+    }
+    raw = _raw(method=[{"label": "FedAvg"}, {"label": "Centralized", "centralized": True}, pruned])
+    spec = parse_compare(raw, Path("x.toml"))
+    fedavg, dense, m = spec.methods
+    assert _algorithm(m) == "centralized s_p=0.44 OS"
+    run = run_method(m, tmp_path, evaluate=False, progress=False)
+    assert run.plan is not None
+    runs = [run_method(x, tmp_path, evaluate=False, progress=False) for x in (fedavg, dense)]
+    rows = {r["method"]: r for r in summarize([*runs, run], spec)}
+    ratio = rows[m.label]["params"] / rows["Centralized"]["params"]
+    assert ratio == pytest.approx(0.56, abs=0.01)  # 44 % of the parameters removed
+    assert rows[m.label]["gmacs"] < rows["Centralized"]["gmacs"]
+    ckpt = load_checkpoint(latest_checkpoint_path(tmp_path / m.slug / "checkpoints"))  # type: ignore[arg-type]
+    assert ckpt.plan == run.plan
+    model = build_model(m.cfg.model.preset, ckpt.plan)
+    model.load_state_dict(ckpt.model)  # the saved weights fit the rebuilt architecture
+    assert load_record(m, tmp_path / m.slug, evaluate=False)[0] is not None
+    record = json.loads((tmp_path / m.slug / "method.json").read_text())
+    del record["pruned_at_init"]  # a record from before pruning existed here: trained dense
+    (tmp_path / m.slug / "method.json").write_text(json.dumps(record))
+    done, why = load_record(m, tmp_path / m.slug, evaluate=False)
+    assert done is None and "pruned_at_init" in why
 
 
 def test_a_record_is_not_reused_once_the_init_file_changes(tmp_path: Path) -> None:
