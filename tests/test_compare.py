@@ -217,6 +217,32 @@ def test_shipped_comparisons_load(name: str) -> None:
     assert phd.algorithm.prune_ratio == 0.44 and phd.federation.cloud_every == 5
 
 
+@pytest.mark.parametrize(
+    ("name", "of"),
+    [
+        ("compare_ablation_cpu_tiny_long.toml", "compare_cpu_tiny_long.toml"),
+        ("compare_ablation_cpu_tiny_xlong.toml", "compare_cpu_tiny_xlong.toml"),
+    ],
+)
+def test_shipped_ablations_match_their_comparison(name: str, of: str) -> None:
+    """An ablation's rows are read beside its comparison's: same split, seed, model and
+    evaluation, and equal local computation within the ablation."""
+    spec = parse_compare(_toml(REPO / "configs" / name), REPO / "configs" / name)
+    main = parse_compare(_toml(REPO / "configs" / of), REPO / "configs" / of).methods[0].cfg
+    for m in spec.methods:
+        c = m.cfg
+        assert (c.data, c.run.seed, c.model, c.diffusion) == (
+            main.data,
+            main.run.seed,
+            main.model,
+            main.diffusion,
+        ), m.label
+        assert (c.eval.num_samples, c.eval.sample_steps) == (500, 25), m.label
+        assert c.federation.num_devices == main.federation.num_devices, m.label
+    steps = {m.label: m.cfg.run.rounds * m.cfg.train.local_steps for m in spec.methods}
+    assert len(set(steps.values())) == 1, steps
+
+
 def _toml(path: Path) -> dict[str, Any]:
     import tomllib
 
