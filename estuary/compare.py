@@ -93,7 +93,7 @@ from shared.lifetime import die_with_parent_preexec
 from shared.models import check_trainable, init_fingerprint, initial_unet, model_info
 from shared.naming import device_name
 from shared.partition import split_dataset
-from shared.pruning import channel_plan, prune_unet
+from shared.pruning import PRUNING_RECIPE, channel_plan, prune_unet
 from shared.recorder import prepare_run_dir
 from shared.report import plot_report
 from shared.runtime import interrupts_as_keyboard
@@ -442,14 +442,17 @@ NO_RECORD = "no finished run"
 def _training_key(m: Method) -> dict[str, Any]:
     """What a method's record must match beyond its config digest: how a centralized method
     trained (a record from before one optimizer per run and the weight average lacks it, so
-    reruns), which folders a folder run read (``data.local_dir`` and
-    ``eval.reference_dir`` are per-process settings, outside the digest), and the precision
-    it trained in (``train.precision``, per process too)."""
+    reruns), the pruning recipe of a method that prunes, which folders a folder run read
+    (``data.local_dir`` and ``eval.reference_dir`` are per-process settings, outside the
+    digest), and the precision it trained in (``train.precision``, per process too)."""
     key: dict[str, Any] = {"precision": m.cfg.train.precision}
     if m.centralized:
         key["centralized_training"] = {"optimizer": "one per run", "ema": m.ema}
-        if m.cfg.algorithm.prune_ratio > 0:  # earlier versions trained such a method dense
-            key["pruned_at_init"] = True
+    algo = m.cfg.algorithm
+    if algo.prune_ratio > 0 and (m.centralized or algo.name == "fedphd"):
+        # a record of another recipe (or of a centralized method that versions before the
+        # pruned ceiling trained dense) lacks this key or differs in it, so reruns
+        key["pruning"] = PRUNING_RECIPE
     if m.cfg.data.dataset == "folder":
         key["folders"] = [str(Path(d).resolve()) if d else ""
                           for d in (m.cfg.data.local_dir, m.cfg.eval.reference_dir)]  # fmt: skip

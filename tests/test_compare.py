@@ -362,10 +362,14 @@ def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
     model.load_state_dict(ckpt.model)  # the saved weights fit the rebuilt architecture
     assert load_record(m, tmp_path / m.slug, evaluate=False)[0] is not None
     record = json.loads((tmp_path / m.slug / "method.json").read_text())
-    del record["pruned_at_init"]  # a record from before pruning existed here: trained dense
+    del record["pruning"]  # a record from before pruning existed here: trained dense
     (tmp_path / m.slug / "method.json").write_text(json.dumps(record))
     done, why = load_record(m, tmp_path / m.slug, evaluate=False)
-    assert done is None and "pruned_at_init" in why
+    assert done is None and "pruning" in why
+    record["pruning"] = "an earlier recipe"  # pruned otherwise: not reused either
+    (tmp_path / m.slug / "method.json").write_text(json.dumps(record))
+    done, why = load_record(m, tmp_path / m.slug, evaluate=False)
+    assert done is None and "pruning" in why
 
 
 def test_a_record_is_not_reused_once_the_init_file_changes(tmp_path: Path) -> None:

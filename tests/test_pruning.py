@@ -26,6 +26,7 @@ from shared.codec import spec_of
 from shared.errors import ConfigError
 from shared.models import build_unet, count_params, model_info, state_spec
 from shared.pruning import (
+    MIN_GROUP_CHANNELS,
     PLAN_FORMAT,
     Q_FLOOR,
     SparsityPenalty,
@@ -155,13 +156,28 @@ def test_pruning_is_deterministic_per_seed(tiny: UNet2DModel) -> None:
 
 def test_l2_removes_the_weakest_channels() -> None:
     model = build_unet("fmnist-tiny")
-    with torch.no_grad():  # make channel 5 of conv_in's group clearly the weakest
-        model.conv_in.weight[5] *= 1e-3
-        model.conv_in.bias[5] = 0
+    conv = model.down_blocks[1].resnets[0].conv1  # 32 channels, GroupNorm of 8 groups
+    weak = list(range(1, 32, 4))  # one unit: position 1 of every group of 4 channels
+    with torch.no_grad():  # make that unit clearly the weakest of its dependency group
+        conv.weight[weak] *= 1e-3
+        conv.bias[weak] = 0
     pruned = prune_unet(model, 0.2)
-    kept = pruned.conv_in.weight
-    assert kept.shape[0] < model.conv_in.weight.shape[0]
-    assert not any(torch.equal(row, model.conv_in.weight[5]) for row in kept)
+    kept = pruned.down_blocks[1].resnets[0].conv1.weight
+    assert kept.shape[0] < conv.weight.shape[0]
+    assert not any(torch.equal(row, conv.weight[i]) for row in kept for i in weak)
+
+
+def test_groupnorm_groups_keep_two_channels() -> None:
+    """fmnist-tiny's first level has 16 channels in 8 GroupNorm groups: one unit is half the
+    level, and removing it would leave an instance norm (one channel per group). The walk
+    keeps it whole and prunes the deeper levels instead, at any ratio it can reach."""
+    model = build_unet("fmnist-tiny")
+    for sp in (0.1, 0.44, 0.74):
+        pruned = prune_unet(model, sp)
+        assert pruned.conv_in.out_channels == 16, sp
+        for name, m in pruned.named_modules():
+            if isinstance(m, nn.GroupNorm):
+                assert m.num_channels // m.num_groups >= MIN_GROUP_CHANNELS, (sp, name)
 
 
 # -- channel plans -------------------------------------------------------------------------
