@@ -205,7 +205,7 @@ def test_shipped_comparisons_load(name: str) -> None:
     assert {"FedAvg", "FedPhD"} <= set(labels)
     if "long" not in name:
         assert {"FedAvg (E=1)", "FedPhD (OS)"} <= set(labels)
-    if "xlong" not in name:  # the 16 k-step run compares FedAvg and FedPhD only
+    if "xlong" not in name:  # the 16 k-step run: FedAvg, FedAvg(E=1) and FedPhD only
         central = next(m for m in spec.methods if m.centralized)
         assert 0.99 <= central.ema < 1  # the paper's centralized baseline uses EMA
     steps = {
