@@ -143,6 +143,10 @@ class MethodRun:
     plan: dict[str, Any] | None
     wall_s: float
     steps: list[int]  # local steps per round, all devices
+    #: torch's intra-op threads in the process that ran it (None: a record from before this
+    #: was kept). The float reduction order, hence the trajectory, depends on it: a method
+    #: run on one thread and on two differs by a few FID points over a long run
+    threads: int | None = None
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -415,13 +419,15 @@ def run_method(
         rows, steps, plan = run_centralized(
             m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema, init=init
         )
-        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps)
+        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps,
+                        threads=torch.get_num_threads())  # fmt: skip
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
         steps = steps_per_round(m.cfg, sizes or _device_sizes(m.cfg))
         run = MethodRun(
-            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
-        )
+            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps,
+            threads=torch.get_num_threads(),
+        )  # fmt: skip
     save_record(run, evaluate=evaluate, init=init)
     return run
 
@@ -479,6 +485,7 @@ def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> N
         "plan": run.plan,
         "wall_s": run.wall_s,
         "steps": run.steps,
+        "torch_threads": run.threads,
     }
     atomic_write(run.run_dir / RECORD, json.dumps(doc).encode())
 
@@ -528,7 +535,11 @@ def load_record(
     steps_ok = len(steps) == m.cfg.run.rounds and all(isinstance(n, int) and n >= 0 for n in steps)
     if not (rows_ok and steps_ok):
         return None, bad
-    return MethodRun(m, run_dir, rows, traffic, plan, float(wall_s), steps), "finished earlier"
+    threads = doc.get("torch_threads")
+    if not (threads is None or (type(threads) is int and threads > 0)):
+        return None, f"{path}: torch_threads {threads!r} is not a positive integer"
+    run = MethodRun(m, run_dir, rows, traffic, plan, float(wall_s), steps, threads=threads)
+    return run, "finished earlier"
 
 
 @dataclass
@@ -829,6 +840,7 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "rounds": cfg.run.rounds,
             "local_steps": sum(run.steps),
             "wall_s": run.wall_s,
+            "torch_threads": run.threads,
             "run_dir": run.run_dir.name,
             "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
         }

@@ -258,6 +258,8 @@ def test_finished_methods_are_reused_and_bad_records_ignored(
     first = run_compare(load_compare(cfg), out, progress=False)
     table = (out / "table.json").read_text()
     stamps = {s: (out / s / "method.json").stat().st_mtime_ns for s in ("fedavg", "centralized")}
+    # each record keeps the thread count it ran with (the trajectory depends on it)
+    assert {r["torch_threads"] for r in json.loads(table)["rows"]} == {torch.get_num_threads()}
 
     # same config, same directory: nothing trains again, and the table is the same
     again = run_compare(load_compare(cfg), out, progress=True)
@@ -462,6 +464,17 @@ def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Pa
     save_record(MethodRun(m, run_dir, [{"round": 0}], {}, None, 1.0, steps), evaluate=False)
     done, why = load_record(m, run_dir, evaluate=True)
     assert done is None and "has evaluate False, this comparison True" in why
+
+    # the thread count is optional (older records lack it) but, when present, well-formed
+    save_record(MethodRun(m, run_dir, rows, {}, None, 1.0, steps, threads=2), evaluate=True)
+    assert load_record(m, run_dir, evaluate=True)[0].threads == 2
+    doc = json.loads((run_dir / "method.json").read_text())
+    del doc["torch_threads"]
+    (run_dir / "method.json").write_text(json.dumps(doc))
+    assert load_record(m, run_dir, evaluate=True)[0].threads is None
+    (run_dir / "method.json").write_text(json.dumps({**doc, "torch_threads": "2"}))
+    done, why = load_record(m, run_dir, evaluate=True)
+    assert done is None and "torch_threads '2' is not a positive integer" in why
 
 
 def _shrunk(doc: dict[str, Any]) -> dict[str, Any]:
