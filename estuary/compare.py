@@ -144,8 +144,8 @@ class MethodRun:
     wall_s: float
     steps: list[int]  # local steps per round, all devices
     #: torch's intra-op threads in the process that ran it (None: a record from before this
-    #: was kept). The float reduction order, hence the trajectory, depends on it: a method
-    #: run on one thread and on two differs by a few FID points over a long run
+    #: was kept). The float reduction order, hence the trajectory, depends on it: FedAvg (E=1)
+    #: of compare_cpu_tiny_xlong.toml on one thread and on two differs by up to 30 FID
     threads: int | None = None
 
 
