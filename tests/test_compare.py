@@ -467,11 +467,13 @@ def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Pa
 
     # the thread count is optional (older records lack it) but, when present, well-formed
     save_record(MethodRun(m, run_dir, rows, {}, None, 1.0, steps, threads=2), evaluate=True)
-    assert load_record(m, run_dir, evaluate=True)[0].threads == 2
+    done, _ = load_record(m, run_dir, evaluate=True)
+    assert done is not None and done.threads == 2
     doc = json.loads((run_dir / "method.json").read_text())
     del doc["torch_threads"]
     (run_dir / "method.json").write_text(json.dumps(doc))
-    assert load_record(m, run_dir, evaluate=True)[0].threads is None
+    done, _ = load_record(m, run_dir, evaluate=True)
+    assert done is not None and done.threads is None
     (run_dir / "method.json").write_text(json.dumps({**doc, "torch_threads": "2"}))
     done, why = load_record(m, run_dir, evaluate=True)
     assert done is None and "torch_threads '2' is not a positive integer" in why
