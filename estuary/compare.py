@@ -419,15 +419,14 @@ def run_method(
         rows, steps, plan = run_centralized(
             m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema, init=init
         )
-        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps,
-                        threads=torch.get_num_threads())  # fmt: skip
+        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
         steps = steps_per_round(m.cfg, sizes or _device_sizes(m.cfg))
         run = MethodRun(
-            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps,
-            threads=torch.get_num_threads(),
-        )  # fmt: skip
+            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
+        )
+    run.threads = torch.get_num_threads()  # as the run set them (train.threads)
     save_record(run, evaluate=evaluate, init=init)
     return run
 
