@@ -706,12 +706,18 @@ def _run_jobs(
 
 
 # -- the table -------------------------------------------------------------------------------
+#: evaluations averaged in the "FID, mean of last k" column: one FID on a few hundred samples
+#: swings by tens of points between neighbouring evaluations (up to 70 on 500 samples in
+#: benchmarks/results/compare_cpu_tiny_xlong/), so a ranking read off the last one alone is
+#: fragile where the curves have flattened
+LAST_EVALS = 3
 #: (key, header, decimals) of every table column; table.md, .csv and .json share the keys
 COLUMNS: list[tuple[str, str, int]] = [
     ("method", "method", 0),
     ("algorithm", "algorithm", 0),
     ("fid", "FID", 2),
     ("fid_best", "best FID", 2),
+    ("fid_last", f"FID, mean of last {LAST_EVALS}", 2),
     ("is", "IS", 2),
     ("params_m", "params (M)", 3),
     ("gmacs", "MACs (G)", 4),
@@ -733,12 +739,14 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
     q = [r["quality"] for r in rows if r.get("quality")]
     if not q:
         return {
-            "fid": None, "fid_best": None, "is": None, "extractor": None, "n_fake": None,
-            "fid_level": None,
+            "fid": None, "fid_best": None, "fid_last": None, "is": None, "extractor": None,
+            "n_fake": None, "fid_level": None,
         }  # fmt: skip
+    last = [x["fid"] for x in q[-LAST_EVALS:]]
     return {
         "fid": q[-1]["fid"],
         "fid_best": min(x["fid"] for x in q),
+        "fid_last": sum(last) / len(last),
         "is": q[-1].get("is_mean"),
         "extractor": q[-1].get("extractor"),
         "n_fake": q[-1].get("n_fake"),
@@ -889,7 +897,9 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
     d = spec.distances
     lines += [
         "",
-        f"FID / IS: last evaluation ({ex['extractor']} features, {ex['n_fake']} samples)"
+        f"FID / IS: last evaluation ({ex['extractor']} features, {ex['n_fake']} samples); "
+        f"FID, mean of last {LAST_EVALS}: the mean over the last {LAST_EVALS} evaluations "
+        "(fewer where fewer were made), steadier than one evaluation"
         if ex
         else "FID / IS: not evaluated",
         *(

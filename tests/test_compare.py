@@ -14,9 +14,11 @@ import torch
 from estuary.cli import main
 from estuary.compare import (
     COLUMNS,
+    LAST_EVALS,
     Method,
     _algorithm,
     _curves,
+    _quality,
     load_compare,
     parse_compare,
     run_compare,
@@ -115,6 +117,19 @@ def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     run = res.runs[0]
     near, far = (_curves(run, Distances(1.0, d_c))["cost"][-1] for d_c in (10.0, 20.0))
     assert near > 0 and far == pytest.approx(2 * near)
+
+
+def test_quality_columns_last_best_and_the_mean_of_the_last_evaluations() -> None:
+    assert LAST_EVALS == 3
+    rows: list[dict] = [{"round": 0}]  # a round with no evaluation is skipped
+    rows += [{"round": i + 1, "quality": {"fid": f, "is_mean": 1.0}} for i, f in
+             enumerate([300.0, 90.0, 210.0, 120.0])]  # fmt: skip
+    q = _quality(rows)
+    assert q["fid"] == 120.0 and q["fid_best"] == 90.0
+    assert q["fid_last"] == pytest.approx((90.0 + 210.0 + 120.0) / 3)
+    # fewer evaluations than LAST_EVALS: the mean of those there are
+    assert _quality(rows[:3])["fid_last"] == pytest.approx(195.0)
+    assert _quality([{"round": 0}])["fid_last"] is None
 
 
 def test_unknown_override_key_is_named() -> None:
