@@ -62,6 +62,7 @@ import io
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -742,11 +743,10 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "fid": None, "fid_best": None, "fid_last": None, "is": None, "extractor": None,
             "n_fake": None, "fid_level": None,
         }  # fmt: skip
-    last = [x["fid"] for x in q[-LAST_EVALS:]]
     return {
         "fid": q[-1]["fid"],
         "fid_best": min(x["fid"] for x in q),
-        "fid_last": sum(last) / len(last),
+        "fid_last": statistics.fmean(x["fid"] for x in q[-LAST_EVALS:]),
         "is": q[-1].get("is_mean"),
         "extractor": q[-1].get("extractor"),
         "n_fake": q[-1].get("n_fake"),
