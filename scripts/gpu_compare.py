@@ -63,14 +63,15 @@ def _calibrate_worker(
     idx: int,
     preset: str,
     batch: int,
-    precision: str,
+    train_opts: dict[str, Any],
     seconds: float,
     device: str,
     barrier: Any,
     queue: Any,
 ) -> None:
-    """One calibration process: train ``preset`` in device rounds of 24 steps, then sample
-    with DDIM, each for ``seconds`` (halved for sampling), in step with the others."""
+    """One calibration process: train ``preset`` in device rounds of 24 steps (with
+    ``train_opts``: precision, CUDA graph), then sample with DDIM, each for ``seconds``
+    (halved for sampling), in step with the others."""
     try:
         import torch
 
@@ -83,7 +84,7 @@ def _calibrate_worker(
         cfg = config_from_dict({
             "model": {"preset": preset},
             "train": {"batch_size": batch, "lr": 5e-4, "optimizer": "adam", "grad_clip": 1.0,
-                      "precision": precision},
+                      **train_opts},
         })  # fmt: skip
         dev = torch.device(device)
         model = build_unet(preset, seed=idx)
@@ -111,14 +112,14 @@ def _calibrate_worker(
 
 
 def calibrate(
-    preset: str, batch: int, precision: str, jobs: int, seconds: float, device: str
+    preset: str, batch: int, train_opts: dict[str, Any], jobs: int, seconds: float, device: str
 ) -> dict[str, Any]:
     """Rates of ``jobs`` processes training and sampling ``preset`` at once (the slowest's)."""
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(jobs), ctx.Queue()
     procs = [
         ctx.Process(target=_calibrate_worker,
-                    args=(i, preset, batch, precision, seconds, device, barrier, queue))
+                    args=(i, preset, batch, train_opts, seconds, device, barrier, queue))
         for i in range(jobs)
     ]  # fmt: skip
     for p in procs:
@@ -356,6 +357,12 @@ def main() -> int:
         help="train.precision of every method (bf16: autocast, GPUs from Ampere on)",
     )
     ap.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="train.cuda_graph for every method: each local round's step captured once and "
+        "replayed (shared/graphed.py; run `pytest -m gpu tests/test_graphed.py` first)",
+    )
+    ap.add_argument(
         "--preset",
         choices=["fmnist-small", "fmnist-tiny"],
         default="fmnist-small",
@@ -378,11 +385,14 @@ def main() -> int:
     keep_methods("", methods)  # check the labels before any work
     args.jobs = args.jobs or len(methods)
     os.environ["ESTUARY__TRAIN__PRECISION"] = args.precision  # every method, every process
+    os.environ["ESTUARY__TRAIN__CUDA_GRAPH"] = "true" if args.cuda_graph else "false"
+    train_opts = {"precision": args.precision, "cuda_graph": args.cuda_graph}
     info: dict[str, Any] = {
         "budget_s": args.budget_s,
         "jobs": args.jobs,
         "methods": methods,
         "precision": args.precision,
+        "cuda_graph": args.cuda_graph,
     }
 
     import torch
@@ -404,7 +414,7 @@ def main() -> int:
     print(f"[gpu_compare] {info}", flush=True)
 
     try:
-        cal = calibrate(preset, batch, args.precision, args.jobs, args.calibrate_s, device)
+        cal = calibrate(preset, batch, train_opts, args.jobs, args.calibrate_s, device)
     except Exception as exc:  # a cautious guess: the comparison's own log then says more
         print(f"[gpu_compare] {exc}; planning from a guess", file=sys.stderr, flush=True)
         cal = {"jobs": args.jobs, "error": str(exc), "steps_per_s": 10.0,

@@ -47,24 +47,50 @@ def ddpm_loss(
     class_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E_{t, eps} ||eps - eps_theta(sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, t[, y])||^2."""
-    noisy, noise, t = noise_batch(x0, scheduler, generator)
+    t, noise = draw_noise(x0.shape, x0.dtype, scheduler, generator)
+    return denoising_loss(model, x0, noise.to(x0.device), t.to(x0.device), scheduler, class_labels)
+
+
+def denoising_loss(
+    model: nn.Module,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    scheduler: DDPMScheduler,
+    class_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`ddpm_loss` for drawn ``t`` and ``noise`` (on ``x0``'s device): no random draw
+    and no host-device copy, so a CUDA graph can capture it."""
+    noisy = scheduler.add_noise(x0, noise, t)
     cond = {} if class_labels is None else {"class_labels": class_labels}
     pred = model(noisy, t, **cond).sample
     return F.mse_loss(pred, noise)
 
 
+def draw_noise(
+    shape: torch.Size | tuple[int, ...],
+    dtype: torch.dtype,
+    scheduler: DDPMScheduler,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, eps) for a training batch of ``shape``: t ~ U{0..T-1}, then eps ~ N(0, I), from
+    ``generator`` and where it lives (the CPU for the devices' seeded generators): a run
+    draws the same numbers whether it trains on the CPU or on a GPU."""
+    t = torch.randint(
+        0, scheduler.config.num_train_timesteps, (shape[0],), generator=generator,
+        device=generator.device,
+    )  # fmt: skip
+    noise = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
+    return t, noise
+
+
 def noise_batch(
     x0: torch.Tensor, scheduler: DDPMScheduler, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_t, eps, t) for a training step: t ~ U{0..T-1}, then eps ~ N(0, I), from ``generator``."""
-    # drawn where the generator lives (the CPU for the devices' seeded generators), then
-    # moved: a run draws the same numbers whether it trains on the CPU or on a GPU
-    t = torch.randint(
-        0, scheduler.config.num_train_timesteps, (x0.shape[0],), generator=generator,
-        device=generator.device,
-    ).to(x0.device)  # fmt: skip
-    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
-    noise = noise.to(x0.device)
+    """(x_t, eps, t) for a training step, drawn by :func:`draw_noise` and moved to ``x0``'s
+    device."""
+    t, noise = draw_noise(x0.shape, x0.dtype, scheduler, generator)
+    t, noise = t.to(x0.device), noise.to(x0.device)
     return scheduler.add_noise(x0, noise, t), noise, t
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from torch import nn
 from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
 from shared.errors import ConfigError
+from shared.graphed import WARMUP_STEPS, batch_indices, train_graphed
 from shared.models import module_device
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
@@ -23,6 +25,8 @@ ExtraLoss = Callable[[nn.Module], torch.Tensor]
 LossFn = Callable[[nn.Module, torch.Tensor, DDPMScheduler, torch.Generator], torch.Tensor]
 #: runs between ``backward`` and the optimizer step (e.g. SCAFFOLD's gradient correction)
 GradHook = Callable[[nn.Module], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda")
 
 
-def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[object]:
+def autocast_for(
+    precision: str, device: torch.device, *, cache: bool = True
+) -> AbstractContextManager[object]:
     """The context local training runs its forward passes (and loss) in: bf16 autocast for
     ``train.precision = "bf16"``, else nothing. Autocast leaves the weights, their gradients
     and the optimizer in fp32 and runs the losses (MSE, softmax) in fp32, so bf16 needs no
     loss scaling. A CUDA device without native bf16 (before Ampere) is refused: it would
-    emulate it, slower than fp32."""
+    emulate it, slower than fp32. ``cache=False`` turns off autocast's cache of cast
+    weights, which a CUDA graph capture must not use."""
     if precision == "fp32":
         return nullcontext()
     if precision != "bf16":
@@ -123,7 +130,7 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
             f"train.precision = 'bf16', but {torch.cuda.get_device_name(device)} has no native "
             "bf16 (it needs compute capability 8.0, Ampere, or later); use 'fp32'"
         )
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
 
 @contextmanager
@@ -173,6 +180,9 @@ def train_local(
     are moved step by step; ``data`` stays where it is) and is back on the CPU on return,
     so its state dict is ready to upload. ``train.precision = "bf16"`` runs the forward
     passes under bf16 autocast (:func:`autocast_for`); the mean loss is still fp32.
+    ``train.cuda_graph`` on a CUDA device replays each step from a CUDA graph
+    (:func:`~shared.graphed.train_graphed`): the same draws, steps and updates, one launch
+    per step.
     """
     start = time.perf_counter()
     n = data.shape[0]
@@ -185,38 +195,67 @@ def train_local(
     steps = steps if steps is not None else num_local_steps(n, cfg)
     on = device if device is not None and device.type != "cpu" else None
     autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
+    graphed = _graphable(cfg, on, loss_fn, steps)
     with placed(model, on):
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
         model.train()
-        order = torch.randperm(n, generator=generator)
-        cursor = 0
-        # summed where the loss lives: no device sync per step (float64, as a Python float)
-        total = torch.zeros((), dtype=torch.float64, device=on)
-        for _ in range(steps):
-            if cursor + cfg.batch_size > n and cursor > 0:  # epoch boundary: reshuffle
-                order, cursor = torch.randperm(n, generator=generator), 0
-            idx = order[cursor : cursor + cfg.batch_size]
-            cursor += cfg.batch_size
-            x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
-            with autocast:  # forward and loss; the regularizer and backward in fp32
-                if conditional:
-                    assert labels is not None
-                    y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
-                    loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
-                else:
-                    loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
-            total += loss.detach()  # loss_fn's value, before any regularizer
-            if extra_loss is not None:
-                loss = loss + extra_loss(model)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_hook is not None:
-                grad_hook(model)
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            if after_step is not None:
-                after_step(model)
+        if graphed:
+            assert on is not None
+            total = train_graphed(
+                model, opt, params, data, labels if conditional else None,
+                batch_size=cfg.batch_size, grad_clip=cfg.grad_clip, steps=steps,
+                scheduler=scheduler, generator=generator, device=on,
+                autocast=lambda: autocast_for(cfg.precision, on, cache=False),
+                extra_loss=extra_loss, grad_hook=grad_hook, after_step=after_step,
+            )  # fmt: skip
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=on)
+            for idx in batch_indices(n, cfg.batch_size, steps, generator):
+                x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
+                with autocast:  # forward and loss; the regularizer and backward in fp32
+                    if conditional:
+                        assert labels is not None
+                        y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
+                        loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
+                    else:
+                        loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+                # summed where the loss lives: no device sync per step (float64)
+                total += loss.detach()  # loss_fn's value, before any regularizer
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if grad_hook is not None:
+                    grad_hook(model)
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                if after_step is not None:
+                    after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
+
+
+def _graphable(
+    cfg: TrainSection, on: torch.device | None, loss_fn: LossFn | None, steps: int
+) -> bool:
+    """Whether this call's steps replay from a CUDA graph (:mod:`shared.graphed`):
+    ``train.cuda_graph`` on a CUDA device, the DDPM loss, and enough steps to pay for the
+    capture. A configured graph that cannot be used is said once per reason, in the log."""
+    if not cfg.cuda_graph or on is None or on.type != "cuda":
+        return False
+    if loss_fn is not None:
+        key, why = "loss", "a custom loss (MOON) draws its own noise"
+    elif steps < WARMUP_STEPS + 2:
+        key, why = "steps", f"{steps} steps do not pay for the capture"
+    else:
+        return True
+    if key not in _SAID:
+        _SAID.add(key)
+        log.info("train.cuda_graph: training eagerly (%s)", why)
+    return False
+
+
+#: reasons :func:`_graphable` has logged, each said once per process
+_SAID: set[str] = set()

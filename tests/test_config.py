@@ -25,6 +25,7 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
     same: list[dict[str, Any]] = [
         {"train": {"threads": 3}},
         {"train": {"precision": "bf16"}},
+        {"train": {"cuda_graph": True}},
         {"compute": {"device": "cpu"}},
         {"broker": {"port": 1884}},
         {"deploy": {"threads": 2}},

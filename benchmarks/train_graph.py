@@ -1,0 +1,120 @@
+"""Local training replayed from a CUDA graph against eager training, in one run, on one GPU.
+
+``train.cuda_graph = true`` captures a local round's training step once (after three eager
+warm-up steps) and replays it (:mod:`shared.graphed`). This times the real local round
+(:func:`shared.training.train_local`: CPU-drawn batches and noise, the model moved to the
+GPU and back, the capture itself included) per preset at the comparison's batch, alternating
+eager and graphed rounds so drift in clocks or neighbours hits both, and reports the median
+of the per-pair step-rate ratios with each side's median steps per second.
+
+    python benchmarks/train_graph.py --out benchmarks/results/train_graph_h100.json
+    python benchmarks/train_graph.py --device cpu --presets fmnist-tiny --batch 16 \
+        --steps 6 --repeats 1        # a rehearsal: both sides eager on the CPU
+
+Absolute figures only from a GPU run (the README's rule). Without a graph, an H100 trains
+fmnist-tiny at batch 128 at about 22 steps/s with two processes sharing it: about 2000
+kernel launches per step, so the host sets the pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    """Alternate eager and graphed local rounds per preset; print and save the medians."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--presets", default="fmnist-tiny,fmnist-small")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=60, help="local steps per timed round")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per mode and preset")
+    ap.add_argument("--out", help="write the result as JSON here")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible; --device cpu rehearses the benchmark", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    data = torch.rand(3000, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    train = {"batch_size": args.batch, "lr": 2e-4, "optimizer": "adam", "grad_clip": 1.0}
+    result: dict[str, Any] = {
+        "benchmark": "train_graph",
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "batch_size": args.batch,
+        "steps_per_round": args.steps,
+        "presets": {},
+    }
+    for preset in args.presets.split(","):
+        result["presets"][preset] = _time_preset(preset, data, device, train, args)
+    print(json.dumps({k: ({p: {n: v for n, v in d.items() if not isinstance(v, list)}
+                           for p, d in v.items()} if k == "presets" else v)
+                      for k, v in result.items()}, indent=2))  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _time_preset(
+    preset: str, data: Any, device: Any, train: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Alternating eager and graphed rounds of ``preset``: each side's rates and medians."""
+    import torch
+
+    from shared.config import config_from_dict
+    from shared.diffusion import make_train_scheduler
+    from shared.models import build_unet
+    from shared.training import train_local
+
+    modes = ("eager", "graph")
+    cfgs = {
+        m: config_from_dict(
+            {"model": {"preset": preset}, "train": {**train, "cuda_graph": m == "graph"}}
+        )
+        for m in modes
+    }
+    sched = make_train_scheduler(cfgs["eager"].diffusion)
+    models = {m: build_unet(preset, seed=0) for m in modes}
+    gen = torch.Generator().manual_seed(1)
+
+    def round_rate(m: str, steps: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_local(models[m], data, cfgs[m].train, sched, gen, steps=steps, device=device)
+        return steps / (time.perf_counter() - t0)  # train_local ends on the CPU: synced
+
+    for m in modes:
+        round_rate(m, 8)  # warm-up: CUDA context, cuDNN's choices, the first capture
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(args.repeats):
+        for m in modes if i % 2 == 0 else modes[::-1]:
+            rates[m].append(round_rate(m, args.steps))
+        print(f"{preset} round {i + 1}/{args.repeats}: eager {rates['eager'][-1]:.1f} "
+              f"steps/s, graph {rates['graph'][-1]:.1f} steps/s", flush=True)  # fmt: skip
+    ratios = [g / e for e, g in zip(rates["eager"], rates["graph"], strict=True)]
+    return {
+        "eager_steps_per_s": rates["eager"],
+        "graph_steps_per_s": rates["graph"],
+        "median_eager_steps_per_s": statistics.median(rates["eager"]),
+        "median_graph_steps_per_s": statistics.median(rates["graph"]),
+        "median_speedup": statistics.median(ratios),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

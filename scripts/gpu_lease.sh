@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU lease, one command: check the CUDA-graph training path, time it, then run the
+# issue-4 comparison with it (or without it, if its tests fail) in the time that is left.
+#
+#   OUT=/path/to/results bash scripts/gpu_lease.sh            # on the device machine
+#
+# Needs the carried wheels and data (`.whl/`, `.fmnist/`: the recipe is in
+# benchmarks/results/compare_gpu_h100_budget/README.md). Environment:
+#   OUT       where results go (the device tool's $OUT)
+#   BUDGET_S  seconds for the whole script (default 560: a 600 s command with a margin)
+#   PRESET    the comparison's U-Net (default fmnist-tiny; fmnist-small is the issue's own)
+set -uo pipefail
+: "${OUT:?set OUT to the results folder}"
+BUDGET_S=${BUDGET_S:-560}
+PRESET=${PRESET:-fmnist-tiny}
+start=$SECONDS
+mkdir -p "$OUT"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site ESTUARY_FMNIST_DIR=$PWD/.fmnist PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+graph=()
+if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphed.py \
+    2>&1 | tee "$OUT/gpu_tests.log"; then
+  graph=(--cuda-graph)
+  timeout 100 python3 benchmarks/train_graph.py --repeats 3 --steps 24 \
+    --out "$OUT/train_graph.json" 2>&1 | tee "$OUT/train_graph.log"
+else
+  echo "[gpu_lease] the CUDA-graph tests failed: the comparison trains eagerly" | tee -a "$OUT/gpu_tests.log"
+fi
+
+left=$((BUDGET_S - (SECONDS - start)))
+echo "[gpu_lease] ${left}s left for the comparison (${graph[*]:-eager})"
+python3 scripts/gpu_compare.py --preset "$PRESET" --max-rounds 400 --budget-s "$left" \
+  "${graph[@]}" --out "$OUT" 2>&1 | tee "$OUT/driver.log"

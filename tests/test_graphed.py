@@ -1,0 +1,257 @@
+"""Local training replayed from a CUDA graph (``train.cuda_graph``, shared/graphed.py).
+
+On the CPU: the staged loop the graph is captured from (static buffers, host draws, pinned
+staging left out) takes the eager loop's steps bit for bit. On a GPU (``-m gpu``): the
+graphed run tracks the eager run for every local term a graph captures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shared import training
+from shared.algorithms import DeviceContext, make_algorithm
+from shared.algorithms import scaffold as sc
+from shared.algorithms.base import model_state
+from shared.algorithms.fedprox import proximal_term
+from shared.config import RunConfig
+from shared.diffusion import make_train_scheduler
+from shared.graphed import WARMUP_STEPS, _capturable, _restore, batch_indices, train_graphed
+from shared.models import build_unet
+from shared.training import WeightAverage, _graphable, autocast_for, make_optimizer, train_local
+from tests.conftest import tiny_config
+
+Hooks = dict[str, Any]
+
+
+def _cfg(**train: Any) -> RunConfig:
+    return tiny_config(train={"batch_size": 8, "lr": 1e-3, "grad_clip": 1.0, **train})
+
+
+def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 32, 32, generator=gen) * 2 - 1, torch.arange(n) % 10
+
+
+def _hooks(kind: str, model: nn.Module, device: str = "cpu") -> Hooks:
+    """The local terms a graph captures: FedProx's proximal term (extra_loss), SCAFFOLD's
+    correction (grad_hook), a weight average after each step (after_step)."""
+    if kind == "prox":
+        anchor = {k: (v.detach() + 0.01).to(device) for k, v in model.named_parameters()}
+        return {"extra_loss": lambda m: proximal_term(m, anchor, 0.5)}
+    if kind == "scaffold":
+        gen = torch.Generator().manual_seed(5)
+        corr = {k: 1e-3 * torch.randn(v.shape, generator=gen).to(device)
+                for k, v in model.named_parameters()}  # fmt: skip
+        return {"grad_hook": sc.correction_hook(corr)}
+    if kind == "average":
+        return {"after_step": WeightAverage(model, 0.99).update}
+    return {}
+
+
+def _staged(
+    model: nn.Module, data: torch.Tensor, labels: torch.Tensor | None, cfg: RunConfig,
+    steps: int, seed: int, hooks: Hooks,
+) -> float:  # fmt: skip
+    """train_graphed's loop without the capture, on the CPU: the mean loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg.train)
+    model.train()
+    total = train_graphed(
+        model, opt, params, data, labels, batch_size=cfg.train.batch_size,
+        grad_clip=cfg.train.grad_clip, steps=steps, scheduler=make_train_scheduler(cfg.diffusion),
+        generator=torch.Generator().manual_seed(seed), device=torch.device("cpu"),
+        autocast=lambda: autocast_for(cfg.train.precision, torch.device("cpu"), cache=False),
+        capture=False, **hooks,
+    )  # fmt: skip
+    return float(total) / steps
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "conditional", "optimizer"),
+    [
+        ("plain", 20, False, "adam"),  # 2 batches per shuffle: reshuffles at steps 2, 4, 6
+        ("prox", 20, False, "adam"),
+        ("scaffold", 20, False, "sgd"),
+        ("average", 20, False, "adamw"),
+        ("plain", 20, True, "adam"),  # class-conditional: labels staged with the images
+        ("plain", 5, False, "adam"),  # fewer images than a batch: all of them every step
+    ],
+)
+def test_the_staged_loop_takes_the_eager_loops_steps_bit_for_bit(
+    kind: str, n: int, conditional: bool, optimizer: str
+) -> None:
+    """The loop a graph is captured from draws the same shuffles, timesteps and noise from
+    the device's generator in the same order as train_local's eager loop and applies the
+    same local terms, so on the CPU both end on the same weights and loss, bit for bit."""
+    cfg = _cfg(optimizer=optimizer)
+    data, labels = _data(n)
+    preset = "fmnist-tiny-cond" if conditional else "fmnist-tiny"
+    eager, staged = build_unet(preset, seed=0), build_unet(preset, seed=0)
+    steps = 7
+    got = train_local(
+        eager, data, cfg.train, make_train_scheduler(cfg.diffusion),
+        torch.Generator().manual_seed(3), steps=steps, labels=labels, **_hooks(kind, eager),
+    )  # fmt: skip
+    loss = _staged(staged, data, labels if conditional else None, cfg, steps, 3,
+                   _hooks(kind, staged))  # fmt: skip
+    assert loss == got.mean_loss
+    for (name, p), q in zip(eager.named_parameters(), staged.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    start = build_unet(preset, seed=0)
+    assert not torch.equal(next(start.parameters()), next(eager.parameters()))  # it trained
+
+
+def test_batch_indices_shuffle_per_pass_and_keep_full_batches() -> None:
+    """Full batches from one shuffled order, reshuffled when fewer than a batch is left (the
+    remainder is skipped for this pass); all images per step when there are fewer."""
+    got = list(batch_indices(10, 4, 5, torch.Generator().manual_seed(0)))
+    assert [len(b) for b in got] == [4] * 5
+    for first, second in ((0, 1), (2, 3)):  # each pass: 8 distinct of the 10
+        assert len(set(got[first].tolist()) | set(got[second].tolist())) == 8
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(10, generator=gen)
+    assert torch.equal(got[0], order[:4]) and torch.equal(got[1], order[4:8])
+    assert torch.equal(got[2], torch.randperm(10, generator=gen)[:4])
+    small = list(batch_indices(3, 8, 2, torch.Generator().manual_seed(1)))
+    assert [sorted(b.tolist()) for b in small] == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_graphs_are_used_only_where_configured_and_worth_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.cuda_graph on a CUDA device with the DDPM loss and enough steps; otherwise the
+    eager loop, and a configured graph that is not used is said once per reason."""
+    on, off = _cfg(cuda_graph=True).train, _cfg().train
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    enough = WARMUP_STEPS + 2
+
+    monkeypatch.setattr(training, "_SAID", set())
+
+    def moon(*_: Any) -> torch.Tensor:
+        return torch.zeros(())
+
+    assert _graphable(on, cuda, None, enough)
+    assert not _graphable(off, cuda, None, enough)
+    assert not _graphable(on, None, None, enough) and not _graphable(on, cpu, None, enough)
+    with caplog.at_level("INFO", logger="shared.training"):
+        assert not _graphable(on, cuda, moon, enough)
+        assert not _graphable(on, cuda, moon, enough)
+        assert not _graphable(on, cuda, None, enough - 1)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2  # once per reason
+    assert "custom loss (MOON)" in said[0] and "4 steps do not pay for the capture" in said[1]
+
+
+def test_the_optimizer_is_switched_to_capturable_and_back() -> None:
+    """Adam runs capturable during a graphed call (its step count where the weights are)
+    and is handed back as it came: not capturable, step counts on the CPU; SGD has no such
+    switch and is left alone."""
+    model = build_unet("fmnist-tiny", seed=0)
+    params = list(model.parameters())
+    adam = make_optimizer(params, _cfg(optimizer="adam").train)
+    model(torch.zeros(1, 1, 32, 32), torch.zeros(1, dtype=torch.long)).sample.sum().backward()
+    adam.step()
+    before = _capturable(adam, torch.device("cpu"))
+    assert before == [False] and all(g["capturable"] for g in adam.param_groups)
+    _restore(adam, before)
+    assert not adam.param_groups[0]["capturable"]
+    assert {adam.state[p]["step"].device.type for p in params} == {"cpu"}
+    sgd = make_optimizer(params, _cfg(optimizer="sgd").train)
+    assert _capturable(sgd, torch.device("cpu")) == [None]
+    assert "capturable" not in sgd.param_groups[0]
+
+
+# -- on a GPU -------------------------------------------------------------------------------
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("kind", "conditional", "optimizer", "precision"),
+    [
+        ("plain", False, "adam", "fp32"),
+        ("prox", False, "adam", "fp32"),
+        ("scaffold", False, "sgd", "fp32"),
+        ("average", False, "adamw", "fp32"),
+        ("plain", True, "adam", "fp32"),
+        ("plain", False, "adam", "bf16"),
+    ],
+)
+def test_graphed_training_on_cuda_tracks_the_eager_run(
+    kind: str, conditional: bool, optimizer: str, precision: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """12 steps replayed from a graph (after 3 eager ones) end where 12 eager steps on the
+    same GPU do, to float noise (TF32 off) far below the distance trained; the model, its
+    gradients and the optimizer are handed back as the eager path leaves them."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    data, labels = _data(40)
+    preset = "fmnist-tiny-cond" if conditional else "fmnist-tiny"
+    cuda = torch.device("cuda")
+    runs, losses = {}, {}
+    for graph in (False, True):
+        cfg = _cfg(optimizer=optimizer, precision=precision, cuda_graph=graph)
+        model = build_unet(preset, seed=0)
+        hooks = _hooks(kind, model, "cuda")
+        if kind == "average":
+            hooks["after_step"].__self__.model.to(cuda)  # type: ignore[attr-defined]
+        opt = make_optimizer([p for p in model.parameters()], cfg.train)
+        got = train_local(
+            model, data, cfg.train, make_train_scheduler(cfg.diffusion),
+            torch.Generator().manual_seed(3), steps=12, labels=labels, device=cuda,
+            optimizer=opt, **hooks,
+        )  # fmt: skip
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert all(p.grad is None for p in model.parameters())
+        assert all(not g.get("capturable", False) for g in opt.param_groups)
+        runs[graph], losses[graph] = _flat(model), got.mean_loss
+    moved = (runs[False] - _flat(build_unet(preset, seed=0))).norm()
+    assert (runs[True] - runs[False]).norm() <= 1e-3 * moved
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fedphd", "scaffold", "fedprox"])
+def test_graphed_device_rounds_on_cuda_track_the_eager_rounds(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two device rounds per algorithm (a fresh capture each, FedPhD's group penalty in
+    sparse training, SCAFFOLD's control variates, FedProx's anchor) with graphs follow the
+    same rounds without, and Adam's kept state (train.optimizer_state = "keep") travels
+    between graphed rounds on the CPU."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    data, labels = _data(48)
+    ends = {}
+    for graph in (False, True):
+        cfg = tiny_config(
+            train={"local_steps": 8, "batch_size": 8, "lr": 1e-3, "optimizer_state": "keep",
+                   "cuda_graph": graph},
+            algorithm={"name": name, "sparse_rounds": 2, "lambda0": 1e-2},
+            compute={"device": "cuda"},
+        )  # fmt: skip
+        algo = make_algorithm(cfg)
+        model = build_unet("fmnist-tiny", seed=0)
+        ctx = DeviceContext("dev000", data, labels, torch.Generator().manual_seed(7))
+        state = algo.init_global(model_state(model))
+        if name == "scaffold":  # c and c_i away from zero, so the correction acts
+            gen = torch.Generator().manual_seed(1)
+            weights, c = sc.split_state(state)
+            c = {k: 1e-3 * torch.randn(v.shape, generator=gen) for k, v in c.items()}
+            state = {**weights, **{sc.C_PREFIX + k: v for k, v in c.items()}}
+            ctx.state[sc.C_LOCAL] = {k: -v for k, v in c.items()}
+        for r in range(2):
+            algo.device_load(ctx, model, state)
+            out = algo.device_round(ctx, model, r, upload=True)
+            assert out.tensors is not None
+            assert {t.device.type for t in out.tensors.values()} == {"cpu"}
+        ends[graph] = _flat(model)
+    moved = (ends[False] - _flat(build_unet("fmnist-tiny", seed=0))).norm()
+    assert (ends[True] - ends[False]).norm() <= 1e-3 * moved
