@@ -200,8 +200,6 @@ def test_graphed_training_on_cuda_tracks_the_eager_run(
         cfg = _cfg(optimizer=optimizer, precision=precision, cuda_graph=graph)
         model = build_unet(preset, seed=0)
         hooks = _hooks(kind, model, "cuda")
-        if kind == "average":
-            hooks["after_step"].__self__.model.to(cuda)  # type: ignore[attr-defined]
         opt = make_optimizer([p for p in model.parameters()], cfg.train)
         got = train_local(
             model, data, cfg.train, make_train_scheduler(cfg.diffusion),
