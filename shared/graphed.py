@@ -24,6 +24,7 @@ body): how its plumbing is tested on the CPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -135,7 +136,7 @@ def train_graphed(
     scheduler: DDPMScheduler,
     generator: torch.Generator,
     device: torch.device,
-    autocast: Callable[[], object],
+    autocast: Callable[[], AbstractContextManager[object]],
     extra_loss: ExtraLoss | None = None,
     grad_hook: GradHook | None = None,
     after_step: Callable[[nn.Module], None] | None = None,
@@ -156,7 +157,7 @@ def train_graphed(
     stager = _Stager([x0, noise, t] + ([] if y is None else [y]), pinned=capture)
 
     def body() -> None:  # one step on the static buffers: no draws, no host copies
-        with autocast():  # type: ignore[attr-defined]
+        with autocast():
             loss = denoising_loss(model, x0, noise, t, scheduler, class_labels=y)
         total.add_(loss.detach())
         if extra_loss is not None:
