@@ -201,7 +201,8 @@ def train_graphed(
             graph = torch.cuda.CUDAGraph()
             opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph's pool
             try:
-                with torch.cuda.graph(graph):
+                # thread_local: a device agent's other threads (MQTT, metrics) may run
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     body()  # recorded, not run
             except RuntimeError as err:
                 raise RuntimeError(
