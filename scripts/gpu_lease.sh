@@ -9,6 +9,8 @@
 #   OUT       where results go (the device tool's $OUT)
 #   BUDGET_S  seconds for the whole script (default 560: a 600 s command with a margin)
 #   PRESET    the comparison's U-Net (default fmnist-tiny; fmnist-small is the issue's own)
+#   DRY_RUN=1 rehearse on a CPU machine: the GPU tests only collected, the benchmark and the
+#             comparison in their CPU rehearsal modes (about 5 minutes with BUDGET_S=300)
 set -uo pipefail
 : "${OUT:?set OUT to the results folder}"
 BUDGET_S=${BUDGET_S:-560}
@@ -16,16 +18,23 @@ PRESET=${PRESET:-fmnist-tiny}
 start=$SECONDS
 mkdir -p "$OUT"
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site ESTUARY_FMNIST_DIR=$PWD/.fmnist PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  pytest_args=(--collect-only) bench_args=(--device cpu --presets fmnist-tiny --batch 16
+    --steps 6 --repeats 1) compare_args=(--dry-run)
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site ESTUARY_FMNIST_DIR=$PWD/.fmnist
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  pytest_args=() bench_args=(--repeats 3 --steps 24) compare_args=(--preset "$PRESET")
+fi
 
 graph=()
-if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphed.py \
-    2>&1 | tee "$OUT/gpu_tests.log"; then
+if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
+    tests/test_graphed.py 2>&1 | tee "$OUT/gpu_tests.log"; then
   graph=(--cuda-graph)
-  timeout 100 python3 benchmarks/train_graph.py --repeats 3 --steps 24 \
+  timeout 100 python3 benchmarks/train_graph.py "${bench_args[@]}" \
     --out "$OUT/train_graph.json" 2>&1 | tee "$OUT/train_graph.log"
 else
   echo "[gpu_lease] the CUDA-graph tests failed: the comparison trains eagerly" | tee -a "$OUT/gpu_tests.log"
@@ -33,5 +42,5 @@ fi
 
 left=$((BUDGET_S - (SECONDS - start)))
 echo "[gpu_lease] ${left}s left for the comparison (${graph[*]:-eager})"
-python3 scripts/gpu_compare.py --preset "$PRESET" --max-rounds 400 --budget-s "$left" \
+python3 scripts/gpu_compare.py "${compare_args[@]}" --max-rounds 400 --budget-s "$left" \
   "${graph[@]}" --out "$OUT" 2>&1 | tee "$OUT/driver.log"
