@@ -922,6 +922,15 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
             if (local := [r["method"] for r in rows if r.get("local_parts")])
             else []
         ),
+        *(
+            [
+                "torch threads: "
+                + ", ".join(f"{r['method']} {r.get('torch_threads') or '?'}" for r in rows)
+                + " (a CPU run repeats bit for bit at the same thread count, not across counts)"
+            ]
+            if any(r.get("torch_threads") for r in rows)
+            else []
+        ),
         "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "
         "agg = one central aggregation period; per-agg and per-window figures are means over the "
         "periods trained on the final architecture, totals cover the whole run. "

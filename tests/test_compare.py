@@ -275,6 +275,8 @@ def test_finished_methods_are_reused_and_bad_records_ignored(
     stamps = {s: (out / s / "method.json").stat().st_mtime_ns for s in ("fedavg", "centralized")}
     # each record keeps the thread count it ran with (the trajectory depends on it)
     assert {r["torch_threads"] for r in json.loads(table)["rows"]} == {torch.get_num_threads()}
+    n = torch.get_num_threads()
+    assert f"torch threads: FedAvg {n}, " in (out / "table.md").read_text()
 
     # same config, same directory: nothing trains again, and the table is the same
     again = run_compare(load_compare(cfg), out, progress=True)
