@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,9 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
+    from _alternate import alternate_rounds, summarize
+
+    from shared.config import config_from_dict
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible; --device cpu rehearses the benchmark", file=sys.stderr)
@@ -60,60 +61,21 @@ def main() -> int:
         "presets": {},
     }
     for preset in args.presets.split(","):
-        result["presets"][preset] = _time_preset(preset, data, device, train, args)
+        cfgs = {
+            m: config_from_dict(
+                {"model": {"preset": preset}, "train": {**train, "cuda_graph": m == "graph"}}
+            )
+            for m in ("eager", "graph")
+        }
+        rates = alternate_rounds(cfgs, data, device, steps=args.steps, repeats=args.repeats,
+                                 warmup_steps=8, label=f"{preset} ")  # fmt: skip
+        result["presets"][preset] = summarize(rates, "eager", "graph")
     print(json.dumps({k: ({p: {n: v for n, v in d.items() if not isinstance(v, list)}
                            for p, d in v.items()} if k == "presets" else v)
                       for k, v in result.items()}, indent=2))  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def _time_preset(
-    preset: str, data: Any, device: Any, train: dict[str, Any], args: argparse.Namespace
-) -> dict[str, Any]:
-    """Alternating eager and graphed rounds of ``preset``: each side's rates and medians."""
-    import torch
-
-    from shared.config import config_from_dict
-    from shared.diffusion import make_train_scheduler
-    from shared.models import build_unet
-    from shared.training import train_local
-
-    modes = ("eager", "graph")
-    cfgs = {
-        m: config_from_dict(
-            {"model": {"preset": preset}, "train": {**train, "cuda_graph": m == "graph"}}
-        )
-        for m in modes
-    }
-    sched = make_train_scheduler(cfgs["eager"].diffusion)
-    models = {m: build_unet(preset, seed=0) for m in modes}
-    gen = torch.Generator().manual_seed(1)
-
-    def round_rate(m: str, steps: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_local(models[m], data, cfgs[m].train, sched, gen, steps=steps, device=device)
-        return steps / (time.perf_counter() - t0)  # train_local ends on the CPU: synced
-
-    for m in modes:
-        round_rate(m, 8)  # warm-up: CUDA context, cuDNN's choices, the first capture
-    rates: dict[str, list[float]] = {m: [] for m in modes}
-    for i in range(args.repeats):
-        for m in modes if i % 2 == 0 else modes[::-1]:
-            rates[m].append(round_rate(m, args.steps))
-        print(f"{preset} round {i + 1}/{args.repeats}: eager {rates['eager'][-1]:.1f} "
-              f"steps/s, graph {rates['graph'][-1]:.1f} steps/s", flush=True)  # fmt: skip
-    ratios = [g / e for e, g in zip(rates["eager"], rates["graph"], strict=True)]
-    return {
-        "eager_steps_per_s": rates["eager"],
-        "graph_steps_per_s": rates["graph"],
-        "median_eager_steps_per_s": statistics.median(rates["eager"]),
-        "median_graph_steps_per_s": statistics.median(rates["graph"]),
-        "median_speedup": statistics.median(ratios),
-    }
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +45,9 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
+    from _alternate import alternate_rounds, summarize
 
     from shared.config import config_from_dict
-    from shared.diffusion import make_train_scheduler
-    from shared.models import build_unet
-    from shared.training import train_local
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible; --device cpu rehearses the benchmark", file=sys.stderr)
@@ -63,27 +59,8 @@ def main() -> int:
         p: config_from_dict({"model": {"preset": args.preset}, "train": {**train, "precision": p}})
         for p in ("fp32", "bf16")
     }
-    sched = make_train_scheduler(cfgs["fp32"].diffusion)
-    models = {p: build_unet(args.preset, seed=0) for p in cfgs}
-    gen = torch.Generator().manual_seed(1)
-
-    def round_rate(p: str, steps: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_local(models[p], data, cfgs[p].train, sched, gen, steps=steps, device=device)
-        return steps / (time.perf_counter() - t0)  # train_local ends on the CPU: synced
-
-    for p in cfgs:
-        round_rate(p, 3)  # warm-up: CUDA context, cuDNN's choices, autocast's caches
-    rates: dict[str, list[float]] = {p: [] for p in cfgs}
-    for i in range(args.repeats):
-        order = ("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")
-        for p in order:
-            rates[p].append(round_rate(p, args.steps))
-        print(f"round {i + 1}/{args.repeats}: fp32 {rates['fp32'][-1]:.2f} steps/s, "
-              f"bf16 {rates['bf16'][-1]:.2f} steps/s", flush=True)  # fmt: skip
-    ratios = [b / f for f, b in zip(rates["fp32"], rates["bf16"], strict=True)]
+    rates = alternate_rounds(cfgs, data, device, steps=args.steps, repeats=args.repeats,
+                             warmup_steps=3)  # fmt: skip
     result: dict[str, Any] = {
         "benchmark": "train_precision",
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -91,11 +68,7 @@ def main() -> int:
         "preset": args.preset,
         "batch_size": args.batch,
         "steps_per_round": args.steps,
-        "fp32_steps_per_s": rates["fp32"],
-        "bf16_steps_per_s": rates["bf16"],
-        "median_fp32_steps_per_s": statistics.median(rates["fp32"]),
-        "median_bf16_steps_per_s": statistics.median(rates["bf16"]),
-        "median_speedup": statistics.median(ratios),
+        **summarize(rates, "fp32", "bf16"),
     }
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))
     if args.out:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import DDPMScheduler
@@ -72,7 +72,6 @@ class _Stager:
             for _ in range(STAGES if pinned else 0)
         ]
         self.events = [torch.cuda.Event() for _ in range(STAGES)] if pinned else []
-        self.used = [False] * STAGES
 
     def put(self, sources: list[torch.Tensor]) -> None:
         """Enqueue ``sources`` (host or device tensors) into the targets on the current
@@ -82,8 +81,8 @@ class _Stager:
                 dst.copy_(src)
             return
         k = self.slot
-        if self.used[k]:
-            self.events[k].synchronize()  # the copy out of this slot, two steps ago, is done
+        # the copy out of this slot, two steps ago, is done (at once for a fresh event)
+        self.events[k].synchronize()
         for dst, ring, src in zip(self.targets, self.rings[k], sources, strict=True):
             if src.device.type == "cpu":
                 ring.copy_(src)
@@ -91,7 +90,6 @@ class _Stager:
             else:
                 dst.copy_(src)
         self.events[k].record()
-        self.used[k] = True
         self.slot = (k + 1) % STAGES
 
 
@@ -103,10 +101,7 @@ def _capturable(opt: torch.optim.Optimizer, device: torch.device) -> list[object
         return before
     for group in opt.param_groups:
         group["capturable"] = True
-        for p in group["params"]:
-            step = opt.state.get(p, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                opt.state[p]["step"] = step.to(device)
+        _move_steps(opt, group, device)
     return before
 
 
@@ -117,10 +112,41 @@ def _restore(opt: torch.optim.Optimizer, before: list[object]) -> None:
     for group, flag in zip(opt.param_groups, before, strict=True):
         group["capturable"] = flag
         if not flag:
-            for p in group["params"]:
-                step = opt.state.get(p, {}).get("step")
-                if isinstance(step, torch.Tensor):
-                    opt.state[p]["step"] = step.to("cpu")
+            _move_steps(opt, group, torch.device("cpu"))
+
+
+def _move_steps(opt: torch.optim.Optimizer, group: dict[str, Any], device: torch.device) -> None:
+    """Move the step counts of ``group``'s parameters (those that have one) to ``device``."""
+    for p in group["params"]:
+        step = opt.state.get(p, {}).get("step")
+        if isinstance(step, torch.Tensor):
+            opt.state[p]["step"] = step.to(device)
+
+
+def finish_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    loss: torch.Tensor,
+    total: torch.Tensor,
+    *,
+    grad_clip: float,
+    extra_loss: ExtraLoss | None,
+    grad_hook: GradHook | None,
+) -> None:
+    """One training step after its data loss ``loss`` (gradients cleared, or to be written by
+    a graph): ``loss`` added to the running ``total`` (before any regularizer), plus
+    ``extra_loss``, backward, ``grad_hook`` on the gradients, clipping, the optimizer step.
+    The eager loop and the graphed body both end their steps here."""
+    total.add_(loss.detach())
+    if extra_loss is not None:
+        loss = loss + extra_loss(model)
+    loss.backward()
+    if grad_hook is not None:
+        grad_hook(model)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
 
 
 def train_graphed(
@@ -159,15 +185,8 @@ def train_graphed(
     def body() -> None:  # one step on the static buffers: no draws, no host copies
         with autocast():
             loss = denoising_loss(model, x0, noise, t, scheduler, class_labels=y)
-        total.add_(loss.detach())
-        if extra_loss is not None:
-            loss = loss + extra_loss(model)
-        loss.backward()
-        if grad_hook is not None:
-            grad_hook(model)
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
+        finish_step(model, opt, params, loss, total, grad_clip=grad_clip,
+                    extra_loss=extra_loss, grad_hook=grad_hook)  # fmt: skip
 
     def stage(idx: torch.Tensor) -> None:  # the draws of one eager step, in its order
         ts, eps = draw_noise(x0.shape, x0.dtype, scheduler, generator)

@@ -17,7 +17,7 @@ from torch import nn
 from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
 from shared.errors import ConfigError
-from shared.graphed import WARMUP_STEPS, batch_indices, train_graphed
+from shared.graphed import WARMUP_STEPS, batch_indices, finish_step, train_graphed
 from shared.models import module_device
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
@@ -212,6 +212,7 @@ def train_local(
         else:
             total = torch.zeros((), dtype=torch.float64, device=on)
             for idx in batch_indices(n, cfg.batch_size, steps, generator):
+                opt.zero_grad(set_to_none=True)
                 x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
                 with autocast:  # forward and loss; the regularizer and backward in fp32
                     if conditional:
@@ -220,17 +221,9 @@ def train_local(
                         loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
                     else:
                         loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
-                # summed where the loss lives: no device sync per step (float64)
-                total += loss.detach()  # loss_fn's value, before any regularizer
-                if extra_loss is not None:
-                    loss = loss + extra_loss(model)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if grad_hook is not None:
-                    grad_hook(model)
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
+                # summed where the loss lives (float64): no device sync per step
+                finish_step(model, opt, params, loss, total, grad_clip=cfg.grad_clip,
+                            extra_loss=extra_loss, grad_hook=grad_hook)  # fmt: skip
                 if after_step is not None:
                     after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
