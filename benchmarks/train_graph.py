@@ -7,19 +7,28 @@ GPU and back, the capture itself included) per preset at the comparison's batch,
 eager and graphed rounds so drift in clocks or neighbours hits both, and reports the median
 of the per-pair step-rate ratios with each side's median steps per second.
 
+With ``--long-steps N`` it also times rounds of N steps and splits each mode's round time
+into a cost per step and a fixed cost per round (the line through the two median round
+times): for the graph, the fixed part is the capture and the eager warm-up steps, which a
+capture reused across rounds would save; the per-step part is the replay.
+
     python benchmarks/train_graph.py --out benchmarks/results/train_graph_h100.json
+    python benchmarks/train_graph.py --presets fmnist-tiny --steps 24 --long-steps 120
     python benchmarks/train_graph.py --device cpu --presets fmnist-tiny --batch 16 \
         --steps 6 --repeats 1        # a rehearsal: both sides eager on the CPU
 
 Absolute figures only from a GPU run (the README's rule). Without a graph, an H100 trains
 fmnist-tiny at batch 128 at about 22 steps/s with two processes sharing it: about 2000
-kernel launches per step, so the host sets the pace.
+kernel launches per step, so the host sets the pace. On an H200, 24-step graphed rounds
+ran 2.38x eager's rate on fmnist-tiny and 1.49x on fmnist-small
+(benchmarks/results/train_graph_h200.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60, help="local steps per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per mode and preset")
+    ap.add_argument(
+        "--long-steps",
+        type=int,
+        default=0,
+        help="also time rounds of this many steps: per-step and per-round costs",
+    )
     ap.add_argument("--out", help="write the result as JSON here")
     args = ap.parse_args()
 
@@ -70,12 +85,38 @@ def main() -> int:
         rates = alternate_rounds(cfgs, data, device, steps=args.steps, repeats=args.repeats,
                                  warmup_steps=8, label=f"{preset} ")  # fmt: skip
         result["presets"][preset] = summarize(rates, "eager", "graph")
-    print(json.dumps({k: ({p: {n: v for n, v in d.items() if not isinstance(v, list)}
-                           for p, d in v.items()} if k == "presets" else v)
-                      for k, v in result.items()}, indent=2))  # fmt: skip
+        if args.long_steps > args.steps:
+            long = alternate_rounds(cfgs, data, device, steps=args.long_steps,
+                                    repeats=args.repeats, warmup_steps=8,
+                                    label=f"{preset} long ")  # fmt: skip
+            result["presets"][preset]["long"] = summarize(long, "eager", "graph")
+            result["presets"][preset]["costs"] = split_costs(rates, long, args.steps,
+                                                             args.long_steps)  # fmt: skip
+    print(json.dumps(_without_lists(result), indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _without_lists(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without its per-round lists, at any depth: what the console shows."""
+    return {k: _without_lists(v) if isinstance(v, dict) else v
+            for k, v in d.items() if not isinstance(v, list)}  # fmt: skip
+
+
+def split_costs(
+    short: dict[str, list[float]], long: dict[str, list[float]], n_short: int, n_long: int
+) -> dict[str, dict[str, float]]:
+    """Each mode's median round time at two round lengths (from the step rates) as a line:
+    milliseconds per step (its slope) and per round (its intercept)."""
+    costs = {}
+    for m in short:
+        t_short = statistics.median(n_short / r for r in short[m])
+        t_long = statistics.median(n_long / r for r in long[m])
+        per_step = (t_long - t_short) / (n_long - n_short)
+        costs[m] = {"ms_per_step": 1e3 * per_step,
+                    "ms_fixed_per_round": 1e3 * (t_short - n_short * per_step)}  # fmt: skip
+    return costs
 
 
 if __name__ == "__main__":

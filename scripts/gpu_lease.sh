@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: check the CUDA-graph training path, time it, then run the
-# issue-4 comparison with it (or without it, if its tests fail) in the time that is left.
+# One GPU lease, one command: check the CUDA-graph training path, time its per-step and
+# per-round costs on fmnist-tiny (half a minute), then run the issue-4 comparison with it (or
+# without it, if its tests fail) in the time that is left.
 #
 #   OUT=/path/to/results bash scripts/gpu_lease.sh            # on the device machine
 #
@@ -21,20 +22,21 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   pytest_args=(--collect-only) bench_args=(--device cpu --presets fmnist-tiny --batch 16
-    --steps 6 --repeats 1) compare_args=(--dry-run)
+    --steps 6 --long-steps 12 --repeats 1) compare_args=(--dry-run)
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PWD:/tmp/site ESTUARY_FMNIST_DIR=$PWD/.fmnist
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-  pytest_args=() bench_args=(--repeats 3 --steps 24) compare_args=(--preset "$PRESET")
+  pytest_args=() compare_args=(--preset "$PRESET")
+  bench_args=(--presets fmnist-tiny --repeats 3 --steps 24 --long-steps 96)
 fi
 
 graph=()
 if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
     tests/test_graphed.py 2>&1 | tee "$OUT/gpu_tests.log"; then
   graph=(--cuda-graph)
-  timeout 100 python3 benchmarks/train_graph.py "${bench_args[@]}" \
+  timeout 60 python3 benchmarks/train_graph.py "${bench_args[@]}" \
     --out "$OUT/train_graph.json" 2>&1 | tee "$OUT/train_graph.log"
 else
   echo "[gpu_lease] the CUDA-graph tests failed: the comparison trains eagerly" | tee -a "$OUT/gpu_tests.log"
