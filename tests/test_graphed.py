@@ -7,6 +7,8 @@ graphed run tracks the eager run for every local term a graph captures.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -291,3 +293,39 @@ def test_graphed_device_rounds_on_cuda_track_the_eager_rounds(
         ends[graph] = _flat(model)
     moved = (ends[False] - _flat(build_unet("fmnist-tiny", seed=0))).norm()
     assert (ends[True] - ends[False]).norm() <= 1e-3 * moved
+
+
+@pytest.mark.gpu
+def test_a_graphed_fedphd_federation_prunes_and_trains_on_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a graphed comparison takes, end to end in one process on the GPU: four devices
+    choosing edges train FedPhD's sparse round from graphs, the cloud prunes, and the pruned
+    U-Net (a new architecture: a new capture) trains from graphs in every later round, with
+    finite losses and nothing rejected."""
+    from estuary.simulate import simulate
+
+    calls: list[int] = []  # parameter count of each graphed round's model
+
+    def spy(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(sum(p.numel() for p in model.parameters()))
+        return train_graphed(model, *args, **kwargs)
+
+    monkeypatch.setattr(training, "train_graphed", spy)
+    cfg = tiny_config(
+        run={"name": "phd-graph", "rounds": 3},
+        federation={"num_devices": 4, "num_edges": 2, "assignment": "select"},
+        train={"local_steps": 8, "batch_size": 8, "cuda_graph": True},
+        algorithm={"name": "fedphd", "a": 200.0, "sparse_rounds": 1, "lambda0": 1e-3,
+                   "prune_ratio": 0.44},
+        compute={"device": "cuda"},
+    )  # fmt: skip
+    res = simulate(cfg, tmp_path / "run", progress=False, evaluate=False)
+    rows = res.rows
+    assert [r["updates"] for r in rows] == [4, 4, 4]
+    assert sum(r["rejected"] for r in rows) == 0
+    assert all(math.isfinite(r["train_loss"]) for r in rows)
+    assert res.plan is not None and rows[0]["arch"] != "dense"
+    dense = 686_769  # fmnist-tiny
+    assert calls[:4] == [dense] * 4  # round 0: the sparse (dense-shaped) round, graphed
+    assert len(calls) == 12 and set(calls[4:]) == {rows[2]["model_params"]} != {dense}
