@@ -10,10 +10,12 @@ of the per-pair step-rate ratios with each side's median steps per second.
 With ``--long-steps N`` it also times rounds of N steps and splits each mode's round time
 into a cost per step and a fixed cost per round (the line through the two median round
 times): for the graph, the fixed part is the capture and the eager warm-up steps, which a
-capture reused across rounds would save; the per-step part is the replay.
+capture reused across rounds would save; the per-step part is the replay. ``--reuse`` adds
+that third mode (``train.cuda_graph_reuse``: one capture kept across rounds).
 
     python benchmarks/train_graph.py --out benchmarks/results/train_graph_h100.json
     python benchmarks/train_graph.py --presets fmnist-tiny --steps 24 --long-steps 120
+    python benchmarks/train_graph.py --presets fmnist-tiny --steps 24 --long-steps 96 --reuse
     python benchmarks/train_graph.py --device cpu --presets fmnist-tiny --batch 16 \
         --steps 6 --repeats 1        # a rehearsal: both sides eager on the CPU
 
@@ -48,6 +50,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="local steps per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per mode and preset")
     ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="a third mode: train.cuda_graph_reuse (one capture kept across rounds)",
+    )
+    ap.add_argument(
         "--long-steps",
         type=int,
         default=0,
@@ -76,20 +83,25 @@ def main() -> int:
         "presets": {},
     }
     for preset in args.presets.split(","):
+        modes: dict[str, dict[str, bool]] = {"eager": {}, "graph": {"cuda_graph": True}}
+        if args.reuse:
+            modes["resident"] = {"cuda_graph": True, "cuda_graph_reuse": True}
         cfgs = {
-            m: config_from_dict(
-                {"model": {"preset": preset}, "train": {**train, "cuda_graph": m == "graph"}}
-            )
-            for m in ("eager", "graph")
+            m: config_from_dict({"model": {"preset": preset}, "train": {**train, **opts}})
+            for m, opts in modes.items()
         }
         rates = alternate_rounds(cfgs, data, device, steps=args.steps, repeats=args.repeats,
                                  warmup_steps=8, label=f"{preset} ")  # fmt: skip
         result["presets"][preset] = summarize(rates, "eager", "graph")
+        if args.reuse:
+            result["presets"][preset]["resident"] = summarize(rates, "eager", "resident")
         if args.long_steps > args.steps:
             long = alternate_rounds(cfgs, data, device, steps=args.long_steps,
                                     repeats=args.repeats, warmup_steps=8,
                                     label=f"{preset} long ")  # fmt: skip
             result["presets"][preset]["long"] = summarize(long, "eager", "graph")
+            if args.reuse:
+                result["presets"][preset]["long_resident"] = summarize(long, "eager", "resident")
             result["presets"][preset]["costs"] = split_costs(rates, long, args.steps,
                                                              args.long_steps)  # fmt: skip
     print(json.dumps(_without_lists(result), indent=2))

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +97,20 @@ def _calibrate_worker(
         data = torch.rand(3000, 1, 32, 32, generator=torch.Generator().manual_seed(idx)) * 2 - 1
         sched = make_train_scheduler(cfg.diffusion)
         gen = torch.Generator().manual_seed(idx)
-        train_local(model, data, cfg.train, sched, gen, steps=3, device=dev)  # warm-up
-        barrier.wait(timeout=300)
-        t0, steps = time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            steps += train_local(model, data, cfg.train, sched, gen, steps=24, device=dev).steps
-        train_rate = steps / (time.perf_counter() - t0)
-        barrier.wait(timeout=300)
+        rates = {}
+        # with reuse, also the per-call path (the rounds with a local term still take it);
+        # on the CPU both are the eager loop
+        modes = {"steps_per_s": cfg.train}
+        if cfg.train.cuda_graph_reuse and dev.type == "cuda":
+            modes["percall_steps_per_s"] = cfg.train.model_copy(update={"cuda_graph_reuse": False})
+        for name, train in modes.items():
+            train_local(model, data, train, sched, gen, steps=3, device=dev)  # warm-up
+            barrier.wait(timeout=300)
+            t0, steps = time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds:
+                steps += train_local(model, data, train, sched, gen, steps=24, device=dev).steps
+            rates[name] = steps / (time.perf_counter() - t0)
+            barrier.wait(timeout=300)
         model.to(dev)
         n_img = 256 if device != "cpu" else 16
         ddim_sample(model, (n_img, 1, 32, 32), cfg.diffusion, gen, steps=1)  # warm-up
@@ -111,7 +119,7 @@ def _calibrate_worker(
             ddim_sample(model, (n_img, 1, 32, 32), cfg.diffusion, gen, steps=5)
             image_steps += n_img * 5
         sample_cost = (time.perf_counter() - t0) / image_steps
-        queue.put({"worker": idx, "steps_per_s": train_rate, "s_per_image_step": sample_cost})
+        queue.put({"worker": idx, **rates, "s_per_image_step": sample_cost})
     except Exception as exc:  # reported to the parent, which stops
         queue.put({"worker": idx, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -149,28 +157,48 @@ def calibrate(
     errors = [r["error"] for r in results if "error" in r]
     if errors or len(results) < jobs:
         raise RuntimeError(f"calibration failed: {errors or 'a worker did not report in time'}")
+    rates = {k: min(r[k] for r in results) for k in results[0] if k.endswith("steps_per_s")}
     return {
         "jobs": jobs,
         "workers": results,
-        "steps_per_s": min(r["steps_per_s"] for r in results),
+        **rates,
         "s_per_image_step": max(r["s_per_image_step"] for r in results),
     }
 
 
+#: the issue's methods, in the order :func:`compare_toml` writes them
+METHODS = ("FedAvg", "FedAvg (E=1)", "FedPhD", "FedPhD (OS)", "FedDiffuse (USPLIT)", "SCAFFOLD")
+#: device rounds that capture per call although ``train.cuda_graph_reuse`` is on (a local
+#: term), per method, for ``r`` FedAvg (E = 5) rounds: FedPhD's R_s = 5 sparse rounds (its
+#: group penalty; FedPhD (OS) prunes at r = 0 and trains no sparse round) and SCAFFOLD's
+#: every round (its correction hook)
+PER_CALL_ROUNDS: dict[str, Callable[[int], int]] = {
+    "FedPhD": lambda r: 5 * DEVICES_PER_ROUND,
+    "SCAFFOLD": lambda r: r * DEVICES_PER_ROUND,
+}
+
+
 def plan(cal: dict[str, Any], budget_s: float, *, num_samples: int, sample_steps: int,
-         max_rounds: int) -> dict[str, Any]:  # fmt: skip
+         max_rounds: int, methods: Sequence[str] = METHODS) -> dict[str, Any]:  # fmt: skip
     """The largest FedAvg (E = 5) round count whose predicted time fits ``FILL x budget_s``.
 
-    One model is evaluated per evaluation point: none of :data:`METHODS` keeps local parts
-    on its devices (FedDiffuse's USPLIT federates every part), so ``eval.clients`` adds no
+    Every method trains ``r x 480`` local steps at the calibrated rate of 24-step rounds.
+    With a resident capture (``percall_steps_per_s`` calibrated beside ``steps_per_s``) the
+    rounds that still capture per call (:data:`PER_CALL_ROUNDS`) add the difference, a
+    capture's fixed cost, each; the slowest of ``methods`` sets the time. One model is
+    evaluated per evaluation point: none of :data:`METHODS` keeps local parts on its
+    devices (FedDiffuse's USPLIT federates every part), so ``eval.clients`` adds no
     client-level evaluations to any of them."""
     steps_per_e5_round = DEVICES_PER_ROUND * 5 * 24
     eval_s = num_samples * sample_steps * cal["s_per_image_step"] + EVAL_OVERHEAD_S
+    rate = cal["steps_per_s"]
+    per_call = max(0.0, 24 / cal.get("percall_steps_per_s", rate) - 24 / rate)
 
     def predict(r: int) -> tuple[float, int]:
         every = max(1, r // 4)
         n_eval = r // every
-        t = (STARTUP_S + r * steps_per_e5_round / cal["steps_per_s"]
+        calls = max((PER_CALL_ROUNDS[m](r) for m in methods if m in PER_CALL_ROUNDS), default=0)
+        t = (STARTUP_S + r * steps_per_e5_round / rate + calls * per_call
              + n_eval * eval_s + 5 * r * ROUND_OVERHEAD_S)  # fmt: skip
         return t, every
 
@@ -278,10 +306,6 @@ overrides = {{"algorithm.name" = "scaffold", {e5}}}
 """  # noqa: E501
 
 
-#: the issue's methods, in the order :func:`compare_toml` writes them
-METHODS = ("FedAvg", "FedAvg (E=1)", "FedPhD", "FedPhD (OS)", "FedDiffuse (USPLIT)", "SCAFFOLD")
-
-
 def keep_methods(toml: str, labels: list[str]) -> str:
     """``toml`` with only the ``[[method]]`` tables of ``labels`` (FedAvg, the reference,
     must be among them)."""
@@ -372,6 +396,13 @@ def main() -> int:
         "replayed (shared/graphed.py; run `pytest -m gpu tests/test_graphed.py` first)",
     )
     ap.add_argument(
+        "--graph-reuse",
+        action="store_true",
+        help="with --cuda-graph, train.cuda_graph_reuse too: rounds without a local term "
+        "replay one capture kept across rounds (run `pytest -m gpu tests/test_graphed.py -k "
+        "resident` first)",
+    )
+    ap.add_argument(
         "--preset",
         choices=["fmnist-small", "fmnist-tiny"],
         default="fmnist-small",
@@ -394,14 +425,19 @@ def main() -> int:
     keep_methods("", methods)  # check the labels before any work
     args.jobs = args.jobs or len(methods)
     os.environ["ESTUARY__TRAIN__PRECISION"] = args.precision  # every method, every process
+    if args.graph_reuse and not args.cuda_graph:
+        raise SystemExit("--graph-reuse needs --cuda-graph")
     os.environ["ESTUARY__TRAIN__CUDA_GRAPH"] = "true" if args.cuda_graph else "false"
-    train_opts = {"precision": args.precision, "cuda_graph": args.cuda_graph}
+    os.environ["ESTUARY__TRAIN__CUDA_GRAPH_REUSE"] = "true" if args.graph_reuse else "false"
+    train_opts = {"precision": args.precision, "cuda_graph": args.cuda_graph,
+                  "cuda_graph_reuse": args.graph_reuse}  # fmt: skip
     info: dict[str, Any] = {
         "budget_s": args.budget_s,
         "jobs": args.jobs,
         "methods": methods,
         "precision": args.precision,
         "cuda_graph": args.cuda_graph,
+        "cuda_graph_reuse": args.graph_reuse,
     }
 
     import torch
@@ -435,7 +471,7 @@ def main() -> int:
     reserve = 25.0  # stopping, packing
     compare_budget = deadline - time.monotonic() - reserve
     p = plan(cal, compare_budget, num_samples=samples, sample_steps=steps,
-             max_rounds=2 if args.dry_run else args.max_rounds)  # fmt: skip
+             max_rounds=2 if args.dry_run else args.max_rounds, methods=methods)  # fmt: skip
     info["plan"] = p
     print(f"[gpu_compare] plan: {p} within {compare_budget:.0f} s", flush=True)
     toml = work / "compare.toml"

@@ -215,6 +215,13 @@ class TrainSection(_Section):
         "launch per step instead of thousands (small U-Nets are bound by the host otherwise). "
         "Not for MOON (eager). Per process, like precision",
     )
+    cuda_graph_reuse: bool = Field(
+        False,
+        description="with cuda_graph: a round without local terms (FedAvg, FedDiffuse, "
+        "FedPhD after its sparse rounds) and with a fresh optimizer replays one capture kept "
+        "on the GPU across rounds and devices (weights copied in and out, optimizer state "
+        "zeroed) instead of capturing anew: no warm-up or capture per round. Per process",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -378,6 +385,7 @@ PER_PROCESS_KEYS = (
     ("train", "threads"),
     ("train", "precision"),
     ("train", "cuda_graph"),
+    ("train", "cuda_graph_reuse"),
     ("data", "local_dir"),
     ("eval", "reference_dir"),
 )
@@ -386,6 +394,7 @@ PER_PROCESS_KEYS = (
 LATER_KEYS = (
     ("train", "precision"),
     ("train", "cuda_graph"),
+    ("train", "cuda_graph_reuse"),
     ("data", "local_dir"),
     ("data", "class_names"),
     ("eval", "reference_dir"),

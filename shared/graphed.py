@@ -23,6 +23,9 @@ body): how its plumbing is tested on the CPU.
 
 from __future__ import annotations
 
+import copy
+import json
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -149,6 +152,108 @@ def finish_step(
     opt.step()
 
 
+class _Step:
+    """One training step on static buffers: the batch, its noise and timesteps (and labels)
+    live at fixed addresses, filled by :meth:`stage` from the host's draws, and :meth:`body`
+    runs the step on them (what a graph records). ``total`` sums the step losses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+        sample: torch.Tensor,
+        label_dtype: torch.dtype | None,
+        batch: int,
+        *,
+        scheduler: DDPMScheduler,
+        device: torch.device,
+        autocast: Callable[[], AbstractContextManager[object]],
+        grad_clip: float,
+        extra_loss: ExtraLoss | None = None,
+        grad_hook: GradHook | None = None,
+        pinned: bool,
+    ) -> None:
+        self.model, self.opt, self.params = model, opt, params
+        self.scheduler, self.autocast, self.grad_clip = scheduler, autocast, grad_clip
+        self.extra_loss, self.grad_hook = extra_loss, grad_hook
+        self.x0 = torch.empty((batch, *sample.shape), dtype=sample.dtype, device=device)
+        self.noise = torch.empty_like(self.x0)
+        self.t = torch.empty(batch, dtype=torch.long, device=device)
+        self.y = (
+            None if label_dtype is None else torch.empty(batch, dtype=label_dtype, device=device)
+        )
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.stager = _Stager([self.x0, self.noise, self.t] + ([] if self.y is None else [self.y]),
+                              pinned=pinned)  # fmt: skip
+
+    def stage(
+        self,
+        data: torch.Tensor,
+        labels: torch.Tensor | None,
+        idx: torch.Tensor,
+        generator: torch.Generator,
+    ) -> None:
+        """Draw one eager step's timesteps and noise (in its order) and enqueue its batch."""
+        ts, eps = draw_noise(self.x0.shape, self.x0.dtype, self.scheduler, generator)
+        self.stager.put([data[idx], eps, ts] + ([] if labels is None else [labels[idx]]))
+
+    def body(self) -> None:
+        """One step on the static buffers: no draws, no host copies."""
+        with self.autocast():
+            loss = denoising_loss(self.model, self.x0, self.noise, self.t, self.scheduler,
+                                  class_labels=self.y)  # fmt: skip
+        finish_step(self.model, self.opt, self.params, loss, self.total,
+                    grad_clip=self.grad_clip, extra_loss=self.extra_loss,
+                    grad_hook=self.grad_hook)  # fmt: skip
+
+
+#: graphs captured in this process (each a warm-up plus one recording): what a reused
+#: capture saves shows here
+CAPTURES = 0
+
+
+def _warm_and_capture(
+    step: _Step,
+    data: torch.Tensor,
+    labels: torch.Tensor | None,
+    batches: Iterator[torch.Tensor],
+    generator: torch.Generator,
+    steps: int,
+    device: torch.device,
+    after_step: Callable[[nn.Module], None] | None = None,
+) -> torch.cuda.CUDAGraph | None:
+    """The first :data:`WARMUP_STEPS` of ``steps`` run eagerly on a side stream (real steps,
+    from ``batches``), then the step is recorded, not run: the graph, or None when no step
+    is left to replay. The optimizer must already be capturable."""
+    global CAPTURES
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(min(WARMUP_STEPS, steps)):
+            step.stage(data, labels, next(batches), generator)
+            step.opt.zero_grad(set_to_none=True)
+            step.body()
+            if after_step is not None:
+                after_step(step.model)
+    torch.cuda.current_stream(device).wait_stream(side)
+    if steps <= WARMUP_STEPS:
+        return None
+    graph = torch.cuda.CUDAGraph()
+    step.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph's pool
+    try:
+        # thread_local: a device agent's other threads (MQTT, metrics) may run
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            step.body()  # recorded, not run
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"capturing the training step as a CUDA graph failed ({err}); set "
+            "train.cuda_graph = false to train eagerly"
+        ) from err
+    CAPTURES += 1
+    return graph
+
+
 def train_graphed(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -173,68 +278,144 @@ def train_graphed(
     all but the first :data:`WARMUP_STEPS` replayed from one CUDA graph. ``labels`` given:
     class-conditional. ``autocast()`` makes the forward pass's autocast context (without
     its weight cache under a graph). Returns the summed DDPM loss (float64, on ``device``)."""
-    n = data.shape[0]
-    b = min(batch_size, n)
-    x0 = torch.empty((b, *data.shape[1:]), dtype=data.dtype, device=device)
-    noise = torch.empty_like(x0)
-    t = torch.empty(b, dtype=torch.long, device=device)
-    y = None if labels is None else torch.empty(b, dtype=labels.dtype, device=device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    stager = _Stager([x0, noise, t] + ([] if y is None else [y]), pinned=capture)
-
-    def body() -> None:  # one step on the static buffers: no draws, no host copies
-        with autocast():
-            loss = denoising_loss(model, x0, noise, t, scheduler, class_labels=y)
-        finish_step(model, opt, params, loss, total, grad_clip=grad_clip,
-                    extra_loss=extra_loss, grad_hook=grad_hook)  # fmt: skip
-
-    def stage(idx: torch.Tensor) -> None:  # the draws of one eager step, in its order
-        ts, eps = draw_noise(x0.shape, x0.dtype, scheduler, generator)
-        sources = [data[idx], eps, ts] + ([] if labels is None else [labels[idx]])
-        stager.put(sources)
-
-    batches = batch_indices(n, batch_size, steps, generator)
+    step = _Step(
+        model, opt, params, data[0], None if labels is None else labels.dtype,
+        min(batch_size, data.shape[0]), scheduler=scheduler, device=device,
+        autocast=autocast, grad_clip=grad_clip, extra_loss=extra_loss, grad_hook=grad_hook,
+        pinned=capture,
+    )  # fmt: skip
+    batches = batch_indices(data.shape[0], batch_size, steps, generator)
     if not capture:  # the staged loop on any device, every step eager
         for idx in batches:
-            stage(idx)
+            step.stage(data, labels, idx, generator)
             opt.zero_grad(set_to_none=True)
-            body()
+            step.body()
             if after_step is not None:
                 after_step(model)
-        return total
+        return step.total
 
     before = _capturable(opt, device)
     graph: torch.cuda.CUDAGraph | None = None
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(min(WARMUP_STEPS, steps)):
-                stage(next(batches))
-                opt.zero_grad(set_to_none=True)
-                body()
-                if after_step is not None:
-                    after_step(model)
-        torch.cuda.current_stream(device).wait_stream(side)
-        if steps > WARMUP_STEPS:
-            graph = torch.cuda.CUDAGraph()
-            opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph's pool
-            try:
-                # thread_local: a device agent's other threads (MQTT, metrics) may run
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    body()  # recorded, not run
-            except RuntimeError as err:
-                raise RuntimeError(
-                    f"capturing the training step as a CUDA graph failed ({err}); set "
-                    "train.cuda_graph = false to train eagerly"
-                ) from err
-            for idx in batches:
-                stage(idx)
-                graph.replay()
-                if after_step is not None:
-                    after_step(model)
+        graph = _warm_and_capture(step, data, labels, batches, generator, steps, device,
+                                  after_step)  # fmt: skip
+        for idx in batches:
+            step.stage(data, labels, idx, generator)
+            assert graph is not None
+            graph.replay()
+            if after_step is not None:
+                after_step(model)
     finally:
         opt.zero_grad(set_to_none=True)  # before the graph's memory pool goes
         del graph
         _restore(opt, before)
-    return total
+    return step.total
+
+
+class _Resident:
+    """A training step kept across :func:`train_resident` calls: its own copy of the model
+    and its optimizer on the GPU, the static buffers, and the graph once captured."""
+
+    def __init__(self, key: str, step: _Step) -> None:
+        self.key = key
+        self.step = step
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+#: the resident step of each device (``str(device)``): one each, a new key replaces it
+_RESIDENT: dict[str, _Resident] = {}
+_RESIDENT_LOCK = threading.Lock()
+
+
+def resident_key(
+    model: nn.Module, data: torch.Tensor, labels: torch.Tensor | None, batch: int,
+    scheduler: DDPMScheduler, settings: str,
+) -> str:  # fmt: skip
+    """What a resident step must match to serve a call: the architecture (module tree,
+    parameter and buffer shapes, dtypes and trainability, attention heads), the batch and
+    sample shapes, labels or not, the scheduler's config and the caller's ``settings`` (the
+    training section: optimizer, learning rate, clipping, precision)."""
+    return json.dumps(
+        [
+            repr(model),
+            [(n, list(p.shape), str(p.dtype), p.requires_grad)
+             for n, p in model.named_parameters()],
+            [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+            [getattr(m, "heads", None) for m in model.modules()],
+            dict(getattr(model, "config", {})),
+            min(batch, data.shape[0]), list(data.shape[1:]), str(data.dtype),
+            None if labels is None else str(labels.dtype),
+            dict(scheduler.config), settings,
+        ],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+
+
+def train_resident(
+    model: nn.Module,
+    data: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    batch_size: int,
+    grad_clip: float,
+    steps: int,
+    scheduler: DDPMScheduler,
+    generator: torch.Generator,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager[object]],
+    make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    settings: str,
+    capture: bool = True,
+) -> torch.Tensor:
+    """:func:`train_graphed`'s steps for a round without local terms and with a fresh
+    optimizer, from one capture reused across calls: ``model``'s weights are copied into a
+    copy of it that stays on ``device`` with its own optimizer (its state zeroed, as a fresh
+    one starts) and static buffers, every step is replayed (after the first call's warm-up
+    and capture), and the trained weights are copied back into ``model``, which stays where
+    it is. The copy is rebuilt when :func:`resident_key` changes (a pruned architecture,
+    another batch or optimizer); one is kept per device. Returns the summed DDPM loss."""
+    key = resident_key(model, data, labels, batch_size, scheduler, settings)
+    with _RESIDENT_LOCK:
+        res = _RESIDENT.get(str(device))
+        if res is None or res.key != key:
+            _RESIDENT.pop(str(device), None)  # its graph and memory pool go with it
+            twin = copy.deepcopy(model).to(device).train()
+            params = [p for p in twin.parameters() if p.requires_grad]
+            opt = make_opt(params)
+            if capture:
+                _capturable(opt, device)
+            res = _Resident(key, _Step(
+                twin, opt, params, data[0], None if labels is None else labels.dtype,
+                min(batch_size, data.shape[0]), scheduler=scheduler, device=device,
+                autocast=autocast, grad_clip=grad_clip, pinned=capture,
+            ))  # fmt: skip
+            _RESIDENT[str(device)] = res
+        step = res.step
+        with torch.no_grad():
+            _copy_state(model, step.model)
+            for state in step.opt.state.values():  # a fresh optimizer's moments and count
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+            step.total.zero_()
+        batches = batch_indices(data.shape[0], batch_size, steps, generator)
+        if capture and res.graph is None:
+            res.graph = _warm_and_capture(step, data, labels, batches, generator, steps, device)
+        for idx in batches:
+            step.stage(data, labels, idx, generator)
+            if res.graph is not None:
+                res.graph.replay()
+            else:  # the staged loop without a graph (capture=False: how the CPU tests it)
+                step.opt.zero_grad(set_to_none=True)
+                step.body()
+        with torch.no_grad():
+            _copy_state(step.model, model)
+        return step.total.clone()
+
+
+def _copy_state(src: nn.Module, dst: nn.Module) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst``'s, in place, by name (the same
+    architecture: :func:`resident_key` matched)."""
+    source = src.state_dict()
+    for name, tensor in dst.state_dict().items():
+        tensor.copy_(source[name])

@@ -17,7 +17,13 @@ from torch import nn
 from shared.config import TrainSection
 from shared.diffusion import ddpm_loss
 from shared.errors import ConfigError
-from shared.graphed import WARMUP_STEPS, batch_indices, finish_step, train_graphed
+from shared.graphed import (
+    WARMUP_STEPS,
+    batch_indices,
+    finish_step,
+    train_graphed,
+    train_resident,
+)
 from shared.models import module_device
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
@@ -182,7 +188,10 @@ def train_local(
     passes under bf16 autocast (:func:`autocast_for`); the mean loss is still fp32.
     ``train.cuda_graph`` on a CUDA device replays each step from a CUDA graph
     (:func:`~shared.graphed.train_graphed`): the same draws, steps and updates, one launch
-    per step.
+    per step. With ``train.cuda_graph_reuse`` too, a round with a fresh optimizer and no
+    local terms replays a capture kept across rounds instead
+    (:func:`~shared.graphed.train_resident`): ``model`` stays on the CPU, its weights copied
+    to the GPU and back.
     """
     start = time.perf_counter()
     n = data.shape[0]
@@ -196,6 +205,17 @@ def train_local(
     on = device if device is not None and device.type != "cpu" else None
     autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
     graphed = _graphable(cfg, on, loss_fn, steps)
+    hooks = (optimizer, extra_loss, grad_hook, after_step)
+    if graphed and cfg.cuda_graph_reuse and all(h is None for h in hooks):
+        assert on is not None
+        total = train_resident(
+            model, data, labels if conditional else None, batch_size=cfg.batch_size,
+            grad_clip=cfg.grad_clip, steps=steps, scheduler=scheduler, generator=generator,
+            device=on, autocast=lambda: autocast_for(cfg.precision, on, cache=False),
+            make_opt=lambda ps: make_optimizer(ps, cfg), settings=resident_settings(cfg),
+        )  # fmt: skip
+        model.train()
+        return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
     with placed(model, on):
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
@@ -228,6 +248,12 @@ def train_local(
                     after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
+
+
+def resident_settings(cfg: TrainSection) -> str:
+    """The training settings a resident capture (:func:`~shared.graphed.train_resident`)
+    was made with: every one that shapes a step (the round's length does not)."""
+    return cfg.model_dump_json(exclude={"local_steps", "local_epochs", "threads"})
 
 
 def _graphable(

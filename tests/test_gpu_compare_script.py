@@ -85,3 +85,24 @@ def test_the_plan_is_the_longest_run_predicted_to_fit(script: ModuleType) -> Non
     longer = script.plan(fast, 394.0, **{**kw, "max_rounds": p["rounds_e5"] + 1})
     assert longer["rounds_e5"] == p["rounds_e5"]  # one more round would not have fitted
     assert script.plan(fast, 10_000.0, **kw)["rounds_e5"] == 60  # the cap
+
+
+def test_the_plan_with_a_resident_capture_charges_the_per_call_rounds(script: ModuleType) -> None:
+    """With reuse, every step runs at the resident rate, and each round that still captures
+    per call (FedPhD's five sparse rounds on 4 devices, every SCAFFOLD round) adds a
+    capture's fixed cost: the 24-step round time per call minus per replay. Without the
+    per-call rate (no reuse) the plan is the one it always was."""
+    kw = {"num_samples": 1000, "sample_steps": 50, "max_rounds": 10}
+    base = {"steps_per_s": 30.0, "s_per_image_step": 1e-4}
+    fixed = 24 / 15.0 - 24 / 30.0  # a capture's cost: 0.8 s
+    plain = script.plan(base, 10_000.0, **kw)["predicted_s"]
+    reuse = {**base, "percall_steps_per_s": 15.0}
+    assert script.plan(reuse, 10_000.0, **kw)["predicted_s"] == pytest.approx(
+        plain + 10 * 4 * fixed  # SCAFFOLD's 40 device rounds exceed FedPhD's 20
+    )
+    no_scaffold = [m for m in script.METHODS if m != "SCAFFOLD"]
+    assert script.plan(reuse, 10_000.0, **kw, methods=no_scaffold)["predicted_s"] == pytest.approx(
+        plain + 20 * fixed
+    )
+    only_resident = ["FedAvg", "FedAvg (E=1)", "FedDiffuse (USPLIT)"]
+    assert script.plan(reuse, 10_000.0, **kw, methods=only_resident)["predicted_s"] == plain

@@ -7,6 +7,7 @@ graphed run tracks the eager run for every local term a graph captures.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared import training
+from shared import graphed, training
 from shared.algorithms import DeviceContext, make_algorithm
 from shared.algorithms import scaffold as sc
 from shared.algorithms.base import model_state
@@ -24,7 +25,14 @@ from shared.config import RunConfig
 from shared.diffusion import make_train_scheduler
 from shared.graphed import WARMUP_STEPS, _capturable, _restore, batch_indices, train_graphed
 from shared.models import build_unet
-from shared.training import WeightAverage, _graphable, autocast_for, make_optimizer, train_local
+from shared.training import (
+    WeightAverage,
+    _graphable,
+    autocast_for,
+    make_optimizer,
+    resident_settings,
+    train_local,
+)
 from tests.conftest import tiny_config
 
 Hooks = dict[str, Any]
@@ -106,6 +114,137 @@ def test_the_staged_loop_takes_the_eager_loops_steps_bit_for_bit(
         assert torch.equal(p, q), name
     start = build_unet(preset, seed=0)
     assert not torch.equal(next(start.parameters()), next(eager.parameters()))  # it trained
+
+
+def _resident(
+    model: nn.Module, data: torch.Tensor, labels: torch.Tensor | None, cfg: RunConfig,
+    steps: int, generator: torch.Generator, device: str = "cpu",
+) -> float:  # fmt: skip
+    """train_resident on ``device`` (without a capture on the CPU): the mean loss."""
+    on = torch.device(device)
+    total = graphed.train_resident(
+        model, data, labels, batch_size=cfg.train.batch_size, grad_clip=cfg.train.grad_clip,
+        steps=steps, scheduler=make_train_scheduler(cfg.diffusion), generator=generator,
+        device=on, autocast=lambda: autocast_for(cfg.train.precision, on, cache=False),
+        make_opt=lambda ps: make_optimizer(ps, cfg.train), settings=resident_settings(cfg.train),
+        capture=on.type == "cuda",
+    )  # fmt: skip
+    return float(total) / steps
+
+
+def _mean_into(models: list[nn.Module]) -> None:
+    """An aggregation between rounds: every model set to the models' mean."""
+    with torch.no_grad():
+        for ps in zip(*(m.parameters() for m in models), strict=True):
+            mean = torch.stack([p.detach() for p in ps]).mean(0)
+            for p in ps:
+                p.copy_(mean)
+
+
+@pytest.fixture
+def no_resident(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """An empty table of resident steps for the test (restored after it)."""
+    table: dict[str, Any] = {}
+    monkeypatch.setattr(graphed, "_RESIDENT", table)
+    return table
+
+
+@pytest.mark.parametrize(
+    ("conditional", "optimizer", "momentum"),
+    [(False, "adam", 0.0), (True, "adamw", 0.0), (False, "sgd", 0.9)],
+)
+def test_a_resident_step_takes_the_eager_rounds_bit_for_bit(
+    conditional: bool, optimizer: str, momentum: float, no_resident: dict[str, Any]
+) -> None:
+    """Three rounds of two devices (their own data, generators and starting weights, averaged
+    between rounds) through one resident copy of the model give the eager rounds' weights
+    and losses bit for bit: the weights copied in and out, the optimizer's moments and step
+    count zeroed to a fresh optimizer's, the loss sum reset per call."""
+    cfg = _cfg(optimizer=optimizer, momentum=momentum)
+    preset = "fmnist-tiny-cond" if conditional else "fmnist-tiny"
+    sched = make_train_scheduler(cfg.diffusion)
+    sets = [_data(20, seed=0), _data(12, seed=1)]
+    runs = {mode: [build_unet(preset, seed=s) for s in (0, 1)] for mode in ("eager", "resident")}
+    gens = {mode: [torch.Generator().manual_seed(s) for s in (3, 4)] for mode in runs}
+    captures = graphed.CAPTURES
+    for _ in range(3):
+        for i, (data, labels) in enumerate(sets):
+            got = train_local(runs["eager"][i], data, cfg.train, sched, gens["eager"][i],
+                              steps=5, labels=labels)  # fmt: skip
+            loss = _resident(runs["resident"][i], data, labels if conditional else None, cfg,
+                             5, gens["resident"][i])  # fmt: skip
+            assert loss == got.mean_loss
+        for models in runs.values():
+            _mean_into(models)
+    for model in runs["resident"]:
+        assert model.training and all(p.grad is None for p in model.parameters())
+    for e, r in zip(runs["eager"][0].parameters(), runs["resident"][0].parameters(), strict=True):
+        assert torch.equal(e, r)
+    assert list(no_resident) == ["cpu"] and graphed.CAPTURES == captures  # one copy, no graph
+    assert not torch.equal(
+        next(runs["eager"][0].parameters()), next(build_unet(preset, seed=0).parameters())
+    )  # it trained
+
+
+def test_a_resident_step_is_kept_per_device_and_rebuilt_when_its_key_changes(
+    no_resident: dict[str, Any],
+) -> None:
+    """Same architecture and settings: the same resident copy serves another model. Another
+    architecture (a pruned or conditional U-Net), batch size or learning rate: a new copy
+    replaces it, so one is held per device whatever the run trains."""
+    cfg = _cfg()
+    data, labels = _data(16)
+    gen = torch.Generator().manual_seed(0)
+    _resident(build_unet("fmnist-tiny", seed=0), data, None, cfg, 1, gen)
+    first = no_resident["cpu"]
+    _resident(build_unet("fmnist-tiny", seed=1), data, None, cfg, 1, gen)
+    assert no_resident["cpu"] is first
+    _resident(build_unet("fmnist-tiny-cond", seed=0), data, labels, cfg, 1, gen)
+    assert no_resident["cpu"] is not first and len(no_resident) == 1
+    for other in (_cfg(batch_size=4), _cfg(lr=2e-3)):
+        before = no_resident["cpu"]
+        _resident(build_unet("fmnist-tiny", seed=0), data, None, other, 1, gen)
+        assert no_resident["cpu"] is not before
+    # the round's length is not part of the key
+    key = no_resident["cpu"].key
+    longer = _cfg(lr=2e-3, local_steps=9)
+    assert graphed.resident_key(build_unet("fmnist-tiny", seed=0), data, None, 8,
+                                make_train_scheduler(cfg.diffusion),
+                                resident_settings(longer.train)) == key  # fmt: skip
+
+
+def test_train_local_uses_the_resident_step_only_for_a_fresh_optimizer_without_terms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With train.cuda_graph_reuse a round goes to train_resident unless it has a kept
+    optimizer or a local term (those capture per call, as without reuse)."""
+    calls: list[str] = []
+
+    def record(kind: str) -> Any:
+        def called(*_: Any, **__: Any) -> torch.Tensor:
+            calls.append(kind)
+            return torch.zeros((), dtype=torch.float64)
+
+        return called
+
+    monkeypatch.setattr(training, "_graphable", lambda *a: True)
+    monkeypatch.setattr(training, "train_resident", record("resident"))
+    monkeypatch.setattr(training, "train_graphed", record("graphed"))
+    monkeypatch.setattr(training, "placed", lambda m, d: contextlib.nullcontext(m))
+    data, _ = _data(16)
+    cuda = torch.device("cuda")
+    sched = make_train_scheduler(_cfg().diffusion)
+    for reuse in (False, True):
+        cfg = _cfg(cuda_graph=True, cuda_graph_reuse=reuse)
+        model = build_unet("fmnist-tiny", seed=0)
+        train_local(model, data, cfg.train, sched, torch.Generator(), steps=6, device=cuda)
+        opt = make_optimizer(list(model.parameters()), cfg.train)
+        train_local(model, data, cfg.train, sched, torch.Generator(), steps=6, device=cuda,
+                    optimizer=opt)  # fmt: skip
+        for kind in ("prox", "scaffold", "average"):
+            train_local(model, data, cfg.train, sched, torch.Generator(), steps=6, device=cuda,
+                        **_hooks(kind, model))  # fmt: skip
+    assert calls == ["graphed"] * 5 + ["resident"] + ["graphed"] * 4
 
 
 def test_batch_indices_shuffle_per_pass_and_keep_full_batches() -> None:
@@ -297,26 +436,69 @@ def test_graphed_device_rounds_on_cuda_track_the_eager_rounds(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("conditional", [False, True])
+def test_a_resident_graph_on_cuda_tracks_the_eager_rounds(
+    conditional: bool, no_resident: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three rounds of two devices (weights averaged between rounds) from one resident
+    capture end where the same rounds trained eagerly on the GPU do, to float noise far
+    below the distance trained; one capture serves all six rounds, and the models stay on
+    the CPU without gradients."""
+    _exact_cuda(monkeypatch)
+    cfg = _cfg()
+    preset = "fmnist-tiny-cond" if conditional else "fmnist-tiny"
+    sched = make_train_scheduler(cfg.diffusion)
+    sets = [_data(40, seed=0), _data(24, seed=1)]
+    runs = {mode: [build_unet(preset, seed=s) for s in (0, 1)] for mode in ("eager", "resident")}
+    gens = {mode: [torch.Generator().manual_seed(s) for s in (3, 4)] for mode in runs}
+    cuda = torch.device("cuda")
+    captures = graphed.CAPTURES
+    for _ in range(3):
+        for i, (data, labels) in enumerate(sets):
+            got = train_local(runs["eager"][i], data, cfg.train, sched, gens["eager"][i],
+                              steps=10, labels=labels, device=cuda)  # fmt: skip
+            loss = _resident(runs["resident"][i], data, labels if conditional else None, cfg,
+                             10, gens["resident"][i], device="cuda")  # fmt: skip
+            assert loss == pytest.approx(got.mean_loss, rel=1e-3)
+        for models in runs.values():
+            _mean_into(models)
+    assert graphed.CAPTURES - captures == 1
+    for model in runs["resident"]:
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert all(p.grad is None for p in model.parameters())
+    eager, resident = _flat(runs["eager"][0]), _flat(runs["resident"][0])
+    moved = (eager - _flat(build_unet(preset, seed=0))).norm()
+    assert (resident - eager).norm() <= 1e-3 * moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reuse", [False, True], ids=["per-call", "resident"])
 def test_a_graphed_fedphd_federation_prunes_and_trains_on_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reuse: bool, no_resident: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The path a graphed comparison takes, end to end in one process on the GPU: four devices
-    choosing edges train FedPhD's sparse round from graphs, the cloud prunes, and the pruned
-    U-Net (a new architecture: a new capture) trains from graphs in every later round, with
-    finite losses and nothing rejected."""
+    choosing edges train FedPhD's sparse round from graphs (its penalty: a capture per call),
+    the cloud prunes, and the pruned U-Net trains from graphs in every later round (a new
+    capture per call, or with train.cuda_graph_reuse one resident capture for all eight
+    rounds of the four devices), with finite losses and nothing rejected."""
     from estuary.simulate import simulate
 
-    calls: list[int] = []  # parameter count of each graphed round's model
+    calls: list[tuple[str, int]] = []  # the path and parameter count of each graphed round
 
-    def spy(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(sum(p.numel() for p in model.parameters()))
-        return train_graphed(model, *args, **kwargs)
+    def spy(path: str, real: Any) -> Any:
+        def called(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            calls.append((path, sum(p.numel() for p in model.parameters())))
+            return real(model, *args, **kwargs)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(training, "train_graphed", spy)
+        return called
+
+    monkeypatch.setattr(training, "train_graphed", spy("graphed", graphed.train_graphed))
+    monkeypatch.setattr(training, "train_resident", spy("resident", graphed.train_resident))
+    captures = graphed.CAPTURES
     cfg = tiny_config(
         run={"name": "phd-graph", "rounds": 3},
         federation={"num_devices": 4, "num_edges": 2, "assignment": "select"},
-        train={"local_steps": 8, "batch_size": 8, "cuda_graph": True},
+        train={"local_steps": 8, "batch_size": 8, "cuda_graph": True, "cuda_graph_reuse": reuse},
         algorithm={"name": "fedphd", "a": 200.0, "sparse_rounds": 1, "lambda0": 1e-3,
                    "prune_ratio": 0.44},
         compute={"device": "cuda"},
@@ -327,6 +509,7 @@ def test_a_graphed_fedphd_federation_prunes_and_trains_on_after_it(
     assert sum(r["rejected"] for r in rows) == 0
     assert all(math.isfinite(r["train_loss"]) for r in rows)
     assert res.plan is not None and rows[0]["arch"] != "dense"
-    dense = 686_769  # fmnist-tiny
-    assert calls[:4] == [dense] * 4  # round 0: the sparse (dense-shaped) round, graphed
-    assert len(calls) == 12 and set(calls[4:]) == {rows[2]["model_params"]} != {dense}
+    dense, pruned = 686_769, rows[2]["model_params"]  # fmnist-tiny, and after pruning
+    later = "resident" if reuse else "graphed"
+    assert calls == [("graphed", dense)] * 4 + [(later, pruned)] * 8
+    assert graphed.CAPTURES - captures == (5 if reuse else 12)
