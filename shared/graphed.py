@@ -153,18 +153,19 @@ def finish_step(
 
 
 class _Step:
-    """One training step on static buffers: the batch, its noise and timesteps (and labels)
-    live at fixed addresses, filled by :meth:`stage` from the host's draws, and :meth:`body`
-    runs the step on them (what a graph records). ``total`` sums the step losses."""
+    """One training step on static buffers: a batch of ``data`` (with ``labels``, if given),
+    its noise and timesteps live at fixed addresses, filled by :meth:`stage` from the host's
+    draws, and :meth:`body` runs the step on them (what a graph records). ``total`` sums the
+    step losses."""
 
     def __init__(
         self,
         model: nn.Module,
         opt: torch.optim.Optimizer,
         params: list[nn.Parameter],
-        sample: torch.Tensor,
-        label_dtype: torch.dtype | None,
-        batch: int,
+        data: torch.Tensor,
+        labels: torch.Tensor | None,
+        batch_size: int,
         *,
         scheduler: DDPMScheduler,
         device: torch.device,
@@ -177,12 +178,11 @@ class _Step:
         self.model, self.opt, self.params = model, opt, params
         self.scheduler, self.autocast, self.grad_clip = scheduler, autocast, grad_clip
         self.extra_loss, self.grad_hook = extra_loss, grad_hook
-        self.x0 = torch.empty((batch, *sample.shape), dtype=sample.dtype, device=device)
+        b = min(batch_size, data.shape[0])
+        self.x0 = torch.empty((b, *data.shape[1:]), dtype=data.dtype, device=device)
         self.noise = torch.empty_like(self.x0)
-        self.t = torch.empty(batch, dtype=torch.long, device=device)
-        self.y = (
-            None if label_dtype is None else torch.empty(batch, dtype=label_dtype, device=device)
-        )
+        self.t = torch.empty(b, dtype=torch.long, device=device)
+        self.y = None if labels is None else torch.empty(b, dtype=labels.dtype, device=device)
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         self.stager = _Stager([self.x0, self.noise, self.t] + ([] if self.y is None else [self.y]),
                               pinned=pinned)  # fmt: skip
@@ -206,6 +206,21 @@ class _Step:
         finish_step(self.model, self.opt, self.params, loss, self.total,
                     grad_clip=self.grad_clip, extra_loss=self.extra_loss,
                     grad_hook=self.grad_hook)  # fmt: skip
+
+    def eager(
+        self,
+        data: torch.Tensor,
+        labels: torch.Tensor | None,
+        idx: torch.Tensor,
+        generator: torch.Generator,
+        after_step: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        """One whole step without a graph: staged, gradients cleared, run, ``after_step``."""
+        self.stage(data, labels, idx, generator)
+        self.opt.zero_grad(set_to_none=True)
+        self.body()
+        if after_step is not None:
+            after_step(self.model)
 
 
 #: graphs captured in this process (each a warm-up plus one recording): what a reused
@@ -231,11 +246,7 @@ def _warm_and_capture(
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(min(WARMUP_STEPS, steps)):
-            step.stage(data, labels, next(batches), generator)
-            step.opt.zero_grad(set_to_none=True)
-            step.body()
-            if after_step is not None:
-                after_step(step.model)
+            step.eager(data, labels, next(batches), generator, after_step)
     torch.cuda.current_stream(device).wait_stream(side)
     if steps <= WARMUP_STEPS:
         return None
@@ -279,19 +290,14 @@ def train_graphed(
     class-conditional. ``autocast()`` makes the forward pass's autocast context (without
     its weight cache under a graph). Returns the summed DDPM loss (float64, on ``device``)."""
     step = _Step(
-        model, opt, params, data[0], None if labels is None else labels.dtype,
-        min(batch_size, data.shape[0]), scheduler=scheduler, device=device,
+        model, opt, params, data, labels, batch_size, scheduler=scheduler, device=device,
         autocast=autocast, grad_clip=grad_clip, extra_loss=extra_loss, grad_hook=grad_hook,
         pinned=capture,
     )  # fmt: skip
     batches = batch_indices(data.shape[0], batch_size, steps, generator)
     if not capture:  # the staged loop on any device, every step eager
         for idx in batches:
-            step.stage(data, labels, idx, generator)
-            opt.zero_grad(set_to_none=True)
-            step.body()
-            if after_step is not None:
-                after_step(model)
+            step.eager(data, labels, idx, generator, after_step)
         return step.total
 
     before = _capturable(opt, device)
@@ -385,9 +391,8 @@ def train_resident(
             if capture:
                 _capturable(opt, device)
             res = _Resident(key, _Step(
-                twin, opt, params, data[0], None if labels is None else labels.dtype,
-                min(batch_size, data.shape[0]), scheduler=scheduler, device=device,
-                autocast=autocast, grad_clip=grad_clip, pinned=capture,
+                twin, opt, params, data, labels, batch_size, scheduler=scheduler,
+                device=device, autocast=autocast, grad_clip=grad_clip, pinned=capture,
             ))  # fmt: skip
             _RESIDENT[str(device)] = res
         step = res.step
@@ -402,12 +407,11 @@ def train_resident(
         if capture and res.graph is None:
             res.graph = _warm_and_capture(step, data, labels, batches, generator, steps, device)
         for idx in batches:
-            step.stage(data, labels, idx, generator)
-            if res.graph is not None:
+            if res.graph is None:  # the staged loop without a graph (capture=False: the CPU's)
+                step.eager(data, labels, idx, generator)
+            else:
+                step.stage(data, labels, idx, generator)
                 res.graph.replay()
-            else:  # the staged loop without a graph (capture=False: how the CPU tests it)
-                step.opt.zero_grad(set_to_none=True)
-                step.body()
         with torch.no_grad():
             _copy_state(step.model, model)
         return step.total.clone()

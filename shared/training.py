@@ -205,8 +205,8 @@ def train_local(
     on = device if device is not None and device.type != "cpu" else None
     autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
     graphed = _graphable(cfg, on, loss_fn, steps)
-    hooks = (optimizer, extra_loss, grad_hook, after_step)
-    if graphed and cfg.cuda_graph_reuse and all(h is None for h in hooks):
+    per_call = (optimizer, extra_loss, grad_hook, after_step)  # what a reused capture lacks
+    if graphed and cfg.cuda_graph_reuse and all(h is None for h in per_call):
         assert on is not None
         total = train_resident(
             model, data, labels if conditional else None, batch_size=cfg.batch_size,
