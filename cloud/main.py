@@ -37,6 +37,7 @@ from shared.runtime import (
     setup_logging,
 )
 from shared.service import TensorDict
+from shared.training import set_deterministic
 
 log = logging.getLogger("cloud")
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_role_config(args)
         set_torch_threads(0)  # evaluation: torch's default, within this process's CPU limit
+        set_deterministic(cfg.compute.deterministic)  # sampling for evaluation and grids
         check_round_start_fits(cfg)
         # refused before the run directory changes (a refused resume keeps its config.json)
         resumed = None if args.fresh else resume_point(cfg, Path(args.out))

@@ -98,9 +98,11 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     from shared.algorithms import make_algorithm
     from shared.data import to_model_input
     from shared.naming import device_index, home_edge
+    from shared.training import set_deterministic
 
     index = device_index(args.id, cfg)
     set_torch_threads(cfg.train.threads)
+    set_deterministic(cfg.compute.deterministic)
     data = device_data(cfg, index)
     bus = connect_bus(cfg, "device", args.id, cache)
     device = DeviceAgent(

@@ -103,6 +103,7 @@ from shared.training import (
     make_optimizer,
     num_local_steps,
     resolve_device,
+    set_deterministic,
     train_local,
 )
 
@@ -148,6 +149,9 @@ class MethodRun:
     #: was kept). The float reduction order, hence the trajectory, depends on it: FedAvg (E=1)
     #: of compare_cpu_tiny_xlong.toml on one thread and on two differs by up to 30 FID
     threads: int | None = None
+    #: whether it ran with deterministic kernels only (``compute.deterministic``; None: a
+    #: record from before this was kept): a GPU run repeats bit for bit only then
+    deterministic: bool | None = None
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -346,6 +350,7 @@ def run_centralized(
     in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.). ``init`` is
     the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
     set_torch_threads(cfg.train.threads)
+    set_deterministic(cfg.compute.deterministic)
     prepare_run_dir(cfg, run_dir)
     data, parts = split_dataset(cfg, progress=progress)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
@@ -428,6 +433,7 @@ def run_method(
             m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
         )
     run.threads = torch.get_num_threads()  # as the run set them (train.threads)
+    run.deterministic = torch.are_deterministic_algorithms_enabled()
     save_record(run, evaluate=evaluate, init=init)
     return run
 
@@ -486,6 +492,7 @@ def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> N
         "wall_s": run.wall_s,
         "steps": run.steps,
         "torch_threads": run.threads,
+        "deterministic": run.deterministic,
     }
     atomic_write(run.run_dir / RECORD, json.dumps(doc).encode())
 
@@ -538,7 +545,11 @@ def load_record(
     threads = doc.get("torch_threads")
     if not (threads is None or (type(threads) is int and threads > 0)):
         return None, f"{path}: torch_threads {threads!r} is not a positive integer"
-    run = MethodRun(m, run_dir, rows, traffic, plan, float(wall_s), steps, threads=threads)
+    deterministic = doc.get("deterministic")
+    if not (deterministic is None or isinstance(deterministic, bool)):
+        return None, f"{path}: deterministic {deterministic!r} is not true or false"
+    run = MethodRun(m, run_dir, rows, traffic, plan, float(wall_s), steps, threads=threads,
+                    deterministic=deterministic)  # fmt: skip
     return run, "finished earlier"
 
 
@@ -848,6 +859,7 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "local_steps": sum(run.steps),
             "wall_s": run.wall_s,
             "torch_threads": run.threads,
+            "deterministic": run.deterministic,
             "run_dir": run.run_dir.name,
             "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
         }
@@ -929,6 +941,15 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
                 + " (a CPU run repeats bit for bit at the same thread count, not across counts)"
             ]
             if any(r.get("torch_threads") for r in rows)
+            else []
+        ),
+        *(
+            [
+                "deterministic kernels (compute.deterministic): "
+                + ", ".join(r["method"] for r in rows if r.get("deterministic"))
+                + " (a GPU run repeats bit for bit only with them)"
+            ]
+            if any(r.get("deterministic") for r in rows)
             else []
         ),
         "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "

@@ -35,6 +35,7 @@ from shared.naming import device_name, edge_ids, home_edge
 from shared.partition import label_count_matrix, split_dataset
 from shared.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.report import plot_report
+from shared.training import set_deterministic
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def simulate(
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
     set_torch_threads(cfg.train.threads)
+    set_deterministic(cfg.compute.deterministic)
     # first: a refused split leaves no run directory
     data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: check the CUDA-graph training paths (per-round captures, then
-# the resident capture kept across rounds, each with its own gate), time their per-step and
+# One GPU lease, one command: check that compute.deterministic repeats a GPU run bit for bit
+# (reported, not a gate), check the CUDA-graph training paths (per-round captures, then the
+# resident capture kept across rounds, each with its own gate), time their per-step and
 # per-round costs on fmnist-tiny (under a minute), then run the issue-4 comparison with what
 # passed (eagerly if the graph tests fail) in the time that is left.
 #
@@ -33,9 +34,13 @@ else
   bench_args=(--presets fmnist-tiny --repeats 3 --steps 24 --long-steps 96)
 fi
 
+# compute.deterministic: two GPU runs must end on the same bits (not a gate: reported only)
+timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
+  tests/test_determinism.py 2>&1 | tee "$OUT/gpu_tests.log"
+
 graph=()
 if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
-    -k "not resident" tests/test_graphed.py 2>&1 | tee "$OUT/gpu_tests.log"; then
+    -k "not resident" tests/test_graphed.py 2>&1 | tee -a "$OUT/gpu_tests.log"; then
   graph=(--cuda-graph)
   # the resident capture (train.cuda_graph_reuse) has its own gate: graphs without it else
   if timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \

@@ -356,6 +356,11 @@ class ComputeSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="local training: cuda when available (auto), or forced"
     )
+    deterministic: bool = Field(
+        False,
+        description="deterministic kernels only (cuDNN, cuBLAS, torch's strict deterministic "
+        "mode): a GPU run repeats bit for bit, somewhat slower",
+    )
 
 
 class DeploySection(_Section):

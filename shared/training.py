@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -116,6 +117,30 @@ def resolve_device(name: str) -> torch.device:
             "GPU passed into the container, or no driver); use 'auto' to fall back to the CPU"
         )
     return torch.device("cuda")
+
+
+#: cuBLAS's workspace setting that makes its matrix products repeat bit for bit (NVIDIA's
+#: cuBLAS guide, "Results reproducibility"); torch's deterministic mode asks for it on CUDA
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+
+
+def set_deterministic(enabled: bool) -> None:
+    """``compute.deterministic``: when ``enabled``, this process runs deterministic kernels
+    only, so a GPU run repeats bit for bit (a CPU run does already, at one thread count):
+    cuDNN's deterministic convolutions without autotuning, cuBLAS's fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``, unless the environment set one; it must be set before the
+    process's first cuBLAS call, hence at start-up) and torch's deterministic mode, strict:
+    an operation without a deterministic kernel stops the run with torch's error naming it.
+    Strict also because some kernels choose by it: the memory-efficient attention's
+    backward on a GPU (what fp32 attention runs) takes its deterministic path only then,
+    and merely warns under ``warn_only``. Process-wide and one-way: ``False`` leaves torch's
+    settings as they are, so a caller that made them exact keeps them."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def autocast_for(

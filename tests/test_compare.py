@@ -20,6 +20,7 @@ from estuary.compare import (
     _curves,
     _quality,
     load_compare,
+    markdown,
     parse_compare,
     run_compare,
 )
@@ -277,6 +278,12 @@ def test_finished_methods_are_reused_and_bad_records_ignored(
     assert {r["torch_threads"] for r in json.loads(table)["rows"]} == {torch.get_num_threads()}
     n = torch.get_num_threads()
     assert f"torch threads: FedAvg {n}, " in (out / "table.md").read_text()
+    # and whether its kernels were deterministic only (compute.deterministic; off here)
+    assert {r["deterministic"] for r in json.loads(table)["rows"]} == {False}
+    assert "deterministic kernels" not in (out / "table.md").read_text()
+    marked = [{**r, "deterministic": r["method"] == "FedAvg"} for r in json.loads(table)["rows"]]
+    said = markdown(marked, load_compare(cfg))
+    assert "deterministic kernels (compute.deterministic): FedAvg (a GPU run" in said
 
     # same config, same directory: nothing trains again, and the table is the same
     again = run_compare(load_compare(cfg), out, progress=True)
@@ -494,6 +501,18 @@ def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Pa
     (run_dir / "method.json").write_text(json.dumps({**doc, "torch_threads": "2"}))
     done, why = load_record(m, run_dir, evaluate=True)
     assert done is None and "torch_threads '2' is not a positive integer" in why
+
+    # so is whether it ran with deterministic kernels only
+    save_record(MethodRun(m, run_dir, rows, {}, None, 1.0, steps, deterministic=True),
+                evaluate=True)  # fmt: skip
+    done, _ = load_record(m, run_dir, evaluate=True)
+    assert done is not None and done.deterministic is True
+    (run_dir / "method.json").write_text(json.dumps(doc))  # a record from before it was kept
+    done, _ = load_record(m, run_dir, evaluate=True)
+    assert done is not None and done.deterministic is None
+    (run_dir / "method.json").write_text(json.dumps({**doc, "deterministic": "yes"}))
+    done, why = load_record(m, run_dir, evaluate=True)
+    assert done is None and "deterministic 'yes' is not true or false" in why
 
 
 def _shrunk(doc: dict[str, Any]) -> dict[str, Any]:
