@@ -397,7 +397,9 @@ def train_resident(
             _RESIDENT[str(device)] = res
         step = res.step
         with torch.no_grad():
-            _copy_state(model, step.model)
+            # in place (load_state_dict copies into the existing tensors): the addresses the
+            # graph recorded stay valid
+            step.model.load_state_dict(model.state_dict())
             for state in step.opt.state.values():  # a fresh optimizer's moments and count
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
@@ -412,14 +414,5 @@ def train_resident(
             else:
                 step.stage(data, labels, idx, generator)
                 res.graph.replay()
-        with torch.no_grad():
-            _copy_state(step.model, model)
+        model.load_state_dict(step.model.state_dict())
         return step.total.clone()
-
-
-def _copy_state(src: nn.Module, dst: nn.Module) -> None:
-    """Copy ``src``'s parameters and buffers into ``dst``'s, in place, by name (the same
-    architecture: :func:`resident_key` matched)."""
-    source = src.state_dict()
-    for name, tensor in dst.state_dict().items():
-        tensor.copy_(source[name])
