@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from shared.config import RunConfig
-from shared.diffusion import make_train_scheduler
-from shared.models import build_unet
-from shared.training import train_local
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import train_local
+from shared.models.presets import build_unet
 
 
 def alternate_rounds(

@@ -17,7 +17,7 @@ Two measurements, each against the real alternative in the same run:
    the 2-core VM this was written on); "transport only" runs the layer's request and chunk
    stream into a bus that only counts chunks (no hashing or assembly), to separate the
    transport path from the verification work. The layer's buses receive with
-   :class:`shared.paho_lean.LeanClient` (paho's client with a one-copy PUBLISH decode) as
+   :class:`shared.transport.paho_lean.LeanClient` (paho's client with a one-copy PUBLISH decode) as
    they do in a deployment; the raw legs use paho's own ``mqtt.Client`` unchanged.
 The sending side (the blob layer's sender bus and the raw paho publisher) runs in a child
 process, as the cloud does in a deployment, so the two sides do not share one interpreter.
@@ -56,10 +56,10 @@ import paho.mqtt
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from shared.broker import LocalBroker, find_mosquitto
-from shared.codec import sha256_hex
 from shared.config import BrokerSection
-from shared.mqtt import QOS, MqttBus, chunk_count
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.mqtt import QOS, MqttBus, chunk_count
+from shared.wire.codec import sha256_hex
 
 MIB = 1 << 20
 RUN = "bench"
@@ -75,8 +75,8 @@ BAR_RATIO = 0.8
 def make_blob(size_mib: float | None, seed: int) -> tuple[bytes, str]:
     """The real ddpm-cifar10 state (``size_mib`` None) or that many MiB of seeded random bytes."""
     if size_mib is None:
-        from shared.codec import encode_tensors
-        from shared.models import build_unet
+        from shared.models.presets import build_unet
+        from shared.wire.codec import encode_tensors
 
         return encode_tensors(build_unet("ddpm-cifar10", seed=seed).state_dict()), "ddpm-cifar10"
     return random.Random(seed).randbytes(int(size_mib * MIB)), f"random {size_mib:g} MiB"
@@ -140,7 +140,7 @@ def transport_only(
     transport path from the verification work a real fetch does."""
     import queue as queue_mod
 
-    from shared.mqtt import _Fetch
+    from shared.transport.mqtt import _Fetch
 
     n = chunk_count(size, settings.chunk_bytes)
     receiver = connect_bus(settings, "edge/edge0", f"bench-tonly-{tag}")
@@ -594,7 +594,7 @@ def main() -> None:
             "chunks": n,
             "qos": QOS,
             "raw_max_inflight_messages": RAW_INFLIGHT,
-            "broker": "mosquitto (shared.broker.LocalBroker) on loopback",
+            "broker": "mosquitto (shared.transport.local_broker.LocalBroker) on loopback",
             "topology": "sender bus and raw publisher in one child process; receivers in the "
             "parent process (fan-out: 8 receiver buses or paho subscribers on threads of it)",
             "bus": settings.model_dump(),

@@ -2,10 +2,10 @@
 
 A container's CPU limit (Kubernetes ``resources.limits.cpu``, ``docker run --cpus``) is a
 cgroup CFS quota that torch does not see: it starts a thread per visible core, and the
-kernel throttles them. Estuary caps the count at the limit (:mod:`shared.cpu`). This runs
+kernel throttles them. Estuary caps the count at the limit (:mod:`shared.runtime.cpu`). This runs
 the same local training (fmnist-tiny, batch 32, Fashion-MNIST) in a real cgroup allowed
 ``--cpus`` CPUs, alternately with torch's default thread count (what a role did before) and
-with :func:`shared.cpu.set_torch_threads` (``train.threads = 0``), and reports the median
+with :func:`shared.runtime.cpu.set_torch_threads` (``train.threads = 0``), and reports the median
 of the per-pair time ratios. Needs root and a writable cgroup file system (v1 ``cpu`` or v2).
 
     sudo python benchmarks/cpu_limit_threads.py --cpus 1 --repeats 5 \
@@ -35,11 +35,11 @@ def worker(mode: str, steps: int, host_threads: int) -> None:
     import torch
 
     from shared.config import config_from_dict
-    from shared.cpu import set_torch_threads
-    from shared.data import load_dataset, to_model_input
-    from shared.diffusion import make_train_scheduler
-    from shared.models import build_unet
-    from shared.training import train_local
+    from shared.data.datasets import load_dataset, to_model_input
+    from shared.diffusion.schedule import make_train_scheduler
+    from shared.diffusion.training import train_local
+    from shared.models.presets import build_unet
+    from shared.runtime.cpu import set_torch_threads
 
     if host_threads:
         torch.set_num_threads(host_threads)  # torch's default on a host_threads-core node

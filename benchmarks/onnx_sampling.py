@@ -31,14 +31,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from device_agent.sampling import OnnxGenerator
 from shared.config import config_from_dict
-from shared.data import load_dataset, to_model_input
-from shared.diffusion import ddim_sample, make_train_scheduler
-from shared.export import export_module
-from shared.models import build_unet, count_params
-from shared.pruning import channel_plan, prune_unet
-from shared.training import train_local
+from shared.data.datasets import load_dataset, to_model_input
+from shared.deploy.export import export_module
+from shared.deploy.onnx_sampler import OnnxGenerator
+from shared.diffusion.schedule import ddim_sample, make_train_scheduler
+from shared.diffusion.training import train_local
+from shared.models.plan import channel_plan
+from shared.models.presets import build_unet, count_params
+from shared.models.pruning import prune_unet
 
 
 def prepare(preset: str, sp: float, train_steps: int, out: Path) -> tuple[nn.Module, dict]:

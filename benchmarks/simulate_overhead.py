@@ -23,11 +23,11 @@ import torch
 
 from estuary.simulate import simulate
 from shared.config import RunConfig, config_from_dict
-from shared.data import load_dataset, to_model_input
-from shared.diffusion import make_train_scheduler
-from shared.models import build_unet
-from shared.partition import make_partition
-from shared.training import resolve_device, train_local
+from shared.data.datasets import load_dataset, to_model_input
+from shared.data.partition import make_partition
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import resolve_device, train_local
+from shared.models.presets import build_unet
 
 
 def bench_config(rounds: int, steps: int) -> RunConfig:

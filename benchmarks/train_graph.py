@@ -1,8 +1,8 @@
 """Local training replayed from a CUDA graph against eager training, in one run, on one GPU.
 
 ``train.cuda_graph = true`` captures a local round's training step once (after three eager
-warm-up steps) and replays it (:mod:`shared.graphed`). This times the real local round
-(:func:`shared.training.train_local`: CPU-drawn batches and noise, the model moved to the
+warm-up steps) and replays it (:mod:`shared.diffusion.cuda_graph`). This times the real local round
+(:func:`shared.diffusion.training.train_local`: CPU-drawn batches and noise, the model moved to the
 GPU and back, the capture itself included) per preset at the comparison's batch, alternating
 eager and graphed rounds so drift in clocks or neighbours hits both, and reports the median
 of the per-pair step-rate ratios with each side's median steps per second.

@@ -1,8 +1,8 @@
 """Local training in bf16 autocast against plain fp32, in one run, on one device.
 
 ``train.precision = "bf16"`` runs a device's forward passes under bf16 autocast
-(:func:`shared.training.autocast_for`). This times the real local round
-(:func:`shared.training.train_local`: CPU-drawn batches and noise, the model moved to the
+(:func:`shared.diffusion.training.autocast_for`). This times the real local round
+(:func:`shared.diffusion.training.train_local`: CPU-drawn batches and noise, the model moved to the
 device and back) of the comparison's model at the comparison's batch, alternating fp32 and
 bf16 rounds so drift in clocks or neighbours hits both, and reports the median of the
 per-pair step-rate ratios with each side's median steps per second.

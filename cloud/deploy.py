@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.atomic import atomic_write
-from shared.errors import EstuaryError
-from shared.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
-from shared.service import RoleService
-from shared.signing import (
+from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
     check_model_bytes,
@@ -26,6 +23,9 @@ from shared.signing import (
     sign_manifest,
     verify_manifest,
 )
+from shared.errors import EstuaryError
+from shared.runtime.service import RoleService
+from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def deploy_when_trained(
         log.warning("deploy.signing_key is not set: the trained model will not be deployed "
                     "(generate keys with `estuary keys`)")  # fmt: skip
         return
-    from shared.signing import load_private_key
+    from shared.deploy.signing import load_private_key
 
     key = load_private_key(cfg.deploy.signing_key)
     publisher = DeploymentPublisher(cloud, key)
@@ -165,7 +165,7 @@ def deploy_when_trained(
             finish()
 
     def on_trained() -> None:
-        from shared.export import ExportError, export_module
+        from shared.deploy.export import ExportError, export_module
 
         try:
             result = export_module(

@@ -18,16 +18,18 @@ from pathlib import Path
 from cloud.deploy import deploy_when_trained
 from cloud.service import CloudServer, RoundSummary, check_round_start_fits
 from shared.algorithms import make_algorithm
-from shared.arch import Plan
-from shared.checkpoint import atomic_write, latest_checkpoint_path, load_checkpoint
+from shared.atomic import atomic_write
 from shared.config import RunConfig
-from shared.cpu import set_torch_threads
+from shared.diffusion.training import set_deterministic
 from shared.errors import ConfigError, EstuaryError
+from shared.evaluation.recorder import RunRecorder, prepare_run_dir
+from shared.evaluation.report import last_quality, plot_report
 from shared.lifetime import die_with_parent
-from shared.models import init_fingerprint, initial_unet
-from shared.recorder import RunRecorder, prepare_run_dir
-from shared.report import last_quality, plot_report
-from shared.runtime import (
+from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+from shared.models.init import init_fingerprint, initial_unet
+from shared.models.plan import Plan
+from shared.runtime.cpu import set_torch_threads
+from shared.runtime.process import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,
@@ -36,8 +38,7 @@ from shared.runtime import (
     serve_metrics,
     setup_logging,
 )
-from shared.service import TensorDict
-from shared.training import set_deterministic
+from shared.runtime.service import TensorDict
 
 log = logging.getLogger("cloud")
 

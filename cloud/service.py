@@ -24,14 +24,17 @@ import torch
 from torch import nn
 
 from shared.algorithms import Algorithm, Update
-from shared.arch import Plan, build_model, plan_digest
-from shared.bus import Bus, Timer
-from shared.checkpoint import model_digest, save_checkpoint
-from shared.codec import spec_of
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES, histogram_problem
+from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
-from shared.messages import (
+from shared.models.checkpoint import model_digest, save_checkpoint
+from shared.models.init import init_fingerprint
+from shared.models.plan import Plan, build_model, plan_digest
+from shared.naming import device_name, edge_ids
+from shared.runtime.service import RoleService, TensorDict
+from shared.transport.bus import Bus, Timer
+from shared.wire.codec import spec_of
+from shared.wire.messages import (
     MAX_MESSAGE_BYTES,
     BlobRef,
     CloudState,
@@ -41,9 +44,6 @@ from shared.messages import (
     RoundStart,
     encode,
 )
-from shared.models import init_fingerprint
-from shared.naming import device_name, edge_ids
-from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def largest_round_start(cfg: RunConfig) -> int:
     devices pick their edge, as participants); every edge's label counts at 12 digits; and,
     when the cloud prunes, the dense channel plan (a pruned plan has the same entries with
     smaller numbers)."""
-    from shared.pruning import dense_plan
+    from shared.models.plan import dense_plan
 
     fed = cfg.federation
     k = max(1, math.ceil(fed.participation * fed.num_devices - 1e-9))
@@ -151,7 +151,7 @@ class CloudServer(RoleService):
         init: str | None = INIT_FROM_CONFIG,
     ) -> None:
         super().__init__("cloud", cfg, bus)
-        #: what the run started from, by content (:func:`~shared.models.init_fingerprint`),
+        #: what the run started from, by content (:func:`~shared.models.init.init_fingerprint`),
         #: recorded in every checkpoint: ``init`` as given (a resumed run passes its
         #: checkpoint's, None where that has none), or by default ``model.init`` as it is now
         if init == INIT_FROM_CONFIG:

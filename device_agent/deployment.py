@@ -26,20 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from device_agent.sampling import (
-    OWN_MODEL_FILE,
-    OWN_RECORD_FILE,
-    OnnxGenerator,
-    SampleStats,
-    save_grid,
-)
+from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
 from shared.atomic import atomic_write
-from shared.bus import Bus
 from shared.config import RunConfig
-from shared.errors import CodecError, EstuaryError, TransportError
-from shared.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
-from shared.service import RoleService
-from shared.signing import (
+from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
+from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
     SignatureError,
@@ -48,6 +39,10 @@ from shared.signing import (
     verify_manifest,
     write_signed,
 )
+from shared.errors import CodecError, EstuaryError, TransportError
+from shared.runtime.service import RoleService
+from shared.transport.bus import Bus
+from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
-from shared.cpu import set_torch_threads
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
-from shared.runtime import (
+from shared.runtime.cpu import set_torch_threads
+from shared.runtime.process import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,
@@ -28,9 +28,9 @@ from shared.runtime import (
     setup_logging,
 )
 
-if TYPE_CHECKING:  # shared.data imports torch, which a sampling-only device lacks
+if TYPE_CHECKING:  # shared.data.datasets imports torch, which a sampling-only device lacks
     from shared.config import RunConfig
-    from shared.data import ImageDataset
+    from shared.data.datasets import ImageDataset
 
 log = logging.getLogger("device_agent")
 
@@ -96,9 +96,9 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 
     from device_agent.service import DeviceAgent
     from shared.algorithms import make_algorithm
-    from shared.data import to_model_input
+    from shared.data.datasets import to_model_input
+    from shared.diffusion.training import set_deterministic
     from shared.naming import device_index, home_edge
-    from shared.training import set_deterministic
 
     index = device_index(args.id, cfg)
     set_torch_threads(cfg.train.threads)
@@ -127,9 +127,9 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     ``data.path``: ``data.local_dir``, or ``data.local_dir/<device id>`` where that exists,
     the layout ``simulate`` reads; at most ``data.max_samples_per_device`` of them), or its
     share of the config's dataset (the seeded split ``estuary simulate`` makes)."""
+    from shared.data.partition import device_folder, split_dataset
     from shared.errors import ConfigError
     from shared.naming import device_name
-    from shared.partition import device_folder, split_dataset
 
     if cfg.data.own_folders:
         if not cfg.data.local_dir:

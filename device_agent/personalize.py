@@ -18,10 +18,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import PersonalizeError, PersonalModel
-from shared.arch import build_model, plan_digest
-from shared.codec import decode_tensors
+from shared.deploy.export import check_parity, to_onnx
 from shared.errors import EstuaryError
-from shared.export import check_parity, to_onnx
+from shared.models.plan import build_model, plan_digest
+from shared.wire.codec import decode_tensors
 
 if TYPE_CHECKING:
     from device_agent.service import DeviceAgent

@@ -28,13 +28,14 @@ from device_agent.state import (
 )
 from shared.algorithms import Algorithm, DeviceContext, LocalResult
 from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
-from shared.arch import Plan, build_model, check_plan, model_spec, plan_digest
-from shared.bus import Bus, Timer
-from shared.codec import check_spec
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES, histogram_problem
+from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError
-from shared.messages import (
+from shared.models.plan import Plan, build_model, check_plan, model_spec, plan_digest
+from shared.runtime.service import RoleService
+from shared.transport.bus import Bus, Timer
+from shared.wire.codec import check_spec
+from shared.wire.messages import (
     DeviceHello,
     DeviceJoin,
     DeviceUpdate,
@@ -42,7 +43,6 @@ from shared.messages import (
     Presence,
     RoundStart,
 )
-from shared.service import RoleService
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shared.atomic import atomic_write
-from shared.codec import decode_tensors, encode_tensors
+from shared.wire.codec import decode_tensors, encode_tensors
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from edge_node.service import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.cpu import set_torch_threads
 from shared.errors import ConfigError, EstuaryError
 from shared.lifetime import die_with_parent
 from shared.naming import edge_ids
-from shared.runtime import (
+from shared.runtime.cpu import set_torch_threads
+from shared.runtime.process import (
     EXIT_ERROR,
     add_common_args,
     connect_bus,

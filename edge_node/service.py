@@ -23,12 +23,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from shared.algorithms import Algorithm, Update
-from shared.arch import Plan, check_plan, model_spec, plan_digest
-from shared.bus import Bus, Timer
-from shared.codec import TensorSpec, encode_tensors, sha256_hex
 from shared.config import RunConfig
-from shared.data import NUM_CLASSES, histogram_problem
-from shared.messages import (
+from shared.data.datasets import NUM_CLASSES, histogram_problem
+from shared.models.plan import Plan, check_plan, model_spec, plan_digest
+from shared.runtime.service import RoleService, TensorDict
+from shared.transport.bus import Bus, Timer
+from shared.wire.codec import TensorSpec, encode_tensors, sha256_hex
+from shared.wire.messages import (
     MAX_COUNT,
     BlobRef,
     DeviceHello,
@@ -40,7 +41,6 @@ from shared.messages import (
     Presence,
     RoundStart,
 )
-from shared.service import RoleService, TensorDict
 
 log = logging.getLogger(__name__)
 

@@ -106,10 +106,10 @@ def _role_main(module: str, argv: list[str]) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from shared.algorithms import make_algorithm
-    from shared.checkpoint import latest_checkpoint_path, load_checkpoint
     from shared.config import with_overrides
-    from shared.evaluation import Evaluator, model_from_state
-    from shared.training import resolve_device
+    from shared.diffusion.training import resolve_device
+    from shared.evaluation.evaluator import Evaluator, model_from_state
+    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 
     run_dir = Path(args.run_dir)
     path = latest_checkpoint_path(run_dir / "checkpoints") if run_dir.is_dir() else run_dir
@@ -145,15 +145,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from shared.models import build_unet, model_info
+    from shared.models.presets import build_unet, model_info
 
     if args.prune_sp is None:
         info = model_info(args.preset).to_dict()
     else:
         from torch import nn
 
-        from shared.models import state_spec
-        from shared.pruning import prune_unet
+        from shared.models.presets import state_spec
+        from shared.models.pruning import prune_unet
 
         def pruned() -> nn.Module:
             dense = build_unet(args.preset, seed=args.prune_seed)

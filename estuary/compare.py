@@ -33,7 +33,7 @@ tables, work too); an unknown section or key is a :class:`ConfigError` naming it
 ``ESTUARY__SECTION__KEY`` environment overrides apply to the base; a method's overrides win.
 Methods may not change the split (``data.*``, ``federation.num_devices``, ``run.seed``).
 The output directory gets one run directory per method, ``table.md``/``.csv``/``.json``
-(:mod:`shared.accounting` defines every byte and cost column) and ``quality.png`` /
+(:mod:`shared.metrics.accounting` defines every byte and cost column) and ``quality.png`` /
 ``bytes.png``. Rounds differ in length between methods (FedAvg with E = 5 trains five times
 longer per round than E = 1), so both plots put total local steps (all devices) on the x axis.
 
@@ -79,26 +79,13 @@ import torch
 
 from cloud.service import sample_participants
 from estuary.launcher import stop_processes
-from shared import accounting as acc
-from shared.accounting import Distances
 from shared.algorithms import make_algorithm
-from shared.arch import build_model
-from shared.checkpoint import atomic_write, save_checkpoint
+from shared.atomic import atomic_write
 from shared.config import RunConfig, apply_env_overrides, config_from_dict
-from shared.cpu import cpu_budget, set_torch_threads
-from shared.data import to_model_input
-from shared.diffusion import make_train_scheduler
-from shared.errors import ConfigError, EstuaryError
-from shared.evaluation import Evaluator
-from shared.lifetime import die_with_parent_preexec
-from shared.models import check_trainable, init_fingerprint, initial_unet, model_info
-from shared.naming import device_name
-from shared.partition import split_dataset
-from shared.pruning import PRUNING_RECIPE, channel_plan, prune_unet
-from shared.recorder import prepare_run_dir
-from shared.report import plot_report
-from shared.runtime import interrupts_as_keyboard
-from shared.training import (
+from shared.data.datasets import to_model_input
+from shared.data.partition import split_dataset
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import (
     WeightAverage,
     make_optimizer,
     num_local_steps,
@@ -106,6 +93,21 @@ from shared.training import (
     set_deterministic,
     train_local,
 )
+from shared.errors import ConfigError, EstuaryError
+from shared.evaluation.evaluator import Evaluator
+from shared.evaluation.recorder import prepare_run_dir
+from shared.evaluation.report import plot_report
+from shared.lifetime import die_with_parent_preexec
+from shared.metrics import accounting as acc
+from shared.metrics.accounting import Distances
+from shared.models.checkpoint import save_checkpoint
+from shared.models.init import init_fingerprint, initial_unet
+from shared.models.plan import build_model, channel_plan
+from shared.models.presets import check_trainable, model_info
+from shared.models.pruning import PRUNING_RECIPE, prune_unet
+from shared.naming import device_name
+from shared.runtime.cpu import cpu_budget, set_torch_threads
+from shared.runtime.process import interrupts_as_keyboard
 
 SPLIT_KEYS = ("data", "federation.num_devices", "run.seed")
 
@@ -346,8 +348,9 @@ def run_centralized(
 
     It is ordinary centralized training: one optimizer for the whole run (its state carries
     over the evaluation points). With ``ema`` > 0 the evaluated and checkpointed model is the
-    exponential moving average of the weights (:class:`~shared.training.WeightAverage`), as
-    in FedPhD's centralized baseline (seed 000, section V-A, after Ho et al.). ``init`` is
+    exponential moving average of the weights
+    (:class:`~shared.diffusion.training.WeightAverage`), as in FedPhD's centralized baseline
+    (seed 000, section V-A, after Ho et al.). ``init`` is
     the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
@@ -414,7 +417,7 @@ def run_method(
     """Simulate (or train centrally) one method into ``out / m.slug``, and record it there
     (``method.json``) once it has finished. ``sizes`` (the devices' sample counts, shared
     by every method of a comparison) saves splitting the data again to count steps; ``init``
-    is the :func:`~shared.models.init_fingerprint` taken before the run (default: now)."""
+    is the :func:`~shared.models.init.init_fingerprint` taken before the run (default: now)."""
     from estuary.simulate import simulate
 
     init = init or _fingerprint(m)
@@ -647,7 +650,7 @@ JOB_STOP_S = 10.0
 
 def _job_threads(jobs: int) -> str:
     """The CPU threads each of ``jobs`` processes gets (an equal share of
-    :func:`~shared.cpu.cpu_budget`, at least one)."""
+    :func:`~shared.runtime.cpu.cpu_budget`, at least one)."""
     return str(max(1, cpu_budget() // jobs))
 
 
@@ -787,7 +790,7 @@ def _per_participant_steps(run: MethodRun) -> float:
 
 
 def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str, Any]:
-    """Byte and cost columns of a federated run (see :mod:`shared.accounting`)."""
+    """Byte and cost columns of a federated run (see :mod:`shared.metrics.accounting`)."""
     cfg, d = run.method.cfg, spec.distances
     fed, flat = cfg.federation, acc.is_flat(cfg.federation)
     ps = acc.periods(run.rows)
@@ -959,7 +962,8 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
         "device<->edge when r_e = r_g, the edges being the cloud's ingress); "
         f"weighted cost = 0.02*d_c*MiB(cloud link) + 0.002*d_e*MiB(edge link), d_e = {d.d_e}, "
         f"d_c = {d.d_c}, per window = {spec.reference}'s central aggregation of local compute; "
-        "Table IV rule = V*C*payload*(k_c*0.02*d_c + k_e*0.002*d_e) (shared/accounting.py). "
+        "Table IV rule = V*C*payload*(k_c*0.02*d_c + k_e*0.002*d_e) "
+        "(shared/metrics/accounting.py). "
         "total = every byte received (models and control messages).",
         "",
     ]

@@ -19,12 +19,12 @@ from typing import Any
 from tqdm import tqdm
 
 from estuary.launcher import Hierarchy
-from shared.broker import BrokerKind, LocalBroker
-from shared.checkpoint import atomic_write
+from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict, load_config
 from shared.errors import EstuaryError
-from shared.report import read_metrics
-from shared.runtime import interrupts_as_keyboard
+from shared.evaluation.report import read_metrics
+from shared.runtime.process import interrupts_as_keyboard
+from shared.transport.local_broker import BrokerKind, LocalBroker
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def with_deploy_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
     (``run_dir/devices``) unless the config names its own."""
     if not cfg.deploy.enabled or cfg.deploy.signing_key:
         return cfg
-    from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
+    from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 
     keys = run_dir / "keys"
     if not (keys / PRIVATE_KEY_FILE).is_file():

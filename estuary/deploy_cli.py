@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """Generate the Ed25519 deployment key pair."""
-    from shared.signing import generate_keys, key_id, load_public_key
+    from shared.deploy.signing import generate_keys, key_id, load_public_key
 
     priv, pub = generate_keys(Path(args.out), overwrite=args.force)
     out = {"private_key": str(priv), "public_key": str(pub), "key_id": key_id(load_public_key(pub))}
@@ -33,8 +33,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export a checkpoint or run to ONNX with the parity gate, card and manifest."""
-    from shared.export import export_generator
-    from shared.signing import load_private_key
+    from shared.deploy.export import export_generator
+    from shared.deploy.signing import load_private_key
 
     key = load_private_key(args.key) if args.key else None
     result = export_generator(
@@ -65,7 +65,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     """Sample a grid from an exported model with ONNX Runtime (no torch)."""
     from device_agent.sampling import load_generator, save_grid
-    from shared.signing import load_public_key
+    from shared.deploy.signing import load_public_key
 
     key = load_public_key(args.verify_key) if args.verify_key else None
     gen, manifest = load_generator(
@@ -122,9 +122,9 @@ def _progress(total: int, *, quiet: bool) -> Any:
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Publish an exported model to the devices of a running federation, as the cloud."""
     from cloud.deploy import DeploymentPublisher, PublisherService
-    from shared.messages import Presence
-    from shared.runtime import connect_bus, load_role_config
-    from shared.signing import load_private_key
+    from shared.deploy.signing import load_private_key
+    from shared.runtime.process import connect_bus, load_role_config
+    from shared.wire.messages import Presence
 
     cfg = load_role_config(args)
     key_path = args.key or cfg.deploy.signing_key

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.broker import LocalBroker, free_port
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.metrics import scrape
+from shared.metrics.prometheus import scrape
 from shared.naming import device_name, edge_ids
+from shared.transport.local_broker import LocalBroker, free_port
 
 log = logging.getLogger(__name__)
 

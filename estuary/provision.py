@@ -12,7 +12,7 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
     tls/ca.pem, tls/server.pem, tls/server.key     with --tls
     provision.json                what was generated (no secrets)
 
-The ACL follows the topic layout of :class:`shared.messages.Topics`, where every instance
+The ACL follows the topic layout of :class:`shared.wire.messages.Topics`, where every instance
 writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``): a device writes
 only ``device/<d>/#`` and reads the cloud's topics, its edge's (every edge's when devices
 pick their edge), the presence and edge choices of other devices, and requests for its own
@@ -38,10 +38,10 @@ from typing import Any
 
 from estuary.status import OBSERVER, observer_topics
 from shared.config import RunConfig
+from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 from shared.errors import EstuaryError
-from shared.messages import ROOT, Topics
 from shared.naming import device_name, edge_ids
-from shared.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
+from shared.wire.messages import ROOT, Topics
 
 log = logging.getLogger(__name__)
 

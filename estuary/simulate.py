@@ -25,17 +25,17 @@ from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.bus import MemoryBus
-from shared.checkpoint import atomic_write
+from shared.atomic import atomic_write
 from shared.config import RunConfig
-from shared.cpu import set_torch_threads
-from shared.data import NUM_CLASSES, ImageDataset, to_model_input
-from shared.models import initial_unet
+from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
+from shared.data.partition import label_count_matrix, split_dataset
+from shared.diffusion.training import set_deterministic
+from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
+from shared.evaluation.report import plot_report
+from shared.models.init import initial_unet
 from shared.naming import device_name, edge_ids, home_edge
-from shared.partition import label_count_matrix, split_dataset
-from shared.recorder import RunRecorder, prepare_run_dir, save_label_counts
-from shared.report import plot_report
-from shared.training import set_deterministic
+from shared.runtime.cpu import set_torch_threads
+from shared.transport.bus import MemoryBus
 
 log = logging.getLogger(__name__)
 

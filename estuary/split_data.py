@@ -21,11 +21,11 @@ from tqdm import tqdm
 
 from shared.atomic import atomic_write
 from shared.config import RunConfig, with_overrides
-from shared.data import ImageDataset, write_image_folder
+from shared.data.datasets import ImageDataset, write_image_folder
+from shared.data.partition import split_dataset
 from shared.errors import ConfigError
-from shared.evaluation import reference_indices
+from shared.evaluation.evaluator import reference_indices
 from shared.naming import device_name
-from shared.partition import split_dataset
 
 
 @dataclass(frozen=True)

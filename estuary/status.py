@@ -31,7 +31,10 @@ from pydantic import BaseModel
 
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.messages import (
+from shared.naming import device_name, edge_ids
+from shared.runtime.service import RoleService
+from shared.transport.mqtt import MqttBus
+from shared.wire.messages import (
     CloudState,
     DeploymentReport,
     DeviceHello,
@@ -39,9 +42,6 @@ from shared.messages import (
     Presence,
     Topics,
 )
-from shared.mqtt import MqttBus
-from shared.naming import device_name, edge_ids
-from shared.service import RoleService
 
 #: the account ``estuary provision`` makes for this command: it may read only these topics
 OBSERVER = "observer"
@@ -200,8 +200,8 @@ def _count_rejected(observer: StatusObserver, bus: MqttBus) -> None:
 def collect_status(
     cfg: RunConfig, bus: MqttBus, wait_s: float, *, name: str = "status"
 ) -> FederationStatus:
-    """Listen on ``bus`` (an :class:`~shared.mqtt.MqttBus`, connected) for ``wait_s`` seconds
-    and return what the run's retained messages say."""
+    """Listen on ``bus`` (an :class:`~shared.transport.mqtt.MqttBus`, connected) for
+    ``wait_s`` seconds and return what the run's retained messages say."""
     return watch_status(cfg, bus, wait_s, wait_s, wait_s, lambda *_: None, name=name)
 
 
@@ -347,7 +347,7 @@ class _Printer:
 def cmd_status(args: argparse.Namespace) -> int:
     """``estuary status``: 0 when the run's cloud state was found, 1 when not; with
     ``--watch --until-done``, 3 when the run was not done within ``--for-s``."""
-    from shared.runtime import connect_bus, load_role_config
+    from shared.runtime.process import connect_bus, load_role_config
 
     if not 0 < args.wait_s <= MAX_WAIT_S:
         raise EstuaryError(f"--wait-s must be in (0, {MAX_WAIT_S:g}], got {args.wait_s:g}")

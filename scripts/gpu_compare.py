@@ -82,9 +82,9 @@ def _calibrate_worker(
         import torch
 
         from shared.config import config_from_dict
-        from shared.diffusion import ddim_sample, make_train_scheduler
-        from shared.models import build_unet
-        from shared.training import train_local
+        from shared.diffusion.schedule import ddim_sample, make_train_scheduler
+        from shared.diffusion.training import train_local
+        from shared.models.presets import build_unet
 
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, barrier.parties)))
         cfg = config_from_dict({
@@ -393,7 +393,8 @@ def main() -> int:
         "--cuda-graph",
         action="store_true",
         help="train.cuda_graph for every method: each local round's step captured once and "
-        "replayed (shared/graphed.py; run `pytest -m gpu tests/test_graphed.py` first)",
+        "replayed (shared/diffusion/cuda_graph.py; run `pytest -m gpu tests/test_graphed.py` "
+        "first)",
     )
     ap.add_argument(
         "--graph-reuse",

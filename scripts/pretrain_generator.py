@@ -14,7 +14,7 @@ FID is measured against train images), keeps an exponential moving average of th
 and scores the average with the project's FID protocol. Only if that FID is at most
 ``--max-fid`` are the averaged weights written, atomically, as safetensors (never pickle) with
 a ``.json`` sidecar, and the file's sha256 printed: put it into ``PRETRAINED`` in
-``shared/models.py``. A grid of 64 samples is written as a PNG (``--grid``).
+``shared/models/presets.py``. A grid of 64 samples is written as a PNG (``--grid``).
 
 All randomness (initialization from ``--seed``, batch order, noise, timesteps) comes from
 generators seeded with ``--seed``; global RNGs are never used. With the same seed, thread
@@ -35,14 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from tqdm import tqdm
 
-from shared.codec import write_asset
 from shared.config import config_from_dict
-from shared.data import load_fashion_mnist, to_model_input
-from shared.diffusion import ddpm_loss, make_train_scheduler
+from shared.data.datasets import load_fashion_mnist, to_model_input
+from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
+from shared.diffusion.training import WeightAverage
 from shared.errors import EstuaryError
-from shared.evaluation import Evaluator, write_grid
-from shared.models import ASSETS, PRETRAINED, build_unet
-from shared.training import WeightAverage
+from shared.evaluation.evaluator import Evaluator, write_grid
+from shared.models.init import ASSETS, PRETRAINED
+from shared.models.presets import build_unet
+from shared.wire.codec import write_asset
 
 MAX_FID = 60.0
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")
-    print(f"set PRETRAINED[{args.preset!r}] in shared/models.py to this value")
+    print(f"set PRETRAINED[{args.preset!r}] in shared/models/presets.py to this value")
     return 0
 
 

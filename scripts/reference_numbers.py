@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from shared import quality
 from shared.config import load_config
-from shared.evaluation import Evaluator, model_from_state, reference_images
-from shared.models import PRETRAINED, build_unet, initial_unet
-from shared.training import resolve_device
+from shared.diffusion.training import resolve_device
+from shared.evaluation import quality
+from shared.evaluation.evaluator import Evaluator, model_from_state, reference_images
+from shared.models.init import PRETRAINED, initial_unet
+from shared.models.presets import build_unet
 
 
 def main() -> None:

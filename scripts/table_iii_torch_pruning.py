@@ -4,7 +4,7 @@ Diff-Pruning's ``ddpm_prune.py`` (the DepGraph script FedPhD builds on) prunes t
 ``ddpm-cifar10`` U-Net but ``conv_out`` with Torch-Pruning's local magnitude pruner at one
 channel ratio, and reports ``tp.utils.count_ops_and_params``. This script does the same with
 whichever Torch-Pruning it imports, so the versions can be compared with Table III
-(``shared/pruning.py`` explains what the comparison shows):
+(``shared/models/pruning.py`` explains what the comparison shows):
 
     pip install --no-deps --target /tmp/tp-1.5.2 torch-pruning==1.5.2
     python scripts/table_iii_torch_pruning.py --tp /tmp/tp-1.5.2 --ratios 0.11,0.22,0.31,0.41
@@ -63,7 +63,7 @@ def prune(
         pruner = tp.pruner.MagnitudePruner(model, inputs, ch_sparsity=ratio, **kwargs)
     for group in pruner.step(interactive=True):
         group.prune()
-    from shared.pruning import sync_attributes  # after main() has put --tp first on the path
+    from shared.models.plan import sync_attributes  # after main() has put --tp first on the path
 
     sync_attributes(model)  # diffusers' size attributes, as every pruned model in Estuary
     return model
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     tp = importlib.import_module("torch_pruning")
-    from shared.models import build_unet
+    from shared.models.presets import build_unet
 
     dists = importlib.metadata.distributions(path=[args.tp] if args.tp else sys.path)
     versions = [d.version for d in dists if d.metadata["Name"].lower() == "torch-pruning"]

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Train the Fashion-MNIST feature extractor used by ``shared.quality`` (FID and friends).
+"""Train the Fashion-MNIST feature extractor used by ``shared.evaluation.quality`` (FID and
+friends).
 
 Usage (from the repository root)::
 
     python scripts/train_feature_classifier.py --epochs 5 --seed 0
 
-Trains :class:`shared.quality.FeatureNet` on the 60k train split, reports accuracy on the 10k
-test split and, only if it reaches ``--min-accuracy`` (0.90), writes the weights atomically
-as safetensors (never pickle) plus a ``.json`` sidecar, and prints the file's sha256. Put that
-hash into ``FEATURE_WEIGHTS_SHA256`` in ``shared/quality.py``.
+Trains :class:`shared.evaluation.quality.FeatureNet` on the 60k train split, reports accuracy
+on the 10k test split and, only if it reaches ``--min-accuracy`` (0.90), writes the weights
+atomically as safetensors (never pickle) plus a ``.json`` sidecar, and prints the file's
+sha256. Put that hash into ``FEATURE_WEIGHTS_SHA256`` in ``shared/evaluation/quality.py``.
 
 All randomness (initialisation, shuffling, augmentation) comes from one ``torch.Generator``
 seeded with ``--seed``; global RNGs are never seeded or used. With the same seed, thread
@@ -29,10 +30,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from shared.codec import write_asset
-from shared.data import load_fashion_mnist, to_model_input
+from shared.data.datasets import load_fashion_mnist, to_model_input
 from shared.errors import EstuaryError
-from shared.quality import DEFAULT_WEIGHTS, EXTRACTOR_NAME, FeatureNet
+from shared.evaluation.quality import DEFAULT_WEIGHTS, EXTRACTOR_NAME, FeatureNet
+from shared.wire.codec import write_asset
 
 MIN_ACCURACY = 0.90
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")
-    print("set FEATURE_WEIGHTS_SHA256 in shared/quality.py to this value")
+    print("set FEATURE_WEIGHTS_SHA256 in shared/evaluation/quality.py to this value")
     return 0
 
 

@@ -198,8 +198,8 @@ class TrainSection(_Section):
         0,
         ge=0,
         description="torch threads of this process; 0 = torch's default within the process's "
-        "CPU limit (shared.cpu). Per process, like the deployment sections: not part of the "
-        "config digest, so each device may set its own",
+        "CPU limit (shared.runtime.cpu). Per process, like the deployment sections: not part of "
+        "the config digest, so each device may set its own",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.config import RunConfig, config_from_dict
-from shared.data import DataError, find_fashion_mnist
+from shared.data.datasets import DataError, find_fashion_mnist
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from shared.messages import BlobRef, RoundStart
-from shared.models import build_unet
-from shared.service import RoleService
+from shared.models.presets import build_unet
+from shared.runtime.service import RoleService
+from shared.wire.messages import BlobRef, RoundStart
 
 SESSION = "0123456789abcdef"
 

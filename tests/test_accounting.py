@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from estuary.simulate import simulate
-from shared import accounting as acc
 from shared.algorithms.feddiffuse import communicated_params, part_of, part_sizes
 from shared.config import FederationSection
-from shared.models import state_spec
+from shared.metrics import accounting as acc
+from shared.models.presets import state_spec
 from tests.conftest import tiny_config
 
 MIB = 2**20

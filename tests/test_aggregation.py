@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.aggregation import fedavg, normalize, weighted_average
+from shared.algorithms.aggregation import fedavg, normalize, weighted_average
 from shared.errors import EstuaryError
 
 

@@ -18,14 +18,14 @@ from shared.algorithms import fedprox as fp
 from shared.algorithms import moon as mn
 from shared.algorithms import scaffold as sc
 from shared.algorithms.base import model_state
-from shared.bus import MemoryBus
-from shared.codec import TensorSpec, encode_tensors
 from shared.config import RunConfig
-from shared.data import load_dataset
-from shared.diffusion import ddpm_loss, make_train_scheduler
-from shared.models import build_unet, state_spec
-from shared.partition import make_partition
-from shared.training import TrainResult, make_optimizer, train_local
+from shared.data.datasets import load_dataset
+from shared.data.partition import make_partition
+from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
+from shared.diffusion.training import TrainResult, make_optimizer, train_local
+from shared.models.presets import build_unet, state_spec
+from shared.transport.bus import MemoryBus
+from shared.wire.codec import TensorSpec, encode_tensors
 from tests.conftest import tiny_config
 
 T = torch.tensor
@@ -175,7 +175,7 @@ def test_scaffold_option_ii_recovers_the_gradient_only_without_momentum(
 ) -> None:
     """Ten SGD steps on a constant gradient g: option II's c_i+ (c = c_i = 0) is exactly g
     with plain SGD; momentum 0.9 inflates it (4.14x), and the algorithm says so."""
-    from shared.training import make_optimizer
+    from shared.diffusion.training import make_optimizer
 
     cfg = tiny_config(
         train={"optimizer": "sgd", "momentum": momentum, "lr": 0.01, "grad_clip": 0},

@@ -21,8 +21,8 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared.broker import LocalBroker, amqtt_available, find_mosquitto, free_port
 from shared.errors import ConfigError, TransportError
+from shared.transport.local_broker import LocalBroker, amqtt_available, find_mosquitto, free_port
 
 WAIT_S = 5.0
 
@@ -140,7 +140,7 @@ def test_bus_connections_turn_nagle_off(mosquitto: LocalBroker) -> None:
     """MqttBus sockets have TCP_NODELAY (with Nagle on, a blob request after a SUBSCRIBE waited
     for a 40 ms delayed ACK about half the time); the broker's side is set_tcp_nodelay."""
     from shared.config import BrokerSection
-    from shared.mqtt import MqttBus
+    from shared.transport.mqtt import MqttBus
 
     bus = MqttBus(
         BrokerSection(port=mosquitto.port, connect_timeout_s=10),
@@ -323,7 +323,7 @@ def process_alive(pid: int) -> bool:
 PARENT_SCRIPT = """
 import sys, time
 from pathlib import Path
-from shared.broker import LocalBroker
+from shared.transport.local_broker import LocalBroker
 broker = LocalBroker(kind="mosquitto", workdir=Path(sys.argv[1])).start()
 sys.stdout.write(f"{broker.process.pid}\\n")
 sys.stdout.flush()

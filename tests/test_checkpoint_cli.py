@@ -8,11 +8,12 @@ import torch
 from safetensors.torch import save_file
 
 from estuary.cli import main
-from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
 from shared.config import RunConfig
 from shared.errors import CodecError
-from shared.models import build_unet
-from shared.pruning import channel_plan, dense_plan, prune_unet
+from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
+from shared.models.plan import channel_plan, dense_plan
+from shared.models.presets import build_unet
+from shared.models.pruning import prune_unet
 from tests.conftest import tiny_config
 
 
@@ -106,7 +107,7 @@ def test_resume_follows_a_moved_init_file_but_not_other_weights(tmp_path: Path) 
     others, when the checkpoint predates the record, or when anything else changed."""
     from cloud.main import resume_point
     from shared.errors import EstuaryError
-    from shared.models import init_fingerprint
+    from shared.models.init import init_fingerprint
 
     state = build_unet("fmnist-tiny", seed=3).state_dict()
     old_path, new_path = tmp_path / "a.safetensors", tmp_path / "moved" / "b.safetensors"
@@ -144,8 +145,8 @@ def test_the_cloud_records_the_init_it_started_from(tmp_path: Path) -> None:
     from cloud.main import fresh_start
     from cloud.service import CloudServer
     from shared.algorithms import make_algorithm
-    from shared.bus import MemoryBus
-    from shared.models import init_fingerprint
+    from shared.models.init import init_fingerprint
+    from shared.transport.bus import MemoryBus
 
     state = build_unet("fmnist-tiny", seed=3).state_dict()
     path = tmp_path / "init.safetensors"
@@ -168,7 +169,7 @@ def test_the_cloud_records_the_init_it_started_from(tmp_path: Path) -> None:
 def test_starting_over_moves_an_earlier_runs_checkpoints_aside(tmp_path: Path) -> None:
     """A run that starts over in a directory with checkpoints (simulate, or the cloud with
     ``--fresh``) moves them to ``checkpoints.replaced-*``: kept, but never resumed from."""
-    from shared.recorder import prepare_run_dir
+    from shared.evaluation.recorder import prepare_run_dir
 
     cfg = tiny_config()
     run = tmp_path / "run"

@@ -18,12 +18,12 @@ import pytest
 from cloud import CloudServer
 from cloud.service import check_round_start_fits, largest_round_start
 from shared.algorithms import make_algorithm
-from shared.broker import LocalBroker, find_mosquitto
-from shared.bus import MemoryBus
 from shared.errors import ConfigError
-from shared.messages import DeviceHello, EdgeUpdate, Topics, encode
-from shared.metrics import parse_exposition
-from shared.models import initial_unet
+from shared.metrics.prometheus import parse_exposition
+from shared.models.init import initial_unet
+from shared.transport.bus import MemoryBus
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.wire.messages import DeviceHello, EdgeUpdate, Topics, encode
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,8 @@ import struct
 import pytest
 import torch
 
-from shared.codec import (
+from shared.errors import CodecError
+from shared.wire.codec import (
     TensorSpec,
     decode_tensors,
     encode_tensors,
@@ -15,7 +16,6 @@ from shared.codec import (
     sha256_hex,
     spec_of,
 )
-from shared.errors import CodecError
 
 T = {"b": torch.arange(3, dtype=torch.float32), "a": torch.ones(2, 2, dtype=torch.float16)}
 

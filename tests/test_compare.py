@@ -24,8 +24,8 @@ from estuary.compare import (
     parse_compare,
     run_compare,
 )
-from shared.accounting import Distances
 from shared.errors import ConfigError
+from shared.metrics.accounting import Distances
 
 TINY = """
 [compare]
@@ -321,7 +321,7 @@ def test_centralized_training_with_a_weight_average(
     and a record made with another decay (or before the average existed) is not reused."""
     import estuary.compare as compare
     from estuary.compare import load_record, run_method
-    from shared.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 
     central = {"label": "Centralized", "centralized": True, "ema": 0.9}
     raw = _raw(method=[{"label": "FedAvg"}, central])
@@ -363,8 +363,8 @@ def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
     the checkpoint, and a record of the same config trained dense (earlier versions ignored
     the ratio) is not reused."""
     from estuary.compare import load_record, run_method, summarize
-    from shared.arch import build_model
-    from shared.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.models.plan import build_model
 
     pruned = {
         "label": "Centralized (s_p=0.44)",
@@ -404,7 +404,7 @@ def test_a_record_is_not_reused_once_the_init_file_changes(tmp_path: Path) -> No
     from safetensors.torch import save_file
 
     from estuary.compare import MethodRun, load_record, save_record
-    from shared.models import build_unet
+    from shared.models.presets import build_unet
 
     init = tmp_path / "init.safetensors"
     save_file(build_unet("fmnist-tiny", seed=1).state_dict(), init)
@@ -454,7 +454,7 @@ def test_a_record_is_not_reused_at_another_precision(tmp_path: Path) -> None:
 
 
 def test_init_fingerprint(tmp_path: Path) -> None:
-    from shared.models import PRETRAINED, init_fingerprint
+    from shared.models.init import PRETRAINED, init_fingerprint
 
     assert init_fingerprint("fmnist-tiny", "random") == "random"
     assert init_fingerprint("fmnist-tiny", "pretrained") == f"sha256:{PRETRAINED['fmnist-tiny'][1]}"
@@ -639,7 +639,7 @@ def test_a_failed_job_is_named_and_the_others_keep_their_records(
 
     from safetensors.torch import save_file
 
-    from shared.models import build_unet
+    from shared.models.presets import build_unet
 
     save_file(build_unet("fmnist-tiny", seed=1).state_dict(), missing)
     assert main(argv) == 0

@@ -170,7 +170,7 @@ def test_role_command_line_overrides_are_validated(tmp_path: Path) -> None:
     import argparse
 
     from shared.errors import EstuaryError
-    from shared.runtime import add_common_args, load_role_config
+    from shared.runtime.process import add_common_args, load_role_config
 
     path = tmp_path / "run.toml"
     path.write_text('[run]\nname = "x"\n')
@@ -200,7 +200,7 @@ def test_data_gives_a_folder_run_its_own_images(tmp_path: Path) -> None:
     import argparse
 
     from shared.errors import EstuaryError
-    from shared.runtime import add_common_args, load_role_config
+    from shared.runtime.process import add_common_args, load_role_config
 
     p = argparse.ArgumentParser()
     add_common_args(p)
@@ -223,8 +223,8 @@ def test_data_gives_a_folder_run_its_own_images(tmp_path: Path) -> None:
 def test_stored_configs_are_read_back_without_the_waste_rules(tmp_path: Path) -> None:
     """A checkpoint of a run made before a rule existed stays readable (estuary eval,
     export); a new run with the same settings is refused."""
-    from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
-    from shared.models import build_unet
+    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
+    from shared.models.presets import build_unet
 
     data = {"run": {"rounds": 10}, "federation": {"cloud_every": 3}}
     with pytest.raises(ConfigError, match="not a multiple"):

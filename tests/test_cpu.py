@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cpu import cgroup_cpu_limit, cpu_budget, ort_threads, visible_cpus
+from shared.runtime.cpu import cgroup_cpu_limit, cpu_budget, ort_threads, visible_cpus
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:
@@ -82,7 +82,7 @@ def test_an_explicit_thread_count_is_kept() -> None:
 #: what a process reports about its CPU budget (also run in a container by the docker e2e)
 PROBE = """
 import json, torch
-from shared.cpu import cgroup_cpu_limit, cpu_budget, ort_threads, set_torch_threads
+from shared.runtime.cpu import cgroup_cpu_limit, cpu_budget, ort_threads, set_torch_threads
 before = torch.get_num_threads()
 print(json.dumps({"limit": cgroup_cpu_limit(), "budget": cpu_budget(), "before": before,
                   "after": set_torch_threads(0), "torch": torch.get_num_threads(),

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.data import (
+from shared.data.datasets import (
     FILES,
     DataError,
     find_fashion_mnist,
@@ -46,8 +46,8 @@ def test_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_data_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shared.data.SYSTEM_DIR", tmp_path / "none")
-    monkeypatch.setattr("shared.data.CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr("shared.data.datasets.SYSTEM_DIR", tmp_path / "none")
+    monkeypatch.setattr("shared.data.datasets.CACHE_DIR", tmp_path / "cache")
     monkeypatch.delenv("ESTUARY_FMNIST_DIR", raising=False)
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
         find_fashion_mnist(tmp_path / "empty")

@@ -17,14 +17,9 @@ import torch
 from cloud.deploy import DeploymentPublisher, PublisherService
 from device_agent.deployment import SamplingAgent
 from device_agent.sampling import load_generator
-from shared.bus import MemoryBus
 from shared.config import RunConfig, config_from_dict
-from shared.diffusion import make_train_scheduler
-from shared.errors import EstuaryError
-from shared.export import export_module
-from shared.messages import DeploymentReport, SampleRequest
-from shared.models import build_unet
-from shared.signing import (
+from shared.deploy.export import export_module
+from shared.deploy.signing import (
     SignatureError,
     generate_keys,
     load_private_key,
@@ -33,7 +28,12 @@ from shared.signing import (
     sign_manifest,
     verify_manifest,
 )
-from shared.training import train_local
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import train_local
+from shared.errors import EstuaryError
+from shared.models.presets import build_unet
+from shared.transport.bus import MemoryBus
+from shared.wire.messages import DeploymentReport, SampleRequest
 
 
 def _flip(text: str, index: int) -> str:
@@ -231,7 +231,7 @@ def test_estuary_deploy_on_demand_over_mosquitto(exports: list[Path], keys: tupl
                                                  tmp_path: Path) -> None:  # fmt: skip
     """`estuary deploy` publishes an export as the cloud; a sampling-only device process
     verifies it, writes a grid, and `estuary deploy` exits 0 once the device reported."""
-    from shared.broker import LocalBroker
+    from shared.transport.local_broker import LocalBroker
 
     cfg = _federation(tmp_path, keys)
     path = tmp_path / "cfg.json"
@@ -266,7 +266,7 @@ def test_provider_choice_uses_cuda_only_where_a_gpu_is_visible(
     must still sample on the CPU, and an explicit "cuda" must fail rather than fall back."""
     import onnxruntime as ort
 
-    from device_agent import sampling
+    from shared.deploy import onnx_sampler as sampling
 
     real_available = ort.get_available_providers()
     monkeypatch.delenv("ESTUARY_ASSUME_GPU", raising=False)

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from device_agent.sampling import OnnxGenerator
+from shared.deploy.export import to_onnx
+from shared.deploy.onnx_sampler import OnnxGenerator
+from shared.deploy.signing import SignatureError, check_manifest, make_manifest
 from shared.errors import EstuaryError
-from shared.export import to_onnx
-from shared.models import build_unet
-from shared.signing import SignatureError, check_manifest, make_manifest
+from shared.models.presets import build_unet
 
 GOOD: dict[str, Any] = {
     "image_shape": [1, 32, 32],

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from shared.config import RunConfig, config_from_dict
-from shared.diffusion import make_train_scheduler
-from shared.models import build_unet
-from shared.training import CUBLAS_WORKSPACE_CONFIG, set_deterministic, train_local
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import CUBLAS_WORKSPACE_CONFIG, set_deterministic, train_local
+from shared.models.presets import build_unet
 
 
 @pytest.fixture

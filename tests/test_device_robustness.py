@@ -20,10 +20,10 @@ import torch
 import device_agent.service as device_service
 from device_agent.service import DeviceAgent
 from shared.algorithms import make_algorithm
-from shared.bus import MemoryBus
 from shared.config import RunConfig
-from shared.messages import DeviceJoin, DeviceUpdate, EdgeRound, RoundStart, decode
-from shared.service import RoleService
+from shared.runtime.service import RoleService
+from shared.transport.bus import MemoryBus
+from shared.wire.messages import DeviceJoin, DeviceUpdate, EdgeRound, RoundStart, decode
 from tests.conftest import tiny_config
 from tests.hand_roles import SESSION, put_model
 

@@ -24,12 +24,12 @@ from device_agent.state import (
     unpack,
 )
 from estuary.simulate import build_federation
-from shared.arch import build_model, model_spec
-from shared.bus import MemoryBus
-from shared.codec import encode_tensors
 from shared.config import RunConfig
+from shared.data.partition import split_dataset
 from shared.errors import CodecError
-from shared.partition import split_dataset
+from shared.models.plan import build_model, model_spec
+from shared.transport.bus import MemoryBus
+from shared.wire.codec import encode_tensors
 from tests.conftest import tiny_config
 
 

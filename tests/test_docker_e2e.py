@@ -426,7 +426,7 @@ def test_device_credentials_cannot_write_cloud_topics_or_read_other_devices(
 
 def test_a_cpu_limited_device_container_trains_with_that_many_threads(stack: Stack) -> None:
     """``docker run --cpus 1`` of the device image: torch in the container counts every core
-    of the host, and the roles' cap (``shared.cpu``, ``train.threads = 0``) uses the one CPU
+    of the host, and the roles' cap (``shared.runtime.cpu``, ``train.threads = 0``) uses the one CPU
     the container may."""
     image = f"estuary/device:{stack.env['ESTUARY_TAG']}"
     proc = _run(["docker", "run", "--rm", "--cpus", "1", "--network", "none",
@@ -441,7 +441,7 @@ def test_a_cpu_limited_device_container_trains_with_that_many_threads(stack: Sta
 
 FOLDER_PROBE = """
 import json
-from shared.data import load_image_folder
+from shared.data.datasets import load_image_folder
 d = load_image_folder("/data", progress=False)
 print(json.dumps({"n": len(d), "labels": d.labels.tolist(), "sum": int(d.images.sum())}))
 """
@@ -450,7 +450,7 @@ print(json.dumps({"n": len(d), "labels": d.labels.tolist(), "sum": int(d.images.
 def test_a_device_container_reads_its_mounted_image_folder(stack: Stack, tmp_path: Path) -> None:
     """A device's own images mounted read-only into the device image (``--data /data``):
     the container's non-root user reads them as the host does."""
-    from shared.data import load_image_folder, synthetic_dataset, write_image_folder
+    from shared.data.datasets import load_image_folder, synthetic_dataset, write_image_folder
 
     folder = tmp_path / "images"
     data = synthetic_dataset(24, seed=4)

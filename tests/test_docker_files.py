@@ -157,8 +157,9 @@ def _conf_settings(text: str) -> dict[str, str]:
 
 def test_mosquitto_configs_share_the_local_brokers_limits(tmp_path: Path) -> None:
     """The compose and Kubernetes broker configs keep the limits and socket options that
-    shared/broker.py gives the local one (their comments say so; this keeps it true)."""
-    from shared.broker import LocalBroker
+    shared/transport/local_broker.py gives the local one (their comments say so; this keeps it
+    true)."""
+    from shared.transport.local_broker import LocalBroker
 
     local = _conf_settings(LocalBroker(kind="mosquitto")._mosquitto_conf(tmp_path))
     keys = (

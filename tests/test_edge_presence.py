@@ -10,8 +10,8 @@ import pytest
 
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.bus import MemoryBus
-from shared.messages import EdgeRound, Presence, decode, home_of
+from shared.transport.bus import MemoryBus
+from shared.wire.messages import EdgeRound, Presence, decode, home_of
 from tests.conftest import tiny_config
 from tests.hand_roles import Cloud
 

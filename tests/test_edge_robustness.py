@@ -13,11 +13,11 @@ import torch
 
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.bus import MemoryBus
-from shared.data import NUM_CLASSES
-from shared.messages import MAX_COUNT, BlobRef, DeviceHello, DeviceUpdate, EdgeUpdate, decode
-from shared.pruning import dense_plan
-from shared.service import RoleService
+from shared.data.datasets import NUM_CLASSES
+from shared.models.plan import dense_plan
+from shared.runtime.service import RoleService
+from shared.transport.bus import MemoryBus
+from shared.wire.messages import MAX_COUNT, BlobRef, DeviceHello, DeviceUpdate, EdgeUpdate, decode
 from tests.conftest import tiny_config
 from tests.hand_roles import SESSION, Cloud, put_model
 

@@ -160,9 +160,9 @@ def test_fedphd_runs_with_selected_edges_sparse_training_and_pruning(tmp_path: P
     """MemoryBus, 4 devices choosing among 2 edges, R_s = 1, s_p = 0.44: every participant
     trains each round at the edge it picked; the cloud prunes at its aggregation ending round
     R_s - 1 and every role carries on with the pruned architecture."""
-    pytest.importorskip("shared.pruning")
+    pytest.importorskip("shared.models.pruning")
     from estuary.simulate import simulate
-    from shared import accounting as acc
+    from shared.metrics import accounting as acc
     from tests.conftest import tiny_config
 
     cfg = tiny_config(

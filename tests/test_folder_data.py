@@ -16,14 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-import shared.data as data_mod
+import shared.data.datasets as data_mod
 from device_agent.main import device_data
 from estuary.launcher import Hierarchy
 from estuary.simulate import simulate
 from estuary.split_data import split_data
-from shared.broker import LocalBroker, find_mosquitto
 from shared.config import RunConfig, load_config, with_overrides
-from shared.data import (
+from shared.data.datasets import (
     CLASSES,
     DataError,
     class_folders,
@@ -34,7 +33,8 @@ from shared.data import (
     write_image_folder,
 )
 from shared.errors import ConfigError
-from shared.evaluation import reference_images
+from shared.evaluation.evaluator import reference_images
+from shared.transport.local_broker import LocalBroker, find_mosquitto
 from tests.conftest import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""Local training replayed from a CUDA graph (``train.cuda_graph``, shared/graphed.py).
+"""Local training replayed from a CUDA graph (``train.cuda_graph``, shared/diffusion/cuda_graph.py).
 
 On the CPU: the staged loop the graph is captured from (static buffers, host draws, pinned
 staging left out) takes the eager loop's steps bit for bit. On a GPU (``-m gpu``): the
@@ -16,16 +16,22 @@ import pytest
 import torch
 from torch import nn
 
-from shared import graphed, training
 from shared.algorithms import DeviceContext, make_algorithm
 from shared.algorithms import scaffold as sc
 from shared.algorithms.base import model_state
 from shared.algorithms.fedprox import proximal_term
 from shared.config import RunConfig
-from shared.diffusion import make_train_scheduler
-from shared.graphed import WARMUP_STEPS, _capturable, _restore, batch_indices, train_graphed
-from shared.models import build_unet
-from shared.training import (
+from shared.diffusion import cuda_graph as graphed
+from shared.diffusion import training
+from shared.diffusion.cuda_graph import (
+    WARMUP_STEPS,
+    _capturable,
+    _restore,
+    batch_indices,
+    train_graphed,
+)
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import (
     WeightAverage,
     _graphable,
     autocast_for,
@@ -33,6 +39,7 @@ from shared.training import (
     resident_settings,
     train_local,
 )
+from shared.models.presets import build_unet
 from tests.conftest import tiny_config
 
 Hooks = dict[str, Any]
@@ -279,7 +286,7 @@ def test_graphs_are_used_only_where_configured_and_worth_it(
     assert _graphable(on, cuda, None, enough)
     assert not _graphable(off, cuda, None, enough)
     assert not _graphable(on, None, None, enough) and not _graphable(on, cpu, None, enough)
-    with caplog.at_level("INFO", logger="shared.training"):
+    with caplog.at_level("INFO", logger="shared.diffusion.training"):
         assert not _graphable(on, cuda, moon, enough)
         assert not _graphable(on, cuda, moon, enough)
         assert not _graphable(on, cuda, None, enough - 1)

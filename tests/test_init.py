@@ -15,14 +15,15 @@ import torch
 from safetensors.torch import save_file
 
 from estuary.simulate import simulate
-from shared import models
-from shared.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
-from shared.codec import decode_tensors, encode_tensors, read_metadata, write_asset
 from shared.config import config_from_dict
 from shared.errors import ConfigError
-from shared.evaluation import Evaluator
-from shared.models import build_unet, initial_unet, load_init_state, pretrained_path
-from shared.runtime import EXIT_ERROR
+from shared.evaluation.evaluator import Evaluator
+from shared.models import init as model_init
+from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
+from shared.models.init import initial_unet, load_init_state, pretrained_path
+from shared.models.presets import build_unet
+from shared.runtime.process import EXIT_ERROR
+from shared.wire.codec import decode_tensors, encode_tensors, read_metadata, write_asset
 from tests.conftest import needs_fmnist, tiny_config
 
 
@@ -109,11 +110,11 @@ def test_pretrained_needs_a_shipped_file_with_the_recorded_hash(
 ) -> None:
     with pytest.raises(ConfigError, match="no pretrained generator ships for preset"):
         load_init_state("ddpm-cifar10", "pretrained")
-    copy = tmp_path / models.PRETRAINED["fmnist-tiny"][0]
+    copy = tmp_path / model_init.PRETRAINED["fmnist-tiny"][0]
     data = bytearray(pretrained_path("fmnist-tiny").read_bytes())
     data[-1] ^= 1  # one flipped bit in the last weight
     copy.write_bytes(bytes(data))
-    monkeypatch.setattr(models, "ASSETS", tmp_path)
+    monkeypatch.setattr(model_init, "ASSETS", tmp_path)
     with pytest.raises(ConfigError, match="corrupt or from another training run"):
         load_init_state("fmnist-tiny", "pretrained")
     copy.unlink()
@@ -124,7 +125,7 @@ def test_pretrained_needs_a_shipped_file_with_the_recorded_hash(
 def test_shipped_pretrained_generator_matches_its_sidecar() -> None:
     path = pretrained_path("fmnist-tiny")
     sidecar = json.loads(path.with_suffix(".json").read_text())
-    assert sidecar["sha256"] == models.PRETRAINED["fmnist-tiny"][1]
+    assert sidecar["sha256"] == model_init.PRETRAINED["fmnist-tiny"][1]
     assert sidecar["data"] == "fashion-mnist/test"  # public data no device holds
     state = load_init_state("fmnist-tiny", "pretrained")
     assert state is not None and not _same(state, build_unet("fmnist-tiny").state_dict())

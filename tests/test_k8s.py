@@ -32,10 +32,10 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.broker import find_mosquitto, free_port
 from shared.config import RunConfig, config_from_dict
 from shared.naming import device_index, edge_ids
-from shared.runtime import add_common_args
+from shared.runtime.process import add_common_args
+from shared.transport.local_broker import find_mosquitto, free_port
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 OVERLAYS = ("cpu", "gpu")

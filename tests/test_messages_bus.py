@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from shared.bus import MemoryBus, topic_matches
 from shared.errors import CodecError, MessageError, TransportError
-from shared.messages import DeviceHello, EdgeRound, decode, encode
+from shared.transport.bus import MemoryBus, topic_matches
+from shared.wire.messages import DeviceHello, EdgeRound, decode, encode
 
 HELLO = DeviceHello(device="dev000", home_edge="edge0", n_samples=3, label_counts=[1, 2])
 

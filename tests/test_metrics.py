@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from shared.errors import CodecError, ConfigError, TransportError
-from shared.metrics import RoleMetrics, parse_exposition, sample_key, scrape
-from shared.telemetry import Traffic
+from shared.metrics.prometheus import RoleMetrics, parse_exposition, sample_key, scrape
+from shared.transport.telemetry import Traffic
 
 HOST = "127.0.0.1"
 

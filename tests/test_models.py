@@ -7,9 +7,9 @@ import torch
 
 from estuary.cli import main
 from shared.config import DiffusionSection
-from shared.diffusion import ddim_sample, ddpm_loss, make_train_scheduler
+from shared.diffusion.schedule import ddim_sample, ddpm_loss, make_train_scheduler
 from shared.errors import ConfigError
-from shared.models import build_unet, count_weight_macs, model_info
+from shared.models.presets import build_unet, count_weight_macs, model_info
 
 
 def test_ddpm_cifar10_matches_the_paper() -> None:
@@ -83,7 +83,7 @@ def test_compute_device_resolution_and_every_algorithm_trains_there(
 ) -> None:
     from shared.algorithms import base, make_algorithm, registered
     from shared.config import config_from_dict
-    from shared.training import resolve_device
+    from shared.diffusion.training import resolve_device
 
     assert resolve_device("cpu").type == "cpu"
     # a per-process setting: GPU and CPU devices share one federation (same digest)
@@ -126,8 +126,8 @@ def test_training_on_cuda_hands_back_cpu_tensors_and_tracks_the_cpu_run() -> Non
     """Batches and noise come from the same CPU generator, so the GPU run follows the CPU
     run's trajectory (up to float differences: TF32 convolutions, kernel order)."""
     from shared.config import config_from_dict
-    from shared.diffusion import make_train_scheduler
-    from shared.training import train_local
+    from shared.diffusion.schedule import make_train_scheduler
+    from shared.diffusion.training import train_local
 
     cfg = config_from_dict({"train": {"local_steps": 5, "batch_size": 8}})
     x = torch.rand(32, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -178,7 +178,7 @@ def _precision_run(
 ) -> tuple[float, set[torch.dtype], torch.nn.Module]:
     """Five local steps at ``precision``: mean loss, the dtypes ``conv_in`` put out, model."""
     from shared.config import config_from_dict
-    from shared.training import train_local
+    from shared.diffusion.training import train_local
 
     cfg = config_from_dict({"train": {"local_steps": 5, "batch_size": 8, "precision": precision}})
     x = torch.rand(32, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -215,7 +215,7 @@ def test_bf16_precision_runs_the_forward_passes_in_bf16_and_keeps_fp32_weights(
 def test_bf16_is_refused_on_a_gpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before Ampere, CUDA would emulate bf16 (slower than fp32): refused with the reason.
     (The GPU's answers are stood in for; the refusal is this module's own logic.)"""
-    from shared.training import autocast_for
+    from shared.diffusion.training import autocast_for
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
@@ -239,7 +239,7 @@ def test_bf16_training_on_cuda_follows_the_fp32_run() -> None:
 def test_weight_average_warms_up_and_follows_the_weights() -> None:
     """EMA with decay min(d, (1 + t) / (10 + t)) after step t, as the pretrain script and
     the paper's centralized baseline use it; the average is a separate module on the CPU."""
-    from shared.training import WeightAverage
+    from shared.diffusion.training import WeightAverage
 
     net = torch.nn.Linear(2, 1)
     torch.nn.init.zeros_(net.weight)
@@ -267,7 +267,7 @@ def test_train_local_can_keep_one_optimizer_and_watch_each_step() -> None:
     """A caller training in pieces (centralized training between evaluations) passes its
     optimizer, whose state carries over; ``after_step`` runs after every optimizer step."""
     from shared.config import config_from_dict
-    from shared.training import make_optimizer, train_local
+    from shared.diffusion.training import make_optimizer, train_local
 
     cfg = config_from_dict({"train": {"local_steps": 3, "batch_size": 4}})
     x = torch.rand(8, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1

@@ -34,10 +34,13 @@ from paho.mqtt.enums import CallbackAPIVersion
 from cloud import CloudServer
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.broker import LocalBroker, find_mosquitto
-from shared.codec import encode_tensors, sha256_hex
 from shared.config import BrokerSection, RunConfig
-from shared.messages import (
+from shared.models.presets import build_unet
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.mqtt import MqttBus
+from shared.transport.telemetry import diff_counts
+from shared.wire.codec import encode_tensors, sha256_hex
+from shared.wire.messages import (
     MAX_MESSAGE_BYTES,
     BlobRef,
     DeviceHello,
@@ -49,9 +52,6 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.models import build_unet
-from shared.mqtt import MqttBus
-from shared.telemetry import diff_counts
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(

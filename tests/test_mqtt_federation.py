@@ -17,17 +17,17 @@ from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from estuary.simulate import build_federation
 from shared.algorithms import make_algorithm
-from shared.broker import LocalBroker, find_mosquitto
-from shared.bus import MemoryBus
 from shared.config import BrokerSection, RunConfig
-from shared.data import load_dataset, to_model_input
+from shared.data.datasets import load_dataset, to_model_input
+from shared.data.partition import make_partition
 from shared.errors import TransportError
-from shared.messages import Presence, encode, home_of
-from shared.models import build_unet
-from shared.mqtt import MqttBus, chunk_count
+from shared.models.presets import build_unet
 from shared.naming import device_name, edge_ids, home_edge
-from shared.partition import make_partition
-from shared.telemetry import Traffic
+from shared.transport.bus import MemoryBus
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.mqtt import MqttBus, chunk_count
+from shared.transport.telemetry import Traffic
+from shared.wire.messages import Presence, encode, home_of
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
@@ -227,7 +227,7 @@ def test_blob_limits_and_missing(broker: LocalBroker) -> None:
 
 def test_connect_timeout_names_the_broker() -> None:
     """No broker on the port: a bounded wait and an error that says where it looked."""
-    from shared.broker import free_port
+    from shared.transport.local_broker import free_port
 
     port = free_port()
     bus = MqttBus(

@@ -27,13 +27,13 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from shared.blobs import BlobStore
-from shared.broker import LocalBroker, find_mosquitto
-from shared.codec import sha256_hex
 from shared.config import BrokerSection
 from shared.errors import EstuaryError
-from shared.messages import BlobWant, Topics, encode
-from shared.mqtt import MqttBus
+from shared.transport.blobs import BlobStore
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.mqtt import MqttBus
+from shared.wire.codec import sha256_hex
+from shared.wire.messages import BlobWant, Topics, encode
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 

@@ -17,18 +17,20 @@ import pytest
 import torch
 from torch import nn
 
-from device_agent.sampling import DdimSchedule, OnnxGenerator, load_generator
-from device_agent.sampling import ddim_sample as numpy_ddim
+from device_agent.sampling import load_generator
 from estuary.cli import main as cli_main
-from shared.checkpoint import save_checkpoint
 from shared.config import RunConfig, config_from_dict
-from shared.data import load_dataset, to_model_input
-from shared.diffusion import ddim_sample, make_train_scheduler
+from shared.data.datasets import load_dataset, to_model_input
+from shared.deploy.export import ExportError, export_module, model_card, to_onnx
+from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
+from shared.deploy.onnx_sampler import ddim_sample as numpy_ddim
+from shared.diffusion.schedule import ddim_sample, make_train_scheduler
+from shared.diffusion.training import train_local
 from shared.errors import EstuaryError
-from shared.export import ExportError, export_module, model_card, to_onnx
-from shared.models import build_unet
-from shared.pruning import channel_plan, prune_unet
-from shared.training import train_local
+from shared.models.checkpoint import save_checkpoint
+from shared.models.plan import channel_plan
+from shared.models.presets import build_unet
+from shared.models.pruning import prune_unet
 
 PARITY = 1e-4  # fp32: max abs error of ONNX Runtime against torch (the issue's bar)
 SAMPLER = 1e-5  # numpy DDIM loop against diffusers' DDIMScheduler, same eps model

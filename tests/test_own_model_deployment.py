@@ -17,24 +17,25 @@ import torch
 from cloud.deploy import DeploymentPublisher, deploy_when_trained
 from device_agent.deployment import DeploymentReceiver, PersonalizeError, SamplingAgent
 from device_agent.personalize import Personalizer
-from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, OnnxGenerator, load_generator
+from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, load_generator
 from estuary.cli import main as cli_main
 from estuary.simulate import Federation, build_federation
 from shared.algorithms.feddiffuse import LOCAL_STATE_KEY
-from shared.arch import build_model
-from shared.bus import MemoryBus
 from shared.config import RunConfig
-from shared.data import load_dataset
-from shared.export import SHARED_FILE, EpsModel, example_inputs
-from shared.messages import Deployment, DeploymentReport
-from shared.partition import make_partition
-from shared.signing import (
+from shared.data.datasets import load_dataset
+from shared.data.partition import make_partition
+from shared.deploy.export import SHARED_FILE, EpsModel, example_inputs
+from shared.deploy.onnx_sampler import OnnxGenerator
+from shared.deploy.signing import (
     SignatureError,
     generate_keys,
     load_private_key,
     load_public_key,
     sign_manifest,
 )
+from shared.models.plan import build_model
+from shared.transport.bus import MemoryBus
+from shared.wire.messages import Deployment, DeploymentReport
 from tests.conftest import tiny_config
 
 

@@ -20,8 +20,8 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared.broker import LocalBroker, find_mosquitto
-from shared.paho_lean import LEAN_DECODE, LeanClient, client_class, decode_publish
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.paho_lean import LEAN_DECODE, LeanClient, client_class, decode_publish
 
 WAIT_S = 10.0
 
@@ -221,7 +221,7 @@ def test_lean_and_stock_clients_receive_the_same_messages(v5: bool) -> None:
 @needs_mosquitto
 def test_bus_uses_the_lean_client() -> None:
     from shared.config import BrokerSection
-    from shared.mqtt import MqttBus
+    from shared.transport.mqtt import MqttBus
 
     with LocalBroker(kind="mosquitto") as broker:
         bus = MqttBus(BrokerSection(port=broker.port), run="lean", client_id="lean", home="cloud")

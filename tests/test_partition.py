@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from shared.config import DataSection
+from shared.data.partition import label_count_matrix, make_partition
 from shared.errors import ConfigError
-from shared.partition import label_count_matrix, make_partition
 
 LABELS = np.repeat(np.arange(10), 100)  # 1000 samples, 100 per class
 

@@ -17,9 +17,9 @@ import pytest
 from device_agent.state import read_state
 from estuary.launcher import Hierarchy
 from estuary.simulate import simulate
-from shared.broker import LocalBroker, find_mosquitto
 from shared.config import RunConfig
-from shared.report import read_metrics
+from shared.evaluation.report import read_metrics
+from shared.transport.local_broker import LocalBroker, find_mosquitto
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
@@ -230,7 +230,7 @@ def test_deployment_reaches_training_and_sampling_only_devices(
     import subprocess
     import sys
 
-    from shared.signing import generate_keys
+    from shared.deploy.signing import generate_keys
 
     priv, pub = generate_keys(tmp_path / "keys")
     devices_out = tmp_path / "devices"

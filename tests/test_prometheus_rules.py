@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from estuary.launcher import stop_processes
-from shared.broker import free_port
-from shared.metrics import RoleMetrics, parse_exposition
-from shared.telemetry import Traffic
+from shared.metrics.prometheus import RoleMetrics, parse_exposition
+from shared.transport.local_broker import free_port
+from shared.transport.telemetry import Traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "docker" / "estuary-rules.yml"
@@ -121,7 +121,7 @@ def test_every_metric_the_rules_use_is_one_a_role_exposes() -> None:
         for role, name in (("cloud", "cloud"), ("device", "dev000"))  # devices: data gauges
         for key in parse_exposition(RoleMetrics(role, name, traffic).render().decode())
     }
-    transport = (ROOT / "shared" / "mqtt.py").read_text()
+    transport = (ROOT / "shared" / "transport" / "mqtt.py").read_text()
     # metric names (estuary_phase is also a label name, of the same metric)
     used = set(re.findall(r"\b(?:estuary|process)_[a-z_]+", RULES.read_text()))
     for name in sorted(used):

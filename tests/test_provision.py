@@ -14,8 +14,8 @@ import pytest
 from estuary.cli import main as cli_main
 from estuary.launcher import Hierarchy
 from estuary.provision import mosquitto_hash, provision
-from shared.broker import LocalBroker, find_mosquitto
 from shared.errors import EstuaryError
+from shared.transport.local_broker import LocalBroker, find_mosquitto
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect, inbox, login, received
 
@@ -245,7 +245,7 @@ def test_provision_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     none, never a password file without provision.json; existing keys are refused before
     anything is written; --force swaps every part in and leaves no staging folder."""
     import estuary.provision as prov
-    from shared.signing import generate_keys
+    from shared.deploy.signing import generate_keys
 
     cfg = tiny_config(run={"name": "atomic"}, federation={"num_devices": 2, "num_edges": 1})
     out = tmp_path / "prov"

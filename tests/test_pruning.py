@@ -1,4 +1,4 @@
-"""Structured pruning, channel plans and the sparse-training penalty (shared.pruning)."""
+"""Structured pruning, channel plans and the sparse-training penalty (shared.models.pruning)."""
 
 from __future__ import annotations
 
@@ -22,22 +22,19 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from estuary.cli import main
-from shared.codec import spec_of
+from shared.algorithms.fedphd import Q_FLOOR, SparsityPenalty, forward_order
 from shared.errors import ConfigError
-from shared.models import build_unet, count_params, model_info, state_spec
-from shared.pruning import (
-    MIN_GROUP_CHANNELS,
+from shared.models.plan import (
     PLAN_FORMAT,
-    Q_FLOOR,
-    SparsityPenalty,
     build_from_plan,
     channel_plan,
     dense_plan,
-    forward_order,
     plan_spec,
-    prune_unet,
     validate_plan,
 )
+from shared.models.presets import build_unet, count_params, model_info, state_spec
+from shared.models.pruning import MIN_GROUP_CHANNELS, prune_unet
+from shared.wire.codec import spec_of
 
 #: FedPhD Table III on CIFAR-10: s_p -> (#params in M, GMACs)
 TABLE_III = {0.25: (26.9, 4.2), 0.44: (20.3, 3.4), 0.61: (13.9, 2.1), 0.74: (9.3, 1.5)}
@@ -541,7 +538,7 @@ def test_table_iii_macs(sp: float) -> None:
 
 
 def test_table_iii_script_runs_diff_pruning_recipe() -> None:
-    """scripts/table_iii_torch_pruning.py (the version comparison in shared/pruning.py) gives
+    """scripts/table_iii_torch_pruning.py (the version comparison in shared/models/pruning.py) gives
     the figures the docstring quotes for the installed Torch-Pruning at ratio 0.3, and refuses
     a ratio outside (0, 1)."""
     script = Path(__file__).parents[1] / "scripts" / "table_iii_torch_pruning.py"

@@ -1,4 +1,5 @@
-"""Tests for shared.quality: metric maths on hand-made inputs, and the shipped extractor."""
+"""Tests for shared.evaluation.quality: metric maths on hand-made inputs, and the shipped
+extractor."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared import quality
 from shared.config import RunConfig
 from shared.errors import CodecError, DataError
-from shared.evaluation import Evaluator, sample_images, write_grid
-from shared.models import build_unet
-from shared.quality import (
+from shared.evaluation import quality
+from shared.evaluation.evaluator import Evaluator, sample_images, write_grid
+from shared.evaluation.quality import (
     ReferenceStats,
     density_coverage,
     evaluate,
@@ -27,6 +27,7 @@ from shared.quality import (
     load_feature_extractor,
     precision_recall,
 )
+from shared.models.presets import build_unet
 from tests.conftest import tiny_config
 
 # ------------------------------------------------------------------------------------ FID
@@ -158,7 +159,7 @@ def test_corrupted_weights_are_rejected(tmp_path) -> None:
 
 
 def _test_images(n: int) -> tuple[torch.Tensor, np.ndarray]:
-    from shared.data import load_fashion_mnist, to_model_input
+    from shared.data.datasets import load_fashion_mnist, to_model_input
 
     try:
         test = load_fashion_mnist("test")
@@ -202,7 +203,7 @@ def test_extract_rejects_bad_shapes() -> None:
         extract(torch.zeros(4, 1, 32, 32, dtype=torch.uint8))
 
 
-# ----------------------------------------------------------- evaluation (shared.evaluation)
+# ------------------------------------------------- evaluation (shared.evaluation.evaluator)
 
 
 class _FakeEvaluator:
@@ -225,9 +226,11 @@ def test_evaluation_callers_sample_on_the_compute_device(
     for a GPU)."""
     from cloud.service import RoundSummary
     from estuary.cli import main
-    from shared import evaluation, recorder, training
-    from shared.checkpoint import save_checkpoint
-    from shared.telemetry import Traffic
+    from shared.diffusion import training
+    from shared.evaluation import evaluator as evaluation
+    from shared.evaluation import recorder
+    from shared.models.checkpoint import save_checkpoint
+    from shared.transport.telemetry import Traffic
 
     meta = torch.device("meta")
     resolved: list[str] = []  # the names asked for; every one resolves to "meta"
@@ -312,8 +315,8 @@ def test_eval_samples_where_this_host_can(
     """A run trained with compute.device = "cuda" is evaluated on a CPU-only host: ``estuary
     eval`` samples on ``--device`` (default auto), not on the run's compute.device."""
     from estuary.cli import main
-    from shared import evaluation
-    from shared.checkpoint import save_checkpoint
+    from shared.evaluation import evaluator as evaluation
+    from shared.models.checkpoint import save_checkpoint
 
     monkeypatch.setattr(_FakeEvaluator, "devices", [])
     monkeypatch.setattr(evaluation, "Evaluator", _FakeEvaluator)

@@ -10,9 +10,9 @@ import pytest
 from cloud.service import RoundSummary
 from shared.config import RunConfig
 from shared.errors import EstuaryError
-from shared.recorder import RunRecorder
-from shared.report import plot_report, read_metrics, report_figure, traffic_labels
-from shared.telemetry import Traffic
+from shared.evaluation.recorder import RunRecorder
+from shared.evaluation.report import plot_report, read_metrics, report_figure, traffic_labels
+from shared.transport.telemetry import Traffic
 
 
 def summary(r: int) -> RoundSummary:

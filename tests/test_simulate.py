@@ -10,13 +10,13 @@ import torch
 
 from cloud import RoundSummary
 from estuary.simulate import build_federation, simulate
-from shared.bus import MemoryBus
-from shared.checkpoint import latest_checkpoint_path, load_checkpoint
-from shared.codec import encode_tensors
-from shared.data import load_dataset
-from shared.messages import DeviceHello, DeviceUpdate, Topics, decode, encode
-from shared.models import build_unet
-from shared.partition import make_partition
+from shared.data.datasets import load_dataset
+from shared.data.partition import make_partition
+from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+from shared.models.presets import build_unet
+from shared.transport.bus import MemoryBus
+from shared.wire.codec import encode_tensors
+from shared.wire.messages import DeviceHello, DeviceUpdate, Topics, decode, encode
 from tests.conftest import needs_fmnist, tiny_config
 
 MODEL_BYTES = len(encode_tensors(build_unet("fmnist-tiny").state_dict()))

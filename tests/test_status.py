@@ -16,10 +16,10 @@ import pytest
 
 from estuary.cli import main
 from estuary.status import FederationStatus, format_status
-from shared.broker import LocalBroker
 from shared.config import RunConfig
-from shared.messages import CloudState, DeviceHello, Topics, encode
-from shared.runtime import connect_bus
+from shared.runtime.process import connect_bus
+from shared.transport.local_broker import LocalBroker
+from shared.wire.messages import CloudState, DeviceHello, Topics, encode
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect
 from tests.test_mqtt_federation import _run_over_mqtt

@@ -1,4 +1,6 @@
-"""Federated algorithms, one per file, registered by name.
+"""Federated algorithms, one per file, each with its device-side and server-side parts
+together, registered by name (:func:`~shared.algorithms.base.register`); the pure
+aggregation maths they share live in :mod:`shared.algorithms.aggregation`.
 
 Importing this package registers every built-in algorithm.
 """

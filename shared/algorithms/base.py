@@ -24,11 +24,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shared.codec import TensorSpec
 from shared.config import RunConfig, TrainSection
-from shared.diffusion import make_train_scheduler
+from shared.diffusion.schedule import make_train_scheduler
+from shared.diffusion.training import (
+    TrainResult,
+    make_optimizer,
+    placed,
+    resolve_device,
+    train_local,
+)
 from shared.errors import ConfigError
-from shared.training import TrainResult, make_optimizer, placed, resolve_device, train_local
+from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +143,8 @@ class Algorithm(ABC):
         self._device: torch.device | None = None  # resolved at the first local round
 
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
-        """:func:`~shared.training.train_local` on the device's images and labels with this
-        algorithm's schedule and generator, on :attr:`training_device`; ``hooks``:
+        """:func:`~shared.diffusion.training.train_local` on the device's images and labels with
+        this algorithm's schedule and generator, on :attr:`training_device`; ``hooks``:
         ``extra_loss``, ``loss_fn``, ``grad_hook``. Tensors the hooks hold must already be on
         that device; the model is on the CPU again on return.
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from shared.aggregation import fedavg
+from shared.algorithms.aggregation import fedavg
 from shared.algorithms.base import (
     Algorithm,
     DeviceContext,

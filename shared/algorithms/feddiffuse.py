@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.aggregation import weighted_average
+from shared.algorithms.aggregation import weighted_average
 from shared.algorithms.base import (
     Algorithm,
     DeviceContext,
@@ -46,9 +46,9 @@ from shared.algorithms.base import (
     model_state,
     register,
 )
-from shared.codec import TensorSpec
 from shared.config import RunConfig
 from shared.errors import ConfigError, EstuaryError
+from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
-from shared.models import module_device
+from shared.models.presets import module_device
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
 ANCHOR = "fedprox.anchor"

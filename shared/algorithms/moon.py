@@ -46,9 +46,9 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
-from shared.diffusion import noise_batch
+from shared.diffusion.hooks import LossFn
+from shared.diffusion.schedule import noise_batch
 from shared.errors import ConfigError
-from shared.training import LossFn
 
 # DeviceContext.state keys
 GLOBAL = "moon.global"  # the state received last (the positive pair's model)
@@ -110,7 +110,7 @@ def contrastive_loss(
 
 
 def moon_ddpm_loss(glob: nn.Module | None, prev: nn.Module | None, mu: float, tau: float) -> LossFn:
-    """The DDPM loss (same draws as ``shared.diffusion.ddpm_loss``) plus ``mu * l_con`` on
+    """The DDPM loss (same draws as ``shared.diffusion.schedule.ddpm_loss``) plus ``mu * l_con`` on
     the features of that same forward pass; just the DDPM loss without both models."""
 
     def loss(

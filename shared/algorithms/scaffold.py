@@ -57,7 +57,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from shared.aggregation import fedavg
+from shared.algorithms.aggregation import fedavg
 from shared.algorithms.base import (
     Algorithm,
     DeviceContext,
@@ -67,10 +67,10 @@ from shared.algorithms.base import (
     model_state,
     register,
 )
-from shared.codec import TensorSpec
 from shared.config import RunConfig
+from shared.diffusion.hooks import GradHook
 from shared.errors import EstuaryError
-from shared.training import GradHook
+from shared.wire.codec import TensorSpec
 
 C_PREFIX = "scaffold.c."  # server / edge control variate in the state
 DC_PREFIX = "scaffold.dc."  # a device's delta c_i in its upload

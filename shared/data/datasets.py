@@ -1,0 +1,390 @@
+"""Datasets: Fashion-MNIST from IDX files, a device's own image folder, and a small synthetic
+set for unit tests.
+
+Images are returned as ``uint8`` arrays ``(N, 28, 28)`` plus ``int64`` labels; ``to_model_input``
+turns them into float tensors in [-1, 1], padded to 32x32 so U-Nets can downsample three times.
+
+Search order for Fashion-MNIST (first directory holding all four files wins):
+an explicit path, ``$ESTUARY_FMNIST_DIR``, ``/usr/share/datasets/fashion-mnist`` (Debian's
+``dataset-fashion-mnist``), then ``~/.cache/estuary/fashion-mnist`` (downloaded into when a
+network exists and ``download=True``).
+
+An image folder (``data.dataset = "folder"``, :func:`load_image_folder`) is a device's own data
+(``data.local_dir``) or one dataset split across the devices (``data.path``):
+``DIR/<class>/<image files>``, each image converted to 8-bit grayscale, centre-cropped to
+a square and resized to 28x28, the format of the other datasets.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import struct
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from shared.errors import DataError
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "ESTUARY_FMNIST_DIR"
+SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+CACHE_DIR = Path.home() / ".cache" / "estuary" / "fashion-mnist"
+MIRROR = "https://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)  # fmt: skip
+NUM_CLASSES = 10
+IMAGE_SIZE = 32  # model resolution (28x28 padded by 2 on each side)
+MAX_IDX_BYTES = 200 * 2**20
+#: image files an image folder may hold (28x28 bytes each in memory: 784 MB at the limit)
+MAX_FOLDER_IMAGES = 1_000_000
+#: largest image file read from an image folder
+MAX_IMAGE_FILE_BYTES = 64 * 2**20
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".pgm")
+#: the side of the stored images (before padding to ``IMAGE_SIZE``)
+STORED_SIZE = 28
+
+
+def histogram_problem(counts: Sequence[int], n_samples: int | None = None) -> str:
+    """Why ``counts`` is not a label histogram (``NUM_CLASSES`` counts, summing to
+    ``n_samples`` when that is given), or ``""`` when it is one. Messages already bound
+    each count to ``[0, shared.wire.messages.MAX_COUNT]``."""
+    if len(counts) != NUM_CLASSES:
+        return f"{len(counts)} label counts, expected {NUM_CLASSES}"
+    if n_samples is not None and sum(counts) != n_samples:
+        return f"label counts sum to {sum(counts)}, not n_samples={n_samples}"
+    return ""
+
+
+@dataclass(frozen=True)
+class ImageDataset:
+    """Images ``(N, H, W)`` uint8 and labels ``(N,)`` int64, held in memory."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    name: str
+    #: files of an image folder that were not readable images (skipped when it was read)
+    skipped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 3 or self.images.dtype != np.uint8:
+            raise DataError(f"{self.name}: images must be uint8 (N, H, W), got {self.images.shape}")
+        if self.labels.shape != (self.images.shape[0],):
+            raise DataError(f"{self.name}: {len(self.labels)} labels for {len(self.images)} images")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, indices: np.ndarray) -> ImageDataset:
+        """A new dataset holding ``indices`` (copied)."""
+        return ImageDataset(self.images[indices], self.labels[indices], self.name, self.skipped)
+
+
+def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
+    """Parse one gzipped IDX file (magic, dims, big-endian sizes, raw uint8 data)."""
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read(MAX_IDX_BYTES + 1)
+    except (OSError, EOFError) as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+    if len(raw) > MAX_IDX_BYTES:
+        raise DataError(f"{path} is larger than {MAX_IDX_BYTES} bytes; not an IDX file?")
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic)")
+    ndim = raw[3]
+    if ndim != expect_dims:
+        raise DataError(f"{path}: expected {expect_dims} dimensions, file says {ndim}")
+    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(shape)):
+        raise DataError(f"{path}: header says {shape} but holds {data.size} bytes")
+    return data.reshape(shape).copy()
+
+
+def _candidate_dirs(path: str | Path | None) -> list[Path]:
+    dirs = []
+    if path:
+        dirs.append(Path(path))
+    if os.environ.get(ENV_DIR):
+        dirs.append(Path(os.environ[ENV_DIR]))
+    dirs += [SYSTEM_DIR, CACHE_DIR]
+    return dirs
+
+
+def _download(dest: Path, timeout_s: float = 20.0) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FILES["train"] + FILES["test"]:
+        target = dest / name
+        if target.exists():
+            continue
+        tmp = target.with_suffix(".part")
+        with urllib.request.urlopen(MIRROR + name, timeout=timeout_s) as resp:
+            tmp.write_bytes(resp.read(MAX_IDX_BYTES))
+        tmp.replace(target)
+
+
+def find_fashion_mnist(path: str | Path | None = None, *, download: bool = False) -> Path:
+    """Return the first directory holding all four Fashion-MNIST IDX files."""
+    needed = FILES["train"] + FILES["test"]
+    tried = _candidate_dirs(path)
+    for d in tried:
+        if all((d / f).is_file() for f in needed):
+            return d
+    if download:
+        try:
+            _download(CACHE_DIR)
+            return CACHE_DIR
+        except OSError as err:
+            log.warning("download of Fashion-MNIST failed: %s", err)
+    raise DataError(
+        "Fashion-MNIST not found. Looked in: "
+        + ", ".join(str(d) for d in tried)
+        + ". Install it with `apt-get install dataset-fashion-mnist`, or set "
+        f"{ENV_DIR}=/dir/with/the/4/idx.gz/files, or pass data.path in the config."
+    )
+
+
+def load_fashion_mnist(
+    split: str = "train", path: str | Path | None = None, *, download: bool = False
+) -> ImageDataset:
+    """Load the ``train`` (60k) or ``test`` (10k) split as uint8 images and int64 labels."""
+    if split not in FILES:
+        raise DataError(f"unknown split {split!r}; use 'train' or 'test'")
+    root = find_fashion_mnist(path, download=download)
+    img_file, lbl_file = FILES[split]
+    images = _read_idx(root / img_file, 3)
+    labels = _read_idx(root / lbl_file, 1).astype(np.int64)
+    if labels.max(initial=0) >= NUM_CLASSES:
+        raise DataError(f"{root / lbl_file}: label {labels.max()} out of range")
+    return ImageDataset(images, labels, f"fashion-mnist/{split}")
+
+
+def synthetic_dataset(
+    n: int = 512, *, seed: int = 0, num_classes: int = NUM_CLASSES
+) -> ImageDataset:
+    """Tiny, learnable stand-in for Fashion-MNIST: one blurred shape per class plus noise."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, size=n).astype(np.int64)
+    yy, xx = np.mgrid[0:28, 0:28].astype(np.float32)
+    protos = []
+    for c in range(num_classes):
+        angle = 2 * np.pi * c / num_classes
+        cy, cx = 14 + 7 * np.sin(angle), 14 + 7 * np.cos(angle)
+        protos.append(np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * (2 + c % 3) ** 2)))
+    base = np.stack(protos)[labels] * 230
+    noisy = base + rng.normal(0, 12, size=base.shape)
+    return ImageDataset(np.clip(noisy, 0, 255).astype(np.uint8), labels, "synthetic")
+
+
+def load_dataset(
+    name: str,
+    path: str = "",
+    *,
+    split: str = "train",
+    size: int = 512,
+    seed: int = 0,
+    class_names: Sequence[str] = (),
+) -> ImageDataset:
+    """Dataset by config name: ``fashion-mnist``, ``synthetic``, or ``folder`` with a
+    ``path``, one image folder holding the whole dataset (:func:`load_image_folder`; it has
+    no splits). Without a path, image folders are the devices' own data (see
+    :func:`shared.data.partition.split_dataset`)."""
+    if name == "folder":
+        if not path:
+            raise DataError(
+                "data.dataset = 'folder' without data.path is the devices' own image folders, "
+                "not one dataset: read them with shared.data.partition.split_dataset"
+            )
+        return load_image_folder(path, class_names=class_names)
+    if name == "fashion-mnist":
+        return load_fashion_mnist(split, path or None, download=True)
+    if name == "synthetic":
+        return synthetic_dataset(size, seed=seed + (0 if split == "train" else 1))
+    raise DataError(f"unknown dataset {name!r}")
+
+
+def class_slug(name: str) -> str:
+    """A class name as a folder name: lower case, runs of other characters as one ``-``
+    (``"T-shirt/top"`` -> ``"t-shirt-top"``)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def class_folders(class_names: Sequence[str] = ()) -> dict[str, int]:
+    """Folder name -> label of an image folder. With ``class_names`` (at most
+    ``NUM_CLASSES``), exactly those names, in label order; without, the digits ``0``-``9`` and
+    Fashion-MNIST's class names as :func:`class_slug` writes them (``t-shirt-top``, ...,
+    ``ankle-boot``)."""
+    if class_names:
+        if len(class_names) > NUM_CLASSES:
+            raise DataError(f"{len(class_names)} class names; at most {NUM_CLASSES}")
+        return {name: label for label, name in enumerate(class_names)}
+    folders = {str(label): label for label in range(NUM_CLASSES)}
+    folders.update({class_slug(name): label for label, name in enumerate(CLASSES)})
+    return folders
+
+
+def _list_image_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, int]]:
+    """Every image file under ``root``'s class folders with its label, in name order
+    (file name, then path), bounded by ``MAX_FOLDER_IMAGES``."""
+    if not root.is_dir():
+        raise DataError(f"image folder {root} does not exist (or is not a directory)")
+
+    def unlistable(err: OSError) -> NoReturn:  # os.walk would skip it without a word
+        raise DataError(f"cannot list {err.filename}: {err.strerror}")
+
+    found: list[tuple[str, str, Path, int]] = []
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as err:
+        unlistable(err)
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
+            raise DataError(
+                f"{entry} is not in a class folder: put each image in {root}/<class>/, "
+                f"<class> one of {sorted(folders, key=folders.__getitem__)}"
+            )
+        if not entry.is_dir():
+            continue
+        if entry.name not in folders:
+            raise DataError(
+                f"{entry}: {entry.name!r} is not a class; class folders are named "
+                f"{sorted(folders, key=folders.__getitem__)} (set data.class_names to name "
+                "your own classes)"
+            )
+        label = folders[entry.name]
+        # os.walk does not follow links to directories (no cycles)
+        for dirpath, dirnames, filenames in os.walk(entry, onerror=unlistable):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in filenames:
+                if name.startswith(".") or Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+                    continue
+                path = Path(dirpath) / name
+                found.append((name, str(path.relative_to(root)), path, label))
+                if len(found) > MAX_FOLDER_IMAGES:
+                    raise DataError(
+                        f"{root} holds more than {MAX_FOLDER_IMAGES} images; set "
+                        "data.max_samples_per_device to train on a sample of them"
+                    )
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [(path, label) for _, _, path, label in found]
+
+
+def _read_image(path: Path) -> np.ndarray:
+    """One image file as uint8 ``(STORED_SIZE, STORED_SIZE)`` grayscale: converted to 8-bit
+    luminance, centre-cropped to a square, resized (an image of that size already in 8-bit
+    grayscale is read unchanged)."""
+    size = path.stat().st_size
+    if size > MAX_IMAGE_FILE_BYTES:
+        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
+    with Image.open(path) as im:
+        im.draft("L", (STORED_SIZE, STORED_SIZE))  # JPEG: decode at a reduced size
+        if im.mode in ("I", "F") or im.mode.startswith("I;16"):
+            # 16-bit (and 32-bit) grayscale: Pillow's convert("L") would clip at 255
+            a = np.asarray(im, dtype=np.float64)
+            a = a * 255.0 if im.mode == "F" and a.max(initial=0.0) <= 1.0 else a
+            a = a / 257.0 if im.mode != "F" else a  # 0..65535 -> 0..255
+            gray = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
+        else:
+            gray = im.convert("L")
+    w, h = gray.size
+    side = min(w, h)
+    if (w, h) != (side, side):
+        left, top = (w - side) // 2, (h - side) // 2
+        gray = gray.crop((left, top, left + side, top + side))
+    if side != STORED_SIZE:
+        gray = gray.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BOX)
+    return np.asarray(gray, dtype=np.uint8)
+
+
+def load_image_folder(
+    root: str | Path,
+    *,
+    class_names: Sequence[str] = (),
+    max_images: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+) -> ImageDataset:
+    """A process's own images: ``root/<class>/...`` (any depth below the class folder; see
+    :func:`class_folders` for the names), in name order. ``max_images`` > 0 keeps that many,
+    drawn with ``seed`` (before any file is decoded). A file that cannot be read as an image
+    is skipped and reported; a folder with no readable image is an error."""
+    root = Path(root)
+    files = _list_image_folder(root, class_folders(class_names))
+    if max_images and len(files) > max_images:
+        keep = np.sort(np.random.default_rng(seed).permutation(len(files))[:max_images])
+        files = [files[i] for i in keep]
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    skipped: list[str] = []
+    bar = tqdm(
+        files, desc=f"reading {root}", unit="img", mininterval=2.0,
+        disable=not progress or len(files) < 5000,
+    )  # fmt: skip
+    for path, label in bar:
+        try:
+            images.append(_read_image(path))
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+            skipped.append(f"{path}: {err}")
+            continue
+        labels.append(label)
+    if skipped:
+        log.warning(
+            "%s: skipped %d of %d files that are not readable images (first: %s)",
+            root, len(skipped), len(files), "; ".join(skipped[:3]),
+        )  # fmt: skip
+    if not images:
+        raise DataError(
+            f"no readable images in {root}: expected {root}/<class>/<image files> "
+            f"({', '.join(IMAGE_SUFFIXES)})"
+            + (f"; {len(skipped)} files failed, first: {skipped[0]}" if skipped else "")
+        )
+    return ImageDataset(
+        np.stack(images), np.asarray(labels, dtype=np.int64), f"folder:{root}", len(skipped)
+    )
+
+
+def write_image_folder(data: ImageDataset, root: str | Path, names: Sequence[str]) -> int:
+    """Write ``data`` as ``root/<class slug>/<name>.png`` (one name per image, in order), the
+    layout :func:`load_image_folder` reads back unchanged when the names sort in that order.
+    Returns the number of files written."""
+    if len(names) != len(data):
+        raise DataError(f"{len(names)} names for {len(data)} images")
+    root = Path(root)
+    slugs = [class_slug(c) for c in CLASSES]
+    for image, label, name in zip(data.images, data.labels, names, strict=True):
+        folder = root / slugs[int(label)]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, mode="L").save(folder / f"{name}.png")
+    return len(data)
+
+
+def to_model_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 ``(N, 28, 28)`` -> float32 ``(N, 1, 32, 32)`` in [-1, 1] (zero pixels map to -1)."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(127.5).sub_(1.0)
+    pad = (IMAGE_SIZE - x.shape[-1]) // 2
+    if pad > 0:
+        x = torch.nn.functional.pad(x, (pad, pad, pad, pad), value=-1.0)
+    return x.unsqueeze(1)
+
+
+def from_model_output(x: torch.Tensor) -> np.ndarray:
+    """float ``(N, 1, 32, 32)`` in [-1, 1] -> uint8 ``(N, 32, 32)``."""
+    y = ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return y[:, 0].cpu().numpy()

@@ -1,0 +1,215 @@
+"""Seeded splits of a labelled dataset across devices (DESIGN section 3).
+
+Each function returns one sorted index array per device and draws only from the
+``numpy.random.Generator`` it is given. ``label_count_matrix`` gives the (devices x classes)
+table every run prints and saves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from shared.config import DataSection, RunConfig
+from shared.data.datasets import ImageDataset, load_dataset, load_image_folder
+from shared.errors import ConfigError
+from shared.models.presets import check_trainable
+from shared.naming import device_name
+
+Parts = list[np.ndarray]
+
+
+def iid(labels: np.ndarray, n: int, rng: np.random.Generator) -> Parts:
+    """Uniformly shuffled, equal-sized parts."""
+    return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), n)]
+
+
+def dirichlet(labels: np.ndarray, n: int, beta: float, rng: np.random.Generator) -> Parts:
+    """Label skew: each class is split over devices with proportions ~ Dir(beta)."""
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        cuts = (np.cumsum(rng.dirichlet(np.full(n, beta)))[:-1] * len(idx)).astype(int)
+        for dev, chunk in enumerate(np.split(idx, cuts)):
+            parts[dev].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def classes_per_device(labels: np.ndarray, n: int, k: int, rng: np.random.Generator) -> Parts:
+    """Each device holds exactly ``k`` classes (FedPhD: 2); classes are used evenly.
+
+    Class slots are dealt in passes, each pass a fresh seeded permutation of the classes, so
+    every class goes to about ``n * k / C`` devices (exactly, when ``C`` divides ``n * k``)
+    and the devices holding a class get different partners from pass to pass: a single
+    permutation dealt in a cycle would, for ``k = 2`` and an even ``C``, repeat the same
+    ``C / 2`` pairs, ``n * k / C`` identical devices each. A device takes the next ``k``
+    distinct classes of the deal; a class it already holds waits for the next device.
+    Each class's images are split evenly among the devices holding it.
+    """
+    classes = np.unique(labels)
+    if k > len(classes):
+        raise ConfigError(f"classes_per_device={k} but the dataset has {len(classes)} classes")
+    deal: list[int] = []
+    owners: dict[int, list[int]] = {int(c): [] for c in classes}
+    for dev in range(n):
+        chosen: list[int] = []
+        at = 0
+        while len(chosen) < k:
+            if at == len(deal):  # at most k - 1 classes wait, so a pass always has a new one
+                deal.extend(int(c) for c in rng.permutation(classes))
+            if deal[at] in chosen:
+                at += 1
+            else:
+                chosen.append(deal.pop(at))
+        for c in chosen:
+            owners[c].append(dev)
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for c, devs in owners.items():
+        if not devs:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        for dev, chunk in zip(devs, np.array_split(idx, len(devs)), strict=True):
+            parts[dev].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def shards(labels: np.ndarray, n: int, per_device: int, rng: np.random.Generator) -> Parts:
+    """Sort by label, cut into ``n * per_device`` shards, deal ``per_device`` to each (PRISM)."""
+    order = np.argsort(labels, kind="stable")
+    pieces = np.array_split(order, n * per_device)
+    deal = rng.permutation(len(pieces))
+    return [
+        np.sort(np.concatenate([pieces[j] for j in deal[d * per_device : (d + 1) * per_device]]))
+        for d in range(n)
+    ]
+
+
+def quantity(labels: np.ndarray, n: int, sigma: float, rng: np.random.Generator) -> Parts:
+    """IID labels, log-normal part sizes (every device gets at least one sample)."""
+    weights = rng.lognormal(0.0, sigma, size=n)
+    sizes = np.maximum(1, np.floor(weights / weights.sum() * len(labels))).astype(int)
+    cuts = np.cumsum(sizes)[:-1]
+    cuts = np.minimum(cuts, len(labels))
+    return [np.sort(p) for p in np.split(rng.permutation(len(labels)), cuts)]
+
+
+def dominant(labels: np.ndarray, n: int, uniform: float, rng: np.random.Generator) -> Parts:
+    """``uniform`` of each part drawn from all classes, the rest from one dominant class
+    (pFedGPA's "s % uniform + dominant classes"; device d's dominant class is d mod C)."""
+    classes = np.unique(labels)
+    size = len(labels) // n
+    pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    parts = []
+    for d in range(n):
+        n_uni = round(size * uniform)
+        dom = int(classes[d % len(classes)])
+        take: list[int] = []
+        uni_classes = rng.choice(classes, size=n_uni)
+        for c in [dom] * (size - n_uni) + [int(c) for c in uni_classes]:
+            pool = pools[c] or pools[max(pools, key=lambda k: len(pools[k]))]
+            if pool:
+                take.append(int(pool.pop()))
+        parts.append(np.sort(np.asarray(take, dtype=np.int64)))
+    return parts
+
+
+def make_partition(labels: np.ndarray, n: int, cfg: DataSection, seed: int) -> Parts:
+    """Partition named by ``cfg.partition``; the same (labels, n, cfg, seed) give the same split."""
+    if n > len(labels):
+        raise ConfigError(f"{n} devices but only {len(labels)} samples")
+    rng = np.random.default_rng([seed, 0x9A27])
+    if cfg.partition == "iid":
+        parts = iid(labels, n, rng)
+    elif cfg.partition == "dirichlet":
+        parts = dirichlet(labels, n, cfg.dirichlet_beta, rng)
+    elif cfg.partition == "classes":
+        parts = classes_per_device(labels, n, cfg.classes_per_device, rng)
+    elif cfg.partition == "shards":
+        parts = shards(labels, n, cfg.shards_per_device, rng)
+    elif cfg.partition == "quantity":
+        parts = quantity(labels, n, cfg.quantity_sigma, rng)
+    else:
+        parts = dominant(labels, n, cfg.dominant_uniform_fraction, rng)
+    if cfg.max_samples_per_device:
+        parts = [np.sort(rng.permutation(p)[: cfg.max_samples_per_device]) for p in parts]
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:  # a device with no images cannot train (and its update would weigh nothing)
+        raise ConfigError(
+            f"the {cfg.partition!r} partition leaves {len(empty)} of {n} devices without "
+            f"samples (first: device {empty[0]}); use fewer devices, more data, or a milder "
+            "skew (e.g. a larger dirichlet_beta)"
+        )
+    return parts
+
+
+def label_count_matrix(labels: np.ndarray, parts: Parts, num_classes: int) -> np.ndarray:
+    """(devices x classes) int matrix of label counts."""
+    return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts]).astype(np.int64)
+
+
+def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> str:
+    """Fixed-width table of a label-count matrix with row and column totals."""
+    rows = names or [f"dev{i}" for i in range(matrix.shape[0])]
+    width = max(6, len(str(int(matrix.max(initial=0)))) + 1)
+    head = "device".ljust(10) + "".join(f"{c:>{width}}" for c in range(matrix.shape[1]))
+    lines = [head + "   total"]
+    for name, row in zip(rows, matrix, strict=True):
+        lines.append(name.ljust(10) + "".join(f"{v:>{width}}" for v in row) + f"{row.sum():>8}")
+    lines.append(
+        "total".ljust(10) + "".join(f"{v:>{width}}" for v in matrix.sum(0)) + f"{matrix.sum():>8}"
+    )
+    return "\n".join(lines)
+
+
+def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDataset, Parts]:
+    """``cfg``'s training images and which of them each of ``federation.num_devices`` devices
+    holds: the seeded split of the config's dataset (an image folder at ``data.path`` too),
+    or with ``data.dataset = "folder"`` and no path the devices' own folders
+    ``data.local_dir/<device id>`` one after another (the layout
+    ``estuary split-data`` writes; ``progress``: a bar over the folders). Refused for a preset
+    no dataset here can train (:func:`shared.models.presets.check_trainable`)."""
+    check_trainable(cfg.model.preset)
+    d = cfg.data
+    if d.own_folders:
+        if not d.local_dir:
+            raise ConfigError(
+                "data.dataset = 'folder' in one process (simulate, compare): set data.local_dir "
+                "to the directory holding one image folder per device (dev000, dev001, ...; "
+                "`estuary split-data` writes that layout), or data.path to one image folder "
+                "to split across the devices"
+            )
+        devices = tqdm(
+            range(cfg.federation.num_devices), desc="reading device folders", unit="dev",
+            disable=not progress,
+        )  # fmt: skip
+        shares = [device_folder(cfg, i, Path(d.local_dir) / device_name(i)) for i in devices]
+        cuts = np.cumsum([0] + [len(s) for s in shares])
+        data = ImageDataset(
+            np.concatenate([s.images for s in shares]),
+            np.concatenate([s.labels for s in shares]),
+            f"folders:{d.local_dir}",
+            sum(s.skipped for s in shares),
+        )
+        return data, [np.arange(a, b) for a, b in itertools.pairwise(cuts)]
+    data = load_dataset(
+        d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed, class_names=d.class_names
+    )
+    return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+
+
+def device_folder(
+    cfg: RunConfig, index: int, folder: Path, *, progress: bool = False
+) -> ImageDataset:
+    """Device ``index``'s own images from ``folder`` (at most
+    ``data.max_samples_per_device``, drawn with the run's seed and the index)."""
+    check_trainable(cfg.model.preset)
+    return load_image_folder(
+        folder,
+        class_names=cfg.data.class_names,
+        max_images=cfg.data.max_samples_per_device,
+        seed=cfg.run.seed + index,
+        progress=progress,
+    )

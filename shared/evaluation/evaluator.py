@@ -1,0 +1,130 @@
+"""Sampling and scoring a global model: sample grids and quality metrics against real images.
+
+Used by ``estuary simulate`` during a run and by ``estuary eval`` on a finished one. Sample
+noise comes from CPU generators seeded by the run seed, so the same model gives the same
+images on any device (up to the device's float differences). Sampling runs on the device a
+caller passes (``compute.device`` for the cloud, ``estuary simulate`` and ``estuary
+compare``, ``--device`` for ``estuary eval``; the CPU by default); the sampled model is back
+where it was afterwards, and features are extracted on the CPU (a small CNN: cheap, and the
+metrics stay comparable with the reference numbers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.config import RunConfig
+from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
+from shared.diffusion.schedule import ddim_sample
+from shared.diffusion.training import placed
+from shared.errors import DataError
+from shared.evaluation import quality
+from shared.evaluation.report import save_grid
+from shared.models.plan import build_model
+from shared.models.presets import image_shape
+
+
+def model_from_state(
+    cfg: RunConfig, state: dict[str, torch.Tensor], plan: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
+    Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
+    variate) are ignored; every module tensor must be present."""
+    model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
+    keys = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in keys})
+    return model.eval()
+
+
+def sample_images(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    n: int,
+    *,
+    steps: int,
+    salt: int = 0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``n`` DDIM samples in [-1, 1] (on the CPU) from noise seeded by (run seed, salt),
+    drawn on the CPU; the model samples on ``device`` (default: where it is) and is back
+    where it was on return."""
+    gen = torch.Generator().manual_seed(
+        int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
+    )
+    shape = (n, *image_shape(cfg.model.preset))
+    with placed(model, device):
+        return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
+
+
+def write_grid(
+    cfg: RunConfig, model: torch.nn.Module, path: Path, *, device: torch.device | None = None
+) -> Path:
+    """Sample ``eval.grid_size`` images (fixed noise) on ``device`` (see
+    :func:`sample_images`) and save them as a PNG grid."""
+    images = sample_images(
+        cfg, model, cfg.eval.grid_size, steps=cfg.eval.sample_steps, salt=1, device=device
+    )
+    return save_grid(from_model_output(images), path)
+
+
+def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
+    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
+    ``eval.reference_dir``, when set, holds them instead (an image folder; this process's
+    own, and the only source when devices train on folders of their own)."""
+    if cfg.eval.reference_dir or cfg.data.own_folders:
+        if not cfg.eval.reference_dir:
+            raise DataError(
+                "quality metrics need real images to compare with, and with data.dataset = "
+                "'folder' no dataset is shared: give this process a folder of them "
+                "(eval.reference_dir, ESTUARY__EVAL__REFERENCE_DIR, or the cloud's "
+                "--reference DIR), or turn evaluation off (eval.every = 0, --no-eval)"
+            )
+        real = load_image_folder(cfg.eval.reference_dir, class_names=cfg.data.class_names)
+    else:
+        real = load_dataset(
+            cfg.data.dataset,
+            cfg.data.path,
+            split=split,
+            size=cfg.data.synthetic_size,
+            seed=cfg.run.seed,
+            class_names=cfg.data.class_names,
+        )
+    return to_model_input(real.images[reference_indices(len(real), n or cfg.eval.num_reference)])
+
+
+def reference_indices(size: int, n: int) -> np.ndarray:
+    """Which ``n`` of ``size`` real images :func:`reference_images` takes (sorted; all of them,
+    in order, when ``n >= size``)."""
+    count = min(size, n)
+    return np.sort(np.random.default_rng([0xF1D, size]).choice(size, count, replace=False))
+
+
+class Evaluator:
+    """Scores models against a fixed random set of real training images (features cached).
+
+    The protocol (``eval.num_samples`` generated vs ``eval.num_reference`` real, extractor
+    ``fmnist-cnn-v1``) is the one the README's reference numbers use; FID is biased by
+    sample size, so only compare numbers measured with the same counts.
+
+    Models sample on ``device`` (default: the CPU; callers pass ``compute.device``) and are
+    back where they were after :meth:`evaluate`; features are extracted on the CPU.
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.device = device if device is not None else torch.device("cpu")
+        self.reference = quality.reference_stats(reference_images(cfg))
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Quality metrics of ``eval.num_samples`` samples from ``model`` (on :attr:`device`)."""
+        fake = sample_images(
+            self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps,
+            salt=2, device=self.device,
+        )  # fmt: skip
+        out = dict(quality.evaluate(fake, self.reference))
+        out["sample_steps"] = self.cfg.eval.sample_steps
+        return out

@@ -1,0 +1,153 @@
+"""Run reports: sample grids and the ``report.png`` summary figure (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image
+
+from shared.atomic import atomic_write
+from shared.errors import EstuaryError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
+
+
+def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
+    """Tile uint8 images ``(N, H, W)`` into a square-ish grid PNG."""
+    n, h, w = images.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad), 255, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, cols)
+        y, x = pad + r * (h + pad), pad + c * (w + pad)
+        canvas[y : y + h, x : x + w] = img
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = Image.fromarray(canvas).resize(
+        (canvas.shape[1] * 3, canvas.shape[0] * 3), Image.Resampling.NEAREST
+    )
+    big.save(path)
+    return path
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` file. A last line cut short (a writer killed mid-row, or
+    a row being appended while this reads) is left out; a bad line before it is an error."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                log.warning("%s: last line is incomplete (%s); ignored", path, err)
+                break
+            raise EstuaryError(f"{path} line {i + 1} is not JSON: {err}") from None
+    return rows
+
+
+def last_quality(
+    rows: list[dict[str, Any]], up_to_round: int | None = None
+) -> dict[str, Any] | None:
+    """The latest quality evaluation among ``rows`` (at or before ``up_to_round``), with
+    its round, or None."""
+    for row in reversed(rows):
+        if row.get("quality") and (up_to_round is None or row.get("round", 0) <= up_to_round):
+            return {"round": row["round"], **row["quality"]}
+    return None
+
+
+def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """Title and up/down labels of the traffic panel for the rows' ``traffic_scope``."""
+    if rows and all(r.get("traffic_scope") == "cloud" for r in rows):
+        return (
+            "traffic per round at the cloud (every role: its /metrics)",
+            "up: received by the cloud (edges→cloud)",
+            "down: sent by the cloud (cloud→edges, once per blob fetched)",
+        )
+    return "traffic per round", "up (devices→edges→cloud)", "down (cloud→edges→devices)"
+
+
+def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
+    """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    rounds = [r["round"] for r in rows]
+    loss = [r.get("train_loss") for r in rows]
+    ax = axes[0]
+    ax.plot(
+        [x for x, y in zip(rounds, loss, strict=True) if y is not None],
+        [y for y in loss if y is not None],
+        marker="o",
+        ms=3,
+    )
+    ax.set(title="mean device training loss", xlabel="round", ylabel="DDPM loss (MSE)")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    up = np.array([r.get("bytes_up", 0) for r in rows]) / 2**20
+    down = np.array([r.get("bytes_down", 0) for r in rows]) / 2**20
+    panel_title, up_label, down_label = traffic_labels(rows)
+    ax.bar(rounds, up, label=up_label)
+    ax.bar(rounds, down, bottom=up, label=down_label)
+    ax.set(title=panel_title, xlabel="round", ylabel="MiB")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="y")
+
+    ax = axes[2]
+    q = [(r["round"], r["quality"]) for r in rows if r.get("quality")]
+    if q:
+        ax.plot([x for x, _ in q], [m["fid"] for _, m in q], marker="o", color="C3", label="FID")
+        ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
+        ax2 = ax.twinx()
+        ax2.plot(
+            [x for x, _ in q],
+            [m["precision"] for _, m in q],
+            "--",
+            marker="s",
+            color="C2",
+            label="precision",
+        )
+        ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", marker="^", color="C4",
+                 label="recall")  # fmt: skip
+        ax2.set(ylim=(0, 1), ylabel="precision / recall")
+        ax2.legend(fontsize=8, loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no quality evaluation in this run", ha="center", va="center")
+    ax.set(title="sample quality", xlabel="round")
+    ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    for a in axes:
+        # integer rounds, also when a panel has a single point (one evaluation)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Write :func:`report_figure` of ``rows`` to ``path`` as a PNG (atomically)."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(rows, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    atomic_write(path, tmp.read_bytes())
+    tmp.unlink()
+    return path

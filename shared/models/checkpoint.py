@@ -1,0 +1,154 @@
+"""Atomic checkpoints: safetensors weights plus the config used and the round, written to a
+temporary file and renamed into place so a crash never leaves a half-written checkpoint.
+
+Layout under ``DIR``: ``round_000004.safetensors`` files and ``latest.json`` pointing at the
+newest one (written after it, also atomically).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.atomic import atomic_write
+from shared.config import RunConfig, config_from_dict
+from shared.errors import CodecError, EstuaryError
+from shared.models.plan import model_spec
+from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
+
+__all__ = [
+    "Checkpoint",
+    "atomic_write",
+    "decode_checkpoint",
+    "is_checkpoint",
+    "latest_checkpoint_path",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+MODEL_PREFIX = "model/"
+STATE_PREFIX = "algo/"
+CHECKPOINT_FORMAT = "estuary-checkpoint-v1"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint."""
+
+    round: int
+    model: dict[str, torch.Tensor]
+    algo_state: dict[str, torch.Tensor]
+    config: RunConfig
+    model_sha256: str
+    path: Path
+    plan: dict[str, Any] | None = None  # channel plan of a pruned model; None = dense
+    #: :func:`shared.models.init.init_fingerprint` of the run's ``model.init`` when it was saved
+    #: (None in checkpoints written before it was recorded)
+    init: str | None = None
+
+
+def model_digest(model: dict[str, torch.Tensor]) -> str:
+    """sha256 of the canonical safetensors encoding of a model state."""
+    return sha256_hex(encode_tensors(model))
+
+
+def save_checkpoint(
+    directory: Path,
+    round_: int,
+    model: dict[str, torch.Tensor],
+    cfg: RunConfig,
+    algo_state: dict[str, torch.Tensor] | None = None,
+    plan: dict[str, Any] | None = None,
+    init: str | None = None,
+) -> Path:
+    """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path.
+
+    ``init`` is the :func:`~shared.models.init.init_fingerprint` of ``cfg.model.init`` (what the
+    run started from, by content), recorded so that a resume can tell a moved init file from
+    another one."""
+    tensors = {MODEL_PREFIX + k: v for k, v in model.items()}
+    tensors.update({STATE_PREFIX + k: v for k, v in (algo_state or {}).items()})
+    meta = {
+        "round": str(round_),
+        "config": cfg.to_json(),
+        "model_sha256": model_digest(model),
+        "format": CHECKPOINT_FORMAT,
+    }
+    if plan is not None:
+        meta["arch"] = json.dumps(plan, sort_keys=True)
+    if init is not None:
+        meta["init"] = init
+    path = directory / f"round_{round_:06d}.safetensors"
+    atomic_write(path, encode_tensors(tensors, meta))
+    pointer = {"round": round_, "file": path.name, "model_sha256": meta["model_sha256"]}
+    atomic_write(directory / "latest.json", json.dumps(pointer, indent=2).encode())
+    return path
+
+
+def latest_checkpoint_path(directory: Path) -> Path | None:
+    """Path named by ``latest.json`` (or the newest round file), or None."""
+    pointer = directory / "latest.json"
+    if pointer.is_file():
+        try:
+            name = json.loads(pointer.read_text())["file"]
+            # a bare file name of this directory (never a path out of it)
+            if isinstance(name, str) and name == Path(name).name and (directory / name).is_file():
+                return directory / name
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    files = sorted(directory.glob("round_*.safetensors"))
+    return files[-1] if files else None
+
+
+def is_checkpoint(data: bytes) -> bool:
+    """Whether safetensors bytes carry the Estuary checkpoint format tag."""
+    return read_metadata(data).get("format") == CHECKPOINT_FORMAT
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load and verify a checkpoint file (safetensors only; nothing is unpickled)."""
+    return decode_checkpoint(path.read_bytes(), path)
+
+
+def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
+    """Verify and split checkpoint bytes read from ``path`` (named in errors)."""
+    meta = read_metadata(data)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CodecError(f"{path} is not an Estuary checkpoint")
+    tensors = decode_tensors(data)
+    model = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+    state = {k[len(STATE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
+    digest = model_digest(model)
+    if digest != meta.get("model_sha256"):
+        raise CodecError(f"{path}: model hash differs from the recorded one ({digest[:12]}…)")
+    try:
+        cfg = config_from_dict(json.loads(meta["config"]), source=f"{path} metadata", stored=True)
+        round_ = int(meta["round"])
+    except (KeyError, ValueError) as err:
+        raise CodecError(f"{path}: round or config missing from the metadata ({err})") from None
+    try:
+        plan = json.loads(meta["arch"]) if "arch" in meta else None
+    except json.JSONDecodeError as err:
+        raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
+    _check_fits(model, cfg.model.preset, plan, path)
+    init = meta.get("init")
+    return Checkpoint(round_, model, state, cfg, digest, path, plan, init)
+
+
+def _check_fits(model: Mapping[str, torch.Tensor], preset: str, plan: Any, path: Path) -> None:
+    """CodecError unless the plan is valid for ``preset`` and ``model`` holds every tensor
+    of that architecture with its shape (an algorithm's extra global tensors may follow)."""
+    try:
+        spec = model_spec(preset, plan)  # validates the plan (shared.models.pruning.validate_plan)
+    except (EstuaryError, ValueError, TypeError, KeyError) as err:
+        raise CodecError(f"{path}: bad architecture plan: {err}") from None
+    try:
+        check_spec({k: v for k, v in model.items() if k in spec}, spec)
+    except CodecError as err:
+        arch = "dense" if plan is None else "its channel plan"
+        raise CodecError(f"{path}: the weights do not fit {arch} of {preset!r}: {err}") from None

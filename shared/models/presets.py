@@ -1,0 +1,221 @@
+"""U-Net presets (diffusers ``UNet2DModel``) and their size: parameters, MACs, fp32 bytes.
+
+``ddpm-cifar10`` is the DDPM U-Net of Ho et al. (2020) as used by FedPhD's Tables III-IV:
+35.7 M parameters and 6.06 GMACs for one 32x32 forward pass. The Fashion-MNIST presets are
+one-channel 32x32 models (28x28 images padded by two pixels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import UNet2DModel
+from torch import nn
+
+from shared.errors import ConfigError
+from shared.wire.codec import TensorSpec, spec_of
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "fmnist-tiny": {
+        "sample_size": 32,
+        "in_channels": 1,
+        "out_channels": 1,
+        "block_out_channels": (16, 32, 64),
+        "layers_per_block": 1,
+        "down_block_types": ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D"),
+        "up_block_types": ("AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 8,
+        "attention_head_dim": 32,
+    },
+    "fmnist-small": {
+        "sample_size": 32,
+        "in_channels": 1,
+        "out_channels": 1,
+        "block_out_channels": (64, 128, 128, 128),
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 32,
+        "attention_head_dim": None,
+    },
+    "ddpm-cifar10": {
+        "sample_size": 32,
+        "in_channels": 3,
+        "out_channels": 3,
+        "block_out_channels": (128, 256, 256, 256),
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "norm_num_groups": 32,
+        "attention_head_dim": None,
+        "flip_sin_to_cos": False,
+        "freq_shift": 1,
+    },
+}
+# Class-conditional variants: a learned class embedding added to the time embedding
+# (diffusers' ``num_class_embeds``); trained with each image's label, sampled per class.
+PRESETS["fmnist-tiny-cond"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 10}
+PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 10}
+
+
+def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
+    """A freshly initialized U-Net of ``preset``; the init is drawn from ``seed`` only."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    devices: list[int] = []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
+        return UNet2DModel(**PRESETS[preset])
+
+
+def state_spec(preset: str) -> dict[str, TensorSpec]:
+    """Names, shapes and dtypes of the preset's state dict, without initializing weights."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    with torch.device("meta"):
+        return spec_of(UNet2DModel(**PRESETS[preset]).state_dict())
+
+
+def module_device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first parameter (None for a module without parameters)."""
+    first = next(model.parameters(), None)
+    return None if first is None else first.device
+
+
+def num_classes_of(model: nn.Module) -> int:
+    """Number of classes a conditional U-Net embeds (0 for an unconditional one)."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_class_embeds", None) or 0)
+
+
+def image_shape(preset: str) -> tuple[int, int, int]:
+    """(channels, height, width) the preset expects."""
+    cfg = PRESETS[preset]
+    return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
+
+
+def check_trainable(preset: str) -> None:
+    """Refuse to train ``preset`` when no dataset here has images of its shape: every one
+    (Fashion-MNIST, synthetic, image folders) is read as grayscale."""
+    channels = image_shape(preset)[0]
+    if channels != 1:
+        raise ConfigError(
+            f"model.preset = {preset!r} takes {channels}-channel images, and the datasets "
+            "Estuary trains on are grayscale (1 channel): the preset is for `estuary "
+            "model-info`, the accounting of FedPhD's Tables III-IV and ONNX export and "
+            "sampling; train 'fmnist-small' or 'fmnist-tiny'"
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Size of a model: parameters, multiply-accumulates per image, fp32 bytes.
+
+    ``macs`` is Torch-Pruning's operation count (FedPhD's convention); ``weight_macs`` counts
+    only the weight multiply-accumulates of convolutions and linear layers (no bias
+    additions, no normalization), the stricter textbook figure.
+    """
+
+    preset: str
+    params: int
+    macs: int
+    weight_macs: int
+    fp32_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form with human-readable millions/giga figures too."""
+        return {
+            "preset": self.preset,
+            "params": self.params,
+            "params_m": round(self.params / 1e6, 3),
+            "macs": self.macs,
+            "gmacs": round(self.macs / 1e9, 3),
+            "weight_macs": self.weight_macs,
+            "weight_gmacs": round(self.weight_macs / 1e9, 3),
+            "fp32_bytes": self.fp32_bytes,
+            "fp32_mib": round(self.fp32_bytes / 2**20, 2),
+        }
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of trainable and frozen parameters."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> int:
+    """Multiply-accumulates of one forward pass on ``sample``, per image.
+
+    Uses Torch-Pruning's operation counter, the convention behind FedPhD's Table III
+    (module operations; the attention score products are not counted), so pruned models
+    can be compared with the paper's figures.
+    """
+    import torch_pruning as tp
+
+    inputs = _forward_inputs(model, sample, timestep)
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        ops, _ = tp.utils.count_ops_and_params(model, example_inputs=inputs)
+    return int(ops) // sample.shape[0]
+
+
+def _forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
+    """Keyword inputs of one U-Net forward pass on ``sample`` (class 0 when conditional)."""
+    inputs = {
+        "sample": sample,
+        "timestep": torch.full((sample.shape[0],), timestep, dtype=torch.long),
+    }
+    if num_classes_of(model):
+        inputs["class_labels"] = torch.zeros(sample.shape[0], dtype=torch.long)
+    return inputs
+
+
+def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> int:
+    """Weight multiply-accumulates of one forward pass on ``sample``, per image.
+
+    Counts ``out_elements * in_channels / groups * kernel_area`` for every Conv2d and
+    ``out_elements * in_features`` for every Linear, and nothing else: no bias additions,
+    no normalization or activation operations (which :func:`count_macs` includes).
+    """
+    total = 0
+
+    def conv(m: nn.Conv2d, _inp: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    def linear(m: nn.Linear, _inp: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        total += out.numel() * m.in_features
+
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            hooks.append(m.register_forward_hook(conv))
+        elif isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_hook(linear))
+    inputs = _forward_inputs(model, sample, timestep)
+    try:
+        with torch.no_grad():
+            model(inputs.pop("sample"), inputs.pop("timestep"), **inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return total // sample.shape[0]
+
+
+def model_info(preset: str, *, model_fn: Callable[[], nn.Module] | None = None) -> ModelInfo:
+    """Params, MACs (one image at the preset's resolution) and fp32 bytes of ``preset``."""
+    model = model_fn() if model_fn is not None else build_unet(preset)
+    model.eval()
+    c, h, w = image_shape(preset)
+    params = count_params(model)
+    sample = torch.zeros(1, c, h, w)
+    macs = count_macs(model, sample)
+    weight_macs = count_weight_macs(model, sample)
+    return ModelInfo(
+        preset=preset, params=params, macs=macs, weight_macs=weight_macs, fp32_bytes=params * 4
+    )

@@ -1,0 +1,193 @@
+"""Plumbing every role process shares: arguments, logging, the MQTT connection, the
+Prometheus endpoint, signals, and a clean goodbye.
+
+``python -m cloud``, ``python -m edge_node`` and ``python -m device_agent`` (and the
+``estuary cloud|edge|device`` subcommands, which call the same functions) are configured by a
+TOML/JSON config file plus ``ESTUARY__SECTION__KEY`` environment variables; the few command
+line options here override the deployment settings (broker address, metrics port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+
+from shared.config import RunConfig, load_config, with_overrides
+from shared.errors import EstuaryError
+from shared.runtime.service import RoleService
+from shared.transport.mqtt import MqttBus
+from shared.wire.messages import CloudState, Presence, encode, home_of
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by the three role processes."""
+    p.add_argument("config", help="run config (TOML, or the config.json of a run)")
+    p.add_argument("--broker", help="HOST:PORT of the MQTT broker (overrides broker.host/port)")
+    p.add_argument(
+        "--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port, -1 = off)"
+    )
+    p.add_argument("--log-level", default=os.environ.get("ESTUARY_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep running after the run is done, until stopped (the cloud keeps serving its "
+        "state and the deployed model's blobs; edges and devices stay connected)",
+    )
+
+
+def load_role_config(args: argparse.Namespace) -> RunConfig:
+    """The config file plus environment overrides, then the command-line overrides."""
+    cfg = load_config(args.config)
+    updates: dict[str, dict[str, object]] = {}
+    if args.broker:
+        host, _, port = args.broker.rpartition(":")
+        if not host or not port.isdigit():
+            raise EstuaryError(f"--broker must be HOST:PORT, got {args.broker!r}")
+        updates["broker"] = {"host": host, "port": int(port)}
+    for flag, section, key in (
+        ("data", "data", "local_dir"),
+        ("reference", "eval", "reference_dir"),
+    ):
+        if getattr(args, flag, None):
+            if cfg.data.dataset != "folder":
+                raise EstuaryError(
+                    f"--{flag} names an image folder of this process's own, but the run's "
+                    f"config says data.dataset = {cfg.data.dataset!r}; every role must run "
+                    "with data.dataset = 'folder' for that"
+                )
+            updates[section] = {key: getattr(args, flag)}
+    if args.metrics_port is not None:
+        if args.metrics_port < -1:
+            raise EstuaryError(f"--metrics-port must be >= -1, got {args.metrics_port}")
+        updates["metrics"] = {"enabled": args.metrics_port >= 0, "port": max(0, args.metrics_port)}
+    return with_overrides(cfg, updates, source="command line") if updates else cfg
+
+
+def setup_logging(level: str, name: str) -> None:
+    """Timestamped log lines tagged with the instance name."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard() -> Iterator[None]:
+    """SIGTERM and SIGINT raise KeyboardInterrupt (also when SIGINT was inherited as ignored,
+    as in background jobs), so every shutdown path runs the same ``finally``."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def connect_bus(
+    cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None, *, will: bool = True
+) -> MqttBus:
+    """The MQTT connection of one role instance, with its presence as the last will (unless
+    ``will`` is False: a tool speaking for a role, like ``estuary deploy``, must not mark
+    that role offline when the tool itself drops)."""
+    settings = cfg.broker
+    if cache_dir is not None and not settings.cache_dir:
+        settings = settings.model_copy(update={"cache_dir": str(cache_dir)})
+    home = home_of(service_role, name)
+    last_will = (
+        encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
+        if will
+        else None
+    )
+    bus = MqttBus(
+        settings, run=cfg.run.name, client_id=f"{cfg.run.name}-{name}", home=home, will=last_will
+    )
+    return bus.connect()
+
+
+def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
+    """Call ``on_done`` once the cloud's retained state says the run is over."""
+
+    def handler(msg: CloudState) -> None:
+        if msg.done_for(service.cfg.digest()):
+            on_done()
+
+    service.on(service.topics.cloud_state, CloudState, handler, "msg_cloud_state")
+
+
+def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:
+    """Start ``/metrics`` for ``service`` when enabled; returns the bound port."""
+    if not cfg.metrics.enabled:
+        return None
+    port = service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)
+    log.info("%s: Prometheus metrics on http://%s:%d/metrics", service.name, cfg.metrics.addr, port)
+    return port
+
+
+def serve_until_cloud_done(service: RoleService, bus: MqttBus, *, stay: bool) -> int:
+    """Edge/device process body: metrics, start, dispatch until the cloud reports the run
+    done (forever with ``stay``); returns the exit code."""
+    finished: list[bool] = []
+    if not stay:
+        follow_cloud(service, lambda: finished.append(True))
+    serve_metrics(service, service.cfg)
+    service.start()
+    log.info("%s serving", service.name)
+    return run_until_done(service, bus, lambda: bool(finished))
+
+
+def run_until_done(
+    service: RoleService,
+    bus: MqttBus,
+    done: Callable[[], bool],
+    *,
+    linger_s: float = 1.0,
+) -> int:
+    """Dispatch until ``done()``; on any exit say goodbye, flush and disconnect.
+
+    Returns the process exit code (0 done, 130 interrupted, 2 error).
+    """
+    code = EXIT_OK
+    try:
+        with interrupts_as_keyboard():
+            bus.run(done)
+            if linger_s > 0:  # let last messages (reports, retained state) go out
+                bus.pump(linger_s)
+    except KeyboardInterrupt as why:
+        log.warning("%s: interrupted (%s); shutting down", service.name, why or "SIGINT")
+        code = EXIT_INTERRUPTED
+    except EstuaryError as err:
+        log.error("%s: %s", service.name, err)
+        code = EXIT_ERROR
+    finally:
+        with contextlib.suppress(Exception):
+            service.stop()
+        t0 = time.monotonic()
+        bus.close()
+        closed_s = time.monotonic() - t0
+        wait_s = service.cfg.metrics.final_scrape_s
+        if code == EXIT_OK and wait_s > 0 and service.metrics.port is not None:
+            # the alerts tell a finished run from a crash by the last phase Prometheus saw
+            seen = service.metrics.wait_for_scrape(wait_s)
+            log.info("%s: final state %s", service.name,
+                     "scraped" if seen else f"not scraped within {wait_s:g} s")  # fmt: skip
+        service.metrics.stop()
+        log.info("%s: disconnected (%.2fs)", service.name, closed_s)
+    return code

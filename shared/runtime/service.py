@@ -1,0 +1,122 @@
+"""Glue every role service shares: decoding inbound messages safely, rejecting bad ones with
+a reason and a count, and moving tensors through blobs.
+
+Role services subclass :class:`RoleService`; their handlers receive validated messages only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from shared.config import RunConfig
+from shared.errors import CodecError, MessageError, TransportError
+from shared.metrics.prometheus import RoleMetrics
+from shared.transport.bus import Bus, Endpoint
+from shared.transport.telemetry import Traffic
+from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
+from shared.wire.messages import BlobRef, Presence, Topics, decode, encode, home_of
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+TensorDict = dict[str, Any]
+
+
+class RoleService:
+    """Base of the cloud, edge and device services: one endpoint, one name, one config."""
+
+    role = "role"
+
+    def __init__(self, name: str, cfg: RunConfig, bus: Bus) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.home = home_of(self.role, name)
+        self.ep: Endpoint = bus.endpoint(name, self.home)
+        self.topics = Topics(cfg.run.name)
+        self.traffic: Traffic = bus.traffic
+        self.metrics = RoleMetrics(self.role, name, bus.traffic)
+
+    def presence(self, online: bool) -> Presence:
+        """This instance's presence message (the offline one is the MQTT last will)."""
+        return Presence(name=self.name, role=self.role, online=online)  # type: ignore[arg-type]
+
+    def announce_presence(self, online: bool) -> None:
+        """Publish retained presence under this instance's own subtree."""
+        self.send(self.topics.status(self.home), self.presence(online), retain=True)
+
+    def start(self) -> None:
+        """Subscribe to what this role handles and announce it (each role implements it)."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Say goodbye (retained ``online: false``) before a clean shutdown."""
+        self.announce_presence(False)
+
+    def reject(self, reason: str, detail: str = "") -> None:
+        """Count and log a rejected input; the service carries on."""
+        self.traffic.reject(self.role, reason)
+        log.warning("%s rejected input (%s): %s", self.name, reason, detail)
+
+    def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
+        """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
+
+        A message that arrives on another topic than its sender's own
+        (:meth:`~shared.wire.messages.Topics.origin`) is rejected as ``wrong_sender``, so one
+        device cannot speak for another.
+        """
+
+        def wrapped(topic: str, payload: bytes) -> None:
+            try:
+                msg = decode(payload, msg_type)  # type: ignore[arg-type]
+            except MessageError as err:
+                self.reject(err.reason, f"{topic}: {err.detail}")
+                return
+            origin = self.topics.origin(msg)
+            if origin is not None and topic != origin:
+                self.reject("wrong_sender", f"{topic} carried a message for {origin}")
+                return
+            handler(msg)
+
+        self.ep.subscribe(pattern, wrapped, kind=kind)
+
+    def send(self, topic: str, msg: Any, *, retain: bool = False) -> None:
+        """Publish a message; its traffic is counted under ``msg_<kind>``."""
+        self.ep.publish(topic, encode(msg), kind=f"msg_{msg.kind}", retain=retain)
+
+    def put_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
+        """Encode tensors as safetensors and upload them as a blob."""
+        data = encode_tensors(tensors)
+        sha = self.ep.put_blob(data, kind=kind)
+        return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
+
+    def put_state(
+        self, state: Mapping[str, Any], shared: Mapping[str, Any] | None, kind: str
+    ) -> tuple[BlobRef, BlobRef | None]:
+        """Put ``state`` as a blob and, when ``shared`` names a subset of it
+        (:meth:`~shared.algorithms.base.Algorithm.shared_spec`), that subset as a second
+        blob, for receivers that hold the rest."""
+        ref = self.put_tensors(state, kind)
+        if shared is None:
+            return ref, None
+        return ref, self.put_tensors({k: state[k] for k in shared}, kind)
+
+    def fetch_tensors(
+        self,
+        ref: BlobRef,
+        spec: Mapping[str, TensorSpec] | None,
+        *,
+        timeout_s: float = 600.0,
+        partial: bool = False,
+    ) -> TensorDict | None:
+        """Download and validate a tensor blob; ``None`` (rejected and counted) if bad.
+        With ``partial`` a non-empty subset of ``spec`` is accepted."""
+        try:
+            data = self.ep.get_blob(
+                ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s
+            )
+            return decode_tensors(data, sha256=ref.sha256, expected=spec, partial=partial)
+        except (CodecError, TransportError) as err:
+            self.reject(err.reason, str(err))
+        return None

@@ -1,0 +1,155 @@
+"""Content-addressed blob store: a bounded in-memory LRU in front of an optional disk cache.
+
+Blobs are keyed by their sha256. ``put`` keeps the bytes in memory and, when a directory is
+configured, writes them atomically to ``<dir>/<sha[:2]>/<sha>``; ``get`` reads memory first,
+then disk, and verifies the hash of anything read back from disk (a corrupt cache file is
+deleted, never served). Both tiers evict least-recently-used blobs above their byte limits.
+Thread-safe: the bus's I/O thread serves chunks while a role thread stores new blobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from shared.wire.codec import sha256_hex
+
+log = logging.getLogger(__name__)
+
+
+class BlobStore:
+    """Blobs by sha256: memory LRU (``memory_limit_bytes``) plus disk (``disk_limit_bytes``)."""
+
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        memory_limit_bytes: int = 2 << 30,
+        disk_limit_bytes: int = 8 << 30,
+    ) -> None:
+        self.directory = directory
+        self.memory_limit_bytes = memory_limit_bytes
+        self.disk_limit_bytes = disk_limit_bytes
+        self._mem: OrderedDict[str, bytes] = OrderedDict()
+        self._mem_bytes = 0
+        self._lock = threading.RLock()
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sha256: str) -> Path:
+        assert self.directory is not None
+        return self.directory / sha256[:2] / sha256
+
+    def put(self, data: bytes, sha256: str | None = None) -> str:
+        """Store ``data`` (hashing it unless the verified ``sha256`` is given); returns the hash."""
+        digest = sha256 or sha256_hex(data)
+        with self._lock:
+            self._remember(digest, bytes(data))
+        if self.directory is not None and not self._path(digest).exists():
+            self._write(digest, data)
+        return digest
+
+    def get(self, sha256: str) -> bytes | None:
+        """The blob's bytes, or None when neither tier holds a valid copy."""
+        with self._lock:
+            data = self._mem.get(sha256)
+            if data is not None:
+                self._mem.move_to_end(sha256)
+                return data
+        if self.directory is None:
+            return None
+        path = self._path(sha256)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:  # unreadable (permissions, a directory in its place, I/O)
+            log.warning("cannot read cached blob %s: %s", sha256[:12], err)
+            return None
+        if sha256_hex(data) != sha256:
+            log.warning("blob cache file %s is corrupt; deleting it", path)
+            path.unlink(missing_ok=True)
+            return None
+        try:
+            os.utime(path)  # LRU on disk follows access time we set ourselves
+        except OSError:
+            pass  # evicted (or replaced) since we read it: the verified bytes are still good
+        with self._lock:
+            self._remember(sha256, data)
+        return data
+
+    def has(self, sha256: str) -> bool:
+        """Whether the blob is in memory or on disk (not verified)."""
+        with self._lock:
+            if sha256 in self._mem:
+                return True
+        return self.directory is not None and self._path(sha256).is_file()
+
+    def size(self, sha256: str) -> int | None:
+        """Length in bytes of the blob held in memory or on disk (not verified), else None."""
+        with self._lock:
+            data = self._mem.get(sha256)
+            if data is not None:
+                return len(data)
+        if self.directory is None:
+            return None
+        try:
+            st = self._path(sha256).stat()
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def chunk(self, sha256: str, index: int, chunk_bytes: int) -> bytes | None:
+        """Bytes of chunk ``index`` (``chunk_bytes`` per chunk), or None if the blob is gone."""
+        data = self.get(sha256)
+        if data is None:
+            return None
+        start = index * chunk_bytes
+        return data[start : start + chunk_bytes] if start < max(1, len(data)) else None
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        if digest in self._mem:
+            self._mem.move_to_end(digest)
+            return
+        self._mem[digest] = data
+        self._mem_bytes += len(data)
+        while self._mem_bytes > self.memory_limit_bytes and len(self._mem) > 1:
+            _, old = self._mem.popitem(last=False)
+            self._mem_bytes -= len(old)
+
+    def _write(self, digest: str, data: bytes) -> None:
+        path = self._path(digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with tmp.open("wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot cache blob %s on disk: %s", digest[:12], err)
+            return
+        self._evict_disk()
+
+    def _evict_disk(self) -> None:
+        assert self.directory is not None
+        sizes: dict[Path, os.stat_result] = {}
+        for p in self.directory.glob("??/*"):
+            if p.name.startswith("."):
+                continue
+            try:  # another process sharing the cache may remove files under our feet
+                st = p.stat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes[p] = st
+        total = sum(st.st_size for st in sizes.values())
+        for p in sorted(sizes, key=lambda q: sizes[q].st_mtime):
+            if total <= self.disk_limit_bytes:
+                break
+            total -= sizes[p].st_size
+            p.unlink(missing_ok=True)

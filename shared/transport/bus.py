@@ -1,0 +1,306 @@
+"""The Bus interface every role talks through, and MemoryBus, its in-process twin.
+
+A role gets an :class:`Endpoint` (``bus.endpoint(name)``): publish/subscribe JSON messages on
+topics, put/get content-addressed blobs, and schedule timers. Every byte through an endpoint
+is counted in the bus's :class:`~shared.transport.telemetry.Traffic` by message kind.
+
+:class:`MemoryBus` runs everything on the caller's thread with a virtual clock: ``run``
+delivers queued messages in order and, when nothing is queued, jumps the clock to the next
+timer. Runs are therefore deterministic and deadlines cost no wall time. Payloads are still
+real bytes, so codec bugs surface here first.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.errors import CodecError, TransportError
+from shared.transport.telemetry import Traffic
+from shared.wire.codec import sha256_hex
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], None]
+
+
+def topic_matches(pattern: str, topic: str) -> bool:
+    """MQTT wildcard matching (``+`` one level, ``#`` the rest)."""
+    pp, tp = pattern.split("/"), topic.split("/")
+    for i, p in enumerate(pp):
+        if p == "#":
+            return True
+        if i >= len(tp) or (p != "+" and p != tp[i]):
+            return False
+    return len(pp) == len(tp)
+
+
+class Timer(ABC):
+    """Handle of a scheduled callback."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Stop the callback from firing (no-op if it already fired)."""
+
+
+#: blobs put but not yet fetched that a bus remembers to count as sent (oldest dropped)
+MAX_UNSERVED_BLOBS = 4096
+
+
+class Bus(ABC):
+    """Transport shared by the roles of a federation (MemoryBus, MqttBus).
+
+    A blob counts as ``sent`` once, when it is first fetched from the role that put it,
+    not when it is put: a blob nobody fetches (the whole model beside its shared part,
+    when every receiver holds the rest) moved nothing over the network."""
+
+    traffic: Traffic
+    max_blob_bytes: int
+    _unserved: OrderedDict[str, tuple[str, int]] | None = None
+    _unserved_lock = threading.Lock()
+
+    def _await_fetch(self, sha256: str, kind: str, size: int) -> None:
+        """Count blob ``sha256`` as sent when someone first fetches it."""
+        with self._unserved_lock:
+            if self._unserved is None:
+                self._unserved = OrderedDict()
+            self._unserved[sha256] = (kind, size)
+            self._unserved.move_to_end(sha256)
+            while len(self._unserved) > MAX_UNSERVED_BLOBS:
+                self._unserved.popitem(last=False)
+
+    def _fetched(self, sha256: str) -> None:
+        """Blob ``sha256`` is being served: count it as sent if it was waiting for that."""
+        with self._unserved_lock:
+            entry = None if self._unserved is None else self._unserved.pop(sha256, None)
+        if entry is not None:
+            self.traffic.count("sent", *entry)
+
+    @abstractmethod
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
+
+    @abstractmethod
+    def _subscribe(self, pattern: str, handler: Handler) -> None: ...
+
+    @abstractmethod
+    def _put_blob(self, data: bytes) -> str: ...
+
+    @abstractmethod
+    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+        """Bytes of blob ``sha256``, verified against the hash (raise CodecError if not)."""
+
+    @abstractmethod
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
+        """Run ``fn`` on the bus's thread after ``delay_s`` seconds."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds on the bus's clock (virtual for MemoryBus)."""
+
+    def endpoint(self, name: str, home: str = "") -> Endpoint:
+        """A counted view of this bus for one role instance writing under ``home``."""
+        return Endpoint(self, name, home or name)
+
+    def close(self, timeout_s: float = 5.0) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads (no-op for in-process buses)."""
+
+
+@dataclass
+class Endpoint:
+    """One role's door to the bus: every call is counted by kind in ``bus.traffic``."""
+
+    bus: Bus
+    name: str
+    home: str
+
+    def publish(self, topic: str, payload: bytes, *, kind: str, retain: bool = False) -> None:
+        """Publish ``payload`` on ``topic``; counted as ``sent:kind``."""
+        self.bus.traffic.count("sent", kind, len(payload))
+        self.bus._publish(topic, payload, retain)
+
+    def subscribe(self, pattern: str, handler: Handler, *, kind: str = "message") -> None:
+        """Call ``handler(topic, payload)`` for each matching message; counted as received."""
+
+        def counted(topic: str, payload: bytes) -> None:
+            self.bus.traffic.count("received", kind, len(payload))
+            handler(topic, payload)
+
+        self.bus._subscribe(pattern, counted)
+
+    def put_blob(self, data: bytes, *, kind: str) -> str:
+        """Upload a blob once; returns its sha256."""
+        if len(data) > self.bus.max_blob_bytes:
+            raise TransportError(
+                f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}",
+                reason="blob_too_large",
+            )
+        sha = self.bus._put_blob(data)
+        self.bus._await_fetch(sha, kind, len(data))  # counted as sent when first fetched
+        return sha
+
+    def get_blob(
+        self,
+        sha256: str,
+        size: int,
+        *,
+        kind: str,
+        src: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> bytes:
+        """Download a blob served by ``src`` and verify its hash and size."""
+        if size > self.bus.max_blob_bytes:
+            raise TransportError(
+                f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
+            )
+        data = self.bus._get_blob(sha256, size, timeout_s, src)
+        # _get_blob returns verified bytes (MemoryBus keys by the hash it computed, MqttBus
+        # hashes while receiving, BlobStore re-hashes disk reads); the size is checked here.
+        if len(data) != size:
+            raise CodecError(
+                f"blob {sha256[:12]}… has {len(data)} bytes, expected {size}",
+                reason="blob_hash_mismatch",
+            )
+        self.bus.traffic.count("received", kind, len(data))
+        return data
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
+        """Schedule ``fn`` on the bus thread."""
+        return self.bus.call_later(delay_s, fn)
+
+    def now(self) -> float:
+        """The bus clock."""
+        return self.bus.now()
+
+
+@dataclass(order=True)
+class HeapTimer(Timer):
+    """A timer kept in a heap ordered by (due time, sequence number)."""
+
+    due: float
+    seq: int
+    fn: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class MemoryBus(Bus):
+    """In-process bus with a virtual clock; deterministic delivery order.
+
+    ``store_limit_bytes`` bounds the blob store (oldest blobs are evicted first);
+    ``max_queue`` bounds queued deliveries. Handler exceptions propagate when
+    ``raise_errors`` is true (simulation, tests) and are logged and counted otherwise.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_blob_bytes: int = 1 << 30,
+        store_limit_bytes: int = 4 << 30,
+        max_queue: int = 1_000_000,
+        raise_errors: bool = True,
+        traffic: Traffic | None = None,
+    ) -> None:
+        self.traffic = traffic or Traffic()
+        self.max_blob_bytes = max_blob_bytes
+        self.store_limit_bytes = store_limit_bytes
+        self.max_queue = max_queue
+        self.raise_errors = raise_errors
+        self._subs: list[tuple[str, Handler]] = []
+        self._retained: dict[str, bytes] = {}
+        self._queue: deque[tuple[Handler, str, bytes]] = deque()
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._blob_bytes = 0
+        self._timers: list[HeapTimer] = []
+        self._seq = itertools.count()
+        self._clock = 0.0
+
+    def _enqueue(self, handler: Handler, topic: str, payload: bytes) -> None:
+        if len(self._queue) >= self.max_queue:
+            raise TransportError(f"MemoryBus queue full ({self.max_queue} deliveries)")
+        self._queue.append((handler, topic, payload))
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        if retain:
+            if payload:
+                self._retained[topic] = payload
+            else:
+                self._retained.pop(topic, None)
+        for pattern, handler in self._subs:
+            if topic_matches(pattern, topic):
+                self._enqueue(handler, topic, payload)
+
+    def _subscribe(self, pattern: str, handler: Handler) -> None:
+        self._subs.append((pattern, handler))
+        for topic, payload in self._retained.items():
+            if topic_matches(pattern, topic):
+                self._enqueue(handler, topic, payload)
+
+    def _put_blob(self, data: bytes) -> str:
+        digest = sha256_hex(data)
+        if digest in self._blobs:
+            self._blobs.move_to_end(digest)
+            return digest
+        self._blobs[digest] = data
+        self._blob_bytes += len(data)
+        while self._blob_bytes > self.store_limit_bytes and len(self._blobs) > 1:
+            _, old = self._blobs.popitem(last=False)
+            self._blob_bytes -= len(old)
+        return digest
+
+    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+        data = self._blobs.get(sha256)
+        if data is None:
+            raise TransportError(f"blob {sha256[:12]}… is not on the bus (evicted or never put)")
+        self._fetched(sha256)
+        return data
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
+        timer = HeapTimer(self._clock + max(0.0, delay_s), next(self._seq), fn)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def now(self) -> float:
+        return self._clock
+
+    def _fire_next_timer(self) -> bool:
+        while self._timers:
+            timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            self._clock = max(self._clock, timer.due)
+            self._call(timer.fn)
+            return True
+        return False
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            if self.raise_errors:
+                raise
+            log.exception("handler failed")
+            self.traffic.reject("bus", "handler_error")
+
+    def run(self, until: Callable[[], bool], *, max_events: int = 10_000_000) -> bool:
+        """Deliver messages and fire timers until ``until()`` or nothing is left.
+
+        Returns whether ``until()`` became true; raises TransportError past ``max_events``.
+        """
+        for _ in range(max_events):
+            if until():
+                return True
+            if self._queue:
+                handler, topic, payload = self._queue.popleft()
+                self._call(functools.partial(handler, topic, payload))
+            elif not self._fire_next_timer():
+                return until()
+        raise TransportError(f"MemoryBus.run exceeded {max_events} events")

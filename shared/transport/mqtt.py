@@ -1,0 +1,786 @@
+"""MqttBus: the :class:`~shared.transport.bus.Bus` interface over a real MQTT broker
+(paho-mqtt 2.x).
+
+Threads and who does what:
+
+* paho's network thread runs the callbacks, which **only enqueue**: application messages go
+  to the role's inbound queue, blob chunks to the queue of the fetch waiting for them, blob
+  requests, publish acknowledgements and (re)connect events to the I/O worker's queue. The
+  client is :class:`~shared.transport.paho_lean.LeanClient`, paho's own with a PUBLISH decode that
+  copies each payload once (paho's copies a 1 MiB chunk three times, holding the GIL).
+* the I/O worker thread (one per bus) re-subscribes and re-publishes retained state after a
+  reconnect, and serves blob chunks to whoever asked, never more than ``max_inflight_bytes``
+  unacknowledged at a time.
+* the role's own thread calls :meth:`MqttBus.run`, which dispatches inbound messages to the
+  handlers and fires timers; a handler that needs a blob blocks in ``get_blob`` while the
+  chunks arrive on their own queue.
+
+Blobs are content-addressed and moved in chunks (DESIGN section 2): the receiver subscribes
+to ``{src}/blob/{sha}/{chunk_bytes}/+`` of the role that serves it, asks for the chunks it
+lacks, hashes them as they arrive in order, asks again for whatever is still missing after
+``chunk_timeout_s`` of silence, and refuses the result if the sha256 differs. A server
+coalesces requests: a chunk already queued for sending is not queued twice, so several
+receivers asking at once share one stream (the broker fans it out). Received and published
+blobs live in a :class:`~shared.transport.blobs.BlobStore` (memory LRU + optional disk cache), so an
+edge fetches each global model once and serves it to all its devices.
+
+Every publish and subscription uses :data:`QOS` (1: at least once; receivers are idempotent).
+MQTT v5 sessions start clean when the process starts and are resumed on reconnects, so
+messages sent to a role during a short disconnect are queued by the broker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import io
+import itertools
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, cast
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from pydantic import ValidationError
+
+from shared.config import BrokerSection
+from shared.errors import CodecError, TransportError
+from shared.transport.blobs import BlobStore
+from shared.transport.bus import Bus, Handler, HeapTimer, Timer, topic_matches
+from shared.transport.paho_lean import client_class
+from shared.transport.telemetry import Traffic
+from shared.wire.messages import MAX_MESSAGE_BYTES, BlobWant, Topics, encode
+
+log = logging.getLogger(__name__)
+
+QOS: Final = 1
+"""The one QoS used for every publish and subscription: at-least-once delivery. Duplicates
+are harmless because every receiver is idempotent (rounds, sessions and hashes)."""
+
+PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
+_MISSING = -1
+_BAD_INDEX = -2
+
+MAX_PENDING_CHUNKS: Final = 1 << 18
+"""Most chunk indices a blob server keeps queued for sending, over all blobs and requesters
+(an entry costs ~100 bytes; a 1 GiB blob in 4 KiB chunks is 2**18 of them). Beyond it the
+request's remaining chunks are dropped and counted; the requester asks again for whatever
+it still lacks after ``chunk_timeout_s`` of silence."""
+
+MAX_QUEUED_WANTS: Final = 1024
+MAX_QUEUED_WANT_BYTES: Final = 16 << 20
+"""Blob requests waiting for the I/O worker (count and payload bytes); more are dropped."""
+
+_CONTROL_QUEUE: Final = 100_000
+_CONTROL_PUT_TIMEOUT_S: Final = 5.0
+_MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
+
+
+def _parse_index(level: str) -> int:
+    """A chunk topic's last level: ``missing``, a plain ASCII decimal index, or _BAD_INDEX.
+
+    ``str.isdigit`` alone accepts superscripts and non-ASCII digits that ``int`` refuses,
+    and ``int`` refuses very long digit strings; both would raise in paho's thread."""
+    if level == "missing":
+        return _MISSING
+    if not (0 < len(level) <= _MAX_INDEX_DIGITS and level.isascii() and level.isdigit()):
+        return _BAD_INDEX
+    return int(level)
+
+
+def read_password(settings: BrokerSection) -> str | None:
+    """The broker password from ``password_file`` or ``$ESTUARY_MQTT_PASSWORD`` (else None)."""
+    if settings.password_file:
+        try:
+            return Path(settings.password_file).read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise TransportError(f"cannot read broker password file: {err}") from None
+    return os.environ.get(PASSWORD_ENV)
+
+
+def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+    """Turn Nagle's algorithm off on a TCP connection (paho leaves it on).
+
+    With it on, a small packet sent while an earlier one is unacknowledged waits for the
+    peer's delayed ACK (40 ms on Linux): a SUBACK-then-request exchange before every blob
+    fetch stalled that long about half the time. Not every socket is TCP (paho also speaks
+    over websockets and unix sockets), so a failure is ignored."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    """Number of chunks of a blob (an empty blob still has one, empty, chunk)."""
+    return max(1, math.ceil(size / chunk_bytes))
+
+
+def _ranges(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as inclusive [first, last] runs."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+@dataclass
+class _Fetch:
+    """One blob being received."""
+
+    sha256: str
+    src: str
+    size: int
+    chunk_bytes: int
+    n: int
+    chunks: queue.Queue[tuple[int, bytes]]
+    have: bytearray
+    parked: dict[int, bytes] = field(default_factory=dict)  # arrived ahead of order
+    received: int = 0
+    hashed: int = 0
+    hasher: Any = field(default_factory=hashlib.sha256)
+    out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def expected_len(self, index: int) -> int:
+        start = index * self.chunk_bytes
+        return max(0, min(self.chunk_bytes, self.size - start))
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.n) if not self.have[i]]
+
+
+class MqttBus(Bus):
+    """One MQTT connection for one role instance (``home`` is its topic subtree)."""
+
+    def __init__(
+        self,
+        settings: BrokerSection,
+        *,
+        run: str,
+        client_id: str,
+        home: str,
+        will: bytes | None = None,
+        traffic: Traffic | None = None,
+        store: BlobStore | None = None,
+        raise_errors: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.traffic = traffic or Traffic()
+        self.max_blob_bytes = settings.max_blob_bytes
+        self.topics = Topics(run)
+        self.home = home
+        self.client_id = client_id
+        self.raise_errors = raise_errors
+        self.store = store or BlobStore(
+            Path(settings.cache_dir) if settings.cache_dir else None,
+            memory_limit_bytes=settings.memory_limit_bytes,
+            disk_limit_bytes=settings.cache_limit_bytes,
+        )
+        self._status_topic = self.topics.status(home)
+        self._subs: list[tuple[str, Handler]] = []
+        self._subs_lock = threading.Lock()
+        self._inbound: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=settings.max_queue)
+        self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=_CONTROL_QUEUE)
+        self.max_pending_chunks = MAX_PENDING_CHUNKS
+        self.max_queued_wants = MAX_QUEUED_WANTS
+        self.max_queued_want_bytes = MAX_QUEUED_WANT_BYTES
+        self._pending_chunks = 0  # chunk indices queued for sending (I/O worker only)
+        self._wants_queued = 0  # blob requests in _control, and their bytes
+        self._want_bytes_queued = 0
+        self._wants_lock = threading.Lock()
+        self._retained: dict[str, bytes] = {}
+        self._fetches: dict[str, _Fetch] = {}
+        self._fetch_lock = threading.Lock()
+        self._fetch_bytes = 0
+        self._timers: list[HeapTimer] = []
+        self._timer_lock = threading.Lock()
+        self._seq = itertools.count()
+        self._suback: dict[int, threading.Event] = {}
+        self._early_subacks: set[int] = set()
+        self._suback_lock = threading.Lock()
+        self._connected = threading.Event()
+        self._ever_connected = False
+        self._closing = threading.Event()
+        self._last_info: mqtt.MQTTMessageInfo | None = None
+        self._last_error = ""
+        self._want_prefix = f"{self.topics.base}/"
+        self._want_suffix = f"/want/{home}"
+        self.client = self._make_client(will)
+        self._io = threading.Thread(target=self._io_loop, name=f"mqtt-io-{client_id}", daemon=True)
+
+    # -- connection ----------------------------------------------------------------------
+    def _make_client(self, will: bytes | None) -> mqtt.Client:
+        s = self.settings
+        v5 = s.protocol == "5"
+        client = client_class()(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+            clean_session=None if v5 else True,
+        )
+        client.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)
+        client.max_inflight_messages_set(64)
+        client.max_queued_messages_set(0)  # our own byte budget bounds what we queue
+        if s.username:
+            client.username_pw_set(s.username, read_password(s))
+        if s.tls:
+            client.tls_set(
+                ca_certs=s.ca_file or None,
+                certfile=s.cert_file or None,
+                keyfile=s.key_file or None,
+            )
+        if will is not None:
+            client.will_set(self._status_topic, will, qos=QOS, retain=True)
+        client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
+        client.on_socket_open = _set_nodelay
+        return client
+
+    def connect(self) -> MqttBus:
+        """Connect (waiting up to ``connect_timeout_s``) and start the network and I/O threads.
+
+        Raises TransportError when the broker does not accept the connection in time.
+        """
+        s = self.settings
+        props = None
+        clean: Any = True
+        if s.protocol == "5":
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = s.session_expiry_s
+            clean = mqtt.MQTT_CLEAN_START_FIRST_ONLY
+        self.client.connect_async(
+            s.host, s.port, keepalive=s.keepalive_s, clean_start=clean, properties=props
+        )
+        self.client.loop_start()
+        self._io.start()
+        if not self._connected.wait(s.connect_timeout_s):
+            self.close(timeout_s=1.0)
+            detail = f" ({self._last_error})" if self._last_error else ""
+            raise TransportError(
+                f"no connection to MQTT broker {s.host}:{s.port} within "
+                f"{s.connect_timeout_s:g}s{detail}",
+                reason="timeout",
+            )
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what was published (bounded), disconnect and stop the threads."""
+        if self._closing.is_set():
+            return
+        info = self._last_info
+        if info is not None and self._connected.is_set():
+            try:
+                info.wait_for_publish(timeout_s)
+            except (RuntimeError, ValueError):
+                pass
+        self._closing.set()
+        self.client.disconnect()
+        self.client.loop_stop()
+        if self._io.is_alive():
+            self._io.join(timeout_s)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the broker connection is up right now."""
+        return self._connected.is_set()
+
+    def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, rc: Any, _p: Any) -> None:
+        if rc.is_failure:
+            self._last_error = str(rc)
+            self.traffic.note("connect_refused")
+            return
+        try:  # must not be lost (it re-subscribes), but never blocks paho's thread for long
+            self._control.put(
+                ("connected", bool(getattr(flags, "session_present", False))),
+                timeout=_CONTROL_PUT_TIMEOUT_S,
+            )
+        except queue.Full:
+            self.traffic.reject("bus", "control_queue_full")
+            log.error("%s: I/O worker stuck; connect event dropped", self.client_id)
+
+    def _on_connect_fail(self, client: mqtt.Client, _u: Any) -> None:
+        self._last_error = "connection refused or unreachable"
+        self.traffic.note("connect_failures")
+
+    def _on_disconnect(self, client: mqtt.Client, _u: Any, _f: Any, rc: Any, _p: Any) -> None:
+        self._connected.clear()
+        if not self._closing.is_set():
+            self._last_error = str(rc)
+            self.traffic.note("disconnects")
+
+    def _on_subscribe(self, client: mqtt.Client, _u: Any, mid: int, _rc: Any, _p: Any) -> None:
+        with self._suback_lock:
+            event = self._suback.pop(mid, None)
+            if event is None:
+                self._early_subacks.add(mid)  # raced ahead of _subscribe_wait
+                if len(self._early_subacks) > 10_000:
+                    self._early_subacks.clear()
+        if event is not None:
+            event.set()
+
+    def _on_publish(self, client: mqtt.Client, _u: Any, mid: int, _rc: Any, _p: Any) -> None:
+        try:
+            self._control.put_nowait(("ack", mid))
+        except queue.Full:
+            self.traffic.reject("bus", "control_queue_full")
+
+    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        # paho re-raises callback exceptions, which ends its network thread while the bus
+        # still looks connected: nothing may escape from here
+        try:
+            self._handle_message(msg)
+        except Exception:
+            self.traffic.reject("bus", "callback_error")
+            log.exception("%s: error handling a message on %.200r", self.client_id, msg.topic)
+
+    def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
+        topic, payload = msg.topic, cast(bytes, msg.payload)  # paho hands us bytes
+        self.traffic.note("wire_bytes_received", len(payload))
+        rel = topic[len(self._want_prefix) :].split("/", 3)  # relative to the run's base
+        # a role's subtree is "cloud" or "edge/<id>" / "device/<id>", then the verb
+        verb = rel[1] if rel[0] == "cloud" else rel[2] if len(rel) > 2 else ""
+        if verb == "blob" and topic.startswith(self._want_prefix):
+            self._route_chunk(topic, payload)
+        elif (
+            verb == "want"
+            and topic.endswith(self._want_suffix)
+            and topic.startswith(self._want_prefix)
+        ):
+            self._enqueue_want(payload)
+        else:
+            try:
+                self._inbound.put_nowait((topic, payload))
+            except queue.Full:
+                self.traffic.reject("bus", "queue_full")
+
+    def _route_chunk(self, topic: str, payload: bytes) -> None:
+        parts = topic.rsplit("/", 4)  # [..., "blob", sha, chunk_bytes, index]
+        if len(parts) != 5 or parts[1] != "blob":
+            self.traffic.note("chunks_unsolicited")
+            return
+        fetch = self._fetches.get(parts[2])
+        if fetch is None or parts[3] != str(fetch.chunk_bytes):
+            self.traffic.note("chunks_unsolicited")
+            return
+        try:
+            fetch.chunks.put_nowait((_parse_index(parts[4]), payload))
+        except queue.Full:
+            self.traffic.note("chunks_dropped")
+
+    def _enqueue_want(self, payload: bytes) -> None:
+        """Hand a blob request to the I/O worker, or drop it (counted) when too many wait."""
+        with self._wants_lock:
+            full = (
+                self._wants_queued >= self.max_queued_wants
+                or self._want_bytes_queued + len(payload) > self.max_queued_want_bytes
+            )
+            if not full:
+                self._wants_queued += 1
+                self._want_bytes_queued += len(payload)
+        if not full:
+            try:
+                self._control.put_nowait(("want", payload))
+                return
+            except queue.Full:
+                self._want_done(payload)
+        self.traffic.reject("blob_server", "want_queue_full")
+
+    def _want_done(self, payload: bytes) -> None:
+        with self._wants_lock:
+            self._wants_queued -= 1
+            self._want_bytes_queued -= len(payload)
+
+    # -- I/O worker: reconnects and blob serving -----------------------------------------
+    def _io_loop(self) -> None:
+        pending: OrderedDict[tuple[str, int], OrderedDict[int, None]] = OrderedDict()
+        inflight: dict[int, int] = {}
+        inflight_bytes = 0
+        while not self._closing.is_set():
+            try:  # one bad request or a racing cache eviction must not end blob serving
+                can_send = bool(pending) and (
+                    inflight_bytes + self.settings.chunk_bytes <= self.settings.max_inflight_bytes
+                )
+                try:
+                    item = self._control.get(timeout=0 if can_send else 0.5)
+                except queue.Empty:
+                    item = None
+                if item is not None:
+                    what, arg = item
+                    if what == "ack":
+                        inflight_bytes -= inflight.pop(arg, 0)
+                    elif what == "want":
+                        self._want_done(arg)
+                        self._queue_want(arg, pending)
+                    elif what == "connected":
+                        self._after_connect(session_present=arg)
+                    continue
+                if can_send:
+                    sent = self._send_next_chunk(pending)
+                    if sent is not None:
+                        mid, nbytes = sent
+                        inflight[mid] = nbytes
+                        inflight_bytes += nbytes
+            except Exception:
+                self.traffic.reject("bus", "io_error")
+                log.exception("%s: I/O worker error (continuing)", self.client_id)
+                self._closing.wait(0.05)  # no hot loop if the error repeats
+
+    def _after_connect(self, *, session_present: bool) -> None:
+        first = not self._ever_connected
+        self._ever_connected = True
+        if not first:
+            self.traffic.note("reconnects")
+        if not session_present:
+            with self._subs_lock:
+                patterns = {p for p, _ in self._subs}
+            patterns.update(self.topics.blob_want_patterns(self.home))
+            for f in list(self._fetches.values()):
+                patterns.add(self._chunk_pattern(f))
+            # acknowledged before the bus says it is connected: a request published to it
+            # right after connect() returns is not lost to a subscription still in flight
+            self._subscribe_all(sorted(patterns))
+        for topic, payload in list(self._retained.items()):
+            if not first and (topic == self._status_topic or not session_present):
+                self._raw_publish(topic, payload, retain=True)
+        self._connected.set()
+        log.info("%s connected to %s:%d", self.client_id, self.settings.host, self.settings.port)
+
+    def _queue_want(
+        self, payload: bytes, pending: OrderedDict[tuple[str, int], OrderedDict[int, None]]
+    ) -> None:
+        try:
+            want = BlobWant.model_validate_json(payload)
+        except ValidationError as err:
+            self.traffic.reject("blob_server", "bad_request")
+            log.warning("%s: bad blob request: %s", self.client_id, err.errors()[0]["msg"])
+            return
+        size = self.store.size(want.sha256)
+        if size is None:
+            self.traffic.note("blob_requests_missing")
+            self._raw_publish(
+                self.topics.blob_chunk(self.home, want.sha256, want.chunk_bytes, "missing"), b""
+            )
+            return
+        self._fetched(want.sha256)
+        # the chunk count comes from the blob held, never from the requester's claim
+        n = chunk_count(size, want.chunk_bytes)
+        if want.size != size:
+            # Serve no further than both sizes allow: enough for an honest requester with a
+            # wrong BlobRef to see a chunk of the wrong length at once and give up.
+            n = min(n, chunk_count(want.size, want.chunk_bytes))
+            self.traffic.reject("blob_server", "size_mismatch")
+            log.warning(
+                "%s: blob request for %s… claims %d bytes, it has %d",
+                self.client_id,
+                want.sha256[:12],
+                want.size,
+                size,
+            )
+        runs: list[tuple[int, int]] = []  # clamped to [0, n) and merged: each index once
+        for first, last in sorted((max(0, f), min(last, n - 1)) for f, last in want.chunks):
+            if first > last:
+                continue
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last))
+            else:
+                runs.append((first, last))
+        key = (want.sha256, want.chunk_bytes)
+        queued = pending.get(key)
+        if queued is None:
+            queued = OrderedDict()
+        room = self.max_pending_chunks - self._pending_chunks
+        dropped = 0
+        for first, last in runs:
+            for i in range(first, last + 1):
+                if i in queued:
+                    continue
+                if room <= 0:
+                    dropped += last - i + 1
+                    break
+                queued[i] = None
+                room -= 1
+                self._pending_chunks += 1
+        if queued:
+            pending[key] = queued
+        if dropped:
+            self.traffic.reject("blob_server", "serve_queue_full")
+            self.traffic.note("chunks_not_queued", dropped)
+        self.traffic.note("blob_requests_served")
+
+    def _send_next_chunk(
+        self, pending: OrderedDict[tuple[str, int], OrderedDict[int, None]]
+    ) -> tuple[int, int] | None:
+        key, indices = next(iter(pending.items()))
+        index, _ = indices.popitem(last=False)
+        self._pending_chunks -= 1
+        if indices:
+            pending.move_to_end(key)  # round-robin between blobs being served
+        else:
+            del pending[key]
+        sha, chunk_bytes = key
+        data = self.store.chunk(sha, index, chunk_bytes)
+        if data is None:
+            self._pending_chunks -= len(pending.pop(key, ()))
+            self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, "missing"), b"")
+            return None
+        info = self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, index), data)
+        self.traffic.note("chunks_sent")
+        return info.mid, len(data)
+
+    # -- publish / subscribe -------------------------------------------------------------
+    def _raw_publish(
+        self, topic: str, payload: bytes, retain: bool = False
+    ) -> mqtt.MQTTMessageInfo:
+        info = self.client.publish(topic, payload, qos=QOS, retain=retain)
+        self.traffic.note("wire_bytes_sent", len(payload))
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        return info
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        if len(payload) > MAX_MESSAGE_BYTES:
+            raise TransportError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if retain:
+            if payload:
+                self._retained[topic] = payload
+            else:
+                self._retained.pop(topic, None)
+        self._last_info = self._raw_publish(topic, payload, retain)
+
+    def _subscribe(self, pattern: str, handler: Handler) -> None:
+        with self._subs_lock:
+            self._subs.append((pattern, handler))
+        if self._connected.is_set():
+            self._subscribe_wait(pattern)
+
+    def _subscribe_wait(self, pattern: str, timeout_s: float = 10.0) -> None:
+        self._subscribe_all([pattern], timeout_s)
+
+    def _subscribe_all(self, patterns: list[str], timeout_s: float = 10.0) -> None:
+        """Subscribe to ``patterns`` at once and wait (``timeout_s`` in all) for their
+        SUBACKs; a missing one is logged (the reconnect path subscribes again)."""
+        waits: list[tuple[str, int, threading.Event]] = []
+        for pattern in patterns:
+            rc, mid = self.client.subscribe(pattern, qos=QOS)
+            if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+                return  # not connected: the reconnect path subscribes again
+            event = threading.Event()
+            with self._suback_lock:
+                if mid in self._early_subacks:
+                    self._early_subacks.discard(mid)
+                    continue
+                self._suback[mid] = event
+            waits.append((pattern, mid, event))
+        deadline = time.monotonic() + timeout_s
+        for pattern, mid, event in waits:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                with self._suback_lock:
+                    self._suback.pop(mid, None)
+                log.warning("%s: no SUBACK for %s within %.0fs", self.client_id, pattern,
+                            timeout_s)  # fmt: skip
+
+    # -- blobs ---------------------------------------------------------------------------
+    def _put_blob(self, data: bytes) -> str:
+        return self.store.put(data)
+
+    def _chunk_pattern(self, f: _Fetch) -> str:
+        return self.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
+
+    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+        data = self.store.get(sha256)
+        if data is not None:
+            self.traffic.note("blob_cache_hits")
+            return data
+        if src is None or src == self.home:
+            raise TransportError(f"blob {sha256[:12]}… is not here and names no source")
+        deadline = time.monotonic() + min(timeout_s, self.settings.fetch_timeout_s)
+        with self._fetch_lock:
+            existing = self._fetches.get(sha256)
+        if existing is not None:  # someone on another thread is already fetching it
+            existing.done.wait(max(0.0, deadline - time.monotonic()))
+            data = self.store.get(sha256)
+            if data is None:
+                raise TransportError(f"blob {sha256[:12]}… could not be fetched", reason="timeout")
+            return data
+        fetch = self._start_fetch(sha256, size, src)
+        try:
+            self._receive(fetch, deadline)
+        finally:
+            with self._fetch_lock:
+                self._fetches.pop(sha256, None)
+                self._fetch_bytes -= size
+            self.client.unsubscribe(self._chunk_pattern(fetch))
+            fetch.done.set()
+        if fetch.hasher.hexdigest() != sha256:
+            raise CodecError(
+                f"blob {sha256[:12]}… from {src}: received bytes hash to "
+                f"{fetch.hasher.hexdigest()[:12]}…",
+                reason="blob_hash_mismatch",
+            )
+        data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
+        self.store.put(data, sha256)
+        self.traffic.note("blobs_fetched")
+        return data
+
+    def _start_fetch(self, sha256: str, size: int, src: str) -> _Fetch:
+        cs = self.settings.chunk_bytes
+        n = chunk_count(size, cs)
+        with self._fetch_lock:
+            if self._fetch_bytes + size > self.settings.max_fetch_bytes:
+                raise TransportError(
+                    f"fetching {size} more bytes would exceed max_fetch_bytes "
+                    f"({self.settings.max_fetch_bytes})",
+                    reason="blob_too_large",
+                )
+            fetch = _Fetch(
+                sha256,
+                src,
+                size,
+                cs,
+                n,
+                queue.Queue(maxsize=max(64, 4 * self.settings.max_inflight_bytes // cs)),
+                bytearray(n),
+            )
+            self._fetches[sha256] = fetch
+            self._fetch_bytes += size
+        self._subscribe_wait(self._chunk_pattern(fetch))
+        return fetch
+
+    def _ask(self, fetch: _Fetch, indices: list[int]) -> None:
+        runs = _ranges(indices)
+        for k in range(0, len(runs), 4096):
+            want = BlobWant(
+                sha256=fetch.sha256,
+                size=fetch.size,
+                chunk_bytes=fetch.chunk_bytes,
+                chunks=runs[k : k + 4096],
+            )
+            self._raw_publish(self.topics.blob_want(self.home, fetch.src), encode(want))
+
+    def _receive(self, fetch: _Fetch, deadline: float) -> None:
+        self._ask(fetch, list(range(fetch.n)))
+        silence = self.settings.chunk_timeout_s
+        while fetch.received < fetch.n:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing.is_set():
+                raise TransportError(
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: {fetch.received}/{fetch.n} "
+                    "chunks before the fetch timeout",
+                    reason="timeout",
+                )
+            try:
+                index, payload = fetch.chunks.get(timeout=min(silence, left))
+            except queue.Empty:
+                missing = fetch.missing()
+                self.traffic.note("chunks_rerequested", len(missing))
+                log.info("%s: re-asking %s for %d chunks", self.client_id, fetch.src, len(missing))
+                self._ask(fetch, missing)
+                continue
+            if index == _MISSING:
+                raise TransportError(f"{fetch.src} does not have blob {fetch.sha256[:12]}…")
+            if not 0 <= index < fetch.n or len(payload) != fetch.expected_len(index):
+                # the sender's blob is not the advertised size: no point waiting for more
+                self.traffic.note("chunks_invalid")
+                raise CodecError(
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: chunk {index} has {len(payload)} "
+                    f"bytes, expected {fetch.expected_len(index) if 0 <= index < fetch.n else 0}",
+                    reason="blob_size_mismatch",
+                )
+            if fetch.have[index]:
+                self.traffic.note("chunks_duplicate")
+                continue
+            fetch.have[index] = 1
+            fetch.received += 1
+            fetch.parked[index] = payload
+            while fetch.hashed in fetch.parked:  # hash and append in order as chunks arrive
+                chunk = fetch.parked.pop(fetch.hashed)
+                fetch.hasher.update(chunk)
+                fetch.out.write(chunk)
+                fetch.hashed += 1
+
+    # -- timers and the role loop --------------------------------------------------------
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
+        timer = HeapTimer(time.monotonic() + max(0.0, delay_s), next(self._seq), fn)
+        with self._timer_lock:
+            heapq.heappush(self._timers, timer)
+        return timer
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def _due_timer(self) -> tuple[HeapTimer | None, float]:
+        """Pop a due timer, or return the seconds until the next one."""
+        with self._timer_lock:
+            while self._timers and self._timers[0].cancelled:
+                heapq.heappop(self._timers)
+            if not self._timers:
+                return None, math.inf
+            wait = self._timers[0].due - time.monotonic()
+            if wait <= 0:
+                return heapq.heappop(self._timers), 0.0
+            return None, wait
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            if self.raise_errors:
+                raise
+            log.exception("%s: handler failed", self.client_id)
+            self.traffic.reject("bus", "handler_error")
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        with self._subs_lock:
+            handlers = [h for p, h in self._subs if topic_matches(p, topic)]
+        for handler in handlers:
+            self._call(lambda h=handler: h(topic, payload))  # type: ignore[misc]
+
+    def run(
+        self,
+        until: Callable[[], bool],
+        *,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> bool:
+        """Dispatch messages and timers on this thread until ``until()``; returns whether it
+        became true (False on ``timeout_s``, on ``stop`` being set, or when the bus closes)."""
+        end = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while not until():
+            if self._closing.is_set() or (stop is not None and stop.is_set()):
+                return False
+            timer, wait = self._due_timer()
+            if timer is not None:
+                self._call(timer.fn)
+                continue
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                topic, payload = self._inbound.get(timeout=min(wait, left, 0.25))
+            except queue.Empty:
+                continue
+            self._dispatch(topic, payload)
+        return True
+
+    def pump(self, seconds: float) -> None:
+        """Dispatch for ``seconds`` (tests and shutdown paths)."""
+        self.run(lambda: False, timeout_s=seconds)

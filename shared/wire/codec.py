@@ -1,0 +1,155 @@
+"""Tensor codecs: safetensors bytes with a sha256, and nothing else (never pickle).
+
+``encode_tensors`` produces deterministic bytes for a ``{name: tensor}`` dict (sorted keys,
+contiguous CPU tensors); ``decode_tensors`` checks the hash when given one, parses with
+safetensors, refuses non-finite values and, given an ``expected`` spec, wrong names, shapes
+or dtypes. Every failure is a :class:`~shared.errors.CodecError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.atomic import atomic_write
+from shared.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: the hash helpers and the metadata
+# reader here serve the torch-free sampling path of the device agent (DESIGN section 5).
+TensorDict = dict[str, Any]
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected dtype and shape of one named tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The spec a decoder should enforce for tensors shaped like ``tensors``."""
+    return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+
+
+def encode_tensors(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """Serialize to safetensors bytes; identical inputs give identical bytes."""
+    from safetensors.torch import save as st_save
+
+    ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
+    meta = dict(metadata or {})
+    if len(json.dumps(meta)) > MAX_METADATA_BYTES:
+        raise CodecError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
+    return st_save(ordered, metadata=meta or None)
+
+
+def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
+    """Write weights the repository ships (``shared/assets``): safetensors with ``info`` as
+    one JSON metadata entry (one key, so the bytes do not depend on dict order), atomically
+    and world-readable, plus a ``.json`` sidecar ``{"sha256": ..., **info}``. Returns the
+    file's sha256, the value the loader checks."""
+    data = encode_tensors(tensors, {"estuary": json.dumps(dict(info), sort_keys=True)})
+    atomic_write(path, data)
+    os.chmod(path, 0o644)
+    digest = sha256_hex(data)
+    sidecar = json.dumps({"sha256": digest, **info}, indent=2) + "\n"
+    atomic_write(path.with_suffix(".json"), sidecar.encode())
+    os.chmod(path.with_suffix(".json"), 0o644)
+    return digest
+
+
+def decode_tensors(
+    data: bytes,
+    *,
+    sha256: str | None = None,
+    expected: Mapping[str, TensorSpec] | None = None,
+    allow_nonfinite: bool = False,
+    partial: bool = False,
+) -> TensorDict:
+    """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec; with
+    ``partial`` a non-empty subset of the spec's names is accepted."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    if sha256 is not None and sha256_hex(data) != sha256:
+        raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        # KeyError: a header dtype this torch has no mapping for (F8_E8M0, F4, ...)
+        raise CodecError(f"not a valid safetensors payload: {type(err).__name__}: {err}") from None
+    if expected is not None:
+        check_spec(tensors, expected, partial=partial)
+    if not allow_nonfinite:
+        for name, t in tensors.items():
+            if not t.is_floating_point():
+                continue
+            try:
+                finite = bool(torch.isfinite(t).all())
+            except RuntimeError as err:  # a float dtype without isfinite (float8 variants)
+                raise CodecError(f"tensor {name!r} of {t.dtype}: {err}") from None
+            if not finite:
+                raise CodecError(f"tensor {name!r} holds NaN or Inf")
+    return tensors
+
+
+def check_spec(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, TensorSpec],
+    *,
+    partial: bool = False,
+) -> None:
+    """CodecError unless ``tensors`` has exactly the names (with ``partial``: a non-empty
+    subset of them), shapes and dtypes of ``expected``."""
+    missing = [] if partial else sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra or not tensors:
+        raise CodecError(f"tensor names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        spec = expected[name]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise CodecError(
+                f"tensor {name!r}: expected {spec.dtype} {list(spec.shape)}, "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors payload, without loading tensors."""
+    if len(data) < 8:
+        raise CodecError("payload too short for safetensors")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, 100 * 2**20):
+        raise CodecError("safetensors header length out of range")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CodecError(f"bad safetensors header: {err}") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
