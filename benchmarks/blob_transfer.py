@@ -57,8 +57,9 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from shared.config import BrokerSection
+from shared.transport.blob_transfer import chunk_count
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.transport.mqtt import QOS, MqttBus, chunk_count
+from shared.transport.mqtt import QOS, MqttBus
 from shared.wire.codec import sha256_hex
 
 MIB = 1 << 20
@@ -140,7 +141,7 @@ def transport_only(
     transport path from the verification work a real fetch does."""
     import queue as queue_mod
 
-    from shared.transport.mqtt import _Fetch
+    from shared.transport.blob_transfer import _Fetch
 
     n = chunk_count(size, settings.chunk_bytes)
     receiver = connect_bus(settings, "edge/edge0", f"bench-tonly-{tag}")
@@ -153,7 +154,7 @@ def transport_only(
             done.set()
 
     try:
-        receiver._route_chunk = count  # type: ignore[method-assign,assignment]
+        receiver._blob_fetcher.route_chunk = count  # type: ignore[method-assign,assignment]
         receiver._subscribe_wait(
             receiver.topics.blob_chunk(SENDER_HOME, sha, settings.chunk_bytes, "+")
         )
@@ -161,7 +162,7 @@ def transport_only(
             sha, SENDER_HOME, size, settings.chunk_bytes, n, queue_mod.Queue(), bytearray(n)
         )
         start = time.perf_counter()
-        receiver._ask(fetch, list(range(n)))
+        receiver._blob_fetcher._ask(fetch, list(range(n)))
         if not done.wait(timeout_s):
             raise TimeoutError(f"transport-only receiver got {got[0]}/{n} chunks in time")
         return time.perf_counter() - start

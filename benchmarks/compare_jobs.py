@@ -7,7 +7,7 @@ hits both, and the reported figure is the median of the per-pair ratios. The FID
 two runs are printed side by side: the methods are the same training, only the threads each
 gets differ.
 
-    python benchmarks/compare_jobs.py configs/compare_cpu_tiny.toml --jobs 2 \
+    python benchmarks/compare_jobs.py configs/compare/compare_cpu_tiny.toml --jobs 2 \
         --out benchmarks/results/compare_jobs_cpu_tiny.json
 """
 

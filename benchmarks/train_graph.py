@@ -19,7 +19,7 @@ that third mode (``train.cuda_graph_reuse``: one capture kept across rounds).
     python benchmarks/train_graph.py --device cpu --presets fmnist-tiny --batch 16 \
         --steps 6 --repeats 1        # a rehearsal: both sides eager on the CPU
 
-Absolute figures only from a GPU run (the README's rule). Without a graph, an H100 trains
+Absolute figures only from a GPU run (benchmarks/README.md). Without a graph, an H100 trains
 fmnist-tiny at batch 128 at about 22 steps/s with two processes sharing it: about 2000
 kernel launches per step, so the host sets the pace. On an H200, 24-step graphed rounds
 ran 2.38x eager's rate on fmnist-tiny and 1.49x on fmnist-small

@@ -11,7 +11,7 @@ per-pair step-rate ratios with each side's median steps per second.
     python benchmarks/train_precision.py --device cpu --preset fmnist-tiny --batch 32 \
         --steps 8 --repeats 3        # a rehearsal: CPU figures say nothing about GPUs
 
-Absolute figures only from a GPU run (the README's rule); on the CPU the ratio is a check
+Absolute figures only from a GPU run (benchmarks/README.md); on the CPU the ratio is a check
 that both paths run. Measured on an H100 on 2026-11-27
 (``benchmarks/results/train_precision_h100.json``, ``--repeats 3``): fmnist-small at batch 128
 trains at a median 13.0 steps/s in fp32 and 11.3 under bf16 autocast, a speedup of 0.87x.

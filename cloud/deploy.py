@@ -23,7 +23,7 @@ from shared.deploy.signing import (
     sign_manifest,
     verify_manifest,
 )
-from shared.errors import EstuaryError
+from shared.errors import EstuaryError, ExportError
 from shared.runtime.service import RoleService
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
@@ -165,7 +165,7 @@ def deploy_when_trained(
             finish()
 
     def on_trained() -> None:
-        from shared.deploy.export import ExportError, export_module
+        from shared.deploy.export import export_module
 
         try:
             result = export_module(

@@ -10,6 +10,7 @@ interrupted round.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -24,21 +25,21 @@ from shared.diffusion.training import set_deterministic
 from shared.errors import ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
 from shared.evaluation.report import last_quality, plot_report
-from shared.lifetime import die_with_parent
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_unet
-from shared.models.plan import Plan
+from shared.models.plan import ChannelPlan, plan_doc
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
     EXIT_ERROR,
+    Serve,
     add_common_args,
     connect_bus,
-    load_role_config,
+    run_role,
     run_until_done,
     serve_metrics,
-    setup_logging,
 )
 from shared.runtime.service import TensorDict
+from shared.transport.mqtt import MqttBus
 
 log = logging.getLogger("cloud")
 
@@ -64,7 +65,7 @@ class ResumePoint:
     """Where a restarted cloud continues: the latest checkpoint of its config."""
 
     model: TensorDict
-    plan: Plan | None
+    plan: ChannelPlan | None
     next_round: int
     init: str | None  # the checkpoint's init fingerprint, carried into later checkpoints
 
@@ -123,24 +124,35 @@ def fresh_start(cfg: RunConfig) -> ResumePoint:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the cloud until the configured rounds are done; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level, "cloud")
-    die_with_parent()
-    try:
-        cfg = load_role_config(args)
-        set_torch_threads(0)  # evaluation: torch's default, within this process's CPU limit
-        set_deterministic(cfg.compute.deterministic)  # sampling for evaluation and grids
-        check_round_start_fits(cfg)
-        # refused before the run directory changes (a refused resume keeps its config.json)
-        resumed = None if args.fresh else resume_point(cfg, Path(args.out))
-        run_dir = prepare_run_dir(cfg, Path(args.out), resuming=resumed is not None)
-        # without a checkpoint, the first global model (model.init is checked before anyone
-        # connects)
-        start = resumed or fresh_start(cfg)
-        bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
-    except EstuaryError as err:
-        log.error("%s", err)
-        return EXIT_ERROR
+    return run_role(build_parser(), argv, lambda _args: "cloud", _start, log)
+
+
+def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
+    """Check the config, prepare ``--out`` (resuming its latest checkpoint unless
+    ``--fresh``) and connect; returns the serving body."""
+    set_torch_threads(0)  # evaluation: torch's default, within this process's CPU limit
+    set_deterministic(cfg.compute.deterministic)  # sampling for evaluation and grids
+    check_round_start_fits(cfg)
+    # refused before the run directory changes (a refused resume keeps its config.json)
+    resumed = None if args.fresh else resume_point(cfg, Path(args.out))
+    run_dir = prepare_run_dir(cfg, Path(args.out), resuming=resumed is not None)
+    # without a checkpoint, the first global model (model.init is checked before anyone
+    # connects)
+    start = resumed or fresh_start(cfg)
+    bus = connect_bus(cfg, "cloud", "cloud", run_dir / "cache" / "cloud")
+    return functools.partial(_serve, args, cfg, bus, run_dir, start, resumed)
+
+
+def _serve(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    bus: MqttBus,
+    run_dir: Path,
+    start: ResumePoint,
+    resumed: ResumePoint | None,
+) -> int:
+    """Record, aggregate and serve from ``start`` until the run is done (with ``--stay``:
+    until stopped); returns the exit code."""
     start_round = start.next_round
     try:  # the evaluator reads its reference images here (a folder run: --reference)
         recorder = RunRecorder(
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": cloud.round,
             "final_model_sha256": cloud.model_sha,
             "model_params": cloud.model_params(),
-            "arch": cloud.plan,
+            "arch": plan_doc(cloud.plan),
             "resumed_from_round": start_round if resumed else None,
             "traffic": bus.traffic.snapshot(),
             "transport": bus.traffic.transport(),

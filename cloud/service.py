@@ -29,7 +29,7 @@ from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
 from shared.models.checkpoint import model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
-from shared.models.plan import Plan, build_model, plan_digest
+from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
 from shared.naming import device_name, edge_ids
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
@@ -73,14 +73,12 @@ def largest_round_start(cfg: RunConfig) -> int:
     devices pick their edge, as participants); every edge's label counts at 12 digits; and,
     when the cloud prunes, the dense channel plan (a pruned plan has the same entries with
     smaller numbers)."""
-    from shared.models.plan import dense_plan
-
     fed = cfg.federation
     k = max(1, math.ceil(fed.participation * fed.num_devices - 1e-9))
     names = [device_name(i) for i in range(fed.num_devices - k, fed.num_devices)]
     edges = edge_ids(cfg)
     selecting = fed.assignment != "static"
-    prunes = cfg.algorithm.name == "fedphd" and cfg.algorithm.prune_ratio > 0
+    prunes = cfg.algorithm.config().prunes
     msg = RoundStart(
         round=cfg.run.rounds - 1,
         session="f" * 16,
@@ -143,7 +141,7 @@ class CloudServer(RoleService):
         algorithm: Algorithm,
         *,
         initial_model: TensorDict,
-        plan: Plan | None = None,
+        plan: ChannelPlan | None = None,
         start_round: int = 0,
         checkpoint_dir: Path | None = None,
         on_round_end: Callable[[RoundSummary], None] | None = None,
@@ -168,7 +166,7 @@ class CloudServer(RoleService):
         else:
             state = initial_model  # resumed: already the global state of ``plan``
         self.model: TensorDict = state
-        self.plan: Plan | None = plan
+        self.plan: ChannelPlan | None = plan
         self.spec = spec_of(self.model)
         self.model_sha = model_digest(self.model)
         self.edge_counts: dict[str, list[int]] = {}  # per edge since the last aggregation
@@ -322,7 +320,7 @@ class CloudServer(RoleService):
             config_digest=self.cfg.digest(),
             participants=participants if selecting else [],
             edge_counts=dict(self.edge_counts),
-            arch=self.plan,
+            arch=plan_doc(self.plan),
         )
         self.fresh_global = False
         self.reports = {}

@@ -33,13 +33,18 @@ from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
 from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
-    SignatureError,
     check_model_bytes,
     load_public_key,
     verify_manifest,
     write_signed,
 )
-from shared.errors import CodecError, EstuaryError, TransportError
+from shared.errors import (
+    CodecError,
+    EstuaryError,
+    PersonalizeError,
+    SignatureError,
+    TransportError,
+)
 from shared.runtime.service import RoleService
 from shared.transport.bus import Bus
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
@@ -47,10 +52,6 @@ from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRe
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-class PersonalizeError(EstuaryError):
-    """The device could not build or export its own model from a deployment."""
 
 
 @dataclass(frozen=True)

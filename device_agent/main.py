@@ -16,16 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
-from shared.errors import EstuaryError
-from shared.lifetime import die_with_parent
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
-    EXIT_ERROR,
+    Serve,
     add_common_args,
     connect_bus,
-    load_role_config,
+    run_role,
     serve_until_cloud_done,
-    setup_logging,
 )
 
 if TYPE_CHECKING:  # shared.data.datasets imports torch, which a sampling-only device lacks
@@ -64,30 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve as device ``--id`` until the cloud says the run is done."""
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level, args.id)
-    die_with_parent()
-    try:
-        cfg = load_role_config(args)
-        out_dir = Path(args.out_dir) if args.out_dir else device_out_dir(cfg, args.id)
-        cache = Path(args.cache_dir) if args.cache_dir else None
-        if args.sample_only:
-            bus = connect_bus(cfg, "device", args.id, cache)
-            agent = SamplingAgent(cfg, bus, device_id=args.id, out_dir=out_dir)
-            log.info("%s: sampling only; grids go to %s", args.id, out_dir)
-            return serve_until_cloud_done(agent, bus, stay=args.stay)
-        device, bus = _training_agent(args, cfg, cache)
-        receiver = None
-        if cfg.deploy.enabled:
-            from device_agent.personalize import Personalizer
+    return run_role(build_parser(), argv, lambda args: args.id, _start, log)
 
-            receiver = DeploymentReceiver(device, out_dir, personalize=Personalizer(device))
-    except EstuaryError as err:
-        log.error("%s", err)
-        return EXIT_ERROR
-    if receiver is not None:
-        receiver.start()
-    return serve_until_cloud_done(device, bus, stay=args.stay)
+
+def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
+    """Build device ``--id`` (sampling only, or training on its own data) and connect it;
+    returns its serving body. The sampling-only path imports no torch."""
+    out_dir = Path(args.out_dir) if args.out_dir else device_out_dir(cfg, args.id)
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    if args.sample_only:
+        bus = connect_bus(cfg, "device", args.id, cache)
+        agent = SamplingAgent(cfg, bus, device_id=args.id, out_dir=out_dir)
+        log.info("%s: sampling only; grids go to %s", args.id, out_dir)
+        # served here, inside run_role's EstuaryError handling, as this path always was
+        code = serve_until_cloud_done(agent, bus, stay=args.stay)
+        return lambda: code
+    device, bus = _training_agent(args, cfg, cache)
+    receiver = None
+    if cfg.deploy.enabled:
+        from device_agent.personalize import Personalizer
+
+        receiver = DeploymentReceiver(device, out_dir, personalize=Personalizer(device))
+
+    def serve() -> int:
+        if receiver is not None:
+            receiver.start()
+        return serve_until_cloud_done(device, bus, stay=args.stay)
+
+    return serve
 
 
 def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> tuple[Any, Any]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from device_agent.deployment import PersonalizeError, PersonalModel
+from device_agent.deployment import PersonalModel
 from shared.deploy.export import check_parity, to_onnx
-from shared.errors import EstuaryError
+from shared.errors import EstuaryError, PersonalizeError
 from shared.models.plan import build_model, plan_digest
 from shared.wire.codec import decode_tensors
 

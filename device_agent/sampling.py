@@ -18,13 +18,8 @@ from typing import Any
 import numpy as np
 
 from shared.deploy.onnx_sampler import OnnxGenerator
-from shared.deploy.signing import (
-    SignatureError,
-    check_manifest,
-    check_model_bytes,
-    read_signed,
-    verify_manifest,
-)
+from shared.deploy.signing import check_manifest, check_model_bytes, read_signed, verify_manifest
+from shared.errors import SignatureError
 
 log = logging.getLogger(__name__)
 

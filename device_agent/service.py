@@ -18,20 +18,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from device_agent.state import (
-    DeviceState,
-    StateError,
-    read_state,
-    save_state,
-    set_aside,
-    state_path,
-)
+from device_agent.state import DeviceState, read_state, save_state, set_aside, state_path
 from shared.algorithms import Algorithm, DeviceContext, LocalResult
 from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
 from shared.config import RunConfig
+from shared.config.algorithms import FedPhDConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
-from shared.errors import CodecError
-from shared.models.plan import Plan, build_model, check_plan, model_spec, plan_digest
+from shared.errors import CodecError, ConfigError, StateError
+from shared.models.plan import (
+    ChannelPlan,
+    Plan,
+    build_model,
+    model_spec,
+    parse_plan,
+    plan_digest,
+    plan_doc,
+)
 from shared.runtime.service import RoleService
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import check_spec
@@ -79,7 +81,7 @@ class DeviceAgent(RoleService):
         self.algorithm = algorithm
         self.data = data
         self.labels = labels
-        self.plan: Plan | None = None
+        self.plan: ChannelPlan | None = None
         self.model = build_model(cfg.model.preset, None, seed=cfg.run.seed)
         self.spec = algorithm.global_spec(model_spec(cfg.model.preset, None))
         self.algo_state: dict[str, Any] = {}  # the algorithm's per-device state, kept here
@@ -233,7 +235,7 @@ class DeviceAgent(RoleService):
         if self.cfg.federation.assignment == "random":
             probs = {e: 1.0 / len(edges) for e in edges}
         else:
-            algo = self.cfg.algorithm
+            algo = FedPhDConfig.of(self.cfg)  # eq. 25's a, b and target
             target = list(algo.target_distribution) or None
             probs = selection_probs(edge_counts, self.label_counts, algo.a, algo.b, target)
         online = {e for e in edges if e not in self.offline_edges}
@@ -263,11 +265,11 @@ class DeviceAgent(RoleService):
         try:
             saved = read_state(path)
         except (StateError, CodecError, OSError) as err:
-            self._set_aside("unreadable", f"{type(err).__name__}: {err}")
+            self._set_aside(path, "unreadable", f"{type(err).__name__}: {err}")
             return False
         if saved is None:
             return False
-        why = self._unusable(saved)
+        plan, why = self._check_saved(saved)
         last = None  # the update to resend if its round is announced again
         if not why and saved.last_update is not None:
             try:
@@ -275,9 +277,9 @@ class DeviceAgent(RoleService):
             except ValueError as err:  # pydantic's ValidationError
                 why = "bad-update", str(err).splitlines()[0]
         if why:
-            self._set_aside(*why)
+            self._set_aside(path, *why)
             return False
-        self._adopt_arch(saved.plan)
+        self._adopt_arch(plan)
         self.algo_state.clear()
         self.algo_state.update(saved.algo_state)
         if saved.model is not None:
@@ -293,33 +295,37 @@ class DeviceAgent(RoleService):
         )  # fmt: skip
         return True
 
-    def _unusable(self, saved: DeviceState) -> tuple[str, str] | None:
-        """(reason slug, detail) when ``saved`` is not this device's state for this run."""
+    def _check_saved(
+        self, saved: DeviceState
+    ) -> tuple[ChannelPlan | None, tuple[str, str] | None]:
+        """``saved``'s architecture, checked once, and (reason slug, detail) when ``saved``
+        is not this device's state for this run (None when it is)."""
         if saved.device != self.name:
-            return "other-device", f"it is {saved.device}'s"
+            return None, ("other-device", f"it is {saved.device}'s")
         if saved.config_digest != self.config_digest:
-            return "other-config", (
+            return None, ("other-config", (
                 f"saved under config {saved.config_digest}, this run is {self.config_digest}"
-            )
-        reason = check_plan(self.cfg.model.preset, saved.plan)
-        if reason:
-            return "bad-plan", reason
+            ))  # fmt: skip
+        try:
+            plan = parse_plan(self.cfg.model.preset, saved.plan)
+        except ConfigError as err:
+            return None, ("bad-plan", f"bad architecture plan: {err}")
         if saved.model is not None:
             try:
-                check_spec(saved.model, model_spec(self.cfg.model.preset, saved.plan))
+                check_spec(saved.model, model_spec(self.cfg.model.preset, plan))
             except CodecError as err:
-                return "bad-model", str(err)
-        return None
+                return plan, ("bad-model", str(err))
+        return plan, None
 
-    def _set_aside(self, reason: str, detail: str) -> None:
-        assert self.state_file is not None
+    def _set_aside(self, path: Path, reason: str, detail: str) -> None:
+        """Move the unusable state file ``path`` aside (never deleted), counted and said."""
         try:
-            moved = str(set_aside(self.state_file, reason))
+            moved = str(set_aside(path, reason))
         except OSError as err:
             moved = f"not moved ({err})"
         self.metrics.device_state.labels(event="set_aside").inc()
         log.warning("%s: state file %s not used (%s): %s; starting afresh", self.name,
-                    self.state_file, detail, moved)  # fmt: skip
+                    path, detail, moved)  # fmt: skip
 
     def save_state(self, round_: int, session: str) -> None:
         """Write what this device keeps between rounds (after a round it trained)."""
@@ -329,7 +335,7 @@ class DeviceAgent(RoleService):
         state = DeviceState(
             device=self.name,
             config_digest=self.config_digest,
-            plan=self.plan,
+            plan=plan_doc(self.plan),
             algo_state=self.algo_state,
             round=round_,
             session=session,
@@ -373,21 +379,29 @@ class DeviceAgent(RoleService):
                 return
         self.train_round(msg)
 
-    def _adopt_arch(self, plan: Plan | None) -> bool:
-        """Rebuild the module when the architecture changed (pruning); False if refused."""
-        if plan_digest(plan) == plan_digest(self.plan):
+    def _adopt_announced(self, doc: Plan | None) -> bool:
+        """Adopt the architecture a round announcement carries (``doc``, its plan's JSON),
+        checked once when it is new; False (rejected, counted) when it cannot be used."""
+        if plan_digest(doc) == plan_digest(self.plan):
             return True
-        reason = check_plan(self.cfg.model.preset, plan)
-        if reason:
-            self.reject("bad_plan", reason)
+        try:
+            plan = parse_plan(self.cfg.model.preset, doc)
+        except ConfigError as err:
+            self.reject("bad_plan", f"bad architecture plan: {err}")
             return False
+        self._adopt_arch(plan)
+        return True
+
+    def _adopt_arch(self, plan: ChannelPlan | None) -> None:
+        """Rebuild the module when the architecture changed (pruning)."""
+        if plan_digest(plan) == plan_digest(self.plan):
+            return
         self.plan = plan
         self.model = build_model(self.cfg.model.preset, plan, seed=self.cfg.run.seed)
         self.spec = self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
         self.algo_state.clear()  # per-device state of the old architecture no longer fits
         self.kept_local = None
         log.info("%s: architecture %s", self.name, plan_digest(plan))
-        return True
 
     def _divergence(self, result: LocalResult) -> str:
         """Why local training diverged (non-finite mean loss or model weights), or ``""``.
@@ -417,7 +431,7 @@ class DeviceAgent(RoleService):
         if last is not None and last.session == msg.session and msg.round < last.round:
             self.reject("late", f"round {msg.round} announced after round {last.round}")
             return
-        if not self._adopt_arch(msg.arch):
+        if not self._adopt_announced(msg.arch):
             return
         ctx = DeviceContext(
             self.name,

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from shared.atomic import atomic_write
+from shared.errors import StateError
 from shared.wire.codec import decode_tensors, encode_tensors
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,6 @@ MAX_DOC_BYTES = 16 * 2**20
 #: the state file's size limit (a dense ddpm-cifar10 with kept Adam moments, SCAFFOLD's
 #: variate and the kept model is ~0.7 GB)
 MAX_STATE_BYTES = 4 * 2**30
-
-
-class StateError(ValueError):
-    """A state document or file that cannot be used (the message says why)."""
 
 
 # -- the structure codec ------------------------------------------------------------------

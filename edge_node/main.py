@@ -12,17 +12,16 @@ from pathlib import Path
 
 from edge_node.service import EdgeServer
 from shared.algorithms import make_algorithm
-from shared.errors import ConfigError, EstuaryError
-from shared.lifetime import die_with_parent
+from shared.config import RunConfig
+from shared.errors import ConfigError
 from shared.naming import edge_ids
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
-    EXIT_ERROR,
+    Serve,
     add_common_args,
     connect_bus,
-    load_role_config,
+    run_role,
     serve_until_cloud_done,
-    setup_logging,
 )
 
 log = logging.getLogger("edge_node")
@@ -39,18 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve as edge ``--id`` until the cloud says the run is done."""
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level, args.id)
-    die_with_parent()
-    try:
-        cfg = load_role_config(args)
-        set_torch_threads(0)  # aggregation: torch's default, within this process's CPU limit
-        if args.id not in edge_ids(cfg):
-            raise ConfigError(f"edge id {args.id!r} is not one of {edge_ids(cfg)}")
-        cache = Path(args.cache_dir) if args.cache_dir else None
-        bus = connect_bus(cfg, "edge", args.id, cache)
-    except EstuaryError as err:
-        log.error("%s", err)
-        return EXIT_ERROR
-    edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=args.id)
-    return serve_until_cloud_done(edge, bus, stay=args.stay)
+    return run_role(build_parser(), argv, lambda args: args.id, _start, log)
+
+
+def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
+    """Check edge ``--id`` against the config and connect it; returns its serving body."""
+    set_torch_threads(0)  # aggregation: torch's default, within this process's CPU limit
+    if args.id not in edge_ids(cfg):
+        raise ConfigError(f"edge id {args.id!r} is not one of {edge_ids(cfg)}")
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    bus = connect_bus(cfg, "edge", args.id, cache)
+
+    def serve() -> int:
+        edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=args.id)
+        return serve_until_cloud_done(edge, bus, stay=args.stay)
+
+    return serve

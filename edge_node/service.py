@@ -25,7 +25,8 @@ from typing import NamedTuple
 from shared.algorithms import Algorithm, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
-from shared.models.plan import Plan, check_plan, model_spec, plan_digest
+from shared.errors import ConfigError
+from shared.models.plan import ChannelPlan, model_spec, parse_plan, plan_digest, plan_doc
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import TensorSpec, encode_tensors, sha256_hex
@@ -81,7 +82,7 @@ class EdgeServer(RoleService):
     def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Algorithm, *, edge_id: str) -> None:
         super().__init__(edge_id, cfg, bus)
         self.algorithm = algorithm
-        self.plan: Plan | None = None
+        self.plan: ChannelPlan | None = None
         self.spec: dict[str, TensorSpec] = {}
         self.update_spec: dict[str, TensorSpec] = {}
         self._set_arch(None)
@@ -169,10 +170,12 @@ class EdgeServer(RoleService):
                 self._maybe_close()
         self._update_device_gauge()
 
-    def _global_spec(self, plan: Plan | None) -> dict[str, TensorSpec]:
+    def _global_spec(self, plan: ChannelPlan | None) -> dict[str, TensorSpec]:
         return self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
 
-    def _set_arch(self, plan: Plan | None, spec: dict[str, TensorSpec] | None = None) -> None:
+    def _set_arch(
+        self, plan: ChannelPlan | None, spec: dict[str, TensorSpec] | None = None
+    ) -> None:
         self.plan = plan
         self.spec = spec if spec is not None else self._global_spec(plan)
         self.update_spec = self.algorithm.upload_spec(self.spec)
@@ -238,13 +241,14 @@ class EdgeServer(RoleService):
             self.reject("duplicate", f"round {msg.round} already opened")
             return
         new_arch = plan_digest(msg.arch) != plan_digest(self.plan)
-        spec = self.spec
+        spec, plan = self.spec, self.plan
         if new_arch:
-            reason = check_plan(self.cfg.model.preset, msg.arch)
-            if reason:
-                self.reject("bad_plan", reason)
+            try:  # the one check of the plan this round start carries
+                plan = parse_plan(self.cfg.model.preset, msg.arch)
+            except ConfigError as err:
+                self.reject("bad_plan", f"bad architecture plan: {err}")
                 return
-            spec = self._global_spec(msg.arch)
+            spec = self._global_spec(plan)
         fetch = msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha
         if new_arch or fetch:  # the old architecture's state no longer fits a new one
             # fetched before anything changes: a failed fetch leaves the open round intact
@@ -256,7 +260,7 @@ class EdgeServer(RoleService):
             if state is None:
                 return
             if new_arch:
-                self._set_arch(msg.arch, spec)
+                self._set_arch(plan, spec)
             self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
@@ -306,7 +310,7 @@ class EdgeServer(RoleService):
             upload=self.upload,
             deadline_s=self.cfg.federation.round_deadline_s,
             select=self.selecting,
-            arch=self.plan,
+            arch=plan_doc(self.plan),
         )
         # retained: a device that (re)starts mid-round still learns what to train
         self.send(self.topics.edge_round(self.name), announce, retain=True)

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("compare", help="run several methods on one split; table and plots")
-    c.add_argument("config", help="comparison TOML (see configs/compare_*.toml)")
+    c.add_argument("config", help="comparison TOML (see configs/compare/)")
     c.add_argument("--out", help="output directory (default runs/<compare name>)")
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.add_argument("--no-eval", action="store_true", help="skip quality evaluation")

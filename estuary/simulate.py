@@ -33,6 +33,7 @@ from shared.diffusion.training import set_deterministic
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import plot_report
 from shared.models.init import initial_unet
+from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
 from shared.runtime.cpu import set_torch_threads
 from shared.transport.bus import MemoryBus
@@ -49,7 +50,7 @@ class SimulationResult:
     final_model_sha256: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     traffic: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] | None = None  # the final global model's channel plan (pruned)
+    plan: ChannelPlan | None = None  # the final global model's channel plan (pruned)
 
 
 @dataclass
@@ -166,7 +167,7 @@ def simulate(
         "rounds": cloud.round,
         "final_model_sha256": cloud.model_sha,
         "model_params": cloud.model_params(),
-        "arch": cloud.plan,
+        "arch": plan_doc(cloud.plan),
         "traffic": traffic,
     }
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())

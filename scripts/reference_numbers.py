@@ -1,4 +1,4 @@
-"""Reference FIDs for the README, with the evaluation protocol ``estuary eval`` uses.
+"""Reference FIDs (docs/algorithms.md), with the evaluation protocol ``estuary eval`` uses.
 
 FID(held-out test images vs train reference) is the floor a perfect generator would reach;
 FID(untrained fmnist-tiny samples vs train reference) is where training from a random init

@@ -7,10 +7,15 @@
     ├── DataError            a dataset cannot be found or read
     ├── CodecError           bytes that do not decode to what they claim (bad hash, bad tensors)
     ├── MessageError         a wire message fails validation (carries a short ``reason``)
-    └── TransportError       the bus cannot deliver (timeout, blob missing, too large)
+    ├── TransportError       the bus cannot deliver (timeout, blob missing, too large)
+    ├── SignatureError       a deployment manifest, signature or key that cannot be trusted
+    ├── ExportError          an ONNX export was refused (parity above threshold, bad input)
+    │   └── PersonalizeError a device could not build its own model from a deployment
+    └── StateError           a device's saved state cannot be used (the file is set aside)
 
-Library exceptions (safetensors, pydantic, OS errors) are converted at the boundary so
-callers only need to catch ``EstuaryError``.
+Library exceptions (safetensors, pydantic, onnxruntime, OS errors) are converted at the
+boundary so callers only need to catch ``EstuaryError``. Where an error is also a metric
+label, ``reason`` carries the label (``bad_json``, ``blob_hash_mismatch``, ``bad_signature``).
 """
 
 from __future__ import annotations
@@ -57,3 +62,25 @@ class TransportError(EstuaryError):
     def __init__(self, message: str, reason: str = "blob_unavailable") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class SignatureError(EstuaryError):
+    """A deployment manifest, signature or key that cannot be trusted; ``reason`` labels the
+    metric (``bad_signature``, ``bad_manifest``, ``hash_mismatch``, ``no_verify_key``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class ExportError(EstuaryError):
+    """The export was refused (parity above threshold, bad input)."""
+
+
+class PersonalizeError(ExportError):
+    """The device could not build or export its own model from a deployment."""
+
+
+class StateError(EstuaryError):
+    """A device's state document or file that cannot be used (the message says why)."""

@@ -11,7 +11,7 @@ from estuary.cli import main
 from shared.config import RunConfig
 from shared.errors import CodecError
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
-from shared.models.plan import channel_plan, dense_plan
+from shared.models.plan import ChannelPlan, dense_plan
 from shared.models.presets import build_unet
 from shared.models.pruning import prune_unet
 from tests.conftest import tiny_config
@@ -40,7 +40,7 @@ def test_checkpoint_weights_must_fit_the_architecture(tmp_path: Path) -> None:
     rejects); a pointer naming a file outside the directory is ignored."""
     cfg = tiny_config()
     dense = dict(build_unet(cfg.model.preset, seed=0).state_dict())
-    plan = channel_plan(prune_unet(build_unet(cfg.model.preset, seed=0), 0.3))
+    plan = ChannelPlan.of_module(prune_unet(build_unet(cfg.model.preset, seed=0), 0.3))
     path = save_checkpoint(tmp_path, 0, dense, cfg, plan=plan)  # dense weights, pruned plan
     with pytest.raises(CodecError, match="do not fit its channel plan of 'fmnist-tiny'"):
         load_checkpoint(path)
@@ -48,7 +48,8 @@ def test_checkpoint_weights_must_fit_the_architecture(tmp_path: Path) -> None:
     with pytest.raises(CodecError, match="do not fit dense of 'fmnist-tiny'"):
         load_checkpoint(path)
     bad = dict(dense_plan(cfg.model.preset), preset="fmnist-small")
-    path = save_checkpoint(tmp_path, 2, dense, cfg, plan=bad)
+    # written unchecked (as another build, or a corrupted file, could have written it)
+    path = save_checkpoint(tmp_path, 2, dense, cfg, plan=ChannelPlan(cfg.model.preset, bad))
     with pytest.raises(CodecError, match="bad architecture plan"):
         load_checkpoint(path)
     (tmp_path / "latest.json").write_text(json.dumps({"file": "../round_000002.safetensors"}))

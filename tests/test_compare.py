@@ -12,18 +12,9 @@ import pytest
 import torch
 
 from estuary.cli import main
-from estuary.compare import (
-    COLUMNS,
-    LAST_EVALS,
-    Method,
-    _algorithm,
-    _curves,
-    _quality,
-    load_compare,
-    markdown,
-    parse_compare,
-    run_compare,
-)
+from estuary.compare import Method, load_compare, parse_compare, run_compare
+from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _curves, _quality, markdown
+from shared.config.algorithms import FedPhDConfig
 from shared.errors import ConfigError
 from shared.metrics.accounting import Distances
 
@@ -204,6 +195,8 @@ def test_cli_reports_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 REPO = Path(__file__).resolve().parents[1]
+#: the shipped comparison specs
+COMPARE_DIR = REPO / "configs" / "compare"
 
 
 @pytest.mark.parametrize(
@@ -216,7 +209,7 @@ REPO = Path(__file__).resolve().parents[1]
     ],
 )
 def test_shipped_comparisons_load(name: str) -> None:
-    spec = parse_compare(_toml(REPO / "configs" / name), REPO / "configs" / name)
+    spec = parse_compare(_toml(COMPARE_DIR / name), COMPARE_DIR / name)
     labels = [m.label for m in spec.methods]
     assert {"FedAvg", "FedPhD"} <= set(labels)
     if "long" not in name:
@@ -230,7 +223,7 @@ def test_shipped_comparisons_load(name: str) -> None:
     }
     assert len(set(steps.values())) == 1, steps  # equal local computation
     phd = next(m.cfg for m in spec.methods if m.label == "FedPhD")
-    assert phd.algorithm.prune_ratio == 0.44 and phd.federation.cloud_every == 5
+    assert FedPhDConfig.of(phd).prune_ratio == 0.44 and phd.federation.cloud_every == 5
 
 
 @pytest.mark.parametrize(
@@ -243,8 +236,8 @@ def test_shipped_comparisons_load(name: str) -> None:
 def test_shipped_ablations_match_their_comparison(name: str, of: str) -> None:
     """An ablation's rows are read beside its comparison's: same split, seed, model and
     evaluation, and equal local computation within the ablation."""
-    spec = parse_compare(_toml(REPO / "configs" / name), REPO / "configs" / name)
-    main = parse_compare(_toml(REPO / "configs" / of), REPO / "configs" / of).methods[0].cfg
+    spec = parse_compare(_toml(COMPARE_DIR / name), COMPARE_DIR / name)
+    main = parse_compare(_toml(COMPARE_DIR / of), COMPARE_DIR / of).methods[0].cfg
     for m in spec.methods:
         c = m.cfg
         assert (c.data, c.run.seed, c.model, c.diffusion) == (
@@ -319,7 +312,7 @@ def test_centralized_training_with_a_weight_average(
     """``ema`` on a centralized method (the paper's centralized baseline uses EMA): the
     evaluated and checkpointed model is the average, one optimizer serves the whole run,
     and a record made with another decay (or before the average existed) is not reused."""
-    import estuary.compare as compare
+    import estuary.compare.runner as runner
     from estuary.compare import load_record, run_method
     from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 
@@ -330,13 +323,13 @@ def test_centralized_training_with_a_weight_average(
     assert m.ema == 0.9 and _algorithm(m) == "centralized ema=0.9"
     plain = Method(m.label, "plain", m.cfg, True)
     made: list[object] = []
-    real = compare.make_optimizer
+    real = runner.make_optimizer  # looked up there by run_centralized
 
     def counted(*args: Any) -> Any:
         made.append(real(*args))
         return made[-1]
 
-    monkeypatch.setattr(compare, "make_optimizer", counted)
+    monkeypatch.setattr(runner, "make_optimizer", counted)
     run = run_method(m, tmp_path, evaluate=True, progress=False)
     assert len(made) == 1  # not one per evaluation interval
     base = run_method(plain, tmp_path, evaluate=True, progress=False)
@@ -541,10 +534,11 @@ def _shrunk(doc: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_gpu_comparison_runs_end_to_end_shrunk(tmp_path: Path) -> None:
-    """Every method of ``configs/compare_gpu_small.toml`` (fmnist-small, Fashion-MNIST, the
-    paper's split) runs through ``estuary compare`` on the CPU when cut to a few steps: the
-    shipped GPU study fails at start, not after hours (about 10 min on 2 cores)."""
-    path = REPO / "configs" / "compare_gpu_small.toml"
+    """Every method of ``configs/compare/compare_gpu_small.toml`` (fmnist-small,
+    Fashion-MNIST, the paper's split) runs through ``estuary compare`` on the CPU when cut to a
+    few steps: the shipped GPU study fails at start, not after hours (about 10 min on 2
+    cores)."""
+    path = COMPARE_DIR / "compare_gpu_small.toml"
     spec = parse_compare(_shrunk(_toml(path)), path)
     res = run_compare(spec, tmp_path / "out", progress=False)
     doc = json.loads((res.out / "table.json").read_text())
@@ -614,6 +608,18 @@ def test_only_runs_the_named_methods_and_the_table_waits_for_the_rest(
     assert (out / "fedavg" / "method.json").stat().st_mtime_ns == stamp
     with pytest.raises(ConfigError, match="needs a comparison read from a file"):
         run_compare(parse_compare(_raw(), cfg), tmp_path / "x", jobs=2, fresh=True)
+
+
+def test_jobs_refuse_a_comparison_not_read_from_a_file(tmp_path: Path) -> None:
+    """Each job re-reads the comparison from its TOML: ``run_jobs`` itself refuses one parsed
+    from a dict with a :class:`ConfigError` (a check that ``python -O`` keeps)."""
+    from estuary.compare.jobs import run_jobs
+
+    spec = parse_compare(_raw(), Path("x.toml"))
+    m = spec.methods[0]
+    with pytest.raises(ConfigError, match="was not read from a file"):
+        run_jobs(spec, tmp_path, [(1, m, "random")], 2, evaluate=False, progress=False)
+    assert not (tmp_path / m.slug).exists()  # refused before any job started
 
 
 def test_a_failed_job_is_named_and_the_others_keep_their_records(

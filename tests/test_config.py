@@ -154,9 +154,16 @@ def test_missing_and_broken_files(tmp_path: Path) -> None:
         load_config(bad)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [
+        *sorted((REPO / "configs").glob("*.toml")),
+        *sorted((REPO / "configs" / "compare").glob("*.toml")),
+    ],
+    ids=lambda p: p.name,
+)
 def test_shipped_configs_load(path: Path) -> None:
-    if path.name.startswith("compare_"):  # a list of methods over one base run config
+    if path.parent.name == "compare":  # a list of methods over one base run config
         from estuary.compare import load_compare
 
         assert load_compare(path)

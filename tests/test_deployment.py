@@ -20,7 +20,6 @@ from device_agent.sampling import load_generator
 from shared.config import RunConfig, config_from_dict
 from shared.deploy.export import export_module
 from shared.deploy.signing import (
-    SignatureError,
     generate_keys,
     load_private_key,
     load_public_key,
@@ -30,7 +29,7 @@ from shared.deploy.signing import (
 )
 from shared.diffusion.schedule import make_train_scheduler
 from shared.diffusion.training import train_local
-from shared.errors import EstuaryError
+from shared.errors import EstuaryError, SignatureError
 from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import DeploymentReport, SampleRequest

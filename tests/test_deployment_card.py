@@ -12,8 +12,8 @@ import pytest
 
 from shared.deploy.export import to_onnx
 from shared.deploy.onnx_sampler import OnnxGenerator
-from shared.deploy.signing import SignatureError, check_manifest, make_manifest
-from shared.errors import EstuaryError
+from shared.deploy.signing import check_manifest, make_manifest
+from shared.errors import EstuaryError, SignatureError
 from shared.models.presets import build_unet
 
 GOOD: dict[str, Any] = {

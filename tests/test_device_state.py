@@ -14,7 +14,6 @@ import torch
 from device_agent.service import DeviceAgent
 from device_agent.state import (
     DeviceState,
-    StateError,
     decode_state,
     encode_state,
     pack,
@@ -26,7 +25,7 @@ from device_agent.state import (
 from estuary.simulate import build_federation
 from shared.config import RunConfig
 from shared.data.partition import split_dataset
-from shared.errors import CodecError
+from shared.errors import CodecError, StateError
 from shared.models.plan import build_model, model_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import encode_tensors

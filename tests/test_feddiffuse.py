@@ -28,6 +28,7 @@ from shared.algorithms.feddiffuse import (
     usplit_groups,
 )
 from shared.config import RunConfig
+from shared.config.algorithms import FedDiffuseConfig
 from shared.data.datasets import load_dataset
 from shared.data.partition import make_partition
 from shared.errors import ConfigError, EstuaryError
@@ -456,7 +457,8 @@ def test_usplit_refuses_devices_choosing_their_edge(assignment: str) -> None:
     with pytest.raises(ConfigError, match="USPLIT pairs the devices within each edge"):
         _cfg("usplit", federation={"assignment": assignment})
     for split in ("full", "ulatdec", "udec"):  # no pairing: any assignment works
-        assert _cfg(split, federation={"assignment": assignment}).algorithm.split == split
+        cfg = _cfg(split, federation={"assignment": assignment})
+        assert FedDiffuseConfig.of(cfg).split == split
 
 
 def test_ulatdec_and_udec_are_evaluated_at_the_client_level(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""``scripts/gpu_compare.py``: the comparison it writes is valid and equal in local compute,
-its plan fits the budget it is given, and ``--methods`` keeps the tables asked for. (The
-whole pipeline runs on a GPU lease, or with ``--dry-run`` on the CPU in a few minutes.)"""
+"""``benchmarks/gpu/gpu_compare.py``: the comparison it writes is valid and equal in local
+compute, its plan fits the budget it is given, and ``--methods`` keeps the tables asked for.
+(The whole pipeline runs on a GPU within a time budget, or with ``--dry-run`` on the CPU in a
+few minutes.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from types import ModuleType
 import pytest
 
 from estuary.compare import parse_compare, steps_per_round
+from shared.config.algorithms import FedDiffuseConfig, FedPhDConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_compare", ROOT / "scripts/gpu_compare.py")
+    path = ROOT / "benchmarks" / "gpu" / "gpu_compare.py"
+    spec = importlib.util.spec_from_file_location("gpu_compare", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_compare"] = module
@@ -45,10 +48,10 @@ def test_the_written_comparison_is_valid_and_equal_in_local_compute(
     evals = {m.label: m.cfg.run.rounds // m.cfg.eval.every for m in spec.methods}
     assert set(evals.values()) == {4}, evals  # the same equal-compute evaluation points
     by = {m.label: m.cfg for m in spec.methods}
-    assert by["FedPhD"].algorithm.prune_at == "sparse" and by["FedPhD"].algorithm.sparse_rounds == 5
-    assert by["FedPhD (OS)"].algorithm.prune_at == "init"
-    assert {c.algorithm.prune_ratio for c in (by["FedPhD"], by["FedPhD (OS)"])} == {0.44}
-    assert by["FedDiffuse (USPLIT)"].algorithm.split == "usplit"
+    phd, phd_os = FedPhDConfig.of(by["FedPhD"]), FedPhDConfig.of(by["FedPhD (OS)"])
+    assert phd.prune_at == "sparse" and phd.sparse_rounds == 5 and phd_os.prune_at == "init"
+    assert phd.prune_ratio == phd_os.prune_ratio == 0.44
+    assert FedDiffuseConfig.of(by["FedDiffuse (USPLIT)"]).split == "usplit"
     assert all(c.data.classes_per_device == 2 and c.federation.num_edges == 2
                for c in by.values())  # fmt: skip
 
@@ -78,7 +81,7 @@ def test_the_plan_is_the_longest_run_predicted_to_fit(script: ModuleType) -> Non
     assert script.plan(
         {"steps_per_s": 13.1, "s_per_image_step": 102e-6}, 472.0, **{**kw, "max_rounds": 6}
     )["predicted_s"] == pytest.approx(310, rel=0.03)
-    assert h200["rounds_e5"] == 9  # the eval-time overcount left that lease at 6
+    assert h200["rounds_e5"] == 9  # the eval-time overcount left that run at 6
     fast = {"steps_per_s": 40.0, "s_per_image_step": 50e-6}
     p = script.plan(fast, 394.0, **kw)
     assert p["predicted_s"] <= script.FILL * 394.0

@@ -23,9 +23,10 @@ from shared.data.partition import make_partition
 from shared.errors import TransportError
 from shared.models.presets import build_unet
 from shared.naming import device_name, edge_ids, home_edge
+from shared.transport.blob_transfer import chunk_count
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.transport.mqtt import MqttBus, chunk_count
+from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import Traffic
 from shared.wire.messages import Presence, encode, home_of
 from tests.conftest import tiny_config
@@ -165,7 +166,7 @@ def test_blob_roundtrip_resume_and_fanout(broker: LocalBroker) -> None:
 
         # drop the first two chunks the first receiver sees: it must ask again and finish
         r0 = receivers[0]
-        original = r0._route_chunk
+        original = r0._blob_fetcher.route_chunk
         dropped: list[str] = []
 
         def lossy(topic: str, payload: bytes) -> None:
@@ -174,7 +175,7 @@ def test_blob_roundtrip_resume_and_fanout(broker: LocalBroker) -> None:
                 return
             original(topic, payload)
 
-        r0._route_chunk = lossy  # type: ignore[method-assign]
+        r0._blob_fetcher.route_chunk = lossy  # type: ignore[method-assign]
         got = r0.endpoint("e0", "edge/e0").get_blob(sha, len(data), kind="x", src="cloud")
         assert got == data
         assert r0.traffic.transport()["chunks_rerequested"] >= 2

@@ -180,7 +180,7 @@ def test_want_claiming_a_huge_size_queues_only_the_real_chunks(net: Net) -> None
     assert indices == ["0", "1"]  # no "missing" from walking a million absent chunks
     assert [len(p) for _, p in raw.received()] == [4096, 904]
     assert rejected(server, "blob_server:size_mismatch") == 1
-    assert server._pending_chunks == 0
+    assert server._blob_server.pending_chunks == 0
 
 
 def test_want_ranges_overlapping_and_out_of_bounds_queue_each_chunk_once(net: Net) -> None:
@@ -206,7 +206,7 @@ def test_serve_queue_is_capped_and_requesters_get_the_rest_by_asking_again(net: 
     """With room for 3 queued chunks, a 10-chunk request queues 3 and drops 7 (counted);
     the fetch still completes through the receiver's re-requests."""
     server = net.bus(SERVER)
-    server.max_pending_chunks = 3
+    server._blob_server.max_pending_chunks = 3
     data = os.urandom(10 * 4096)
     sha = server.store.put(data)
     client = net.bus(CLIENT, chunk_timeout_s=0.2, fetch_timeout_s=8)
@@ -216,7 +216,7 @@ def test_serve_queue_is_capped_and_requesters_get_the_rest_by_asking_again(net: 
     assert got == data
     assert rejected(server, "blob_server:serve_queue_full") >= 1
     assert server.traffic.transport().get("chunks_not_queued", 0) >= 7
-    assert server._pending_chunks == 0
+    assert server._blob_server.pending_chunks == 0
 
 
 # -- 2. callbacks never block on a full queue ----------------------------------------------
@@ -232,15 +232,15 @@ def test_request_flood_while_io_worker_is_busy_never_blocks_delivery(
     gate = threading.Event()
     busy = threading.Event()
 
-    def stuck(_payload: bytes, _pending: Any) -> None:
+    def stuck(_payload: bytes) -> None:
         busy.set()
         gate.wait(10.0)
 
-    monkeypatch.setattr(server, "_queue_want", stuck)
+    monkeypatch.setattr(server._blob_server, "_queue_want", stuck)
     if limit == "control_queue":
         server._control = queue.Queue(maxsize=3)
     else:
-        server.max_queued_wants = 3
+        server._blob_server.max_queued_wants = 3
     raw = net.raw("evil")
     try:
         want_topic = net.topics.blob_want(CLIENT, SERVER)

@@ -21,14 +21,14 @@ from device_agent.sampling import load_generator
 from estuary.cli import main as cli_main
 from shared.config import RunConfig, config_from_dict
 from shared.data.datasets import load_dataset, to_model_input
-from shared.deploy.export import ExportError, export_module, model_card, to_onnx
+from shared.deploy.export import export_module, model_card, to_onnx
 from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
 from shared.deploy.onnx_sampler import ddim_sample as numpy_ddim
 from shared.diffusion.schedule import ddim_sample, make_train_scheduler
 from shared.diffusion.training import train_local
-from shared.errors import EstuaryError
+from shared.errors import EstuaryError, ExportError
 from shared.models.checkpoint import save_checkpoint
-from shared.models.plan import channel_plan
+from shared.models.plan import ChannelPlan
 from shared.models.presets import build_unet
 from shared.models.pruning import prune_unet
 
@@ -108,7 +108,7 @@ def test_numpy_ddim_refuses_step_counts_outside_the_schedule(steps: int) -> None
 def test_export_parity_dense_pruned_conditional(preset: str, sp: float, tmp_path: Path) -> None:
     model = trained(preset, sp)
     cfg = _cfg(preset)
-    plan = channel_plan(model) if sp else None
+    plan = ChannelPlan.of_module(model) if sp else None
     result = export_module(
         cfg, model, plan, tmp_path, round_=3, source="test", threshold=PARITY, parity_steps=20
     )
@@ -185,7 +185,7 @@ def test_fp16_export_keeps_fp32_io(tmp_path: Path) -> None:
 def test_export_and_sample_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _cfg("fmnist-tiny")
     model = trained("fmnist-tiny", 0.44)
-    plan = channel_plan(model)
+    plan = ChannelPlan.of_module(model)
     run = tmp_path / "run"
     save_checkpoint(run / "checkpoints", 7, dict(model.state_dict()), cfg, plan=plan)
     (run / "metrics.jsonl").write_text(json.dumps({"round": 7, "quality": {"fid": 123.0}}) + "\n")

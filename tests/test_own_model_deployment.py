@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cloud.deploy import DeploymentPublisher, deploy_when_trained
-from device_agent.deployment import DeploymentReceiver, PersonalizeError, SamplingAgent
+from device_agent.deployment import DeploymentReceiver, SamplingAgent
 from device_agent.personalize import Personalizer
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, load_generator
 from estuary.cli import main as cli_main
@@ -26,14 +26,9 @@ from shared.data.datasets import load_dataset
 from shared.data.partition import make_partition
 from shared.deploy.export import SHARED_FILE, EpsModel, example_inputs
 from shared.deploy.onnx_sampler import OnnxGenerator
-from shared.deploy.signing import (
-    SignatureError,
-    generate_keys,
-    load_private_key,
-    load_public_key,
-    sign_manifest,
-)
-from shared.models.plan import build_model
+from shared.deploy.signing import generate_keys, load_private_key, load_public_key, sign_manifest
+from shared.errors import PersonalizeError, SignatureError
+from shared.models.plan import ChannelPlan, build_model
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import Deployment, DeploymentReport
 from tests.conftest import tiny_config
@@ -175,7 +170,8 @@ def test_bad_shared_tensors_and_foreign_architectures_are_refused(tmp_path: Path
     report = send(good.model_copy(update={"manifest": text, "signature": signature}))
     assert report.event == "refused" and "reserved" in report.reason
 
-    device.plan = {"foreign": True}  # as if the device had trained another architecture
+    # as if the device had trained another architecture
+    device.plan = ChannelPlan(device.cfg.model.preset, {"foreign": True})
     report = send(good)
     assert report.event == "refused" and report.reason.startswith("personalize_failed")
     assert "architecture" in report.reason and receiver.served is kept

@@ -121,7 +121,9 @@ def test_every_metric_the_rules_use_is_one_a_role_exposes() -> None:
         for role, name in (("cloud", "cloud"), ("device", "dev000"))  # devices: data gauges
         for key in parse_exposition(RoleMetrics(role, name, traffic).render().decode())
     }
-    transport = (ROOT / "shared" / "transport" / "mqtt.py").read_text()
+    transport = "".join(
+        (ROOT / "shared" / "transport" / f).read_text() for f in ("mqtt.py", "blob_transfer.py")
+    )
     # metric names (estuary_phase is also a label name, of the same metric)
     used = set(re.findall(r"\b(?:estuary|process)_[a-z_]+", RULES.read_text()))
     for name in sorted(used):

@@ -26,10 +26,12 @@ from shared.algorithms.fedphd import Q_FLOOR, SparsityPenalty, forward_order
 from shared.errors import ConfigError
 from shared.models.plan import (
     PLAN_FORMAT,
-    build_from_plan,
+    ChannelPlan,
+    build_model,
     channel_plan,
     dense_plan,
-    plan_spec,
+    model_spec,
+    parse_plan,
     validate_plan,
 )
 from shared.models.presets import build_unet, count_params, model_info, state_spec
@@ -183,9 +185,11 @@ def test_groupnorm_groups_keep_two_channels() -> None:
 def test_plan_round_trip(tiny_pruned: UNet2DModel) -> None:
     plan = json.loads(json.dumps(channel_plan(tiny_pruned)))
     assert plan["format"] == PLAN_FORMAT and plan["preset"] == "fmnist-tiny"
-    rebuilt = build_from_plan("fmnist-tiny", plan, seed=5)
+    parsed = ChannelPlan.parse("fmnist-tiny", plan)
+    assert parsed == ChannelPlan.of_module(tiny_pruned) and parsed.to_json() == plan
+    rebuilt = build_model("fmnist-tiny", parsed, seed=5)
     assert spec_of(rebuilt.state_dict()) == spec_of(tiny_pruned.state_dict())
-    assert plan_spec("fmnist-tiny", plan) == spec_of(tiny_pruned.state_dict())
+    assert model_spec("fmnist-tiny", parsed) == spec_of(tiny_pruned.state_dict())
     rebuilt.load_state_dict(tiny_pruned.state_dict())
     assert channel_plan(rebuilt) == plan
     x, t = _inputs(rebuilt)
@@ -195,15 +199,16 @@ def test_plan_round_trip(tiny_pruned: UNet2DModel) -> None:
 
 
 def test_dense_plan_is_the_preset() -> None:
-    assert plan_spec("fmnist-tiny", None) == state_spec("fmnist-tiny")
-    dense = build_from_plan("fmnist-tiny", None, seed=2)
+    assert model_spec("fmnist-tiny", None) == state_spec("fmnist-tiny")
+    dense = build_model("fmnist-tiny", None, seed=2)
     ref = build_unet("fmnist-tiny", seed=2).state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in dense.state_dict().items())
     plan = dense_plan("fmnist-tiny")
     validate_plan("fmnist-tiny", plan)
     assert channel_plan(dense) == plan
-    built = build_from_plan("fmnist-tiny", plan, seed=2).state_dict()
-    assert all(torch.equal(v, ref[k]) for k, v in built.items())
+    built = build_model("fmnist-tiny", ChannelPlan.parse("fmnist-tiny", plan), seed=2)
+    assert all(torch.equal(v, ref[k]) for k, v in built.state_dict().items())
+    assert model_spec("fmnist-tiny", parse_plan("fmnist-tiny", plan)) == state_spec("fmnist-tiny")
 
 
 def _edit(plan: dict[str, Any], module: str, **values: Any) -> dict[str, Any]:
@@ -285,10 +290,8 @@ def test_bad_plans_are_rejected(case: str) -> None:
     plan = mutate(dense_plan("fmnist-tiny"))
     with pytest.raises(ConfigError, match=match):
         validate_plan("fmnist-tiny", plan)
-    with pytest.raises(ConfigError):
-        build_from_plan("fmnist-tiny", plan)
-    with pytest.raises(ConfigError):
-        plan_spec("fmnist-tiny", plan)
+    with pytest.raises(ConfigError, match=match):
+        parse_plan("fmnist-tiny", plan)
 
 
 def test_class_conditional_plan_round_trip() -> None:
@@ -301,7 +304,7 @@ def test_class_conditional_plan_round_trip() -> None:
     plan = json.loads(json.dumps(channel_plan(pruned)))
     entry = plan["modules"]["class_embedding"]
     assert entry == {"type": "Embedding", "num_embeddings": 10, "embedding_dim": width}
-    rebuilt = build_from_plan("fmnist-tiny-cond", plan, seed=3)
+    rebuilt = build_model("fmnist-tiny-cond", ChannelPlan.parse("fmnist-tiny-cond", plan), seed=3)
     rebuilt.load_state_dict(pruned.state_dict())
     x, t = _inputs(rebuilt)
     labels = torch.tensor([1, 7])

@@ -1,6 +1,7 @@
-"""FedPhD's comparison (issue 4) on one GPU, sized to fit a wall-clock budget.
+"""FedPhD's comparison (Tables I and IV) on one GPU, sized to fit a wall-clock budget.
 
-A GPU lease is short (minutes), so this script measures before it plans:
+A GPU run with a time budget of minutes leaves no room for a second try, so this script
+measures before it plans:
 
 1. **calibrate**: ``--jobs`` processes train the comparison's model (batch 128, Adam) on the
    GPU at the same time, then sample with DDIM, each for a few seconds; their step and
@@ -8,26 +9,28 @@ A GPU lease is short (minutes), so this script measures before it plans:
 2. **size**: the largest FedAvg round count ``R`` (E = 5; the E = 1 methods run ``5 R``
    rounds, so every method does the same local steps) whose predicted wall time fits the
    budget, and an evaluation cadence that puts 4-5 FID points at equal-compute rounds;
-3. **compare**: write that comparison's TOML (the paper's setup of ``configs/compare_gpu_small
-   .toml``: N = 20 devices with 2 Fashion-MNIST classes, N_e = 2, kappa = 0.2, r_g = 5,
-   r_e = 1) and run ``estuary compare --jobs N`` on it; at the deadline the comparison is
-   stopped and whatever each method recorded (``metrics.jsonl``) is kept;
+3. **compare**: write that comparison's TOML (the paper's setup of
+   ``configs/compare/compare_gpu_small.toml``: N = 20 devices with 2 Fashion-MNIST classes,
+   N_e = 2, kappa = 0.2, r_g = 5, r_e = 1) and run ``estuary compare --jobs N`` on it; at the
+   deadline the comparison is stopped and whatever each method recorded (``metrics.jsonl``)
+   is kept;
 4. **pack**: tables, plots, per-method metrics, logs and the last sample grids into one
    ``.tar.gz`` under ``--out``.
 
-    python scripts/gpu_compare.py --budget-s 480 --out OUT
-    python scripts/gpu_compare.py --preset fmnist-tiny --max-rounds 200 --budget-s 480 --out OUT
-    python scripts/gpu_compare.py --dry-run --out OUT    # the same pipeline, tiny, on the CPU
+    python benchmarks/gpu/gpu_compare.py --budget-s 480 --out OUT
+    python benchmarks/gpu/gpu_compare.py --preset fmnist-tiny --max-rounds 200 \
+        --budget-s 480 --out OUT
+    python benchmarks/gpu/gpu_compare.py --dry-run --out OUT  # the same pipeline, tiny, on the CPU
 
-``fmnist-small`` (8.9 M parameters, 1.52 GMACs per image) is the comparison the issue asks
-for; a 15-minute lease gives it about a thousand local steps per method, far from settled.
-``fmnist-tiny`` (0.69 M, 0.095 GMACs) costs about 16 times less per step, so the same lease
+``fmnist-small`` (8.9 M parameters, 1.52 GMACs per image) is the comparison's own model; a
+15-minute GPU budget gives it about a thousand local steps per method, far from settled.
+``fmnist-tiny`` (0.69 M, 0.095 GMACs) costs about 16 times less per step, so the same budget
 runs it many times longer: the methods' ordering closer to a settled FID, on a smaller
 U-Net.
 
 Methods: FedAvg, FedAvg (E=1), FedPhD (s_p = 0.44 after R_s = 5 sparse rounds), FedPhD (OS),
-FedDiffuse (USPLIT) and SCAFFOLD, the issue's list. The learning rate is 5e-4 rather than the
-paper's 2e-4 because the run is about a hundred times shorter than the paper's.
+FedDiffuse (USPLIT) and SCAFFOLD. The learning rate is 5e-4 rather than the paper's 2e-4
+because the run is about a hundred times shorter than the paper's.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: devices per round (N = 20, kappa = 0.2) and their E = 1 steps (~3000 images, batch 128)
 DEVICES_PER_ROUND = 4
 #: seconds a method spends before its first round (imports, data, reference features)
@@ -166,7 +169,7 @@ def calibrate(
     }
 
 
-#: the issue's methods, in the order :func:`compare_toml` writes them
+#: the comparison's methods, in the order :func:`compare_toml` writes them
 METHODS = ("FedAvg", "FedAvg (E=1)", "FedPhD", "FedPhD (OS)", "FedDiffuse (USPLIT)", "SCAFFOLD")
 #: device rounds that capture per call although ``train.cuda_graph_reuse`` is on (a local
 #: term), per method, for ``r`` FedAvg (E = 5) rounds: FedPhD's R_s = 5 sparse rounds (its
@@ -222,7 +225,7 @@ def compare_toml(p: dict[str, Any], *, preset: str, batch: int, lr: float, num_s
     fedphd = ('"algorithm.name" = "fedphd", "federation.assignment" = "select", '
               '"federation.cloud_every" = 5, "algorithm.a" = 18000.0, "algorithm.b" = 0.0, '
               '"algorithm.prune_ratio" = 0.44, "algorithm.prune_method" = "l2"')  # fmt: skip
-    return f"""# Written by scripts/gpu_compare.py from a calibration on this machine: {p}
+    return f"""# Written by benchmarks/gpu/gpu_compare.py from a calibration on this machine: {p}
 # FedPhD's comparison (Tables I and IV): N = 20 devices with 2 Fashion-MNIST classes each,
 # N_e = 2 edges, kappa = 0.2 (C = 4 per round), r_g = 5 (FedPhD), r_e = 1, batch {batch}, Adam.
 # Equal local computation: the E = 5 methods run {r5} rounds, the E = 1 methods {5 * r5}.
@@ -408,7 +411,7 @@ def main() -> int:
         choices=["fmnist-small", "fmnist-tiny"],
         default="fmnist-small",
         help="the U-Net every method trains (fmnist-tiny: 13x fewer parameters, 16x fewer "
-        "MACs, so many more steps fit a lease; --dry-run always uses fmnist-tiny)",
+        "MACs, so many more steps fit a budget; --dry-run always uses fmnist-tiny)",
     )
     ap.add_argument("--calibrate-s", type=float, default=8.0)
     ap.add_argument("--max-rounds", type=int, default=60, help="cap on FedAvg (E=5) rounds")

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: check that compute.deterministic repeats a GPU run bit for bit
-# (reported, not a gate), check the CUDA-graph training paths (per-round captures, then the
-# resident capture kept across rounds, each with its own gate), time their per-step and
-# per-round costs on fmnist-tiny (under a minute), then run the issue-4 comparison with what
-# passed (eagerly if the graph tests fail) in the time that is left.
+# A GPU run with a time budget, in one command: check that compute.deterministic repeats a GPU
+# run bit for bit (reported, not a gate), check the CUDA-graph training paths (per-round
+# captures, then the resident capture kept across rounds, each with its own gate), time their
+# per-step and per-round costs on fmnist-tiny (under a minute), then run FedPhD's comparison
+# (benchmarks/gpu/gpu_compare.py) with what passed (eagerly if the graph tests fail) in the
+# time that is left.
 #
-#   OUT=/path/to/results bash scripts/gpu_lease.sh            # on the device machine
+#   OUT=/path/to/results bash benchmarks/gpu/gpu_run.sh        # on the GPU machine
 #
-# Needs the carried wheels and data (`.whl/`, `.fmnist/`: the recipe is in
-# benchmarks/results/compare_gpu_h100_budget/README.md). Environment:
-#   OUT       where results go (the device tool's $OUT)
+# Needs the wheels and the Fashion-MNIST files next to the checkout (`.whl/`, `.fmnist/`: how
+# to prepare them is in docs/results.md, "Running the GPU comparison"). Environment:
+#   OUT       where results go
 #   BUDGET_S  seconds for the whole script (default 560: a 600 s command with a margin)
-#   PRESET    the comparison's U-Net (default fmnist-tiny; fmnist-small is the issue's own)
+#   PRESET    the comparison's U-Net (default fmnist-tiny; fmnist-small is the comparison's own)
 #   DRY_RUN=1 rehearse on a CPU machine: the GPU tests only collected, the benchmark and the
 #             comparison in their CPU rehearsal modes (about 5 minutes with BUDGET_S=300)
 set -uo pipefail
@@ -47,15 +48,15 @@ if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]
       -k resident tests/test_graphed.py 2>&1 | tee -a "$OUT/gpu_tests.log"; then
     graph+=(--graph-reuse) bench_args+=(--reuse)
   else
-    echo "[gpu_lease] the resident-capture tests failed: graphs captured per round" | tee -a "$OUT/gpu_tests.log"
+    echo "[gpu_run] the resident-capture tests failed: graphs captured per round" | tee -a "$OUT/gpu_tests.log"
   fi
   timeout 75 python3 benchmarks/train_graph.py "${bench_args[@]}" \
     --out "$OUT/train_graph.json" 2>&1 | tee "$OUT/train_graph.log"
 else
-  echo "[gpu_lease] the CUDA-graph tests failed: the comparison trains eagerly" | tee -a "$OUT/gpu_tests.log"
+  echo "[gpu_run] the CUDA-graph tests failed: the comparison trains eagerly" | tee -a "$OUT/gpu_tests.log"
 fi
 
 left=$((BUDGET_S - (SECONDS - start)))
-echo "[gpu_lease] ${left}s left for the comparison (${graph[*]:-eager})"
-python3 scripts/gpu_compare.py "${compare_args[@]}" --max-rounds 400 --budget-s "$left" \
+echo "[gpu_run] ${left}s left for the comparison (${graph[*]:-eager})"
+python3 benchmarks/gpu/gpu_compare.py "${compare_args[@]}" --max-rounds 400 --budget-s "$left" \
   "${graph[@]}" --out "$OUT" 2>&1 | tee "$OUT/driver.log"

@@ -19,12 +19,13 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
 from shared.config import RunConfig, TrainSection
+from shared.config.algorithms import AlgorithmConfig, algorithm_names, config_class
 from shared.diffusion.schedule import make_train_scheduler
 from shared.diffusion.training import (
     TrainResult,
@@ -34,12 +35,12 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
+from shared.models.plan import ChannelPlan
 from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
 
 TensorDict = dict[str, torch.Tensor]
-Plan = dict[str, Any]
 
 #: ``DeviceContext.state`` key of the kept optimizer state (``train.optimizer_state = "keep"``):
 #: (trainable parameter shapes, the optimizer's state dict on the CPU)
@@ -126,6 +127,9 @@ class Algorithm(ABC):
     ``cloud_aggregate`` on the cloud. Instances hold only their own role's state."""
 
     name: ClassVar[str]
+    #: the class of this algorithm's settings (its keys under ``[algorithm]``), registered
+    #: under :attr:`name` in :mod:`shared.config.algorithms`
+    config_class: ClassVar[type[AlgorithmConfig]]
     #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
     partial_uploads: ClassVar[bool] = False
     #: entries of a device's ``ctx.state`` that are caches, rebuilt when missing: a device
@@ -137,8 +141,12 @@ class Algorithm(ABC):
     #: cannot sets False and trains on the CPU (with a warning) whatever the setting.
     supports_cuda: ClassVar[bool] = True
 
+    #: this algorithm's settings, as the run config holds them
+    settings: AlgorithmConfig
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.settings = self.config_class.of(cfg)
         self.scheduler = make_train_scheduler(cfg.diffusion)
         self._device: torch.device | None = None  # resolved at the first local round
 
@@ -251,8 +259,8 @@ class Algorithm(ABC):
         """Combine edge states into the global state."""
 
     def after_cloud_aggregate(
-        self, round_: int, state: TensorDict, plan: Plan | None
-    ) -> tuple[TensorDict, Plan | None]:
+        self, round_: int, state: TensorDict, plan: ChannelPlan | None
+    ) -> tuple[TensorDict, ChannelPlan | None]:
         """Hook after the cloud aggregated round ``round_`` (FedPhD prunes here); also
         called with ``round_ = -1`` on the initial state before round 0. Returns the state
         and the architecture plan (None = the dense preset)."""
@@ -262,8 +270,19 @@ class Algorithm(ABC):
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
 
-def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator adding ``cls`` to the registry under ``cls.name``."""
+A = TypeVar("A", bound=type[Algorithm])
+
+
+def register(cls: A) -> A:
+    """Class decorator adding ``cls`` to the registry under ``cls.name``; its settings class
+    must be the one registered under that name in :mod:`shared.config.algorithms`."""
+    if cls.name not in algorithm_names():
+        raise TypeError(
+            f"{cls.__name__}: no settings registered for {cls.name!r}; declare its class in "
+            "shared/config/algorithms.py with @algorithm_config"
+        )
+    if getattr(cls, "config_class", None) is not config_class(cls.name):
+        raise TypeError(f"{cls.__name__}.config_class must be {config_class(cls.name).__name__}")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -7,6 +7,7 @@ FedAvg(E=1) is the config ``train.local_epochs = 1``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from torch import nn
 
@@ -19,6 +20,7 @@ from shared.algorithms.base import (
     Update,
     register,
 )
+from shared.config.algorithms import AlgorithmConfig, FedAvgConfig
 
 
 @register
@@ -26,6 +28,7 @@ class FedAvg(Algorithm):
     """Sample-weighted averaging at both tiers; plain DDPM loss on devices."""
 
     name = "fedavg"
+    config_class: ClassVar[type[AlgorithmConfig]] = FedAvgConfig
 
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool

@@ -47,6 +47,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.config import RunConfig
+from shared.config.algorithms import FedDiffuseConfig
 from shared.errors import ConfigError, EstuaryError
 from shared.wire.codec import TensorSpec
 
@@ -289,11 +290,13 @@ class FedDiffuse(Algorithm):
     """
 
     name = "feddiffuse"
+    config_class = FedDiffuseConfig
+    settings: FedDiffuseConfig
     partial_uploads = True  # USPLIT devices report parts; the other variants report all
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.split: Split = cfg.algorithm.split
+        self.split: Split = self.settings.split
         self.federated = FEDERATED_PARTS[self.split]
         self.local_parts = self.federated != FEDERATED_PARTS["full"]  # ULATDEC, UDEC
         # USPLIT devices report different parts, so the edges count samples per part

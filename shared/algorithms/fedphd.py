@@ -46,15 +46,15 @@ from shared.algorithms.base import (
     Algorithm,
     DeviceContext,
     LocalResult,
-    Plan,
     TensorDict,
     Update,
     model_state,
     register,
 )
+from shared.config.algorithms import FedPhDConfig
 from shared.diffusion.hooks import ExtraLoss
 from shared.errors import ConfigError
-from shared.models.plan import channel_plan
+from shared.models.plan import ChannelPlan
 from shared.models.presets import build_unet
 from shared.models.pruning import (
     LAYER_TYPES,
@@ -341,16 +341,18 @@ class FedPhD(Algorithm):
     """SH-weighted aggregation at both tiers, sparse training, pruning on the cloud."""
 
     name = "fedphd"
+    config_class = FedPhDConfig
+    settings: FedPhDConfig
     device_cache_keys = frozenset({PENALTY_KEY})
 
     def _target(self) -> list[float] | None:
-        return list(self.cfg.algorithm.target_distribution) or None
+        return list(self.settings.target_distribution) or None
 
     # -- device ------------------------------------------------------------------------
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
-        algo = self.cfg.algorithm
+        algo = self.settings
         extra = None
         if round_ < algo.sparse_rounds and algo.lambda0 > 0:
             extra = self._penalty(ctx, model)
@@ -362,13 +364,13 @@ class FedPhD(Algorithm):
         shapes = tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
         cached = ctx.state.get(PENALTY_KEY)
         if cached is None or cached[0] != shapes:
-            cached = (shapes, SparsityPenalty.from_model(model, self.cfg.algorithm.lambda0))
+            cached = (shapes, SparsityPenalty.from_model(model, self.settings.lambda0))
             ctx.state[PENALTY_KEY] = cached
         return cached[1]
 
     # -- aggregation ---------------------------------------------------------------------
     def _aggregate(self, updates: Sequence[Update]) -> TensorDict:
-        algo = self.cfg.algorithm
+        algo = self.settings
         weights = sh_weights(
             [(u.n_samples, u.label_counts) for u in updates], algo.a, algo.b, self._target()
         )
@@ -384,9 +386,9 @@ class FedPhD(Algorithm):
 
     # -- pruning -------------------------------------------------------------------------
     def after_cloud_aggregate(
-        self, round_: int, state: TensorDict, plan: Plan | None
-    ) -> tuple[TensorDict, Plan | None]:
-        algo = self.cfg.algorithm
+        self, round_: int, state: TensorDict, plan: ChannelPlan | None
+    ) -> tuple[TensorDict, ChannelPlan | None]:
+        algo = self.settings
         if algo.prune_ratio <= 0 or plan is not None:
             return state, plan
         due = round_ == -1 if algo.prune_at == "init" else round_ + 1 >= algo.sparse_rounds
@@ -398,7 +400,7 @@ class FedPhD(Algorithm):
 
 def prune_state(
     preset: str, state: TensorDict, sp: float, *, method: str, seed: int
-) -> tuple[TensorDict, Plan]:
+) -> tuple[TensorDict, ChannelPlan]:
     """Prune a dense ``state`` of ``preset`` so ``sp`` of its parameters are removed;
     returns the pruned state and its channel plan."""
     module = build_unet(preset, seed=seed)
@@ -411,5 +413,5 @@ def prune_state(
         "pruned %s by %s: %.2f M -> %.2f M params (%.1f %% removed)",
         preset, method, before / 1e6, after / 1e6, 100 * (1 - after / before),
     )  # fmt: skip
-    plan = channel_plan(pruned)
+    plan = ChannelPlan.of_module(pruned, preset=preset)
     return {k: v.detach().clone() for k, v in pruned.state_dict().items()}, plan

@@ -1,7 +1,7 @@
 """FedProx (Li et al., MLSys 2020, eq. 2) for DDPM training.
 
 A device minimizes ``h(w) = L_DDPM(w) + mu/2 ||w - w_g||^2``, where ``w_g`` is the model it
-received from its edge (the anchor of the proximal term) and ``mu = cfg.algorithm.prox_mu``
+received from its edge (the anchor of the proximal term) and ``mu = algorithm.prox_mu``
 (FedPhD's appendix: mu = 1, the FedProx paper's recommendation). Aggregation at edge and
 cloud is FedAvg. The anchor is taken when the device loads a received state
 (:meth:`FedProx.device_load`) and kept in ``DeviceContext.state``, so between edge
@@ -28,6 +28,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
+from shared.config.algorithms import FedProxConfig
 from shared.models.presets import module_device
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
@@ -59,6 +60,8 @@ class FedProx(FedAvg):
     """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
 
     name = "fedprox"
+    config_class = FedProxConfig
+    settings: FedProxConfig
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)
@@ -70,7 +73,7 @@ class FedProx(FedAvg):
         # a caller that put the edge model into ``model`` without device_load: anchor on it
         if ANCHOR not in ctx.state:
             ctx.state[ANCHOR] = trainable_snapshot(model)
-        mu = self.cfg.algorithm.prox_mu
+        mu = self.settings.prox_mu
         # the anchor where training runs: copied once per round (``to`` copies nothing on
         # the CPU); the one in ``ctx.state`` stays on the CPU
         device = self.training_device

@@ -5,8 +5,8 @@ Device loss: ``L_DDPM + mu * l_con`` with (eq. 2)
 
     l_con = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + exp(sim(z, z_prev)/tau)) )
 
-``sim`` is cosine similarity, ``mu = cfg.algorithm.moon_mu`` (FedPhD's appendix grid:
-0.01, 0.1, 1, 10), ``tau = cfg.algorithm.moon_tau``.
+``sim`` is cosine similarity, ``mu = algorithm.moon_mu`` (FedPhD's appendix grid:
+0.01, 0.1, 1, 10), ``tau = algorithm.moon_tau``.
 
 Which features: the U-Net has no projection head, so ``z`` is the output of the U-Net's
 bottleneck (``model.mid_block``: resnet - attention - resnet at the lowest resolution,
@@ -46,6 +46,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.algorithms.fedavg import FedAvg
+from shared.config.algorithms import MoonConfig
 from shared.diffusion.hooks import LossFn
 from shared.diffusion.schedule import noise_batch
 from shared.errors import ConfigError
@@ -147,6 +148,8 @@ class Moon(FedAvg):
     """FedAvg aggregation; DDPM loss plus the model-contrastive loss on devices."""
 
     name = "moon"
+    config_class = MoonConfig
+    settings: MoonConfig
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         model.load_state_dict(state)
@@ -157,7 +160,7 @@ class Moon(FedAvg):
     ) -> LocalResult:
         if GLOBAL not in ctx.state:  # loaded without device_load: the model is the received one
             ctx.state[GLOBAL] = model_state(model)
-        cfg = self.cfg.algorithm
+        cfg = self.settings
         prev_state: TensorDict | None = ctx.state.get(PREVIOUS)
         glob = prev = None
         if prev_state is not None and cfg.moon_mu > 0:  # else l_con is skipped: no copies

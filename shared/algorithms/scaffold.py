@@ -68,6 +68,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.config import RunConfig
+from shared.config.algorithms import ScaffoldConfig
 from shared.diffusion.hooks import GradHook
 from shared.errors import EstuaryError
 from shared.wire.codec import TensorSpec
@@ -154,6 +155,7 @@ class Scaffold(Algorithm):
     two-tier rule for ``c``."""
 
     name = "scaffold"
+    config_class = ScaffoldConfig
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)

@@ -5,6 +5,9 @@ that names the key, not a silently ignored setting. ``load_config`` returns a va
 :class:`RunConfig`; ``RunConfig.to_json`` is what gets saved beside every checkpoint.
 
 Example override: ``ESTUARY__TRAIN__LR=3e-4 estuary simulate configs/fedavg_iid_tiny.toml``.
+
+The ``[algorithm]`` section is assembled from each algorithm's own settings class
+(:mod:`shared.config.algorithms`); the other sections are declared here.
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -27,16 +28,14 @@ from pydantic import (
     model_validator,
 )
 
+from shared.config.algorithms import AlgorithmSection, digest_later_keys
+from shared.config.section import Section
 from shared.errors import ConfigError
 
 ENV_PREFIX = "ESTUARY__"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class RunSection(_Section):
+class RunSection(Section):
     """Identity and length of a run."""
 
     name: str = Field("estuary", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -44,7 +43,7 @@ class RunSection(_Section):
     rounds: int = Field(10, ge=1, le=1_000_000)
 
 
-class FederationSection(_Section):
+class FederationSection(Section):
     """Shape of the hierarchy and the round protocol (DESIGN section 2)."""
 
     num_devices: int = Field(8, ge=1, le=100_000)
@@ -83,7 +82,7 @@ class FederationSection(_Section):
 PartitionName = Literal["iid", "dirichlet", "classes", "shards", "quantity", "dominant"]
 
 
-class DataSection(_Section):
+class DataSection(Section):
     """Dataset and how it is split across devices (DESIGN section 3)."""
 
     dataset: Literal["fashion-mnist", "synthetic", "folder"] = "fashion-mnist"
@@ -131,7 +130,7 @@ class DataSection(_Section):
         return names
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     """Which U-Net preset to train, and where its first weights come from."""
 
     preset: Literal[
@@ -155,7 +154,7 @@ class ModelSection(_Section):
         return value
 
 
-class DiffusionSection(_Section):
+class DiffusionSection(Section):
     """DDPM training schedule and DDIM sampling (DESIGN section 3)."""
 
     num_train_timesteps: int = Field(1000, ge=10, le=10_000)
@@ -175,7 +174,7 @@ class DiffusionSection(_Section):
         return self
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     """Local training on each device."""
 
     local_epochs: int = Field(1, ge=0, le=10_000)
@@ -230,45 +229,7 @@ class TrainSection(_Section):
         return self
 
 
-AlgorithmName = Literal["fedavg", "fedphd", "feddiffuse", "fedprox", "scaffold", "moon"]
-
-
-class AlgorithmSection(_Section):
-    """Federated algorithm by registered name, and every algorithm's parameters (DESIGN
-    section 4); each algorithm reads only its own."""
-
-    name: AlgorithmName = "fedavg"
-    # FedPhD (seed 000): SH-weighted aggregation (eqs. 22, 24) and edge selection (eq. 25)
-    a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
-    b: float = Field(0.0, description="offset inside the ReLU of eqs. 22, 24, 25")
-    target_distribution: list[float] = Field(
-        default_factory=list, description="q_u over the 10 labels; empty = uniform"
-    )
-    sparse_rounds: int = Field(0, ge=0, description="R_s: sparse training for rounds < R_s")
-    lambda0: float = Field(1e-4, ge=0.0, description="lambda_0 of the group penalty")
-    prune_ratio: float = Field(0.0, ge=0.0, lt=0.95, description="s_p: params removed")
-    prune_at: Literal["sparse", "init"] = Field(
-        "sparse", description="sparse: at r = R_s (after sparse training); init: OS at r = 0"
-    )
-    prune_method: Literal["l2", "random"] = "l2"
-    # FedDiffuse (seed 001)
-    split: Literal["full", "usplit", "ulatdec", "udec"] = "full"
-    # FedProx and MOON
-    prox_mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
-    moon_mu: float = Field(1.0, ge=0.0, description="MOON contrastive loss weight")
-    moon_tau: float = Field(0.5, gt=0.0, description="MOON temperature")
-
-    @model_validator(mode="after")
-    def _check(self) -> AlgorithmSection:
-        q = self.target_distribution
-        if q and (len(q) != 10 or any(x < 0 for x in q) or abs(sum(q) - 1.0) > 1e-6):
-            raise ValueError("target_distribution must be 10 non-negative numbers summing to 1")
-        if self.prune_ratio > 0 and self.prune_at == "sparse" and self.sparse_rounds == 0:
-            raise ValueError("prune_at = 'sparse' prunes at r = R_s: set sparse_rounds >= 1")
-        return self
-
-
-class EvalSection(_Section):
+class EvalSection(Section):
     """Evaluation, sampling and checkpoint cadence."""
 
     every: int = Field(5, ge=0, description="quality evaluation every k rounds; 0 = off")
@@ -293,7 +254,7 @@ class EvalSection(_Section):
     )
 
 
-class BrokerSection(_Section):
+class BrokerSection(Section):
     """MQTT broker connection and blob-transfer limits (deployment settings, not in the digest).
 
     The password never lives in the config: it comes from ``password_file`` or the
@@ -334,7 +295,7 @@ class BrokerSection(_Section):
         return self
 
 
-class MetricsSection(_Section):
+class MetricsSection(Section):
     """Prometheus ``/metrics`` endpoint of a service process."""
 
     enabled: bool = True
@@ -349,7 +310,7 @@ class MetricsSection(_Section):
     )
 
 
-class ComputeSection(_Section):
+class ComputeSection(Section):
     """Where this process trains: a per-process setting (not part of the config digest), so
     GPU and CPU devices can serve one federation."""
 
@@ -363,7 +324,7 @@ class ComputeSection(_Section):
     )
 
 
-class DeploySection(_Section):
+class DeploySection(Section):
     """Shipping the trained generator to the devices (DESIGN section 5)."""
 
     enabled: bool = Field(True, description="cloud exports and publishes after training")
@@ -406,7 +367,7 @@ LATER_KEYS = (
 )
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """The whole configuration of one federated run."""
 
     run: RunSection = RunSection()
@@ -424,18 +385,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> RunConfig:
-        if (
-            self.algorithm.name == "feddiffuse"
-            and self.algorithm.split == "usplit"
-            and self.federation.assignment != "static"
-        ):
-            # USPLIT pairs the devices of one edge; with devices choosing their edge during
-            # the round, no edge knows its devices when it announces the round
-            raise ValueError(
-                "FedDiffuse USPLIT pairs the devices within each edge, which needs a fixed "
-                f"assignment: federation.assignment = {self.federation.assignment!r} lets "
-                "devices pick their edge during the round; use 'static'"
-            )
+        self.algorithm.config().check_run(self)
         if self.federation.cloud_every > self.run.rounds:
             raise ValueError(
                 f"federation.cloud_every (r_g={self.federation.cloud_every}) exceeds "
@@ -480,27 +430,7 @@ class RunConfig(_Section):
                 "on its own folder as it is; leave data.partition unset (or set data.path to "
                 "one image folder to split)"
             )
-        algo = self.algorithm
-        if algo.name == "fedphd" and algo.prune_ratio > 0:
-            r_s = algo.sparse_rounds
-            if algo.prune_at == "init" and r_s:
-                raise ValueError(
-                    f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before round 0, so "
-                    f"sparse_rounds (R_s={r_s}) would add the group penalty to the pruned "
-                    "model and never prune again; set sparse_rounds = 0"
-                )
-            if algo.prune_at == "sparse" and r_s % r_g:
-                raise ValueError(
-                    f"algorithm.sparse_rounds (R_s={r_s}) is not a multiple of "
-                    f"federation.cloud_every (r_g={r_g}): the cloud prunes after a central "
-                    f"aggregation, so rounds {r_s}..{r_s - r_s % r_g + r_g - 1} would train "
-                    "the dense model without the penalty; use a multiple of r_g"
-                )
-            if algo.prune_at == "sparse" and r_s >= rounds:
-                raise ValueError(
-                    f"algorithm.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
-                    "the pruned model would never be trained (or never pruned)"
-                )
+        self.algorithm.config().check_waste(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every value (defaults included)."""
@@ -521,7 +451,8 @@ class RunConfig(_Section):
         # unset are the ones earlier versions computed (compare records, checkpoints)
         for section, key in PER_PROCESS_KEYS:
             data[section] = {**data[section], key: _default(self, section, key)}
-        for section, key in LATER_KEYS:
+        later = (*LATER_KEYS, *(("algorithm", key) for key in digest_later_keys()))
+        for section, key in later:
             if data[section][key] == _default(self, section, key):
                 data[section] = {k: v for k, v in data[section].items() if k != key}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -34,21 +34,17 @@ from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
 from shared.deploy.onnx_sampler import ddim_sample as numpy_ddim_sample
 from shared.deploy.signing import key_id, make_manifest, sign_manifest, write_signed
 from shared.diffusion.schedule import ddim_sample
-from shared.errors import EstuaryError
+from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
-from shared.models.plan import Plan, plan_digest
+from shared.models.plan import ChannelPlan, plan_digest
 from shared.models.presets import count_macs, count_params, image_shape, num_classes_of
 from shared.wire.codec import encode_tensors, spec_of
 
 MIN_OPSET = 17
 #: the global model's federated tensors beside ``model.onnx`` when devices keep local parts
 SHARED_FILE = "shared.safetensors"
-
-
-class ExportError(EstuaryError):
-    """The export was refused (parity above threshold, bad input)."""
 
 
 class EpsModel(nn.Module):
@@ -248,7 +244,7 @@ def _quality_of(run_dir: Path | None, round_: int) -> dict[str, Any] | None:
 def model_card(
     cfg: RunConfig,
     unet: nn.Module,
-    plan: Plan | None,
+    plan: ChannelPlan | None,
     *,
     onnx_bytes: bytes,
     round_: int | None,
@@ -356,7 +352,7 @@ def _write_shared(
 def export_module(
     cfg: RunConfig,
     unet: nn.Module,
-    plan: Plan | None,
+    plan: ChannelPlan | None,
     out_dir: Path,
     *,
     round_: int | None,

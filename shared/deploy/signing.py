@@ -24,7 +24,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from shared.errors import EstuaryError
+from shared.errors import EstuaryError, SignatureError
 
 MANIFEST_FORMAT = "estuary-deployment-v1"
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -39,15 +39,6 @@ SHARED_BLOB_KIND = "shared_weights"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _FILE_SUFFIX = {"model": ".onnx", "shared": ".safetensors"}
 _SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
-
-
-class SignatureError(EstuaryError):
-    """A manifest, signature or key that cannot be trusted; ``reason`` labels the metric."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 # -- keys ---------------------------------------------------------------------------------

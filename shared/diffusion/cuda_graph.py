@@ -303,12 +303,12 @@ def train_graphed(
     try:
         graph = _warm_and_capture(step, data, labels, batches, generator, steps, device,
                                   after_step)  # fmt: skip
-        for idx in batches:
-            step.stage(data, labels, idx, generator)
-            assert graph is not None
-            graph.replay()
-            if after_step is not None:
-                after_step(model)
+        if graph is not None:  # None: the warm-up steps were all of them
+            for idx in batches:
+                step.stage(data, labels, idx, generator)
+                graph.replay()
+                if after_step is not None:
+                    after_step(model)
     finally:
         opt.zero_grad(set_to_none=True)  # before the graph's memory pool goes
         del graph

@@ -224,14 +224,14 @@ def train_local(
     steps = steps if steps is not None else num_local_steps(n, cfg)
     on = device if device is not None and device.type != "cpu" else None
     autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
-    graphed = _graphable(cfg, on, loss_fn, steps)
+    graph_on = on if _graphable(cfg, on, loss_fn, steps) else None  # None: eager steps
+    cond_labels = labels if conditional else None  # not None when conditional (checked above)
     per_call = (optimizer, extra_loss, grad_hook, after_step)  # what a reused capture lacks
-    if graphed and cfg.cuda_graph_reuse and all(h is None for h in per_call):
-        assert on is not None
+    if graph_on is not None and cfg.cuda_graph_reuse and all(h is None for h in per_call):
         total = train_resident(
-            model, data, labels if conditional else None, batch_size=cfg.batch_size,
+            model, data, cond_labels, batch_size=cfg.batch_size,
             grad_clip=cfg.grad_clip, steps=steps, scheduler=scheduler, generator=generator,
-            device=on, autocast=lambda: autocast_for(cfg.precision, on, cache=False),
+            device=graph_on, autocast=lambda: autocast_for(cfg.precision, graph_on, cache=False),
             make_opt=lambda ps: make_optimizer(ps, cfg), settings=resident_settings(cfg),
         )  # fmt: skip
         model.train()
@@ -240,13 +240,12 @@ def train_local(
         params = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer if optimizer is not None else make_optimizer(params, cfg)
         model.train()
-        if graphed:
-            assert on is not None
+        if graph_on is not None:
             total = train_graphed(
-                model, opt, params, data, labels if conditional else None,
+                model, opt, params, data, cond_labels,
                 batch_size=cfg.batch_size, grad_clip=cfg.grad_clip, steps=steps,
-                scheduler=scheduler, generator=generator, device=on,
-                autocast=lambda: autocast_for(cfg.precision, on, cache=False),
+                scheduler=scheduler, generator=generator, device=graph_on,
+                autocast=lambda: autocast_for(cfg.precision, graph_on, cache=False),
                 extra_loss=extra_loss, grad_hook=grad_hook, after_step=after_step,
             )  # fmt: skip
         else:
@@ -255,9 +254,9 @@ def train_local(
                 opt.zero_grad(set_to_none=True)
                 x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
                 with autocast:  # forward and loss; the regularizer and backward in fp32
-                    if conditional:
-                        assert labels is not None
-                        y = labels[idx] if on is None else labels[idx].to(on, non_blocking=True)
+                    if cond_labels is not None:
+                        y = cond_labels[idx]
+                        y = y if on is None else y.to(on, non_blocking=True)
                         loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
                     else:
                         loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)

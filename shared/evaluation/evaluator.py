@@ -24,12 +24,12 @@ from shared.diffusion.training import placed
 from shared.errors import DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
-from shared.models.plan import build_model
+from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
 
 
 def model_from_state(
-    cfg: RunConfig, state: dict[str, torch.Tensor], plan: dict[str, Any] | None = None
+    cfg: RunConfig, state: dict[str, torch.Tensor], plan: ChannelPlan | None = None
 ) -> torch.nn.Module:
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
@@ -107,7 +107,7 @@ class Evaluator:
     """Scores models against a fixed random set of real training images (features cached).
 
     The protocol (``eval.num_samples`` generated vs ``eval.num_reference`` real, extractor
-    ``fmnist-cnn-v1``) is the one the README's reference numbers use; FID is biased by
+    ``fmnist-cnn-v1``) is the one the reference numbers in docs/algorithms.md use; FID is biased by
     sample size, so only compare numbers measured with the same counts.
 
     Models sample on ``device`` (default: the CPU; callers pass ``compute.device``) and are

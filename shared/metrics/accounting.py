@@ -56,8 +56,9 @@ import torch
 from shared.algorithms import make_algorithm
 from shared.algorithms.feddiffuse import communicated_params
 from shared.config import FederationSection, RunConfig
+from shared.config.algorithms import FedDiffuseConfig
 from shared.errors import ConfigError
-from shared.models.plan import model_spec
+from shared.models.plan import ChannelPlan, model_spec
 from shared.wire.codec import TensorSpec, encode_tensors
 
 MIB = 2**20
@@ -237,7 +238,7 @@ class Payloads:
         return self.up_params / self.model_params
 
 
-def payloads(cfg: RunConfig, plan: dict[str, Any] | None = None) -> Payloads:
+def payloads(cfg: RunConfig, plan: ChannelPlan | None = None) -> Payloads:
     """What one device fetch / device upload / edge report / global download carries for the
     configured algorithm on ``model.preset`` under ``plan`` (the algorithm's own specs).
 
@@ -257,7 +258,8 @@ def payloads(cfg: RunConfig, plan: dict[str, Any] | None = None) -> Payloads:
     if algo.partial_uploads and cfg.algorithm.name == "feddiffuse":
         c, e = participants_per_round(cfg.federation), cfg.federation.num_edges
         groups = [c // e + (1 if i < c % e else 0) for i in range(e)]
-        sent = communicated_params(cfg.algorithm.split, mspec, groups)["uplink_per_round"]
+        split = FedDiffuseConfig.of(cfg).split
+        sent = communicated_params(split, mspec, groups)["uplink_per_round"]
         fraction = sent / (c * up_params)
         u, up_params = round(u * fraction), up_params * fraction
     shared = algo.shared_spec(gspec)

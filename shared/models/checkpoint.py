@@ -11,14 +11,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict
 from shared.errors import CodecError, EstuaryError
-from shared.models.plan import model_spec
+from shared.models.plan import ChannelPlan, model_spec, parse_plan
 from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
 
 __all__ = [
@@ -46,7 +45,7 @@ class Checkpoint:
     config: RunConfig
     model_sha256: str
     path: Path
-    plan: dict[str, Any] | None = None  # channel plan of a pruned model; None = dense
+    plan: ChannelPlan | None = None  # channel plan of a pruned model; None = dense
     #: :func:`shared.models.init.init_fingerprint` of the run's ``model.init`` when it was saved
     #: (None in checkpoints written before it was recorded)
     init: str | None = None
@@ -63,7 +62,7 @@ def save_checkpoint(
     model: dict[str, torch.Tensor],
     cfg: RunConfig,
     algo_state: dict[str, torch.Tensor] | None = None,
-    plan: dict[str, Any] | None = None,
+    plan: ChannelPlan | None = None,
     init: str | None = None,
 ) -> Path:
     """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path.
@@ -80,7 +79,7 @@ def save_checkpoint(
         "format": CHECKPOINT_FORMAT,
     }
     if plan is not None:
-        meta["arch"] = json.dumps(plan, sort_keys=True)
+        meta["arch"] = json.dumps(plan.doc, sort_keys=True)
     if init is not None:
         meta["init"] = init
     path = directory / f"round_{round_:06d}.safetensors"
@@ -132,21 +131,24 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
     except (KeyError, ValueError) as err:
         raise CodecError(f"{path}: round or config missing from the metadata ({err})") from None
     try:
-        plan = json.loads(meta["arch"]) if "arch" in meta else None
+        doc = json.loads(meta["arch"]) if "arch" in meta else None
     except json.JSONDecodeError as err:
         raise CodecError(f"{path}: unreadable architecture plan: {err}") from None
+    try:
+        plan = parse_plan(cfg.model.preset, doc)
+    except EstuaryError as err:
+        raise CodecError(f"{path}: bad architecture plan: {err}") from None
     _check_fits(model, cfg.model.preset, plan, path)
     init = meta.get("init")
     return Checkpoint(round_, model, state, cfg, digest, path, plan, init)
 
 
-def _check_fits(model: Mapping[str, torch.Tensor], preset: str, plan: Any, path: Path) -> None:
-    """CodecError unless the plan is valid for ``preset`` and ``model`` holds every tensor
-    of that architecture with its shape (an algorithm's extra global tensors may follow)."""
-    try:
-        spec = model_spec(preset, plan)  # validates the plan (shared.models.pruning.validate_plan)
-    except (EstuaryError, ValueError, TypeError, KeyError) as err:
-        raise CodecError(f"{path}: bad architecture plan: {err}") from None
+def _check_fits(
+    model: Mapping[str, torch.Tensor], preset: str, plan: ChannelPlan | None, path: Path
+) -> None:
+    """CodecError unless ``model`` holds every tensor of ``preset`` under ``plan`` with its
+    shape (an algorithm's extra global tensors may follow)."""
+    spec = model_spec(preset, plan)
     try:
         check_spec({k: v for k, v in model.items() if k in spec}, spec)
     except CodecError as err:

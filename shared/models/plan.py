@@ -32,36 +32,102 @@ from shared.wire.codec import TensorSpec, spec_of
 Plan = dict[str, Any]
 
 
-def plan_digest(plan: Plan | None) -> str:
-    """Short stable id of a plan ("dense" for None)."""
+def plan_digest(plan: ChannelPlan | Plan | None) -> str:
+    """Short stable id of a plan, parsed or as JSON ("dense" for None)."""
     if plan is None:
         return "dense"
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    doc = plan.doc if isinstance(plan, ChannelPlan) else plan
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_spec(preset: str, plan: Plan | None) -> dict[str, TensorSpec]:
+class ChannelPlan:
+    """A channel plan checked against its preset: what :func:`build_model` and
+    :func:`model_spec` take, so a plan is validated once, where it arrives.
+
+    Parse a plan that comes from outside (a message, a checkpoint, a device's state file)
+    with :meth:`parse`; a plan read off a module this process built (:meth:`of_module`)
+    needs no check. Immutable: :attr:`doc` is a private copy, :meth:`to_json` another."""
+
+    __slots__ = ("_doc", "digest", "preset")
+
+    def __init__(self, preset: str, doc: Plan) -> None:
+        """Wrap an already checked plan (use :meth:`parse` or :meth:`of_module`)."""
+        self.preset = preset
+        self._doc = json.loads(json.dumps(doc))
+        self.digest = plan_digest(self._doc)
+
+    @classmethod
+    def parse(cls, preset: str, doc: Any) -> ChannelPlan:
+        """``doc`` checked against ``preset`` (:func:`validate_plan`): ConfigError naming
+        what is wrong, whatever the malformation."""
+        try:
+            validate_plan(preset, doc)
+        except ConfigError:
+            raise
+        except (EstuaryError, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(str(err)) from None
+        return cls(preset, doc)
+
+    @classmethod
+    def of_module(cls, model: UNet2DModel, *, preset: str | None = None) -> ChannelPlan:
+        """The plan of a module this process built or pruned (:func:`channel_plan`)."""
+        doc = channel_plan(model, preset=preset)
+        return cls(doc["preset"], doc)
+
+    @property
+    def doc(self) -> Plan:
+        """The plan as JSON (read-only by convention: use :meth:`to_json` for a copy)."""
+        return self._doc
+
+    @property
+    def modules(self) -> Mapping[str, Any]:
+        """Each planned module's entry (sizes by name)."""
+        modules: Mapping[str, Any] = self._doc["modules"]
+        return modules
+
+    def to_json(self) -> Plan:
+        """A copy of the plan as JSON, the form that travels and is stored."""
+        doc: Plan = json.loads(json.dumps(self._doc))
+        return doc
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChannelPlan) and self._doc == other._doc
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"ChannelPlan({self.preset!r}, {self.digest})"
+
+
+def parse_plan(preset: str, doc: Any) -> ChannelPlan | None:
+    """A plan's JSON as it arrived, checked against ``preset``; None (the dense preset) for
+    None. Raises ConfigError saying why the plan cannot be used."""
+    return None if doc is None else ChannelPlan.parse(preset, doc)
+
+
+def plan_doc(plan: ChannelPlan | None) -> Plan | None:
+    """The JSON of ``plan`` (a copy), or None for the dense preset: what messages carry."""
+    return None if plan is None else plan.to_json()
+
+
+def model_spec(preset: str, plan: ChannelPlan | None) -> dict[str, TensorSpec]:
     """Tensor names, shapes and dtypes of ``preset`` under ``plan`` (no weights built)."""
     if plan is None:
         return state_spec(preset)
-    return plan_spec(preset, plan)
+    model = _meta_unet(preset)
+    _apply_plan(model, plan.modules)
+    return spec_of(model.state_dict())
 
 
-def build_model(preset: str, plan: Plan | None, *, seed: int = 0) -> nn.Module:
-    """A module of ``preset`` under ``plan``, initialized from ``seed``."""
-    if plan is None:
-        return build_unet(preset, seed=seed)
-    return build_from_plan(preset, plan, seed=seed)
-
-
-def check_plan(preset: str, plan: Plan | None) -> str:
-    """Why ``plan`` cannot be used for ``preset`` ("" when it can)."""
-    if plan is None:
-        return ""
-    try:
-        validate_plan(preset, plan)
-    except (EstuaryError, ValueError, TypeError, KeyError) as err:
-        return f"bad architecture plan: {err}"
-    return ""
+def build_model(preset: str, plan: ChannelPlan | None, *, seed: int = 0) -> nn.Module:
+    """A module of ``preset`` under ``plan``, initialized from ``seed``: the dense preset
+    with every parameter cut to its planned shape (leading channels kept), ready for
+    ``load_state_dict`` of the weights that travel with the plan. No Torch-Pruning needed."""
+    model = build_unet(preset, seed=seed)
+    if plan is not None:
+        _apply_plan(model, plan.modules)
+    return model
 
 
 #: version tag of the JSON channel plan; a plan with another tag is refused
@@ -372,28 +438,3 @@ def _keep(m: nn.Module, attr: str, sizes: tuple[int, ...]) -> None:
         return
     kept = p.detach()[tuple(slice(0, s) for s in sizes)].clone()
     setattr(m, attr, nn.Parameter(kept, requires_grad=p.requires_grad))
-
-
-def build_from_plan(preset: str, plan: Mapping[str, Any] | None, *, seed: int = 0) -> UNet2DModel:
-    """The ``preset`` U-Net resized to ``plan`` (``None``: dense), without Torch-Pruning.
-
-    The dense preset is initialized from ``seed`` and every parameter is cut to its planned
-    shape (leading channels kept), so the result is ready for ``load_state_dict`` of the
-    weights that travel with the plan.
-    """
-    if plan is not None:
-        validate_plan(preset, plan)
-    model = build_unet(preset, seed=seed)
-    if plan is not None:
-        _apply_plan(model, plan["modules"])
-    return model
-
-
-def plan_spec(preset: str, plan: Mapping[str, Any] | None) -> dict[str, TensorSpec]:
-    """Names, shapes and dtypes of the state dict under ``plan``, built on the meta device."""
-    if plan is not None:
-        validate_plan(preset, plan)
-    model = _meta_unet(preset)
-    if plan is not None:
-        _apply_plan(model, plan["modules"])
-    return spec_of(model.state_dict())

@@ -41,8 +41,9 @@ GroupNorm groups (and the attention heads) as channel groups.
    level has two channels per group (16 in 8 groups, 64 in 32), so one unit is half the
    level. Without the floor ``s_p`` = 0.44 halved that level of ``fmnist-tiny`` (16 -> 8
    channels, 8 groups of 1) and the pruned model, trained centrally for 8000 steps, reached
-   FID 201.8 against the dense model's 29.4 (``configs/compare_ablation_cpu_tiny_xlong.toml``);
-   with it the level stays whole and the deeper ones give the parameters.
+   FID 201.8 against the dense model's 29.4
+   (``configs/compare/compare_ablation_cpu_tiny_xlong.toml``); with it the level stays whole
+   and the deeper ones give the parameters.
 
 FedPhD's Table III is Torch-Pruning's local pruning of ``ddpm-cifar10`` at channel ratios
 0.1 / 0.25 / 0.3 / 0.4 (26.98 M / 4.21 G, 20.13 M / 3.41 G, 13.95 M / 2.09 G,

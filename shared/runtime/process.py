@@ -4,7 +4,8 @@ Prometheus endpoint, signals, and a clean goodbye.
 ``python -m cloud``, ``python -m edge_node`` and ``python -m device_agent`` (and the
 ``estuary cloud|edge|device`` subcommands, which call the same functions) are configured by a
 TOML/JSON config file plus ``ESTUARY__SECTION__KEY`` environment variables; the few command
-line options here override the deployment settings (broker address, metrics port).
+line options here override the deployment settings (broker address, metrics port). Each
+role's ``main()`` is :func:`run_role` with the role's own parser and start function.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from types import FrameType
 
 from shared.config import RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
+from shared.lifetime import die_with_parent
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
 from shared.wire.messages import CloudState, Presence, encode, home_of
@@ -29,6 +31,9 @@ from shared.wire.messages import CloudState, Presence, encode, home_of
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+
+Serve = Callable[[], int]
+"""A role's serving body: runs until the role is done and returns the exit code."""
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +88,33 @@ def setup_logging(level: str, name: str) -> None:
         stream=sys.stdout,
         force=True,
     )
+
+
+def run_role(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    instance: Callable[[argparse.Namespace], str],
+    start: Callable[[argparse.Namespace, RunConfig], Serve],
+    role_log: logging.Logger,
+) -> int:
+    """A role process from its arguments to its exit code.
+
+    Parses ``argv`` with ``parser``, logs as ``instance(args)`` (the instance name), dies
+    with its parent, loads the role config, then calls ``start(args, cfg)``: the role's own
+    checks and set-up, up to connecting its bus, returning the serving body. An EstuaryError
+    from loading or starting is logged on ``role_log`` and exits with EXIT_ERROR; otherwise
+    the exit code is the serving body's.
+    """
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, instance(args))
+    die_with_parent()
+    try:
+        cfg = load_role_config(args)
+        serve = start(args, cfg)
+    except EstuaryError as err:
+        role_log.error("%s", err)
+        return EXIT_ERROR
+    return serve()
 
 
 @contextlib.contextmanager

@@ -40,8 +40,10 @@ class BlobStore:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, sha256: str) -> Path:
-        assert self.directory is not None
+    def _path(self, sha256: str) -> Path | None:
+        """Where the blob's disk copy lives, or None without a disk cache."""
+        if self.directory is None:
+            return None
         return self.directory / sha256[:2] / sha256
 
     def put(self, data: bytes, sha256: str | None = None) -> str:
@@ -49,8 +51,9 @@ class BlobStore:
         digest = sha256 or sha256_hex(data)
         with self._lock:
             self._remember(digest, bytes(data))
-        if self.directory is not None and not self._path(digest).exists():
-            self._write(digest, data)
+        path = self._path(digest)
+        if path is not None and not path.exists():
+            self._write(path, data)
         return digest
 
     def get(self, sha256: str) -> bytes | None:
@@ -60,9 +63,9 @@ class BlobStore:
             if data is not None:
                 self._mem.move_to_end(sha256)
                 return data
-        if self.directory is None:
-            return None
         path = self._path(sha256)
+        if path is None:
+            return None
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -87,7 +90,8 @@ class BlobStore:
         with self._lock:
             if sha256 in self._mem:
                 return True
-        return self.directory is not None and self._path(sha256).is_file()
+        path = self._path(sha256)
+        return path is not None and path.is_file()
 
     def size(self, sha256: str) -> int | None:
         """Length in bytes of the blob held in memory or on disk (not verified), else None."""
@@ -95,10 +99,11 @@ class BlobStore:
             data = self._mem.get(sha256)
             if data is not None:
                 return len(data)
-        if self.directory is None:
+        path = self._path(sha256)
+        if path is None:
             return None
         try:
-            st = self._path(sha256).stat()
+            st = path.stat()
         except OSError:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
@@ -121,8 +126,9 @@ class BlobStore:
             _, old = self._mem.popitem(last=False)
             self._mem_bytes -= len(old)
 
-    def _write(self, digest: str, data: bytes) -> None:
-        path = self._path(digest)
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write a blob's disk copy to ``path`` atomically, then evict the oldest copies."""
+        digest = path.name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -136,7 +142,8 @@ class BlobStore:
         self._evict_disk()
 
     def _evict_disk(self) -> None:
-        assert self.directory is not None
+        if self.directory is None:  # memory only: no disk copies to evict
+            return
         sizes: dict[Path, os.stat_result] = {}
         for p in self.directory.glob("??/*"):
             if p.name.startswith("."):

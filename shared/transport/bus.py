@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from shared.errors import CodecError, TransportError
 from shared.transport.telemetry import Traffic
@@ -63,6 +64,9 @@ class Bus(ABC):
 
     traffic: Traffic
     max_blob_bytes: int
+    raise_errors: bool
+    _log: ClassVar[logging.Logger] = log  # where handler failures are logged
+    _log_prefix = ""  # put before those log lines (the client id, on a real bus)
     _unserved: OrderedDict[str, tuple[str, int]] | None = None
     _unserved_lock = threading.Lock()
 
@@ -82,6 +86,17 @@ class Bus(ABC):
             entry = None if self._unserved is None else self._unserved.pop(sha256, None)
         if entry is not None:
             self.traffic.count("sent", *entry)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        """Run a handler or timer callback: its exception propagates with ``raise_errors``,
+        else it is logged and counted and the bus goes on."""
+        try:
+            fn()
+        except Exception:
+            if self.raise_errors:
+                raise
+            self._log.exception("%shandler failed", self._log_prefix)
+            self.traffic.reject("bus", "handler_error")
 
     @abstractmethod
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
@@ -280,15 +295,6 @@ class MemoryBus(Bus):
             self._call(timer.fn)
             return True
         return False
-
-    def _call(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:
-            if self.raise_errors:
-                raise
-            log.exception("handler failed")
-            self.traffic.reject("bus", "handler_error")
 
     def run(self, until: Callable[[], bool], *, max_events: int = 10_000_000) -> bool:
         """Deliver messages and fire timers until ``until()`` or nothing is left.

@@ -15,14 +15,14 @@ Threads and who does what:
   handlers and fires timers; a handler that needs a blob blocks in ``get_blob`` while the
   chunks arrive on their own queue.
 
-Blobs are content-addressed and moved in chunks (DESIGN section 2): the receiver subscribes
-to ``{src}/blob/{sha}/{chunk_bytes}/+`` of the role that serves it, asks for the chunks it
-lacks, hashes them as they arrive in order, asks again for whatever is still missing after
-``chunk_timeout_s`` of silence, and refuses the result if the sha256 differs. A server
-coalesces requests: a chunk already queued for sending is not queued twice, so several
-receivers asking at once share one stream (the broker fans it out). Received and published
-blobs live in a :class:`~shared.transport.blobs.BlobStore` (memory LRU + optional disk cache), so an
-edge fetches each global model once and serves it to all its devices.
+This module holds the connection, the callbacks, dispatch and timers. Blob transfer (DESIGN
+section 2: content-addressed blobs moved in resumable, hash-verified chunks) is in
+:mod:`shared.transport.blob_transfer`: the bus owns one
+:class:`~shared.transport.blob_transfer.BlobServer`, driven by its I/O worker, and one
+:class:`~shared.transport.blob_transfer.BlobFetcher`, which ``get_blob`` runs on the calling
+thread. Received and published blobs live in a :class:`~shared.transport.blobs.BlobStore`
+(memory LRU + optional disk cache), so an edge fetches each global model once and serves it
+to all its devices.
 
 Every publish and subscription uses :data:`QOS` (1: at least once; receivers are idempotent).
 MQTT v5 sessions start clean when the process starts and are resumed on reconnects, so
@@ -31,9 +31,7 @@ messages sent to a role during a short disconnect are queued by the broker.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import io
 import itertools
 import logging
 import math
@@ -42,25 +40,23 @@ import queue
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, ClassVar, Final, cast
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from pydantic import ValidationError
 
 from shared.config import BrokerSection
-from shared.errors import CodecError, TransportError
+from shared.errors import TransportError
+from shared.transport.blob_transfer import BlobContext, BlobFetcher, BlobServer
 from shared.transport.blobs import BlobStore
 from shared.transport.bus import Bus, Handler, HeapTimer, Timer, topic_matches
 from shared.transport.paho_lean import client_class
 from shared.transport.telemetry import Traffic
-from shared.wire.messages import MAX_MESSAGE_BYTES, BlobWant, Topics, encode
+from shared.wire.messages import MAX_MESSAGE_BYTES, Topics
 
 log = logging.getLogger(__name__)
 
@@ -69,34 +65,9 @@ QOS: Final = 1
 are harmless because every receiver is idempotent (rounds, sessions and hashes)."""
 
 PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
-_MISSING = -1
-_BAD_INDEX = -2
-
-MAX_PENDING_CHUNKS: Final = 1 << 18
-"""Most chunk indices a blob server keeps queued for sending, over all blobs and requesters
-(an entry costs ~100 bytes; a 1 GiB blob in 4 KiB chunks is 2**18 of them). Beyond it the
-request's remaining chunks are dropped and counted; the requester asks again for whatever
-it still lacks after ``chunk_timeout_s`` of silence."""
-
-MAX_QUEUED_WANTS: Final = 1024
-MAX_QUEUED_WANT_BYTES: Final = 16 << 20
-"""Blob requests waiting for the I/O worker (count and payload bytes); more are dropped."""
 
 _CONTROL_QUEUE: Final = 100_000
 _CONTROL_PUT_TIMEOUT_S: Final = 5.0
-_MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
-
-
-def _parse_index(level: str) -> int:
-    """A chunk topic's last level: ``missing``, a plain ASCII decimal index, or _BAD_INDEX.
-
-    ``str.isdigit`` alone accepts superscripts and non-ASCII digits that ``int`` refuses,
-    and ``int`` refuses very long digit strings; both would raise in paho's thread."""
-    if level == "missing":
-        return _MISSING
-    if not (0 < len(level) <= _MAX_INDEX_DIGITS and level.isascii() and level.isdigit()):
-        return _BAD_INDEX
-    return int(level)
 
 
 def read_password(settings: BrokerSection) -> str | None:
@@ -122,50 +93,10 @@ def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
         pass
 
 
-def chunk_count(size: int, chunk_bytes: int) -> int:
-    """Number of chunks of a blob (an empty blob still has one, empty, chunk)."""
-    return max(1, math.ceil(size / chunk_bytes))
-
-
-def _ranges(indices: list[int]) -> list[tuple[int, int]]:
-    """Sorted indices as inclusive [first, last] runs."""
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][1] == i - 1:
-            out[-1] = (out[-1][0], i)
-        else:
-            out.append((i, i))
-    return out
-
-
-@dataclass
-class _Fetch:
-    """One blob being received."""
-
-    sha256: str
-    src: str
-    size: int
-    chunk_bytes: int
-    n: int
-    chunks: queue.Queue[tuple[int, bytes]]
-    have: bytearray
-    parked: dict[int, bytes] = field(default_factory=dict)  # arrived ahead of order
-    received: int = 0
-    hashed: int = 0
-    hasher: Any = field(default_factory=hashlib.sha256)
-    out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def expected_len(self, index: int) -> int:
-        start = index * self.chunk_bytes
-        return max(0, min(self.chunk_bytes, self.size - start))
-
-    def missing(self) -> list[int]:
-        return [i for i in range(self.n) if not self.have[i]]
-
-
 class MqttBus(Bus):
     """One MQTT connection for one role instance (``home`` is its topic subtree)."""
+
+    _log: ClassVar[logging.Logger] = log
 
     def __init__(
         self,
@@ -185,6 +116,7 @@ class MqttBus(Bus):
         self.topics = Topics(run)
         self.home = home
         self.client_id = client_id
+        self._log_prefix = f"{client_id}: "
         self.raise_errors = raise_errors
         self.store = store or BlobStore(
             Path(settings.cache_dir) if settings.cache_dir else None,
@@ -196,17 +128,7 @@ class MqttBus(Bus):
         self._subs_lock = threading.Lock()
         self._inbound: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=settings.max_queue)
         self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=_CONTROL_QUEUE)
-        self.max_pending_chunks = MAX_PENDING_CHUNKS
-        self.max_queued_wants = MAX_QUEUED_WANTS
-        self.max_queued_want_bytes = MAX_QUEUED_WANT_BYTES
-        self._pending_chunks = 0  # chunk indices queued for sending (I/O worker only)
-        self._wants_queued = 0  # blob requests in _control, and their bytes
-        self._want_bytes_queued = 0
-        self._wants_lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
-        self._fetches: dict[str, _Fetch] = {}
-        self._fetch_lock = threading.Lock()
-        self._fetch_bytes = 0
         self._timers: list[HeapTimer] = []
         self._timer_lock = threading.Lock()
         self._seq = itertools.count()
@@ -222,6 +144,16 @@ class MqttBus(Bus):
         self._want_suffix = f"/want/{home}"
         self.client = self._make_client(will)
         self._io = threading.Thread(target=self._io_loop, name=f"mqtt-io-{client_id}", daemon=True)
+        ctx = BlobContext(
+            settings, self.store, self.topics, home, self.traffic, self._publish_qos, client_id
+        )
+        self._blob_server = BlobServer(ctx, on_served=self._fetched)  # driven by _io
+        self._blob_fetcher = BlobFetcher(  # runs on the thread calling get_blob
+            ctx,
+            subscribe=self._subscribe_wait,
+            unsubscribe=self.client.unsubscribe,
+            closing=self._closing,
+        )
 
     # -- connection ----------------------------------------------------------------------
     def _make_client(self, will: bytes | None) -> mqtt.Client:
@@ -359,7 +291,7 @@ class MqttBus(Bus):
         # a role's subtree is "cloud" or "edge/<id>" / "device/<id>", then the verb
         verb = rel[1] if rel[0] == "cloud" else rel[2] if len(rel) > 2 else ""
         if verb == "blob" and topic.startswith(self._want_prefix):
-            self._route_chunk(topic, payload)
+            self._blob_fetcher.route_chunk(topic, payload)
         elif (
             verb == "want"
             and topic.endswith(self._want_suffix)
@@ -372,53 +304,22 @@ class MqttBus(Bus):
             except queue.Full:
                 self.traffic.reject("bus", "queue_full")
 
-    def _route_chunk(self, topic: str, payload: bytes) -> None:
-        parts = topic.rsplit("/", 4)  # [..., "blob", sha, chunk_bytes, index]
-        if len(parts) != 5 or parts[1] != "blob":
-            self.traffic.note("chunks_unsolicited")
-            return
-        fetch = self._fetches.get(parts[2])
-        if fetch is None or parts[3] != str(fetch.chunk_bytes):
-            self.traffic.note("chunks_unsolicited")
-            return
-        try:
-            fetch.chunks.put_nowait((_parse_index(parts[4]), payload))
-        except queue.Full:
-            self.traffic.note("chunks_dropped")
-
     def _enqueue_want(self, payload: bytes) -> None:
         """Hand a blob request to the I/O worker, or drop it (counted) when too many wait."""
-        with self._wants_lock:
-            full = (
-                self._wants_queued >= self.max_queued_wants
-                or self._want_bytes_queued + len(payload) > self.max_queued_want_bytes
-            )
-            if not full:
-                self._wants_queued += 1
-                self._want_bytes_queued += len(payload)
-        if not full:
+        if self._blob_server.admit_want(payload):
             try:
                 self._control.put_nowait(("want", payload))
                 return
             except queue.Full:
-                self._want_done(payload)
+                self._blob_server.release_want(payload)
         self.traffic.reject("blob_server", "want_queue_full")
-
-    def _want_done(self, payload: bytes) -> None:
-        with self._wants_lock:
-            self._wants_queued -= 1
-            self._want_bytes_queued -= len(payload)
 
     # -- I/O worker: reconnects and blob serving -----------------------------------------
     def _io_loop(self) -> None:
-        pending: OrderedDict[tuple[str, int], OrderedDict[int, None]] = OrderedDict()
-        inflight: dict[int, int] = {}
-        inflight_bytes = 0
+        server = self._blob_server
         while not self._closing.is_set():
             try:  # one bad request or a racing cache eviction must not end blob serving
-                can_send = bool(pending) and (
-                    inflight_bytes + self.settings.chunk_bytes <= self.settings.max_inflight_bytes
-                )
+                can_send = server.ready()
                 try:
                     item = self._control.get(timeout=0 if can_send else 0.5)
                 except queue.Empty:
@@ -426,19 +327,14 @@ class MqttBus(Bus):
                 if item is not None:
                     what, arg = item
                     if what == "ack":
-                        inflight_bytes -= inflight.pop(arg, 0)
+                        server.acked(arg)
                     elif what == "want":
-                        self._want_done(arg)
-                        self._queue_want(arg, pending)
+                        server.handle_want(arg)
                     elif what == "connected":
                         self._after_connect(session_present=arg)
                     continue
                 if can_send:
-                    sent = self._send_next_chunk(pending)
-                    if sent is not None:
-                        mid, nbytes = sent
-                        inflight[mid] = nbytes
-                        inflight_bytes += nbytes
+                    server.send_next()
             except Exception:
                 self.traffic.reject("bus", "io_error")
                 log.exception("%s: I/O worker error (continuing)", self.client_id)
@@ -453,8 +349,7 @@ class MqttBus(Bus):
             with self._subs_lock:
                 patterns = {p for p, _ in self._subs}
             patterns.update(self.topics.blob_want_patterns(self.home))
-            for f in list(self._fetches.values()):
-                patterns.add(self._chunk_pattern(f))
+            patterns.update(self._blob_fetcher.chunk_patterns())
             # acknowledged before the bus says it is connected: a request published to it
             # right after connect() returns is not lost to a subscription still in flight
             self._subscribe_all(sorted(patterns))
@@ -463,88 +358,6 @@ class MqttBus(Bus):
                 self._raw_publish(topic, payload, retain=True)
         self._connected.set()
         log.info("%s connected to %s:%d", self.client_id, self.settings.host, self.settings.port)
-
-    def _queue_want(
-        self, payload: bytes, pending: OrderedDict[tuple[str, int], OrderedDict[int, None]]
-    ) -> None:
-        try:
-            want = BlobWant.model_validate_json(payload)
-        except ValidationError as err:
-            self.traffic.reject("blob_server", "bad_request")
-            log.warning("%s: bad blob request: %s", self.client_id, err.errors()[0]["msg"])
-            return
-        size = self.store.size(want.sha256)
-        if size is None:
-            self.traffic.note("blob_requests_missing")
-            self._raw_publish(
-                self.topics.blob_chunk(self.home, want.sha256, want.chunk_bytes, "missing"), b""
-            )
-            return
-        self._fetched(want.sha256)
-        # the chunk count comes from the blob held, never from the requester's claim
-        n = chunk_count(size, want.chunk_bytes)
-        if want.size != size:
-            # Serve no further than both sizes allow: enough for an honest requester with a
-            # wrong BlobRef to see a chunk of the wrong length at once and give up.
-            n = min(n, chunk_count(want.size, want.chunk_bytes))
-            self.traffic.reject("blob_server", "size_mismatch")
-            log.warning(
-                "%s: blob request for %s… claims %d bytes, it has %d",
-                self.client_id,
-                want.sha256[:12],
-                want.size,
-                size,
-            )
-        runs: list[tuple[int, int]] = []  # clamped to [0, n) and merged: each index once
-        for first, last in sorted((max(0, f), min(last, n - 1)) for f, last in want.chunks):
-            if first > last:
-                continue
-            if runs and first <= runs[-1][1] + 1:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], last))
-            else:
-                runs.append((first, last))
-        key = (want.sha256, want.chunk_bytes)
-        queued = pending.get(key)
-        if queued is None:
-            queued = OrderedDict()
-        room = self.max_pending_chunks - self._pending_chunks
-        dropped = 0
-        for first, last in runs:
-            for i in range(first, last + 1):
-                if i in queued:
-                    continue
-                if room <= 0:
-                    dropped += last - i + 1
-                    break
-                queued[i] = None
-                room -= 1
-                self._pending_chunks += 1
-        if queued:
-            pending[key] = queued
-        if dropped:
-            self.traffic.reject("blob_server", "serve_queue_full")
-            self.traffic.note("chunks_not_queued", dropped)
-        self.traffic.note("blob_requests_served")
-
-    def _send_next_chunk(
-        self, pending: OrderedDict[tuple[str, int], OrderedDict[int, None]]
-    ) -> tuple[int, int] | None:
-        key, indices = next(iter(pending.items()))
-        index, _ = indices.popitem(last=False)
-        self._pending_chunks -= 1
-        if indices:
-            pending.move_to_end(key)  # round-robin between blobs being served
-        else:
-            del pending[key]
-        sha, chunk_bytes = key
-        data = self.store.chunk(sha, index, chunk_bytes)
-        if data is None:
-            self._pending_chunks -= len(pending.pop(key, ()))
-            self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, "missing"), b"")
-            return None
-        info = self._raw_publish(self.topics.blob_chunk(self.home, sha, chunk_bytes, index), data)
-        self.traffic.note("chunks_sent")
-        return info.mid, len(data)
 
     # -- publish / subscribe -------------------------------------------------------------
     def _raw_publish(
@@ -555,6 +368,10 @@ class MqttBus(Bus):
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         return info
+
+    def _publish_qos(self, topic: str, payload: bytes) -> int:
+        """Publish a blob chunk or request (not retained); returns the message id."""
+        return self._raw_publish(topic, payload).mid
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
         if len(payload) > MAX_MESSAGE_BYTES:
@@ -602,120 +419,8 @@ class MqttBus(Bus):
     def _put_blob(self, data: bytes) -> str:
         return self.store.put(data)
 
-    def _chunk_pattern(self, f: _Fetch) -> str:
-        return self.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
-
     def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
-        data = self.store.get(sha256)
-        if data is not None:
-            self.traffic.note("blob_cache_hits")
-            return data
-        if src is None or src == self.home:
-            raise TransportError(f"blob {sha256[:12]}… is not here and names no source")
-        deadline = time.monotonic() + min(timeout_s, self.settings.fetch_timeout_s)
-        with self._fetch_lock:
-            existing = self._fetches.get(sha256)
-        if existing is not None:  # someone on another thread is already fetching it
-            existing.done.wait(max(0.0, deadline - time.monotonic()))
-            data = self.store.get(sha256)
-            if data is None:
-                raise TransportError(f"blob {sha256[:12]}… could not be fetched", reason="timeout")
-            return data
-        fetch = self._start_fetch(sha256, size, src)
-        try:
-            self._receive(fetch, deadline)
-        finally:
-            with self._fetch_lock:
-                self._fetches.pop(sha256, None)
-                self._fetch_bytes -= size
-            self.client.unsubscribe(self._chunk_pattern(fetch))
-            fetch.done.set()
-        if fetch.hasher.hexdigest() != sha256:
-            raise CodecError(
-                f"blob {sha256[:12]}… from {src}: received bytes hash to "
-                f"{fetch.hasher.hexdigest()[:12]}…",
-                reason="blob_hash_mismatch",
-            )
-        data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
-        self.store.put(data, sha256)
-        self.traffic.note("blobs_fetched")
-        return data
-
-    def _start_fetch(self, sha256: str, size: int, src: str) -> _Fetch:
-        cs = self.settings.chunk_bytes
-        n = chunk_count(size, cs)
-        with self._fetch_lock:
-            if self._fetch_bytes + size > self.settings.max_fetch_bytes:
-                raise TransportError(
-                    f"fetching {size} more bytes would exceed max_fetch_bytes "
-                    f"({self.settings.max_fetch_bytes})",
-                    reason="blob_too_large",
-                )
-            fetch = _Fetch(
-                sha256,
-                src,
-                size,
-                cs,
-                n,
-                queue.Queue(maxsize=max(64, 4 * self.settings.max_inflight_bytes // cs)),
-                bytearray(n),
-            )
-            self._fetches[sha256] = fetch
-            self._fetch_bytes += size
-        self._subscribe_wait(self._chunk_pattern(fetch))
-        return fetch
-
-    def _ask(self, fetch: _Fetch, indices: list[int]) -> None:
-        runs = _ranges(indices)
-        for k in range(0, len(runs), 4096):
-            want = BlobWant(
-                sha256=fetch.sha256,
-                size=fetch.size,
-                chunk_bytes=fetch.chunk_bytes,
-                chunks=runs[k : k + 4096],
-            )
-            self._raw_publish(self.topics.blob_want(self.home, fetch.src), encode(want))
-
-    def _receive(self, fetch: _Fetch, deadline: float) -> None:
-        self._ask(fetch, list(range(fetch.n)))
-        silence = self.settings.chunk_timeout_s
-        while fetch.received < fetch.n:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closing.is_set():
-                raise TransportError(
-                    f"blob {fetch.sha256[:12]}… from {fetch.src}: {fetch.received}/{fetch.n} "
-                    "chunks before the fetch timeout",
-                    reason="timeout",
-                )
-            try:
-                index, payload = fetch.chunks.get(timeout=min(silence, left))
-            except queue.Empty:
-                missing = fetch.missing()
-                self.traffic.note("chunks_rerequested", len(missing))
-                log.info("%s: re-asking %s for %d chunks", self.client_id, fetch.src, len(missing))
-                self._ask(fetch, missing)
-                continue
-            if index == _MISSING:
-                raise TransportError(f"{fetch.src} does not have blob {fetch.sha256[:12]}…")
-            if not 0 <= index < fetch.n or len(payload) != fetch.expected_len(index):
-                # the sender's blob is not the advertised size: no point waiting for more
-                self.traffic.note("chunks_invalid")
-                raise CodecError(
-                    f"blob {fetch.sha256[:12]}… from {fetch.src}: chunk {index} has {len(payload)} "
-                    f"bytes, expected {fetch.expected_len(index) if 0 <= index < fetch.n else 0}",
-                    reason="blob_size_mismatch",
-                )
-            if fetch.have[index]:
-                self.traffic.note("chunks_duplicate")
-                continue
-            fetch.have[index] = 1
-            fetch.received += 1
-            fetch.parked[index] = payload
-            while fetch.hashed in fetch.parked:  # hash and append in order as chunks arrive
-                chunk = fetch.parked.pop(fetch.hashed)
-                fetch.hasher.update(chunk)
-                fetch.out.write(chunk)
-                fetch.hashed += 1
+        return self._blob_fetcher.get(sha256, size, timeout_s, src)
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -738,15 +443,6 @@ class MqttBus(Bus):
             if wait <= 0:
                 return heapq.heappop(self._timers), 0.0
             return None, wait
-
-    def _call(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:
-            if self.raise_errors:
-                raise
-            log.exception("%s: handler failed", self.client_id)
-            self.traffic.reject("bus", "handler_error")
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
         with self._subs_lock:

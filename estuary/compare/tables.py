@@ -1,0 +1,357 @@
+"""A comparison's results: one table (``table.md``/``.csv``/``.json``; every byte and cost
+column is defined in :mod:`shared.metrics.accounting`) and two plots (``quality.png``,
+``bytes.png``) on the equal-compute axis of total local steps."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from estuary.compare.spec import CompareSpec, Method, MethodRun
+from shared.algorithms import make_algorithm
+from shared.atomic import atomic_write
+from shared.config.algorithms import FedDiffuseConfig, FedPhDConfig
+from shared.metrics import accounting as acc
+from shared.models.plan import build_model
+from shared.models.presets import model_info
+
+# -- the table -------------------------------------------------------------------------------
+#: evaluations averaged in the "FID, mean of last k" column: one FID on a few hundred samples
+#: swings by tens of points between neighbouring evaluations (up to 70 on 500 samples in
+#: benchmarks/results/compare_cpu_tiny_xlong/), so a ranking read off the last one alone is
+#: fragile where the curves have flattened
+LAST_EVALS = 3
+#: (key, header, decimals) of every table column; table.md, .csv and .json share the keys
+COLUMNS: list[tuple[str, str, int]] = [
+    ("method", "method", 0),
+    ("algorithm", "algorithm", 0),
+    ("fid", "FID", 2),
+    ("fid_best", "best FID", 2),
+    ("fid_last", f"FID, mean of last {LAST_EVALS}", 2),
+    ("is", "IS", 2),
+    ("params_m", "params (M)", 3),
+    ("gmacs", "MACs (G)", 4),
+    ("model_mib", "model MiB (V)", 3),
+    ("cloud_mib_per_agg", "cloud-link MiB/agg", 3),
+    ("cloud_mib_per_agg_analytic", "cloud-link MiB/agg (analytic)", 3),
+    ("edge_mib_per_agg", "edge-link MiB/agg", 3),
+    ("weighted_per_window", "weighted cost/window", 3),
+    ("paper_cost_per_window", "Table IV rule/window", 3),
+    ("total_mib", "total MiB", 2),
+    ("rounds", "rounds", 0),
+    ("central_aggs", "central aggs", 0),
+    ("local_steps", "local steps", 0),
+    ("wall_s", "wall s", 1),
+]
+
+
+def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    q = [r["quality"] for r in rows if r.get("quality")]
+    if not q:
+        return {
+            "fid": None, "fid_best": None, "fid_last": None, "is": None, "extractor": None,
+            "n_fake": None, "fid_level": None,
+        }  # fmt: skip
+    return {
+        "fid": q[-1]["fid"],
+        "fid_best": min(x["fid"] for x in q),
+        "fid_last": statistics.fmean(x["fid"] for x in q[-LAST_EVALS:]),
+        "is": q[-1].get("is_mean"),
+        "extractor": q[-1].get("extractor"),
+        "n_fake": q[-1].get("n_fake"),
+        # "client": the mean over the devices' own models (device-local parts)
+        "fid_level": q[-1].get("level", "global"),
+    }
+
+
+def _algorithm(m: Method) -> str:
+    name, a, f = m.cfg.algorithm.name, FedPhDConfig.of(m.cfg), m.cfg.federation
+    if m.centralized:
+        text = f"centralized ema={m.ema!r}" if m.ema else "centralized"
+        return text + (f" s_p={a.prune_ratio} OS" if a.prune_ratio > 0 else "")
+    text = f"{name} r_e={f.edge_every} r_g={f.cloud_every}"
+    if name == "feddiffuse":
+        text += f" {FedDiffuseConfig.of(m.cfg).split}"
+    if a.prune_ratio > 0 and name == "fedphd":
+        text += f" s_p={a.prune_ratio} " + (
+            "OS" if a.prune_at == "init" else f"R_s={a.sparse_rounds}"
+        )
+    return text
+
+
+def _per_participant_steps(run: MethodRun) -> float:
+    c = acc.participants_per_round(run.method.cfg.federation)
+    return sum(run.steps) / (len(run.steps) * c)
+
+
+def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str, Any]:
+    """Byte and cost columns of a federated run (see :mod:`shared.metrics.accounting`)."""
+    cfg, d = run.method.cfg, spec.distances
+    fed, flat = cfg.federation, acc.is_flat(cfg.federation)
+    ps = acc.periods(run.rows)
+    mean = acc.mean_bytes(acc.steady_periods(ps, str(run.rows[-1].get("arch", "dense"))))
+    cloud, edge = acc.long_link_bytes(mean, flat=flat)
+    pl = acc.payloads(cfg, run.plan)
+    predicted = acc.analytic_period(
+        fed, down=pl.down, up=pl.up, edge_state=pl.edge_state, global_state=pl.global_state
+    )
+    everything = acc.split_received(run.traffic.get("bytes", {}))
+    s = _per_participant_steps(run)
+    k_c, k_e = acc.aggregations_per_window(fed, steps_per_round=s, window_steps=window)
+    paper = acc.paper_comm_cost(
+        acc.mib(v), acc.participants_per_round(fed), cloud_aggs=k_c, edge_aggs=k_e,
+        payload=pl.payload, d=d,
+    )  # fmt: skip
+    return {
+        "cloud_bytes_per_agg": cloud,
+        "edge_bytes_per_agg": edge,
+        "cloud_mib_per_agg": acc.mib(cloud),
+        "cloud_mib_per_agg_analytic": acc.mib(acc.long_link_bytes(predicted, flat=flat)[0]),
+        "edge_mib_per_agg": acc.mib(edge),
+        "weighted_per_window": acc.weighted_cost(mean, flat=flat, d=d) * k_c,
+        "paper_cost_per_window": paper,
+        "payload": pl.payload,
+        "total_bytes": everything.total,
+        "total_mib": acc.mib(everything.total),
+        "central_aggs": len(ps),
+        "steady_periods": len(acc.steady_periods(ps, str(run.rows[-1].get("arch", "dense")))),
+        "flat": flat,
+    }
+
+
+def _no_comm() -> dict[str, Any]:
+    zero = ("cloud_bytes_per_agg", "edge_bytes_per_agg", "cloud_mib_per_agg", "total_bytes")
+    rest = ("cloud_mib_per_agg_analytic", "edge_mib_per_agg", "weighted_per_window")
+    return {
+        **dict.fromkeys(zero + rest, 0),
+        "paper_cost_per_window": 0.0,
+        "total_mib": 0.0,
+        "central_aggs": 0,
+    }
+
+
+def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
+    """One table row per run; windows of equal compute are the reference's central
+    aggregation period (per-participant local steps per round x its r_g)."""
+    ref = next(r for r in runs if r.method.label == spec.reference)
+    window = _per_participant_steps(ref) * ref.method.cfg.federation.cloud_every
+    out = []
+    for run in runs:
+        cfg = run.method.cfg
+        info = model_info(
+            cfg.model.preset, model_fn=partial(build_model, cfg.model.preset, run.plan)
+        )
+        row: dict[str, Any] = {
+            "method": run.method.label,
+            "algorithm": _algorithm(run.method),
+            "centralized": run.method.centralized,
+            **_quality(run.rows),
+            "params": info.params,
+            "params_m": info.params / 1e6,
+            "macs": info.macs,
+            "gmacs": info.macs / 1e9,
+            "model_bytes": acc.fp32_bytes(info.params),
+            "model_mib": acc.mib(acc.fp32_bytes(info.params)),
+            **(_no_comm() if run.method.centralized else _comm(run, spec, window, info.fp32_bytes)),
+            "rounds": cfg.run.rounds,
+            "local_steps": sum(run.steps),
+            "wall_s": run.wall_s,
+            "torch_threads": run.threads,
+            "deterministic": run.deterministic,
+            "run_dir": run.run_dir.name,
+            "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
+        }
+        out.append(row)
+    return out
+
+
+def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
+    ref = next(r for r in rows if r["method"] == reference)
+    keys = ("cloud_mib_per_agg", "weighted_per_window", "paper_cost_per_window", "total_mib")
+    out = []
+    for r in rows:
+        if r["method"] == reference or r["centralized"]:
+            continue
+        ratio = {k: (r[k] / ref[k] if ref[k] else None) for k in keys}
+        out.append({"method": r["method"], **ratio})
+    return out
+
+
+def _fmt(value: Any, decimals: int) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{decimals}f}"
+    return str(value)
+
+
+def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
+    """``table.md``: the table, the ratios to the reference and what the columns mean."""
+    lines = [
+        f"# {spec.name}",
+        "",
+        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in COLUMNS) + " |")
+    lines += ["", f"Relative to {spec.reference}:", ""]
+    lines += [
+        "| method | cloud-link bytes/agg | weighted cost/window | Table IV rule | total bytes |"
+    ]
+    lines += ["|---|---|---|---|---|"]
+    for q in _ratios(rows, spec.reference):
+        cells = [_fmt(q[k], 3) for k in list(q)[1:]]
+        lines.append(f"| {q['method']} | " + " | ".join(cells) + " |")
+    ex = next((r for r in rows if r.get("extractor")), None)
+    d = spec.distances
+    lines += [
+        "",
+        f"FID / IS: last evaluation ({ex['extractor']} features, {ex['n_fake']} samples); "
+        f"FID, mean of last {LAST_EVALS}: the mean over the last {LAST_EVALS} evaluations "
+        "(fewer where fewer were made), steadier than one evaluation"
+        if ex
+        else "FID / IS: not evaluated",
+        *(
+            [
+                "FID / IS of "
+                + ", ".join(clients)
+                + ": means over the devices' own models (global federated parts with each "
+                "device's local parts; eval.clients devices), as the paper measures them"
+            ]
+            if (clients := [r["method"] for r in rows if r.get("fid_level") == "client"])
+            else []
+        ),
+        *(
+            [
+                "Bytes of "
+                + ", ".join(local)
+                + ": measured includes each device's and edge's one whole-model download (the "
+                "initial local parts); the analytic column is the steady state after it"
+            ]
+            if (local := [r["method"] for r in rows if r.get("local_parts")])
+            else []
+        ),
+        *(
+            [
+                "torch threads: "
+                + ", ".join(f"{r['method']} {r.get('torch_threads') or '?'}" for r in rows)
+                + " (a CPU run repeats bit for bit at the same thread count, not across counts)"
+            ]
+            if any(r.get("torch_threads") for r in rows)
+            else []
+        ),
+        *(
+            [
+                "deterministic kernels (compute.deterministic): "
+                + ", ".join(r["method"] for r in rows if r.get("deterministic"))
+                + " (a GPU run repeats bit for bit only with them)"
+            ]
+            if any(r.get("deterministic") for r in rows)
+            else []
+        ),
+        "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "
+        "agg = one central aggregation period; per-agg and per-window figures are means over the "
+        "periods trained on the final architecture, totals cover the whole run. "
+        "cloud-link = bytes over the link to the cloud (edge<->cloud when r_e < r_g; "
+        "device<->edge when r_e = r_g, the edges being the cloud's ingress); "
+        f"weighted cost = 0.02*d_c*MiB(cloud link) + 0.002*d_e*MiB(edge link), d_e = {d.d_e}, "
+        f"d_c = {d.d_c}, per window = {spec.reference}'s central aggregation of local compute; "
+        "Table IV rule = V*C*payload*(k_c*0.02*d_c + k_e*0.002*d_e) "
+        "(shared/metrics/accounting.py). "
+        "total = every byte received (models and control messages).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> None:
+    """``table.md``, ``table.csv`` and ``table.json`` in ``out``."""
+    atomic_write(out / "table.md", markdown(rows, spec).encode())
+    buf = io.StringIO()
+    keys = [k for k, _, _ in COLUMNS]
+    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out / "table.csv", buf.getvalue().encode())
+    doc = {
+        "name": spec.name,
+        "reference": spec.reference,
+        "distances": {"d_e": spec.distances.d_e, "d_c": spec.distances.d_c},
+        "columns": {k: h for k, h, _ in COLUMNS},
+        "rows": rows,
+        "relative": _ratios(rows, spec.reference),
+    }
+    atomic_write(out / "table.json", json.dumps(doc, indent=2).encode())
+
+
+# -- the plots -------------------------------------------------------------------------------
+def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
+    done = np.cumsum(run.steps)
+    flat = acc.is_flat(run.method.cfg.federation)
+    x, mib, cost = [0.0], [0.0], [0.0]  # cumulative curves start at the origin
+    fid_x, fid = [], []
+    total = weighted = 0.0
+    for row in run.rows:
+        step = float(done[row["round"]])
+        b = acc.split_received(row.get("bytes", {}))
+        total += acc.mib(b.total)
+        weighted += acc.weighted_cost(b, flat=flat, d=d) if not run.method.centralized else 0.0
+        x.append(step)
+        mib.append(total)
+        cost.append(weighted)
+        if row.get("quality"):
+            fid_x.append(step)
+            fid.append(row["quality"]["fid"])
+    return {"x": x, "fid_x": fid_x, "fid": fid, "mib": mib, "cost": cost}
+
+
+def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
+    """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic and the weighted cost at
+    distances ``d``, the comparison's ``d_e``/``d_c``), every method on each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [(run.method.label, _curves(run, d)) for run in runs]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, c in curves:
+        if c["fid"]:
+            ax.plot(c["fid_x"], c["fid"], marker="o", ms=3, label=label)
+    if not any(c["fid"] for _, c in curves):
+        ax.text(0.5, 0.5, "no quality evaluation in this comparison", ha="center", va="center")
+    ax.set(xlabel="local training steps, all devices (equal-compute axis)", ylabel="FID")
+    ax.set_title("sample quality (lower is better)")
+    _finish(fig, ax, out / "quality.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for label, c in curves:
+        axes[0].plot(c["x"], c["mib"], label=label)
+        axes[1].plot(c["x"], c["cost"], label=label)
+    axes[0].set(title="cumulative traffic (every byte received)", ylabel="MiB")
+    axes[1].set(title="cumulative weighted cost (C_ne, C_ce)", ylabel="cost (MiB-weighted)")
+    for a in axes:
+        a.set(xlabel="local training steps, all devices")
+    _finish(fig, axes, out / "bytes.png")
+
+
+def _finish(fig: Any, axes: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    for a in np.atleast_1d(axes):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())

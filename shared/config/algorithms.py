@@ -1,0 +1,269 @@
+"""Each federated algorithm's own settings: the keys of the ``[algorithm]`` section.
+
+Every algorithm declares one frozen, typed class of its settings here, registered under the
+algorithm's name with :func:`algorithm_config`; the algorithm (``shared/algorithms/<name>.py``)
+names that class as its ``config_class`` and reads its settings as ``self.settings``. The
+classes live in this torch-free module, not beside the algorithms, because every process
+reads the whole run config, a sampling-only device without torch included: it must accept
+the same keys and compute the same config digest as the processes that train.
+
+The ``[algorithm]`` section of a run config is assembled from the registered classes
+(:data:`AlgorithmSection`): ``name`` (one of the registered names) plus every registered
+algorithm's keys, each validated by its owner, so a config written for one algorithm may
+carry another's keys (a comparison's base section, for example). Only the named
+algorithm's cross-section rules apply (:meth:`AlgorithmConfig.check_run`,
+:meth:`AlgorithmConfig.check_waste`). A key belongs to one algorithm: two classes declaring
+the same key is an error at import time.
+
+Adding an algorithm: declare ``class <Name>Config(AlgorithmConfig)`` here with
+``@algorithm_config("<name>")``, and the algorithm's file in ``shared/algorithms/`` (its
+class sets ``name`` and ``config_class``) imported once in ``shared/algorithms/__init__.py``.
+Its keys count in the config digest only when set away from their defaults
+(:attr:`AlgorithmConfig.digest_defaults`), so adding it changes no earlier run's digest.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
+
+from pydantic import Field, ValidationError, create_model, model_validator
+
+from shared.config.section import Section
+
+if TYPE_CHECKING:  # the run config holds the algorithm section; checks receive the whole of it
+    from shared.config import RunConfig
+
+
+class AlgorithmConfig(Section):
+    """Base of one algorithm's settings (its keys under ``[algorithm]``)."""
+
+    #: whether this algorithm's keys count in the config digest even at their defaults:
+    #: True for the algorithms whose keys digests have always held, False (keys left out at
+    #: their defaults) for every algorithm added since
+    digest_defaults: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Self:
+        """This algorithm's settings as ``cfg`` holds them (whichever algorithm it names)."""
+        section = cfg.algorithm
+        return cls.model_validate({key: getattr(section, key) for key in cls.model_fields})
+
+    @property
+    def prunes(self) -> bool:
+        """Whether the cloud may change the model's architecture during the run (prune it):
+        round announcements then carry a channel plan from the start."""
+        return False
+
+    def check_run(self, cfg: RunConfig) -> None:
+        """Rules these settings impose on the rest of ``cfg`` when this algorithm is the one
+        named; raise ValueError saying what to change. Checked whenever a config is read."""
+
+    def check_waste(self, cfg: RunConfig) -> None:
+        """Settings that would train work the run throws away, when this algorithm is the
+        one named (raise ValueError). Checked when a run is configured, not when a stored
+        config (a checkpoint's) is read back."""
+
+
+_CONFIGS: dict[str, type[AlgorithmConfig]] = {}
+C = TypeVar("C", bound=type[AlgorithmConfig])
+
+
+def algorithm_config(name: str) -> Callable[[C], C]:
+    """Class decorator registering an algorithm's settings class under ``name``."""
+
+    def register(cls: C) -> C:
+        new: type[AlgorithmConfig] = cls
+        if name in _CONFIGS:
+            raise TypeError(f"algorithm {name!r} already has its settings ({_CONFIGS[name]})")
+        for other, owner in _CONFIGS.items():
+            shared = set(new.model_fields) & set(owner.model_fields)
+            if shared:
+                raise TypeError(f"{new.__name__} declares {sorted(shared)}, keys of {other!r}")
+        _CONFIGS[name] = new
+        return cls
+
+    return register
+
+
+def algorithm_names() -> tuple[str, ...]:
+    """The names algorithms are registered under, in registration order."""
+    return tuple(_CONFIGS)
+
+
+def config_class(name: str) -> type[AlgorithmConfig]:
+    """The settings class of the algorithm ``name`` (KeyError when none is registered)."""
+    return _CONFIGS[name]
+
+
+# -- the built-in algorithms' settings (registration order is the order ``algorithm.name``'s
+# -- error message lists them in) ----------------------------------------------------------
+
+
+@algorithm_config("fedavg")
+class FedAvgConfig(AlgorithmConfig):
+    """FedAvg has no settings of its own (FedAvg(E=1) is ``train.local_epochs = 1``)."""
+
+    digest_defaults = True
+
+
+@algorithm_config("fedphd")
+class FedPhDConfig(AlgorithmConfig):
+    """FedPhD (seed 000): SH-weighted aggregation (eqs. 22, 24), edge selection (eq. 25),
+    sparse training (eqs. 16-17) and structured pruning."""
+
+    digest_defaults = True
+
+    a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
+    b: float = Field(0.0, description="offset inside the ReLU of eqs. 22, 24, 25")
+    target_distribution: list[float] = Field(
+        default_factory=list, description="q_u over the 10 labels; empty = uniform"
+    )
+    sparse_rounds: int = Field(0, ge=0, description="R_s: sparse training for rounds < R_s")
+    lambda0: float = Field(1e-4, ge=0.0, description="lambda_0 of the group penalty")
+    prune_ratio: float = Field(0.0, ge=0.0, lt=0.95, description="s_p: params removed")
+    prune_at: Literal["sparse", "init"] = Field(
+        "sparse", description="sparse: at r = R_s (after sparse training); init: OS at r = 0"
+    )
+    prune_method: Literal["l2", "random"] = "l2"
+
+    @model_validator(mode="after")
+    def _check(self) -> FedPhDConfig:
+        q = self.target_distribution
+        if q and (len(q) != 10 or any(x < 0 for x in q) or abs(sum(q) - 1.0) > 1e-6):
+            raise ValueError("target_distribution must be 10 non-negative numbers summing to 1")
+        if self.prune_ratio > 0 and self.prune_at == "sparse" and self.sparse_rounds == 0:
+            raise ValueError("prune_at = 'sparse' prunes at r = R_s: set sparse_rounds >= 1")
+        return self
+
+    @property
+    def prunes(self) -> bool:
+        return self.prune_ratio > 0
+
+    def check_waste(self, cfg: RunConfig) -> None:
+        if self.prune_ratio <= 0:
+            return
+        rounds, r_g, r_s = cfg.run.rounds, cfg.federation.cloud_every, self.sparse_rounds
+        if self.prune_at == "init" and r_s:
+            raise ValueError(
+                f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before round 0, so "
+                f"sparse_rounds (R_s={r_s}) would add the group penalty to the pruned "
+                "model and never prune again; set sparse_rounds = 0"
+            )
+        if self.prune_at == "sparse" and r_s % r_g:
+            raise ValueError(
+                f"algorithm.sparse_rounds (R_s={r_s}) is not a multiple of "
+                f"federation.cloud_every (r_g={r_g}): the cloud prunes after a central "
+                f"aggregation, so rounds {r_s}..{r_s - r_s % r_g + r_g - 1} would train "
+                "the dense model without the penalty; use a multiple of r_g"
+            )
+        if self.prune_at == "sparse" and r_s >= rounds:
+            raise ValueError(
+                f"algorithm.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
+                "the pruned model would never be trained (or never pruned)"
+            )
+
+
+@algorithm_config("feddiffuse")
+class FedDiffuseConfig(AlgorithmConfig):
+    """FedDiffuse (seed 001): which parts of the U-Net are federated."""
+
+    digest_defaults = True
+
+    split: Literal["full", "usplit", "ulatdec", "udec"] = "full"
+
+    def check_run(self, cfg: RunConfig) -> None:
+        if self.split == "usplit" and cfg.federation.assignment != "static":
+            # USPLIT pairs the devices of one edge; with devices choosing their edge during
+            # the round, no edge knows its devices when it announces the round
+            raise ValueError(
+                "FedDiffuse USPLIT pairs the devices within each edge, which needs a fixed "
+                f"assignment: federation.assignment = {cfg.federation.assignment!r} lets "
+                "devices pick their edge during the round; use 'static'"
+            )
+
+
+@algorithm_config("fedprox")
+class FedProxConfig(AlgorithmConfig):
+    """FedProx: the proximal term's weight."""
+
+    digest_defaults = True
+
+    prox_mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
+
+
+@algorithm_config("scaffold")
+class ScaffoldConfig(AlgorithmConfig):
+    """SCAFFOLD has no settings of its own (its step size is ``train.lr``)."""
+
+    digest_defaults = True
+
+
+@algorithm_config("moon")
+class MoonConfig(AlgorithmConfig):
+    """MOON: the model-contrastive loss's weight and temperature."""
+
+    digest_defaults = True
+
+    moon_mu: float = Field(1.0, ge=0.0, description="MOON contrastive loss weight")
+    moon_tau: float = Field(0.5, gt=0.0, description="MOON temperature")
+
+
+# -- the [algorithm] section ------------------------------------------------------------------
+
+
+class AlgorithmSectionBase(Section):
+    """The ``[algorithm]`` section: the algorithm's registered name, plus every registered
+    algorithm's keys (the class used at run time, :data:`AlgorithmSection`, adds them)."""
+
+    name: str = "fedavg"
+
+    def config(self) -> AlgorithmConfig:
+        """The named algorithm's settings."""
+        cls = config_class(self.name)
+        return cls.model_validate({key: getattr(self, key) for key in cls.model_fields})
+
+    @model_validator(mode="after")
+    def _check_each(self) -> AlgorithmSectionBase:
+        """Every registered algorithm's own checks on its keys (they hold whichever
+        algorithm is named, so a config never carries settings its owner would refuse)."""
+        for cls in _CONFIGS.values():
+            try:
+                cls.model_validate({key: getattr(self, key) for key in cls.model_fields})
+            except ValidationError as err:
+                first = err.errors()[0]
+                cause = first.get("ctx", {}).get("error")
+                raise ValueError(str(cause) if cause is not None else first["msg"]) from None
+        return self
+
+
+def digest_later_keys() -> tuple[str, ...]:
+    """The ``[algorithm]`` keys a config digest leaves out at their defaults: those of every
+    algorithm whose :attr:`~AlgorithmConfig.digest_defaults` is False."""
+    return tuple(
+        key for cls in _CONFIGS.values() if not cls.digest_defaults for key in cls.model_fields
+    )
+
+
+def _assemble() -> type[AlgorithmSectionBase]:
+    """The section class: ``name`` as a choice of the registered names, then each registered
+    algorithm's keys in registration order (so errors list in that order too)."""
+    fields: dict[str, Any] = {"name": (Literal[algorithm_names()], "fedavg")}
+    for cls in _CONFIGS.values():
+        for key, info in cls.model_fields.items():
+            fields[key] = (info.annotation, copy.copy(info))
+    model: type[AlgorithmSectionBase] = create_model(
+        "AlgorithmSection",
+        __base__=AlgorithmSectionBase,
+        __doc__=AlgorithmSectionBase.__doc__,
+        __module__=__name__,
+        **fields,
+    )
+    return model
+
+
+if TYPE_CHECKING:
+    AlgorithmSection = AlgorithmSectionBase
+else:
+    AlgorithmSection = _assemble()

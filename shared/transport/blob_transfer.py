@@ -1,0 +1,447 @@
+"""Chunked blob transfer over MQTT: :class:`BlobServer` answers chunk requests for the blobs
+this process holds, :class:`BlobFetcher` receives blobs from the role that serves them.
+
+Blobs are content-addressed and moved in chunks (DESIGN section 2): the receiver subscribes
+to ``{src}/blob/{sha}/{chunk_bytes}/+`` of the role that serves it, asks for the chunks it
+lacks, hashes them as they arrive in order, asks again for whatever is still missing after
+``chunk_timeout_s`` of silence, and refuses the result if the sha256 differs. A server
+coalesces requests: a chunk already queued for sending is not queued twice, so several
+receivers asking at once share one stream (the broker fans it out). Received and published
+blobs live in a :class:`~shared.transport.blobs.BlobStore` (memory LRU + optional disk cache), so an
+edge fetches each global model once and serves it to all its devices.
+
+Both classes are driven by :class:`~shared.transport.mqtt.MqttBus` and follow its threading
+contract: what runs in paho's network thread (:meth:`BlobServer.admit_want`,
+:meth:`BlobFetcher.route_chunk`) only counts and enqueues; a server's requests are handled
+and its chunks sent on the bus's I/O worker, and a fetch runs on the thread that asked for
+the blob. They reach the network only through the callables the bus hands them (the
+``publish`` of their :class:`BlobContext`, the fetcher's ``subscribe`` and ``unsubscribe``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from shared.config import BrokerSection
+from shared.errors import CodecError, TransportError
+from shared.transport.blobs import BlobStore
+from shared.transport.telemetry import Traffic
+from shared.wire.messages import BlobWant, Topics, encode
+
+# the bus's logger: blob transfer logs under the same name as before it had a module of its own
+log = logging.getLogger("shared.transport.mqtt")
+
+Publish = Callable[[str, bytes], int]
+"""Publishes ``payload`` on ``topic`` at the bus's QoS; returns the message id."""
+
+
+@dataclass(frozen=True)
+class BlobContext:
+    """What either side of a transfer uses of its bus."""
+
+    settings: BrokerSection
+    store: BlobStore
+    topics: Topics
+    home: str  # this role's topic subtree: where it serves, and who it asks as
+    traffic: Traffic
+    publish: Publish
+    name: str  # the client id, in log lines
+
+
+_MISSING = -1
+_BAD_INDEX = -2
+
+MAX_PENDING_CHUNKS: Final = 1 << 18
+"""Most chunk indices a blob server keeps queued for sending, over all blobs and requesters
+(an entry costs ~100 bytes; a 1 GiB blob in 4 KiB chunks is 2**18 of them). Beyond it the
+request's remaining chunks are dropped and counted; the requester asks again for whatever
+it still lacks after ``chunk_timeout_s`` of silence."""
+
+MAX_QUEUED_WANTS: Final = 1024
+MAX_QUEUED_WANT_BYTES: Final = 16 << 20
+"""Blob requests waiting for the I/O worker (count and payload bytes); more are dropped."""
+
+_MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
+
+
+def _parse_index(level: str) -> int:
+    """A chunk topic's last level: ``missing``, a plain ASCII decimal index, or _BAD_INDEX.
+
+    ``str.isdigit`` alone accepts superscripts and non-ASCII digits that ``int`` refuses,
+    and ``int`` refuses very long digit strings; both would raise in paho's thread."""
+    if level == "missing":
+        return _MISSING
+    if not (0 < len(level) <= _MAX_INDEX_DIGITS and level.isascii() and level.isdigit()):
+        return _BAD_INDEX
+    return int(level)
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    """Number of chunks of a blob (an empty blob still has one, empty, chunk)."""
+    return max(1, math.ceil(size / chunk_bytes))
+
+
+def _ranges(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as inclusive [first, last] runs."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+@dataclass
+class _Fetch:
+    """One blob being received."""
+
+    sha256: str
+    src: str
+    size: int
+    chunk_bytes: int
+    n: int
+    chunks: queue.Queue[tuple[int, bytes]]
+    have: bytearray
+    parked: dict[int, bytes] = field(default_factory=dict)  # arrived ahead of order
+    received: int = 0
+    hashed: int = 0
+    hasher: Any = field(default_factory=hashlib.sha256)
+    out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def expected_len(self, index: int) -> int:
+        start = index * self.chunk_bytes
+        return max(0, min(self.chunk_bytes, self.size - start))
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.n) if not self.have[i]]
+
+
+class BlobServer:
+    """Serves chunks of the blobs in ``store`` to whoever asks, under ``home``'s topics.
+
+    Requests are admitted in paho's thread (:meth:`admit_want`, bounded by
+    ``max_queued_wants`` / ``max_queued_want_bytes``); everything else runs on the bus's I/O
+    worker: :meth:`handle_want` queues the chunks asked for (at most ``max_pending_chunks``),
+    :meth:`send_next` sends one while fewer than ``max_inflight_bytes`` are unacknowledged,
+    :meth:`acked` frees the window. ``on_served(sha256)`` is called for each request of a
+    blob held, ``publish`` sends a chunk (or the ``missing`` answer).
+    """
+
+    def __init__(self, ctx: BlobContext, *, on_served: Callable[[str], None]) -> None:
+        self.ctx = ctx
+        self._on_served = on_served
+        self.max_pending_chunks = MAX_PENDING_CHUNKS
+        self.max_queued_wants = MAX_QUEUED_WANTS
+        self.max_queued_want_bytes = MAX_QUEUED_WANT_BYTES
+        self.pending_chunks = 0  # chunk indices queued for sending (I/O worker only)
+        self._wants_queued = 0  # admitted requests not yet handled, and their bytes
+        self._want_bytes_queued = 0
+        self._wants_lock = threading.Lock()
+        # I/O worker only: chunks to send per (sha256, chunk_bytes), and the unacked window
+        self._pending: OrderedDict[tuple[str, int], OrderedDict[int, None]] = OrderedDict()
+        self._inflight: dict[int, int] = {}
+        self._inflight_bytes = 0
+
+    # -- paho's thread -------------------------------------------------------------------
+    def admit_want(self, payload: bytes) -> bool:
+        """Reserve room for one more request waiting for the I/O worker; False when full
+        (the caller drops it). Every admitted request is handed to :meth:`handle_want`, or
+        given back with :meth:`release_want`."""
+        with self._wants_lock:
+            full = (
+                self._wants_queued >= self.max_queued_wants
+                or self._want_bytes_queued + len(payload) > self.max_queued_want_bytes
+            )
+            if not full:
+                self._wants_queued += 1
+                self._want_bytes_queued += len(payload)
+        return not full
+
+    def release_want(self, payload: bytes) -> None:
+        """Give back the room :meth:`admit_want` reserved for ``payload``."""
+        with self._wants_lock:
+            self._wants_queued -= 1
+            self._want_bytes_queued -= len(payload)
+
+    # -- the I/O worker ------------------------------------------------------------------
+    def handle_want(self, payload: bytes) -> None:
+        """Queue the chunks an admitted request asks for."""
+        self.release_want(payload)
+        self._queue_want(payload)
+
+    def acked(self, mid: int) -> None:
+        """The broker acknowledged message ``mid``: its bytes leave the window."""
+        self._inflight_bytes -= self._inflight.pop(mid, 0)
+
+    def ready(self) -> bool:
+        """Whether a chunk is queued and the unacknowledged window has room for it."""
+        settings = self.ctx.settings
+        return bool(self._pending) and (
+            self._inflight_bytes + settings.chunk_bytes <= settings.max_inflight_bytes
+        )
+
+    def send_next(self) -> None:
+        """Send the next queued chunk, round-robin between the blobs being served."""
+        sent = self._send_next_chunk()
+        if sent is not None:
+            mid, nbytes = sent
+            self._inflight[mid] = nbytes
+            self._inflight_bytes += nbytes
+
+    def _queue_want(self, payload: bytes) -> None:
+        try:
+            want = BlobWant.model_validate_json(payload)
+        except ValidationError as err:
+            self.ctx.traffic.reject("blob_server", "bad_request")
+            log.warning("%s: bad blob request: %s", self.ctx.name, err.errors()[0]["msg"])
+            return
+        size = self.ctx.store.size(want.sha256)
+        if size is None:
+            self.ctx.traffic.note("blob_requests_missing")
+            self._answer(want.sha256, want.chunk_bytes, "missing", b"")
+            return
+        self._on_served(want.sha256)
+        # the chunk count comes from the blob held, never from the requester's claim
+        n = chunk_count(size, want.chunk_bytes)
+        if want.size != size:
+            # Serve no further than both sizes allow: enough for an honest requester with a
+            # wrong BlobRef to see a chunk of the wrong length at once and give up.
+            n = min(n, chunk_count(want.size, want.chunk_bytes))
+            self.ctx.traffic.reject("blob_server", "size_mismatch")
+            log.warning(
+                "%s: blob request for %s… claims %d bytes, it has %d",
+                self.ctx.name,
+                want.sha256[:12],
+                want.size,
+                size,
+            )
+        runs: list[tuple[int, int]] = []  # clamped to [0, n) and merged: each index once
+        for first, last in sorted((max(0, f), min(last, n - 1)) for f, last in want.chunks):
+            if first > last:
+                continue
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last))
+            else:
+                runs.append((first, last))
+        key = (want.sha256, want.chunk_bytes)
+        pending = self._pending
+        queued = pending.get(key)
+        if queued is None:
+            queued = OrderedDict()
+        room = self.max_pending_chunks - self.pending_chunks
+        dropped = 0
+        for first, last in runs:
+            for i in range(first, last + 1):
+                if i in queued:
+                    continue
+                if room <= 0:
+                    dropped += last - i + 1
+                    break
+                queued[i] = None
+                room -= 1
+                self.pending_chunks += 1
+        if queued:
+            pending[key] = queued
+        if dropped:
+            self.ctx.traffic.reject("blob_server", "serve_queue_full")
+            self.ctx.traffic.note("chunks_not_queued", dropped)
+        self.ctx.traffic.note("blob_requests_served")
+
+    def _send_next_chunk(self) -> tuple[int, int] | None:
+        pending = self._pending
+        key, indices = next(iter(pending.items()))
+        index, _ = indices.popitem(last=False)
+        self.pending_chunks -= 1
+        if indices:
+            pending.move_to_end(key)  # round-robin between blobs being served
+        else:
+            del pending[key]
+        sha, chunk_bytes = key
+        data = self.ctx.store.chunk(sha, index, chunk_bytes)
+        if data is None:
+            self.pending_chunks -= len(pending.pop(key, ()))
+            self._answer(sha, chunk_bytes, "missing", b"")
+            return None
+        mid = self._answer(sha, chunk_bytes, index, data)
+        self.ctx.traffic.note("chunks_sent")
+        return mid, len(data)
+
+    def _answer(self, sha256: str, chunk_bytes: int, index: int | str, data: bytes) -> int:
+        """Publish chunk ``index`` (or the empty ``missing`` answer) under this role."""
+        return self.ctx.publish(
+            self.ctx.topics.blob_chunk(self.ctx.home, sha256, chunk_bytes, index), data
+        )
+
+
+class BlobFetcher:
+    """Fetches blobs into ``store`` from the roles that serve them: resumable (what is still
+    missing after ``chunk_timeout_s`` of silence is asked for again), bounded (at most
+    ``max_fetch_bytes`` being received at once, each fetch within ``fetch_timeout_s``) and
+    verified (the bytes must hash to the sha256 asked for).
+
+    ``publish`` sends a request, ``subscribe`` subscribes to a chunk topic and waits for the
+    broker's acknowledgement, ``unsubscribe`` drops it; a fetch gives up when ``closing``
+    is set. Chunks reach a fetch through :meth:`route_chunk`, from paho's thread.
+    """
+
+    def __init__(
+        self,
+        ctx: BlobContext,
+        *,
+        subscribe: Callable[[str], None],
+        unsubscribe: Callable[[str], object],
+        closing: threading.Event,
+    ) -> None:
+        self.ctx = ctx
+        self._subscribe = subscribe
+        self._unsubscribe = unsubscribe
+        self._closing = closing
+        self._fetches: dict[str, _Fetch] = {}
+        self._fetch_lock = threading.Lock()
+        self._fetch_bytes = 0
+
+    def chunk_patterns(self) -> list[str]:
+        """The chunk topics of the fetches under way (subscribed again after a reconnect)."""
+        return [self._chunk_pattern(f) for f in list(self._fetches.values())]
+
+    def route_chunk(self, topic: str, payload: bytes) -> None:
+        """Hand a chunk to the fetch waiting for it (paho's thread: never blocks)."""
+        parts = topic.rsplit("/", 4)  # [..., "blob", sha, chunk_bytes, index]
+        if len(parts) != 5 or parts[1] != "blob":
+            self.ctx.traffic.note("chunks_unsolicited")
+            return
+        fetch = self._fetches.get(parts[2])
+        if fetch is None or parts[3] != str(fetch.chunk_bytes):
+            self.ctx.traffic.note("chunks_unsolicited")
+            return
+        try:
+            fetch.chunks.put_nowait((_parse_index(parts[4]), payload))
+        except queue.Full:
+            self.ctx.traffic.note("chunks_dropped")
+
+    def _chunk_pattern(self, f: _Fetch) -> str:
+        return self.ctx.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
+
+    def get(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+        """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored.
+
+        Raises TransportError when it cannot be had in time or within limits, CodecError
+        when what arrives is not the blob asked for."""
+        data = self.ctx.store.get(sha256)
+        if data is not None:
+            self.ctx.traffic.note("blob_cache_hits")
+            return data
+        if src is None or src == self.ctx.home:
+            raise TransportError(f"blob {sha256[:12]}… is not here and names no source")
+        deadline = time.monotonic() + min(timeout_s, self.ctx.settings.fetch_timeout_s)
+        with self._fetch_lock:
+            existing = self._fetches.get(sha256)
+        if existing is not None:  # someone on another thread is already fetching it
+            existing.done.wait(max(0.0, deadline - time.monotonic()))
+            data = self.ctx.store.get(sha256)
+            if data is None:
+                raise TransportError(f"blob {sha256[:12]}… could not be fetched", reason="timeout")
+            return data
+        fetch = self._start_fetch(sha256, size, src)
+        try:
+            self._receive(fetch, deadline)
+        finally:
+            with self._fetch_lock:
+                self._fetches.pop(sha256, None)
+                self._fetch_bytes -= size
+            self._unsubscribe(self._chunk_pattern(fetch))
+            fetch.done.set()
+        if fetch.hasher.hexdigest() != sha256:
+            raise CodecError(
+                f"blob {sha256[:12]}… from {src}: received bytes hash to "
+                f"{fetch.hasher.hexdigest()[:12]}…",
+                reason="blob_hash_mismatch",
+            )
+        data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
+        self.ctx.store.put(data, sha256)
+        self.ctx.traffic.note("blobs_fetched")
+        return data
+
+    def _start_fetch(self, sha256: str, size: int, src: str) -> _Fetch:
+        cs = self.ctx.settings.chunk_bytes
+        n = chunk_count(size, cs)
+        with self._fetch_lock:
+            if self._fetch_bytes + size > self.ctx.settings.max_fetch_bytes:
+                raise TransportError(
+                    f"fetching {size} more bytes would exceed max_fetch_bytes "
+                    f"({self.ctx.settings.max_fetch_bytes})",
+                    reason="blob_too_large",
+                )
+            chunks: queue.Queue[tuple[int, bytes]]
+            chunks = queue.Queue(maxsize=max(64, 4 * self.ctx.settings.max_inflight_bytes // cs))
+            fetch = _Fetch(sha256, src, size, cs, n, chunks, bytearray(n))
+            self._fetches[sha256] = fetch
+            self._fetch_bytes += size
+        self._subscribe(self._chunk_pattern(fetch))
+        return fetch
+
+    def _ask(self, fetch: _Fetch, indices: list[int]) -> None:
+        runs = _ranges(indices)
+        for k in range(0, len(runs), 4096):
+            want = BlobWant(
+                sha256=fetch.sha256,
+                size=fetch.size,
+                chunk_bytes=fetch.chunk_bytes,
+                chunks=runs[k : k + 4096],
+            )
+            self.ctx.publish(self.ctx.topics.blob_want(self.ctx.home, fetch.src), encode(want))
+
+    def _receive(self, fetch: _Fetch, deadline: float) -> None:
+        self._ask(fetch, list(range(fetch.n)))
+        silence = self.ctx.settings.chunk_timeout_s
+        while fetch.received < fetch.n:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing.is_set():
+                raise TransportError(
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: {fetch.received}/{fetch.n} "
+                    "chunks before the fetch timeout",
+                    reason="timeout",
+                )
+            try:
+                index, payload = fetch.chunks.get(timeout=min(silence, left))
+            except queue.Empty:
+                missing = fetch.missing()
+                self.ctx.traffic.note("chunks_rerequested", len(missing))
+                log.info("%s: re-asking %s for %d chunks", self.ctx.name, fetch.src, len(missing))
+                self._ask(fetch, missing)
+                continue
+            if index == _MISSING:
+                raise TransportError(f"{fetch.src} does not have blob {fetch.sha256[:12]}…")
+            if not 0 <= index < fetch.n or len(payload) != fetch.expected_len(index):
+                # the sender's blob is not the advertised size: no point waiting for more
+                self.ctx.traffic.note("chunks_invalid")
+                raise CodecError(
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: chunk {index} has {len(payload)} "
+                    f"bytes, expected {fetch.expected_len(index) if 0 <= index < fetch.n else 0}",
+                    reason="blob_size_mismatch",
+                )
+            if fetch.have[index]:
+                self.ctx.traffic.note("chunks_duplicate")
+                continue
+            fetch.have[index] = 1
+            fetch.received += 1
+            fetch.parked[index] = payload
+            while fetch.hashed in fetch.parked:  # hash and append in order as chunks arrive
+                chunk = fetch.parked.pop(fetch.hashed)
+                fetch.hasher.update(chunk)
+                fetch.out.write(chunk)
+                fetch.hashed += 1

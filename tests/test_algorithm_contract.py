@@ -1,0 +1,168 @@
+"""The contract every registered algorithm keeps, parametrized over the registry (so an
+algorithm added later is held to it without a line here):
+
+- its settings round-trip (the typed settings class and the whole run config, digest kept);
+- the same seed gives the same result (two tiny federations over MemoryBus, bit for bit);
+- aggregation is a weighted average of the model: weights sum to one and none is negative
+  (equal updates aggregate to themselves; every aggregate lies between the updates);
+- tensor names and shapes are kept from the global state to the upload and back.
+
+``EXERCISE`` gives some algorithms settings that reach their distinctive paths (pruning,
+partial uploads); any other algorithm runs with its defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from estuary.simulate import build_federation
+from shared.algorithms import DeviceContext, Update, make_algorithm, registered
+from shared.algorithms.base import Algorithm
+from shared.config import RunConfig, config_from_dict
+from shared.config.algorithms import config_class
+from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
+from shared.data.partition import make_partition
+from shared.models.plan import model_spec
+from shared.models.presets import build_unet
+from shared.transport.bus import MemoryBus
+from shared.wire.codec import TensorSpec, spec_of
+from tests.conftest import tiny_config
+
+#: settings that exercise an algorithm's own paths in a two-round run
+EXERCISE: dict[str, dict[str, Any]] = {
+    "fedphd": {"sparse_rounds": 1, "prune_ratio": 0.3, "lambda0": 1e-3},
+    "feddiffuse": {"split": "usplit"},
+}
+NAMES = registered()
+
+
+def contract_config(name: str) -> RunConfig:
+    """Two rounds of 2 devices at one edge, one local step each, for algorithm ``name``."""
+    return tiny_config(
+        run={"rounds": 2},
+        federation={"num_devices": 2, "num_edges": 1},
+        data={"synthetic_size": 32},
+        train={"local_steps": 1, "batch_size": 4},
+        algorithm={"name": name, **EXERCISE.get(name, {})},
+    )
+
+
+def test_every_algorithm_is_registered_with_its_settings() -> None:
+    assert {"fedavg", "fedphd", "feddiffuse", "fedprox", "scaffold", "moon"} <= set(NAMES)
+    for name in NAMES:
+        algo = make_algorithm(contract_config(name))
+        assert algo.name == name and type(algo).config_class is config_class(name)
+        assert isinstance(algo.settings, config_class(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_settings_round_trip(name: str) -> None:
+    cfg = contract_config(name)
+    cls = config_class(name)
+    settings = cls.of(cfg)
+    assert cls.model_validate_json(settings.model_dump_json()) == settings
+    assert cfg.algorithm.config() == settings == make_algorithm(cfg).settings
+    stored = config_from_dict(json.loads(cfg.to_json()), stored=True)
+    assert stored == cfg and stored.digest() == cfg.digest()
+    with pytest.raises(Exception, match="frozen"):
+        settings.__setattr__(next(iter(cls.model_fields), "x"), None)
+
+
+def _run(cfg: RunConfig) -> tuple[str, dict[str, torch.Tensor], int]:
+    """A whole federation over MemoryBus: the final model's sha256 and state, and the
+    number of updates the edges aggregated."""
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    bus, summaries = MemoryBus(), list[Any]()
+    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    return fed.cloud.model_sha, dict(fed.cloud.model), sum(s.updates for s in summaries)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_same_seed_gives_the_same_model_on_memorybus(name: str) -> None:
+    cfg = contract_config(name)
+    initial = dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict())
+    sha, final, updates = _run(cfg)
+    assert updates == 2 * cfg.federation.num_devices
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert any(k not in final or not torch.equal(final[k], v) for k, v in initial.items())
+    again, _, _ = _run(cfg)
+    assert again == sha
+
+
+def _update(tensors: dict[str, torch.Tensor], i: int) -> Update:
+    counts = tuple(int(c) for c in np.random.default_rng(i).integers(0, 20, NUM_CLASSES))
+    return Update(f"dev{i:03d}", tensors, n_samples=sum(counts) or 1, label_counts=counts)
+
+
+def _zeros(spec: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(s.shape, dtype=s.dtype) for k, s in spec.items()}
+
+
+def _specs(algo: Algorithm, preset: str) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+    mspec = model_spec(preset, None)
+    return mspec, algo.global_spec(mspec)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_aggregation_weights_are_convex(name: str) -> None:
+    cfg = contract_config(name)
+    algo = make_algorithm(cfg)
+    mspec, gspec = _specs(algo, cfg.model.preset)
+    gen = torch.Generator().manual_seed(0)
+    # devices send their uploads to the edges; edges send the cloud their edge state
+    for aggregate, spec in (
+        (algo.edge_aggregate, algo.upload_spec(gspec)),
+        (algo.cloud_aggregate, gspec),
+    ):
+        same = {k: torch.full(s.shape, 0.25) for k, s in spec.items()}
+        out = aggregate([_update(same, i) for i in range(3)], _zeros(gspec))
+        for k in mspec:  # equal updates: the weights sum to one
+            assert torch.allclose(out[k], same[k], atol=1e-6), k
+        varied = [{k: torch.randn(s.shape, generator=gen) for k, s in spec.items()}
+                  for _ in range(3)]  # fmt: skip
+        out = aggregate([_update(t, i) for i, t in enumerate(varied)], _zeros(gspec))
+        for k in mspec:  # no weight is negative: every aggregate lies between the updates
+            stack = torch.stack([t[k] for t in varied])
+            assert (out[k] >= stack.min(0).values - 1e-5).all(), k
+            assert (out[k] <= stack.max(0).values + 1e-5).all(), k
+
+
+def _same_spec(tensors: dict[str, torch.Tensor], spec: dict[str, TensorSpec]) -> bool:
+    return spec_of(tensors) == spec
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_names_and_shapes_are_kept(name: str) -> None:
+    cfg = contract_config(name)
+    algo = make_algorithm(cfg)
+    module = build_unet(cfg.model.preset, seed=cfg.run.seed)
+    mspec, gspec = _specs(algo, cfg.model.preset)
+    state = algo.init_global(dict(module.state_dict()))
+    assert _same_spec(state, gspec)
+    data = load_dataset("synthetic", size=8, seed=0)
+    ctx = DeviceContext(
+        "dev000", to_model_input(data.images), torch.from_numpy(data.labels),
+        torch.Generator().manual_seed(0), peers=["dev000", "dev001"],
+    )  # fmt: skip
+    device = make_algorithm(cfg)
+    device.device_load(ctx, module, state)
+    result = device.device_round(ctx, module, 0, upload=True)
+    assert result.tensors is not None and result.train.steps == 1
+    uspec = algo.upload_spec(gspec)
+    sent = {k: uspec[k] for k in result.tensors}
+    assert _same_spec(result.tensors, sent)
+    if not algo.partial_uploads:
+        assert set(result.tensors) == set(uspec)
+    full = {k: result.tensors.get(k, torch.zeros(s.shape)) for k, s in uspec.items()}
+    edge = algo.edge_aggregate([_update(full, 0), _update(full, 1)], state)
+    assert _same_spec(edge, gspec)
+    assert _same_spec(algo.cloud_aggregate([_update(edge, 0)], state), gspec)
+    assert set(mspec) <= set(gspec)
