@@ -13,6 +13,7 @@ import torch
 
 from shared.errors import EstuaryError
 
+#: a model state (or any named tensors) as aggregation sees it
 TensorDict = dict[str, torch.Tensor]
 
 

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from shared.algorithms.aggregation import TensorDict
 from shared.config import RunConfig, TrainSection
 from shared.config.algorithms import AlgorithmConfig, algorithm_names, config_class
 from shared.diffusion.schedule import make_train_scheduler
@@ -40,7 +41,6 @@ from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
 
-TensorDict = dict[str, torch.Tensor]
 
 #: ``DeviceContext.state`` key of the kept optimizer state (``train.optimizer_state = "keep"``):
 #: (trainable parameter shapes, the optimizer's state dict on the CPU)

@@ -15,13 +15,12 @@ from shared.errors import CodecError, MessageError, TransportError
 from shared.metrics.prometheus import RoleMetrics
 from shared.transport.bus import Bus, Endpoint
 from shared.transport.telemetry import Traffic
-from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
+from shared.wire.codec import TensorDict, TensorSpec, decode_tensors, encode_tensors
 from shared.wire.messages import BlobRef, Presence, Topics, decode, encode, home_of
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
-TensorDict = dict[str, Any]
 
 
 class RoleService:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 # torch is imported inside the functions that need it: the hash helpers and the metadata
 # reader here serve the torch-free sampling path of the device agent (DESIGN section 5).
+#: named tensors as they cross the wire (torch tensors; typed loosely so the module needs no
+#: torch)
 TensorDict = dict[str, Any]
 MAX_METADATA_BYTES = 64 * 1024
 
