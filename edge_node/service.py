@@ -249,8 +249,9 @@ class EdgeServer(RoleService):
                 self.reject("bad_plan", f"bad architecture plan: {err}")
                 return
             spec = self._global_spec(plan)
-        fetch = msg.new_global or self.model is None or msg.global_ref.sha256 != self.global_sha
-        if new_arch or fetch:  # the old architecture's state no longer fits a new one
+        model = self.model
+        kept = not (new_arch or msg.new_global or msg.global_ref.sha256 != self.global_sha)
+        if model is None or not kept:  # a new architecture's state replaces the old one's
             # fetched before anything changes: a failed fetch leaves the open round intact
             state, fetched = None, True
             if not new_arch:
@@ -261,7 +262,8 @@ class EdgeServer(RoleService):
                 return
             if new_arch:
                 self._set_arch(plan, spec)
-            self.model, self.model_ref, self.global_sha = state, None, msg.global_ref.sha256
+            model = state
+            self.model, self.model_ref, self.global_sha = model, None, msg.global_ref.sha256
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
                 self.acc_parts = self._zero_parts()
@@ -295,10 +297,9 @@ class EdgeServer(RoleService):
         if not self.candidates:
             self._close()
             return
-        assert self.model is not None  # fetched above whenever there was none
         if self.model_ref is None:
             self.model_ref, self.shared_ref = self.put_state(
-                self.model, self.algorithm.shared_spec(self.spec), "edge_model"
+                model, self.algorithm.shared_spec(self.spec), "edge_model"
             )
         announce = EdgeRound(
             round=msg.round,
