@@ -22,12 +22,12 @@ from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.diffusion.training import set_deterministic
-from shared.errors import ConfigError, EstuaryError
+from shared.errors import CodecError, ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
 from shared.evaluation.report import last_quality, plot_report
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_unet
-from shared.models.plan import ChannelPlan, plan_doc
+from shared.models.plan import ChannelPlan, model_spec, plan_doc
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
     EXIT_ERROR,
@@ -40,6 +40,7 @@ from shared.runtime.process import (
 )
 from shared.runtime.service import TensorDict
 from shared.transport.mqtt import MqttBus
+from shared.wire.codec import check_spec
 
 log = logging.getLogger("cloud")
 
@@ -101,12 +102,28 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
                 "record what the run started from; use the old model.init, another --out, "
                 "or --fresh"
             )
+        origin = make_algorithm(cfg).origin()
+        now = now if origin is None else f"{now}+{origin}"
         if ckpt.init != now:
             raise EstuaryError(
                 f"{refusal}: model.init {init!r} ({now}) is not what the run started from "
                 f"({was!r}, {ckpt.init}); use another --out or --fresh"
             )
         log.info("model.init moved from %r to %r, same content (%s)", was, init, now)
+    # the state is the algorithm's (the model's tensors and its extras, or what stands for
+    # the model): what the edges will check every download against
+    algorithm = make_algorithm(cfg)
+    origin = algorithm.origin()
+    if origin is not None and not (ckpt.init or "").endswith(f"+{origin}"):
+        raise EstuaryError(
+            f"{path} was not trained from {origin} (it records {ckpt.init!r}): resuming "
+            "would mix two runs; use the run's own key, another --out or --fresh"
+        )
+    spec = algorithm.global_spec(model_spec(cfg.model.preset, ckpt.plan))
+    try:
+        check_spec(ckpt.model, spec)
+    except CodecError as err:
+        raise EstuaryError(f"{path} does not hold a global state of this run: {err}") from None
     log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
     return ResumePoint(ckpt.model, ckpt.plan, ckpt.round + 1, ckpt.init)
 
@@ -119,7 +136,9 @@ def fresh_start(cfg: RunConfig) -> ResumePoint:
     model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     if init_fingerprint(cfg.model.preset, cfg.model.init) != before:
         raise ConfigError(f"model.init {cfg.model.init} changed while it was read; start again")
-    return ResumePoint(dict(model.state_dict()), None, 0, before)
+    origin = make_algorithm(cfg).origin()  # recorded beside model.init in every checkpoint
+    init = f"{before}+{origin}" if origin is not None else before
+    return ResumePoint(dict(model.state_dict()), None, 0, init)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +194,7 @@ def _serve(
         log.info(
             "round %d/%d done: %d/%d updates, loss %s, %.1f KiB received, %.1f KiB sent%s",
             s.round + 1,
-            cfg.run.rounds,
+            cloud.rounds,
             s.updates,
             s.participants,
             loss,
@@ -235,7 +254,7 @@ def _serve(
             return True
         if cloud.done and args.stay and not staying:
             staying = True
-            if cloud.round >= cfg.run.rounds:
+            if cloud.round >= cloud.rounds:
                 write_outputs()
             log.info(
                 "run done; staying up (--stay) for /metrics, the retained state and the "
@@ -247,9 +266,9 @@ def _serve(
     if cloud.failed is not None:
         log.error("cloud stopped: %s", cloud.failed)
         return EXIT_ERROR
-    if cloud.done and cloud.round >= cfg.run.rounds:
+    if cloud.done and cloud.round >= cloud.rounds:
         write_outputs()  # again after --stay: the traffic until the end
     elif cloud.done:  # stopped before the last round: no device registered in time
-        log.error("cloud stopped after round %d of %d", cloud.round, cfg.run.rounds)
+        log.error("cloud stopped after round %d of %d", cloud.round, cloud.rounds)
         return EXIT_ERROR
     return code

@@ -127,6 +127,10 @@ class RoundSummary:
     model_params: int = 0  # parameters of the global model after this round
     arch: str = "dense"  # plan digest of the global model's architecture
     trained_arch: str = "dense"  # plan digest of the architecture this round trained on
+    #: the run's last round (``run.rounds``, or earlier where the algorithm's budget ends it)
+    final: bool = False
+    #: the algorithm's figures of the global state (:meth:`Algorithm.round_report`)
+    algorithm: dict[str, float] = field(default_factory=dict)
 
 
 class CloudServer(RoleService):
@@ -154,10 +158,15 @@ class CloudServer(RoleService):
         #: checkpoint's, None where that has none), or by default ``model.init`` as it is now
         if init == INIT_FROM_CONFIG:
             init = init_fingerprint(cfg.model.preset, cfg.model.init)
+            origin = algorithm.origin()
+            init = f"{init}+{origin}" if origin is not None else init
         self.init = None if init is None or init.startswith("unreadable") else init
         self.session = session or new_session()
         self.offline: set[str] = set()
         self.algorithm = algorithm
+        #: the rounds this run trains: ``run.rounds``, or fewer where the algorithm's budget
+        #: (a privacy budget) ends it earlier
+        self.rounds = algorithm.round_limit(cfg.run.rounds)
         if start_round == 0 and plan is None:
             # a fresh run: the algorithm's initial state (and FedPhD-OS prunes it here)
             state, plan = algorithm.after_cloud_aggregate(
@@ -212,7 +221,8 @@ class CloudServer(RoleService):
         """The current global model as a module (its architecture rebuilt from the plan)."""
         module = build_model(self.cfg.model.preset, self.plan, seed=self.cfg.run.seed)
         keys = set(module.state_dict())
-        module.load_state_dict({k: v for k, v in self.model.items() if k in keys})
+        tensors = self.algorithm.materialize(self.model)
+        module.load_state_dict({k: v for k, v in tensors.items() if k in keys})
         return module
 
     def model_params(self) -> int:
@@ -290,7 +300,7 @@ class CloudServer(RoleService):
     def _begin(self) -> None:
         self.started = True
         with self._transition("starting"):
-            if self.round >= self.cfg.run.rounds:
+            if self.round >= self.rounds:
                 self._finish()
             else:
                 self._open_round()
@@ -433,6 +443,8 @@ class CloudServer(RoleService):
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
                 self.model_sha = model_digest(self.model)
+                for figure, value in self.algorithm.round_report(self.model).items():
+                    self.metrics.algorithm_figure.labels(figure=figure).set(value)
                 self.fresh_global, aggregated = True, True
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
@@ -442,14 +454,14 @@ class CloudServer(RoleService):
         self.round = r + 1
         if self.on_round_end is not None:
             self.on_round_end(summary)
-        if self.round >= self.cfg.run.rounds:
+        if self.round >= self.rounds:
             self._finish()
         else:
             self._open_round()
 
     def _checkpoint(self, r: int) -> None:
         every = self.cfg.eval.checkpoint_every
-        last = r + 1 >= self.cfg.run.rounds
+        last = r + 1 >= self.rounds
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
             save_checkpoint(
                 self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan, init=self.init
@@ -476,6 +488,8 @@ class CloudServer(RoleService):
             model_params=self.model_params(),
             arch=plan_digest(self.plan),
             trained_arch=trained_arch,
+            final=r + 1 >= self.rounds,
+            algorithm=self.algorithm.round_report(self.model),
         )
 
     def _put_global(self) -> None:

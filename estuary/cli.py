@@ -178,6 +178,16 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from shared.models.masking import KEY_FILE_ENV, generate_key_file
+
+    path = Path(args.path)
+    key = generate_key_file(path)
+    print(f"wrote {path} (fingerprint {key.fingerprint}); give it to the cloud and the "
+          f"training devices as {KEY_FILE_ENV}={path.resolve()}")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="estuary", description=__doc__)
@@ -259,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_cmd_model_info)
 
+    k = sub.add_parser(
+        "keygen",
+        help="write a fresh 256-bit PRISM key file (hex, mode 0600) and print its fingerprint",
+    )
+    k.add_argument("path", help="the key file to create (never overwritten)")
+    k.set_defaults(func=_cmd_keygen)
+
     sd = sub.add_parser(
         "split-data",
         help="write a config's split as per-device image folders (to try --data DIR)",
@@ -269,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     sd.set_defaults(func=_cmd_split_data)
 
     from estuary.deploy_cli import add_parsers
+    from estuary.prism_cli import add_parsers as add_prism_parsers
     from estuary.status import add_parser as add_status_parser
 
     add_parsers(sub)
+    add_prism_parsers(sub)
     add_status_parser(sub)
     return p
 

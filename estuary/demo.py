@@ -106,6 +106,10 @@ def run_demo(
     atomic_write(config_path, cfg.to_json().encode())
     t0 = time.monotonic()
     broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker")
+    if cfg.algorithm.name == "prism":
+        from estuary.simulate import announce_prism_key  # torch: only where PRISM runs
+
+        announce_prism_key(run_dir / "keys", show=progress)  # the processes inherit it
     hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
     scrapes: dict[str, dict[str, float]] = {}
     with interrupts_as_keyboard():

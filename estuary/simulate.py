@@ -33,6 +33,7 @@ from shared.diffusion.training import set_deterministic
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import plot_report
 from shared.models.init import initial_unet
+from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
 from shared.runtime.cpu import set_torch_threads
@@ -126,6 +127,17 @@ def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
     return out
 
 
+def announce_prism_key(directory: Path, *, show: bool) -> None:
+    """Give a PRISM run a key (``directory/prism.key``, kept for a resumed run) when none is
+    configured, and say where it is (never what it is)."""
+    path = provide_key_file(directory)
+    if path is not None:
+        fingerprint = load_key().fingerprint
+        log.info("PRISM key: %s (fingerprint %s)", path, fingerprint)
+        if show:
+            print(f"PRISM key: {path} (fingerprint {fingerprint}; keep it to resume or deploy)")
+
+
 def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
@@ -135,6 +147,8 @@ def simulate(
     # first: a refused split leaves no run directory
     data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)
+    if cfg.algorithm.name == "prism":
+        announce_prism_key(run_dir, show=progress)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     save_label_counts(run_dir, matrix, device_names, show=progress)

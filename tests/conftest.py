@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -11,6 +12,12 @@ from shared.config import RunConfig, config_from_dict
 from shared.data.datasets import DataError, find_fashion_mnist
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+#: the PRISM key every test process (and the processes they start) uses; a test of the
+#: missing-key error removes it with monkeypatch
+TEST_PRISM_KEY = "00112233445566778899aabbccddeeff"
+os.environ["ESTUARY_PRISM_KEY"] = TEST_PRISM_KEY
+os.environ.pop("ESTUARY_PRISM_KEY_FILE", None)
 
 
 def have_fmnist() -> bool:

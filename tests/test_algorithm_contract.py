@@ -14,6 +14,7 @@ partial uploads); any other algorithm runs with its defaults.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -23,21 +24,25 @@ import torch
 from estuary.simulate import build_federation
 from shared.algorithms import DeviceContext, Update, make_algorithm, registered
 from shared.algorithms.base import Algorithm
-from shared.config import RunConfig, config_from_dict
-from shared.config.algorithms import config_class
+from shared.config import RunConfig, config_from_dict, with_overrides
+from shared.config.algorithms import PrismConfig, config_class
 from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
 from shared.data.partition import make_partition
 from shared.models.plan import model_spec
 from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
-from shared.wire.codec import TensorSpec, spec_of
+from shared.wire.codec import TensorSpec, check_spec, pack_bits, spec_of, unpack_bits
 from tests.conftest import tiny_config
 
 #: settings that exercise an algorithm's own paths in a two-round run
 EXERCISE: dict[str, dict[str, Any]] = {
     "fedphd": {"sparse_rounds": 1, "prune_ratio": 0.3, "lambda0": 1e-3},
     "feddiffuse": {"split": "usplit"},
+    "prism": {"prism_local_iters": 1},
 }
+#: settings for the convexity check where an algorithm's defaults add a step after the
+#: average (PRISM's MADA mixes in the previous state)
+AVERAGE_ONLY: dict[str, dict[str, Any]] = {"prism": {"prism_mada": False}}
 NAMES = registered()
 
 
@@ -111,32 +116,96 @@ def _specs(algo: Algorithm, preset: str) -> tuple[dict[str, TensorSpec], dict[st
     return mspec, algo.global_spec(mspec)
 
 
+def _draw(spec: dict[str, TensorSpec], gen: torch.Generator, fill: float | None) -> dict[str, Any]:
+    """Tensors of ``spec``: ``fill`` everywhere (or uniform draws in [0, 1)); bit-packed
+    entries get bits (all ones for a fill, random otherwise) with zero padding."""
+    out: dict[str, Any] = {}
+    for k, s in spec.items():
+        if s.bits is not None:
+            bits = (
+                torch.ones(s.bits)
+                if fill is not None
+                else torch.randint(0, 2, (s.bits,), generator=gen)
+            )
+            out[k] = pack_bits(bits)
+        else:
+            out[k] = (
+                torch.full(s.shape, fill)
+                if fill is not None
+                else torch.rand(s.shape, generator=gen)
+            )
+    return out
+
+
+def _averaged(
+    tensors: dict[str, Any],
+    spec: dict[str, TensorSpec],
+    gspec: dict[str, TensorSpec],
+    averaged: set[str],
+) -> dict[str, torch.Tensor]:
+    """What an aggregation averages, by global-state name, flat: the float tensors as they
+    are; bit-packed masks unpacked, named by the probability they update (PRISM)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tensors.items():
+        bits = spec[k].bits
+        if bits is not None:  # PRISM's masks: the probabilities' tensors in sorted order
+            flat = unpack_bits(v, bits).float()
+            names = sorted(n for n in averaged if n.startswith("prism.theta/"))
+            sizes = [math.prod(gspec[n].shape) for n in names]
+            out.update(zip(names, flat.split(sizes), strict=True))
+        elif v.is_floating_point() and v.dim() > 0:
+            out[k] = v.reshape(-1)
+    return out
+
+
+def _aggregate_of(algo: Algorithm, tier: str, out: dict[str, torch.Tensor], k: str) -> torch.Tensor:
+    """The aggregate of ``k`` in the updates' terms, flat (PRISM's cloud maps the mean into
+    [eps, 1 - eps]; undone here)."""
+    v = out[k].reshape(-1)
+    if algo.name == "prism" and tier == "cloud":
+        eps = PrismConfig.of(algo.cfg).prism_mask_eps
+        v = (v - eps) / (1 - 2 * eps)
+    return v
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_aggregation_weights_are_convex(name: str) -> None:
     cfg = contract_config(name)
+    if name in AVERAGE_ONLY:
+        cfg = with_overrides(cfg, {"algorithm": AVERAGE_ONLY[name]})
     algo = make_algorithm(cfg)
     mspec, gspec = _specs(algo, cfg.model.preset)
+    # what is averaged: the model's tensors, or the probabilities PRISM's state holds in
+    # their place (SCAFFOLD's control variate is a sum, not an average)
+    averaged = set(mspec) | {k for k in gspec if k.startswith("prism.theta/")}
     gen = torch.Generator().manual_seed(0)
     # devices send their uploads to the edges; edges send the cloud their edge state
-    for aggregate, spec in (
-        (algo.edge_aggregate, algo.upload_spec(gspec)),
-        (algo.cloud_aggregate, gspec),
+    for tier, aggregate, spec in (
+        ("edge", algo.edge_aggregate, algo.upload_spec(gspec)),
+        ("cloud", algo.cloud_aggregate, gspec),
     ):
-        same = {k: torch.full(s.shape, 0.25) for k, s in spec.items()}
+        same = _draw(spec, gen, 0.25)
         out = aggregate([_update(same, i) for i in range(3)], _zeros(gspec))
-        for k in mspec:  # equal updates: the weights sum to one
-            assert torch.allclose(out[k], same[k], atol=1e-6), k
-        varied = [{k: torch.randn(s.shape, generator=gen) for k, s in spec.items()}
-                  for _ in range(3)]  # fmt: skip
+        expect = {k: v for k, v in _averaged(same, spec, gspec, averaged).items() if k in averaged}
+        assert expect, "nothing averaged: the check would pass vacuously"
+        for k in expect:  # equal updates: the weights sum to one
+            assert torch.allclose(_aggregate_of(algo, tier, out, k), expect[k], atol=1e-6), k
+        varied = [_draw(spec, gen, None) for _ in range(3)]
         out = aggregate([_update(t, i) for i, t in enumerate(varied)], _zeros(gspec))
-        for k in mspec:  # no weight is negative: every aggregate lies between the updates
-            stack = torch.stack([t[k] for t in varied])
-            assert (out[k] >= stack.min(0).values - 1e-5).all(), k
-            assert (out[k] <= stack.max(0).values + 1e-5).all(), k
+        views = [_averaged(t, spec, gspec, averaged) for t in varied]
+        for k in expect:  # no weight is negative: every aggregate lies between the updates
+            stack = torch.stack([v[k] for v in views])
+            got = _aggregate_of(algo, tier, out, k)
+            assert (got >= stack.min(0).values - 1e-5).all(), k
+            assert (got <= stack.max(0).values + 1e-5).all(), k
 
 
 def _same_spec(tensors: dict[str, torch.Tensor], spec: dict[str, TensorSpec]) -> bool:
-    return spec_of(tensors) == spec
+    """Same names, shapes and dtypes (and bit-packed entries pass the codec's check)."""
+    check_spec(tensors, spec)
+    return {k: (s.shape, s.dtype) for k, s in spec_of(tensors).items()} == {
+        k: (s.shape, s.dtype) for k, s in spec.items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -165,4 +234,5 @@ def test_names_and_shapes_are_kept(name: str) -> None:
     edge = algo.edge_aggregate([_update(full, 0), _update(full, 1)], state)
     assert _same_spec(edge, gspec)
     assert _same_spec(algo.cloud_aggregate([_update(edge, 0)], state), gspec)
-    assert set(mspec) <= set(gspec)
+    # the state stands for a whole model (PRISM's probabilities materialize into one)
+    assert set(mspec) <= set(algo.materialize(state))

@@ -95,6 +95,9 @@ def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     assert all(k in r for r in doc["rows"] for k in keys)
 
     fedavg, fedphd, central = by["FedAvg"], by["FedPhD (select)"], by["Centralized"]
+    # a whole fp32 model per upload, plus the safetensors header: just over 32 bits a weight
+    assert 32.0 < fedavg["bits_per_weight"] < 32.5
+    assert fedavg["device_round_bytes"] > 2 * fedavg["device_up_bytes"] * 0.99
     assert all(r["fid"] is not None and r["is"] is not None for r in doc["rows"])
     # the same local compute everywhere: 2 rounds x 4 devices x 1 step
     assert fedavg["local_steps"] == fedphd["local_steps"] == central["local_steps"] == 8

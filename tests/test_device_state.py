@@ -234,8 +234,9 @@ def _run(
         ({"name": "feddiffuse", "split": "ulatdec"}, 1),
         ({"name": "moon"}, 1),
         ({"name": "fedphd", "sparse_rounds": 2, "lambda0": 1e-3, "prune_ratio": 0.3}, 1),
+        ({"name": "prism", "prism_local_iters": 2}, 1),  # its score optimizer's moments
     ],
-    ids=["scaffold", "scaffold-r_e=2", "feddiffuse-ulatdec", "moon", "fedphd"],
+    ids=["scaffold", "scaffold-r_e=2", "feddiffuse-ulatdec", "moon", "fedphd", "prism"],
 )
 def test_devices_restarted_mid_run_end_at_the_uninterrupted_model(
     tmp_path: Path, algorithm: dict[str, Any], edge_every: int

@@ -116,11 +116,18 @@ FEDPHD = {
 }
 
 
+PRISM = {
+    "run": {"name": "agree-prism", "rounds": 2},
+    "federation": {"num_devices": 4, "num_edges": 2},
+    "algorithm": {"name": "prism", "prism_local_iters": 2},
+}
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"run": {"name": "agree", "rounds": 2}, "federation": {"num_devices": 4, "num_edges": 2}},
-     FEDPHD],
-    ids=["fedavg-static", "fedphd-select"],
+     FEDPHD, PRISM],
+    ids=["fedavg-static", "fedphd-select", "prism-bits"],
 )  # fmt: skip
 def test_mqtt_and_memory_bus_agree(broker: LocalBroker, overrides: dict) -> None:  # type: ignore[type-arg]
     """Same config and seed: identical final model, message counts and blob bytes (FedAvg on

@@ -82,12 +82,21 @@ def _finish(hier: Hierarchy, timeout_s: float = 150) -> dict[str, Any]:
     return dict(json.loads((hier.run_dir / "summary.json").read_text()))
 
 
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "fedavg"}, {"name": "prism", "prism_local_iters": 12}],
+    ids=["fedavg", "prism"],
+)
 def test_cloud_sigkill_resumes_to_the_uninterrupted_model(
-    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy]
+    tmp_path: Path, hierarchy: Callable[[RunConfig, Path], Hierarchy], algorithm: dict[str, Any]
 ) -> None:
     """SIGKILL the cloud after its second checkpoint; the restarted cloud resumes at the next
-    round and ends with the same global model as an uninterrupted run of the same seed."""
-    cfg, path = _setup(tmp_path, "killcloud", run={"rounds": 5}, train={"local_steps": 12})
+    round and ends with the same global model as an uninterrupted run of the same seed
+    (PRISM: its probabilities, mask counts and MADA step come back from the checkpoint, and
+    MADA's draws are seeded by the step)."""
+    cfg, path = _setup(
+        tmp_path, "killcloud", run={"rounds": 5}, train={"local_steps": 12}, algorithm=algorithm
+    )
     reference = simulate(cfg, tmp_path / "reference", progress=False, evaluate=False)
 
     hier = hierarchy(cfg, path)

@@ -191,6 +191,12 @@ def run_compare(
     for m in spec.methods:  # refused now, not after the methods before it have trained
         check_trainable(m.cfg.model.preset)
     out.mkdir(parents=True, exist_ok=True)
+    if any(m.cfg.algorithm.name == "prism" for m in spec.methods):
+        from estuary.simulate import announce_prism_key
+
+        # one key for every PRISM method (the same frozen weights and first scores), kept
+        # in ``out`` so reused and resumed methods share it; jobs inherit the environment
+        announce_prism_key(out, show=progress)
     n = len(spec.methods)
     done: dict[str, MethodRun] = {}
     todo: list[tuple[int, Method, str]] = []  # (position, method, init fingerprint)

@@ -45,6 +45,9 @@ COLUMNS: list[tuple[str, str, int]] = [
     ("weighted_per_window", "weighted cost/window", 3),
     ("paper_cost_per_window", "Table IV rule/window", 3),
     ("total_mib", "total MiB", 2),
+    ("device_up_bytes", "device upload B/round", 0),
+    ("bits_per_weight", "upload bits/weight", 3),
+    ("device_round_bytes", "device round B (down + up)", 0),
     ("rounds", "rounds", 0),
     ("central_aggs", "central aggs", 0),
     ("local_steps", "local steps", 0),
@@ -103,6 +106,11 @@ def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str,
         fed, down=pl.down, up=pl.up, edge_state=pl.edge_state, global_state=pl.global_state
     )
     everything = acc.split_received(run.traffic.get("bytes", {}))
+    # what one device sends (and fetches) in a round, from the byte counters
+    uploads = sum(r.get("updates", 0) for r in run.rows)
+    up = sum(r.get("bytes", {}).get("received:device_update", 0) for r in run.rows)
+    down = sum(r.get("bytes", {}).get("received:edge_model", 0) for r in run.rows)
+    device_up = up / uploads if uploads else None
     s = _per_participant_steps(run)
     k_c, k_e = acc.aggregations_per_window(fed, steps_per_round=s, window_steps=window)
     paper = acc.paper_comm_cost(
@@ -120,6 +128,9 @@ def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str,
         "payload": pl.payload,
         "total_bytes": everything.total,
         "total_mib": acc.mib(everything.total),
+        "device_up_bytes": device_up,
+        "bits_per_weight": 8 * device_up / pl.model_params if device_up else None,
+        "device_round_bytes": (up + down) / uploads if uploads else None,
         "central_aggs": len(ps),
         "steady_periods": len(acc.steady_periods(ps, str(run.rows[-1].get("arch", "dense")))),
         "flat": flat,
@@ -129,8 +140,10 @@ def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str,
 def _no_comm() -> dict[str, Any]:
     zero = ("cloud_bytes_per_agg", "edge_bytes_per_agg", "cloud_mib_per_agg", "total_bytes")
     rest = ("cloud_mib_per_agg_analytic", "edge_mib_per_agg", "weighted_per_window")
+    device = ("device_up_bytes", "bits_per_weight", "device_round_bytes")
     return {
         **dict.fromkeys(zero + rest, 0),
+        **dict.fromkeys(device, 0),
         "paper_cost_per_window": 0.0,
         "total_mib": 0.0,
         "central_aggs": 0,
@@ -257,6 +270,9 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
             if any(r.get("deterministic") for r in rows)
             else []
         ),
+        "device upload B/round: the bytes of one device's upload blob, mean over every "
+        "upload of the run (received:device_update / updates); upload bits/weight: 8 x that "
+        "/ params; device round B: that plus the device's download of the edge model.",
         "MiB = 2^20 bytes (the paper's MB). V = 4 B x params of the final model. "
         "agg = one central aggregation period; per-agg and per-window figures are means over the "
         "periods trained on the final architecture, totals cover the whole run. "

@@ -10,6 +10,7 @@ from shared.algorithms import feddiffuse as _feddiffuse  # noqa: F401  (register
 from shared.algorithms import fedphd as _fedphd  # noqa: F401  (registers "fedphd")
 from shared.algorithms import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
 from shared.algorithms import moon as _moon  # noqa: F401  (registers "moon")
+from shared.algorithms import prism as _prism  # noqa: F401  (registers "prism")
 from shared.algorithms import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
 from shared.algorithms.base import (
     Algorithm,

@@ -84,7 +84,7 @@ class LocalResult:
     train: TrainResult
 
 
-def _state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+def optimizer_state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state dict with every tensor copied to the CPU."""
     return {
         "state": {
@@ -169,7 +169,8 @@ class Algorithm(ABC):
                 labels=ctx.labels, device=device, optimizer=opt, **hooks,
             )  # fmt: skip
             if opt is not None:
-                ctx.state[OPTIMIZER_STATE] = (_shapes(opt), _state_on_cpu(opt.state_dict()))
+                kept = optimizer_state_on_cpu(opt.state_dict())
+                ctx.state[OPTIMIZER_STATE] = (_shapes(opt), kept)
         return result
 
     @property
@@ -257,6 +258,34 @@ class Algorithm(ABC):
     @abstractmethod
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
         """Combine edge states into the global state."""
+
+    def materialize(self, state: TensorDict) -> TensorDict:
+        """The model's tensors a state stands for, as the roles and export build a module
+        from it (the cloud's global module, evaluation, ONNX export, deployment). The
+        default: the state itself (it holds the model's tensors; extra ones are ignored)."""
+        return state
+
+    def origin(self) -> str | None:
+        """What the first global state derives from besides ``model.init`` (PRISM: its
+        key, by fingerprint), recorded in checkpoints: a resume under another origin is
+        refused. None: nothing else."""
+        return None
+
+    def card_entry(self, module: nn.Module) -> dict[str, Any]:
+        """What this algorithm records about a model it produced in the model card, under
+        its name (PRISM: bits per weight, mask density, the key's fingerprint); nothing by
+        default."""
+        return {}
+
+    def round_report(self, state: TensorDict) -> dict[str, float]:
+        """Figures of the cloud's state after an aggregation, recorded per round (the run's
+        metrics, its summary and Prometheus); none by default."""
+        return {}
+
+    def round_limit(self, rounds: int) -> int:
+        """How many of the configured ``rounds`` the run may train: an algorithm with a
+        budget (a privacy budget) ends the run earlier; all of them by default."""
+        return rounds
 
     def after_cloud_aggregate(
         self, round_: int, state: TensorDict, plan: ChannelPlan | None

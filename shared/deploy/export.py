@@ -388,8 +388,12 @@ def export_module(
             f"trajectory), above the threshold {threshold:g}"
         )
     card["parity"] = parity.to_dict()
+    algorithm = algorithm or make_algorithm(cfg)
+    entry = algorithm.card_entry(unet)
+    if entry:
+        card[algorithm.name] = entry
     out_dir.mkdir(parents=True, exist_ok=True)
-    shared = _write_shared(algorithm or make_algorithm(cfg), unet, out_dir, card)
+    shared = _write_shared(algorithm, unet, out_dir, card)
     model_path = out_dir / "model.onnx"
     atomic_write(model_path, onnx_bytes)
     atomic_write(out_dir / "card.json", (json.dumps(card, indent=2) + "\n").encode())

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.algorithms import make_algorithm
 from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
@@ -33,10 +34,13 @@ def model_from_state(
 ) -> torch.nn.Module:
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
-    variate) are ignored; every module tensor must be present."""
+    variate) are ignored; every module tensor must be present. The configured algorithm
+    materializes the state first (:meth:`~shared.algorithms.base.Algorithm.materialize`:
+    PRISM's probabilities become the dense weights of one fixed mask)."""
     model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
     keys = set(model.state_dict())
-    model.load_state_dict({k: v for k, v in state.items() if k in keys})
+    tensors = make_algorithm(cfg).materialize(state)
+    model.load_state_dict({k: v for k, v in tensors.items() if k in keys})
     return model.eval()
 
 

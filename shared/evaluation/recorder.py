@@ -105,6 +105,7 @@ class RunRecorder:
             "arch": s.arch,
             "trained_arch": s.trained_arch,
             "edges": s.edges,
+            "algorithm": dict(getattr(s, "algorithm", {})),
             "durations": {
                 "round_s": round(s.round_seconds, 4),
                 "aggregation_s": round(s.aggregation_seconds, 4),
@@ -122,7 +123,7 @@ class RunRecorder:
 
     def _evaluate(self, s: Any, row: dict[str, Any]) -> None:
         ev = self.cfg.eval
-        last = s.round + 1 >= self.cfg.run.rounds
+        last = getattr(s, "final", False) or s.round + 1 >= self.cfg.run.rounds
         want_grid = ev.sample_every and ((s.round + 1) % ev.sample_every == 0 or last)
         want_eval = self.evaluator is not None and ((s.round + 1) % ev.every == 0 or last)
         if not (want_grid or want_eval) or self.model_fn is None:

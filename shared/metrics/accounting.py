@@ -230,7 +230,9 @@ class Payloads:
     edge_state: int  # edge -> cloud
     global_state: int  # cloud -> edge
     model_params: int  # parameters of the model (V = 4 x this)
-    up_params: float  # parameters in the mean device upload (SCAFFOLD: 2 x the model)
+    #: the mean device upload in fp32 parameters' worth of bytes (SCAFFOLD: 2 x the
+    #: model; PRISM's bit-packed masks: 1/32 of the masked weights)
+    up_params: float
 
     @property
     def payload(self) -> float:
@@ -254,7 +256,8 @@ def payloads(cfg: RunConfig, plan: ChannelPlan | None = None) -> Payloads:
     uspec = algo.upload_spec(gspec)
     g, u = encoded_bytes(gspec), encoded_bytes(uspec)
     params = sum(math.prod(s.shape) for s in mspec.values())
-    up_params = float(sum(math.prod(s.shape) for s in uspec.values()))
+    # in fp32 parameters' worth of bytes: a packed bit vector (PRISM) is 1/32 of its weights
+    up_params = sum(math.prod(s.shape) * s.dtype.itemsize for s in uspec.values()) / FP32_BYTES
     if algo.partial_uploads and cfg.algorithm.name == "feddiffuse":
         c, e = participants_per_round(cfg.federation), cfg.federation.num_edges
         groups = [c // e + (1 if i < c % e else 0) for i in range(e)]

@@ -207,6 +207,13 @@ class RoleMetrics:
         self.sh_score = Gauge("estuary_sh_score", "SH score, per edge.", ("edge",), registry=reg)
         self.model_params = Gauge("estuary_model_params", "Model parameters.", registry=reg)
         self.model_bytes = Gauge("estuary_model_bytes", "Encoded model size.", registry=reg)
+        self.algorithm_figure = Gauge(
+            "estuary_algorithm_figure",
+            "A figure the algorithm reports of the global state after each aggregation "
+            "(PRISM: mask density, MADA lambda, privacy loss epsilon spent).",
+            ("figure",),
+            registry=reg,
+        )
         device_reg = reg if role == "device" else None  # the next three exist on devices only
         self.training_images = Gauge(
             "estuary_training_images",

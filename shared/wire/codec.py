@@ -37,10 +37,61 @@ def sha256_hex(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Expected dtype and shape of one named tensor."""
+    """Expected dtype and shape of one named tensor. ``bits``: the tensor is ``bits`` bits
+    packed into uint8 bytes by :func:`pack_bits` (shape ``[ceil(bits / 8)]``), and its
+    padding bits must be zero."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    bits: int | None = None
+
+
+def packed_spec(bits: int) -> TensorSpec:
+    """The spec of ``bits`` bits as :func:`pack_bits` packs them."""
+    import torch
+
+    if bits < 1:
+        raise ValueError(f"a packed bit vector holds at least one bit, not {bits}")
+    return TensorSpec(((bits + 7) // 8,), torch.uint8, bits)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a tensor of 0/1 values (any shape, read flat in C order) into uint8 bytes.
+
+    Bit order (the wire's, and the compact artifact's): element ``8 j + i`` is bit ``i``
+    (value ``1 << i``) of byte ``j`` -- little bit order, as ``numpy.packbits(...,
+    bitorder="little")``. A length that is not a multiple of 8 is padded with zero bits."""
+    import torch
+
+    flat = mask.detach().reshape(-1).to("cpu")
+    if flat.numel() == 0:
+        raise ValueError("nothing to pack")
+    bits = flat.to(torch.uint8)
+    if bool((bits > 1).any()):
+        raise ValueError("pack_bits takes 0/1 values only")
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The first ``bits`` bits of :func:`pack_bits`'s bytes as a flat uint8 tensor of 0/1.
+    CodecError when the byte count is not ``ceil(bits / 8)`` or a padding bit is set."""
+    import torch
+
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != (bits + 7) // 8:
+        raise CodecError(
+            f"a packed vector of {bits} bits is {(bits + 7) // 8} uint8 bytes, "
+            f"got {packed.dtype} {list(packed.shape)}"
+        )
+    shifts = torch.arange(8, dtype=torch.uint8)
+    out = (packed.reshape(-1, 1) >> shifts) & 1
+    out = out.reshape(-1)
+    if bool(out[bits:].any()):
+        raise CodecError(f"non-zero padding bit after bit {bits} of a packed vector")
+    return out[:bits]
 
 
 def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
@@ -131,6 +182,10 @@ def check_spec(
                 f"tensor {name!r}: expected {spec.dtype} {list(spec.shape)}, "
                 f"got {t.dtype} {list(t.shape)}"
             )
+        if spec.bits is not None and spec.bits % 8:
+            last = int(t[-1])  # the padding bits are the high bits of the last byte
+            if last >> (spec.bits % 8):
+                raise CodecError(f"tensor {name!r}: non-zero padding bit after bit {spec.bits}")
 
 
 def read_metadata(data: bytes) -> dict[str, str]:
