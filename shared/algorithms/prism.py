@@ -94,6 +94,9 @@ PROB = "prism.prob/"
 #: ``DeviceContext.state`` entries: the frozen weights (a cache), the probabilities loaded
 #: this round, the score optimizer's state, the rounds this device has released under DP
 WINIT, LOADED, ADAM, RELEASES = "prism.winit", "prism.theta", "prism.adam", "prism.releases"
+#: the score optimizer's state a round started from (so that a round trained again, after a
+#: cloud restart re-announced it, starts from the same moments: the same update)
+ADAM_BEFORE = "prism.adam_before"
 #: float32 keeps integers exactly up to 2**24
 MAX_EXACT = float(2**24)
 #: the Renyi orders the accountant optimizes over (Opacus's defaults)
@@ -314,16 +317,24 @@ class Prism(Algorithm):
         model.load_state_dict(dense)
         ctx.state[LOADED] = {n: state[THETA + n].detach().clone() for n in frozen}
 
-    def _optimizer(self, ctx: DeviceContext, net: MaskedModule) -> torch.optim.Optimizer:
+    def _optimizer(
+        self, ctx: DeviceContext, net: MaskedModule, round_: int
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """Adam on the scores, from the moments the device's last earlier round left (the
+        entry ``(round, shapes, state)``); a round trained again starts where it first
+        started. Returns the optimizer and the entry it started from."""
         st = self.settings
         opt = torch.optim.Adam(
             list(net.scores), lr=st.prism_lr, betas=(st.prism_beta1, st.prism_beta2)
         )
         shapes = tuple(tuple(p.shape) for p in net.scores)
         kept = ctx.state.get(ADAM)
-        if kept is not None and kept[0] == shapes:
-            opt.load_state_dict(copy.deepcopy(kept[1]))
-        return opt
+        if kept is not None and kept[0] >= round_:  # this round again (or the run restarted)
+            kept = ctx.state.get(ADAM_BEFORE)
+        if kept is not None and kept[0] < round_ and kept[1] == shapes:
+            opt.load_state_dict(copy.deepcopy(kept[2]))
+            return opt, kept
+        return opt, None
 
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
@@ -351,14 +362,16 @@ class Prism(Algorithm):
         scores = {n: logit(theta[n], st.prism_mask_eps) for n in frozen}
         seed = int(torch.randint(0, 2**62, (), generator=ctx.generator))
         net = MaskedModule(model, frozen, scores, estimator=st.prism_estimator, seed=seed)
-        opt = self._optimizer(ctx, net)
+        opt, started = self._optimizer(ctx, net, round_)
         train_cfg = self.cfg.train.model_copy(update={"grad_clip": 0.0})
         result = train_local(
             net, ctx.data, train_cfg, self.scheduler, ctx.generator,
             steps=st.prism_local_iters, device=self.training_device, optimizer=opt,
             loss_fn=ddpm_loss,  # an explicit loss keeps the step eager (no CUDA graph)
         )  # fmt: skip
+        ctx.state[ADAM_BEFORE] = started
         ctx.state[ADAM] = (
+            round_,
             tuple(tuple(p.shape) for p in net.scores),
             optimizer_state_on_cpu(opt.state_dict()),
         )
@@ -447,7 +460,7 @@ class Prism(Algorithm):
         """Distance between a seeded Bernoulli sample of ``old`` and one of ``new``."""
         rng = np.random.default_rng([self.cfg.run.seed, step, 0x4D414441])  # "MADA"
         a, b = {}, {}
-        for key in new:
+        for key in sorted(new):  # a resumed state comes back in sorted order
             u = torch.from_numpy(rng.random(new[key].numel(), dtype=np.float32))
             v = torch.from_numpy(rng.random(new[key].numel(), dtype=np.float32))
             a[key] = (u < old[key].reshape(-1)).float()
