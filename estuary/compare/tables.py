@@ -313,12 +313,13 @@ def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
     done = np.cumsum(run.steps)
     flat = acc.is_flat(run.method.cfg.federation)
     x, mib, cost = [0.0], [0.0], [0.0]  # cumulative curves start at the origin
-    fid_x, fid = [], []
-    total = weighted = 0.0
+    fid_x, fid, fid_up = [], [], []
+    total = weighted = uploaded = 0.0
     for row in run.rows:
         step = float(done[row["round"]])
         b = acc.split_received(row.get("bytes", {}))
         total += acc.mib(b.total)
+        uploaded += acc.mib(row.get("bytes", {}).get("received:device_update", 0))
         weighted += acc.weighted_cost(b, flat=flat, d=d) if not run.method.centralized else 0.0
         x.append(step)
         mib.append(total)
@@ -326,11 +327,13 @@ def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
         if row.get("quality"):
             fid_x.append(step)
             fid.append(row["quality"]["fid"])
-    return {"x": x, "fid_x": fid_x, "fid": fid, "mib": mib, "cost": cost}
+            fid_up.append(uploaded)
+    return {"x": x, "fid_x": fid_x, "fid": fid, "fid_up": fid_up, "mib": mib, "cost": cost}
 
 
 def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
-    """``quality.png`` (FID) and ``bytes.png`` (cumulative traffic and the weighted cost at
+    """``quality.png`` (FID against local steps, and against the cumulative bytes the
+    devices uploaded) and ``bytes.png`` (cumulative traffic and the weighted cost at
     distances ``d``, the comparison's ``d_e``/``d_c``), every method on each."""
     import matplotlib
 
@@ -338,15 +341,20 @@ def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
     import matplotlib.pyplot as plt
 
     curves = [(run.method.label, _curves(run, d)) for run in runs]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for label, c in curves:
         if c["fid"]:
-            ax.plot(c["fid_x"], c["fid"], marker="o", ms=3, label=label)
+            axes[0].plot(c["fid_x"], c["fid"], marker="o", ms=3, label=label)
+            if c["fid_up"][-1] > 0:  # a federated method: FID against what devices sent
+                axes[1].plot(c["fid_up"], c["fid"], marker="o", ms=3, label=label)
     if not any(c["fid"] for _, c in curves):
-        ax.text(0.5, 0.5, "no quality evaluation in this comparison", ha="center", va="center")
-    ax.set(xlabel="local training steps, all devices (equal-compute axis)", ylabel="FID")
-    ax.set_title("sample quality (lower is better)")
-    _finish(fig, ax, out / "quality.png")
+        for a in axes:
+            a.text(0.5, 0.5, "no quality evaluation in this comparison", ha="center", va="center")
+    axes[0].set(xlabel="local training steps, all devices (equal-compute axis)", ylabel="FID")
+    axes[0].set_title("sample quality (lower is better)")
+    axes[1].set(xlabel="cumulative device uploads, MiB (log)", ylabel="FID", xscale="symlog")
+    axes[1].set_title("sample quality against what the devices uploaded")
+    _finish(fig, axes, out / "quality.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for label, c in curves:
