@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from estuary.compare.spec import Method, MethodRun
+from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
 from shared.config.algorithms import FedPhDConfig
 from shared.errors import ConfigError
@@ -49,8 +50,12 @@ def _training_key(m: Method) -> dict[str, Any]:
 
 
 def fingerprint(m: Method) -> str:
-    """``m``'s ``model.init`` as :func:`~shared.models.init.init_fingerprint` names it now."""
-    return init_fingerprint(m.cfg.model.preset, m.cfg.model.init)
+    """``m``'s ``model.init`` as :func:`~shared.models.init.init_fingerprint` names it now,
+    with what else its first state derives from (PRISM: the key's fingerprint), so a run
+    trained under another key is not reused."""
+    init = init_fingerprint(m.cfg.model.preset, m.cfg.model.init)
+    origin = None if m.centralized else make_algorithm(m.cfg).origin()
+    return init if origin is None else f"{init}+{origin}"
 
 
 def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> None:
