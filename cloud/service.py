@@ -443,7 +443,7 @@ class CloudServer(RoleService):
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
                 self.model_sha = model_digest(self.model)
-                for figure, value in self.algorithm.round_report(self.model).items():
+                for figure, value in self.algorithm.round_report(r, self.model).items():
                     self.metrics.algorithm_figure.labels(figure=figure).set(value)
                 self.fresh_global, aggregated = True, True
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
@@ -489,7 +489,7 @@ class CloudServer(RoleService):
             arch=plan_digest(self.plan),
             trained_arch=trained_arch,
             final=r + 1 >= self.rounds,
-            algorithm=self.algorithm.round_report(self.model),
+            algorithm=self.algorithm.round_report(r, self.model),
         )
 
     def _put_global(self) -> None:

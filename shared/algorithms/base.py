@@ -277,9 +277,9 @@ class Algorithm(ABC):
         default."""
         return {}
 
-    def round_report(self, state: TensorDict) -> dict[str, float]:
-        """Figures of the cloud's state after an aggregation, recorded per round (the run's
-        metrics, its summary and Prometheus); none by default."""
+    def round_report(self, round_: int, state: TensorDict) -> dict[str, float]:
+        """Figures of the cloud's state at the end of round ``round_``, recorded per round
+        (the run's metrics, its summary and Prometheus); none by default."""
         return {}
 
     def round_limit(self, rounds: int) -> int:

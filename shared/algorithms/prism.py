@@ -261,14 +261,17 @@ class Prism(Algorithm):
         thetas = [v for k, v in state.items() if k.startswith(THETA)]
         return float(sum(float(t.sum()) for t in thetas) / sum(t.numel() for t in thetas))
 
-    def round_report(self, state: TensorDict) -> dict[str, float]:
+    def round_report(self, round_: int, state: TensorDict) -> dict[str, float]:
+        """Mask density, MADA's last lambda and, with privacy on, the epsilon a device that
+        uploaded in every round so far has spent (devices release every round, also between
+        cloud aggregations)."""
         out = {"density": round(self.mask_density(state), 6)}
         if self.last_lambda is not None:
             out["mada_lambda"] = round(self.last_lambda, 6)
         st = self.settings
         if st.prism_dp_noise > 0:
-            rounds = int(state[STEP])
-            out["dp_epsilon"] = round(dp_epsilon(st.prism_dp_noise, rounds, st.prism_dp_delta), 6)
+            spent = dp_epsilon(st.prism_dp_noise, round_ + 1, st.prism_dp_delta)
+            out["dp_epsilon"] = round(spent, 6)
         return out
 
     def round_limit(self, rounds: int) -> int:
