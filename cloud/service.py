@@ -443,13 +443,14 @@ class CloudServer(RoleService):
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
                 self.model_sha = model_digest(self.model)
-                for figure, value in self.algorithm.round_report(r, self.model).items():
-                    self.metrics.algorithm_figure.labels(figure=figure).set(value)
                 self.fresh_global, aggregated = True, True
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
                 self._checkpoint(r)
         summary = self._summarize(r, aggregated, agg_seconds, trained_arch)
+        if aggregated:
+            for figure, value in summary.algorithm.items():
+                self.metrics.algorithm_figure.labels(figure=figure).set(value)
         self.metrics.round_seconds.observe(summary.round_seconds)
         self.round = r + 1
         if self.on_round_end is not None:

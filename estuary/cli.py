@@ -109,12 +109,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from shared.config import with_overrides
     from shared.diffusion.training import resolve_device
     from shared.evaluation.evaluator import Evaluator, model_from_state
-    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+    from shared.models.checkpoint import checkpoint_of, load_checkpoint
 
-    run_dir = Path(args.run_dir)
-    path = latest_checkpoint_path(run_dir / "checkpoints") if run_dir.is_dir() else run_dir
-    if path is None or not path.is_file():
-        raise EstuaryError(f"no checkpoint found in {run_dir}/checkpoints")
+    path = checkpoint_of(Path(args.run_dir))
     ckpt = load_checkpoint(path)
     cfg = ckpt.config
     if args.num_samples is not None:

@@ -27,14 +27,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
     """Write the compact artifact of a PRISM checkpoint."""
     from shared.algorithms import make_algorithm
     from shared.atomic import atomic_write
-    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
-    from shared.models.masking import COMPACT_FORMAT, compact_tensors, load_key
+    from shared.models.checkpoint import checkpoint_of, load_checkpoint
+    from shared.models.masking import COMPACT_FORMAT, compact_tensors, is_masked, load_key
     from shared.wire.codec import encode_tensors
 
-    source = Path(args.source)
-    path = latest_checkpoint_path(source / "checkpoints") if source.is_dir() else source
-    if path is None or not path.is_file():
-        raise EstuaryError(f"no checkpoint found in {source}")
+    path = checkpoint_of(Path(args.source))
     ckpt = load_checkpoint(path)
     cfg = ckpt.config
     if cfg.algorithm.name != "prism":
@@ -53,17 +50,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
     data = encode_tensors(tensors, meta)
     out = Path(args.out)
     atomic_write(out, data)
-    masked = sum(int(t.numel()) for k, t in dense.items() if k in _masked(dense))
+    masked = sum(t.numel() for k, t in dense.items() if is_masked(k, tuple(t.shape)))
     print(json.dumps({"out": str(out), "bytes": len(data), "masked_weights": masked,
                       "dense_fp32_bytes": 4 * sum(t.numel() for t in dense.values()),
                       **meta}, indent=2))  # fmt: skip
     return 0
-
-
-def _masked(dense: dict[str, Any]) -> set[str]:
-    from shared.models.masking import is_masked
-
-    return {k for k, v in dense.items() if is_masked(k, tuple(v.shape))}
 
 
 def cmd_unpack(args: argparse.Namespace) -> int:

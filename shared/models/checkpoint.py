@@ -110,6 +110,15 @@ def is_checkpoint(data: bytes) -> bool:
     return read_metadata(data).get("format") == CHECKPOINT_FORMAT
 
 
+def checkpoint_of(source: Path) -> Path:
+    """The checkpoint ``source`` names: a run directory's latest, or the file itself;
+    EstuaryError when there is none."""
+    path = latest_checkpoint_path(source / "checkpoints") if source.is_dir() else source
+    if path is None or not path.is_file():
+        raise EstuaryError(f"no checkpoint found in {source}")
+    return path
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Load and verify a checkpoint file (safetensors only; nothing is unpickled)."""
     return decode_checkpoint(path.read_bytes(), path)
