@@ -26,7 +26,7 @@ from shared.errors import CodecError, ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
 from shared.evaluation.report import last_quality, plot_report
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
-from shared.models.init import init_fingerprint, initial_unet
+from shared.models.init import init_fingerprint, initial_model
 from shared.models.plan import ChannelPlan, model_spec, plan_doc
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
@@ -133,7 +133,7 @@ def fresh_start(cfg: RunConfig) -> ResumePoint:
     around the load (a file replaced while it was read is a ConfigError, not a checkpoint
     recording other weights than the run started from)."""
     before = init_fingerprint(cfg.model.preset, cfg.model.init)
-    model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     if init_fingerprint(cfg.model.preset, cfg.model.init) != before:
         raise ConfigError(f"model.init {cfg.model.init} changed while it was read; start again")
     origin = make_algorithm(cfg).origin()  # recorded beside model.init in every checkpoint

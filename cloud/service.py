@@ -27,6 +27,7 @@ from shared.algorithms import Algorithm, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
+from shared.evaluation.evaluator import model_from_state
 from shared.models.checkpoint import model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
@@ -218,12 +219,9 @@ class CloudServer(RoleService):
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
 
     def global_module(self) -> nn.Module:
-        """The current global model as a module (its architecture rebuilt from the plan)."""
-        module = build_model(self.cfg.model.preset, self.plan, seed=self.cfg.run.seed)
-        keys = set(module.state_dict())
-        tensors = self.algorithm.materialize(self.model)
-        module.load_state_dict({k: v for k, v in tensors.items() if k in keys})
-        return module
+        """The current global model as a module in eval mode (its architecture rebuilt from
+        the plan; see :func:`~shared.evaluation.evaluator.model_from_state`)."""
+        return model_from_state(self.cfg, self.model, self.plan, algorithm=self.algorithm)
 
     def model_params(self) -> int:
         """Parameters of the global model (the algorithm's extra state not counted)."""

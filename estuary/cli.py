@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from shared.errors import EstuaryError
+from shared.errors import ConfigError, EstuaryError
 
 #: modules of the "train" extra; a sampling-only install lacks them
 TRAIN_MODULES = frozenset({"torch", "diffusers", "torch_pruning", "safetensors", "scipy",
@@ -142,14 +142,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from shared.models.presets import build_unet, model_info
+    from shared.models.masking import is_masked
+    from shared.models.presets import build_unet, kind_of, model_info, state_spec
 
+    kind = kind_of(args.preset)
     if args.prune_sp is None:
         info = model_info(args.preset).to_dict()
+    elif kind != "unet":
+        raise ConfigError(f"--prune-sp: {args.preset!r} is a one-shot generator; U-Nets prune")
     else:
         from torch import nn
 
-        from shared.models.presets import state_spec
         from shared.models.pruning import prune_unet
 
         def pruned() -> nn.Module:
@@ -164,13 +167,19 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
             "seed": args.prune_seed,
             "removed": round(1 - info["params"] / dense, 4),
         }
+    info["kind"] = kind
+    # what PRISM masks (one bit each on the wire): every weight of two or more dimensions
+    info["masked_weights"] = sum(
+        math.prod(s.shape) for n, s in state_spec(args.preset).items() if is_masked(n, s.shape)
+    )
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         pruned_by = f" (pruned {args.prune_sp:g} by {args.prune_method})" if "prune" in info else ""
         print(
             f"{info['preset']}{pruned_by}: {info['params_m']} M params, {info['gmacs']} GMACs "
-            f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mib']} MiB fp32"
+            f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mib']} MiB fp32, "
+            f"{info['masked_weights']:,} maskable weights ({kind})"
         )
     return 0
 

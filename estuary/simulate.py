@@ -32,7 +32,7 @@ from shared.data.partition import label_count_matrix, split_dataset
 from shared.diffusion.training import set_deterministic
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import plot_report
-from shared.models.init import initial_unet
+from shared.models.init import initial_model
 from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
@@ -84,7 +84,7 @@ def build_federation(
 
     Every service gets its own algorithm instance; nothing is shared but the bus.
     """
-    initial = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
+    initial = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
     cloud = CloudServer(
         cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
         checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,

@@ -21,7 +21,7 @@ from shared.config import load_config
 from shared.diffusion.training import resolve_device
 from shared.evaluation import quality
 from shared.evaluation.evaluator import Evaluator, model_from_state, reference_images
-from shared.models.init import PRETRAINED, initial_unet
+from shared.models.init import PRETRAINED, initial_model
 from shared.models.presets import build_unet
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     )
     pretrained = None
     if cfg.model.preset in PRETRAINED:
-        pretrained = ev.evaluate(initial_unet(cfg.model.preset, "pretrained").eval())
+        pretrained = ev.evaluate(initial_model(cfg.model.preset, "pretrained").eval())
     out = {
         "protocol": {
             "n_fake": cfg.eval.num_samples,

@@ -1,15 +1,23 @@
 #!/usr/bin/env python
-"""Train the Fashion-MNIST feature extractor used by ``shared.evaluation.quality`` (FID and
-friends).
+"""Train a Fashion-MNIST feature network: the FID extractor or the feature-matching kernel.
 
 Usage (from the repository root)::
 
     python scripts/train_feature_classifier.py --epochs 5 --seed 0
+    python scripts/train_feature_classifier.py --net match --epochs 3
 
-Trains :class:`shared.evaluation.quality.FeatureNet` on the 60k train split, reports accuracy
-on the 10k test split and, only if it reaches ``--min-accuracy`` (0.90), writes the weights
-atomically as safetensors (never pickle) plus a ``.json`` sidecar, and prints the file's
-sha256. Put that hash into ``FEATURE_WEIGHTS_SHA256`` in ``shared/evaluation/quality.py``.
+``--net fid`` (default) trains :class:`shared.evaluation.quality.FeatureNet`, the extractor
+used by ``shared.evaluation.quality`` (FID and friends); put the printed hash into
+``FEATURE_WEIGHTS_SHA256`` in ``shared/evaluation/quality.py``. ``--net match`` trains
+:class:`shared.models.feature_match.MatchNet`, the separate network whose features are PRISM's
+feature-matching training loss (kept apart from the FID net so FID stays an independent
+judge); put the printed hash into ``MATCH_WEIGHTS_SHA256`` in
+``shared/models/feature_match.py``. ``--seed`` defaults to 0 for fid and 1 for match.
+
+Both are trained on the 60k train split with the same loop, optimizer and augmentation; the
+script reports accuracy on the 10k test split and, only if it reaches ``--min-accuracy``
+(0.90), writes the weights atomically as safetensors (never pickle) plus a ``.json`` sidecar,
+and prints the file's sha256.
 
 All randomness (initialisation, shuffling, augmentation) comes from one ``torch.Generator``
 seeded with ``--seed``; global RNGs are never seeded or used. With the same seed, thread
@@ -27,23 +35,56 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from shared.data.datasets import load_fashion_mnist, to_model_input
 from shared.errors import EstuaryError
 from shared.evaluation.quality import DEFAULT_WEIGHTS, EXTRACTOR_NAME, FeatureNet
+from shared.models.feature_match import MATCH_EXTRACTOR_NAME, MATCH_WEIGHTS, MatchNet
 from shared.wire.codec import write_asset
 
 MIN_ACCURACY = 0.90
+#: per ``--net``: (default seed, default output file, extractor name, where the hash goes)
+NETS: dict[str, tuple[int, Path, str, str]] = {
+    "fid": (
+        0,
+        DEFAULT_WEIGHTS,
+        EXTRACTOR_NAME,
+        "FEATURE_WEIGHTS_SHA256 in shared/evaluation/quality.py",
+    ),
+    "match": (
+        1,
+        MATCH_WEIGHTS,
+        MATCH_EXTRACTOR_NAME,
+        "MATCH_WEIGHTS_SHA256 in shared/models/feature_match.py",
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--net",
+        choices=sorted(NETS),
+        default="fid",
+        help="fid: FID extractor FeatureNet; match: PRISM feature-matching kernel MatchNet",
+    )
     p.add_argument("--epochs", type=int, default=5, help="passes over the train split")
-    p.add_argument("--seed", type=int, default=0, help="seed of the one torch.Generator used")
-    p.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file to write")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the one torch.Generator used (default: 0 for fid, 1 for match)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="weights file to write (default: the shipped asset of --net)",
+    )
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (one-cycle AdamW)")
     p.add_argument("--weight-decay", type=float, default=5e-4)
@@ -54,11 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.threads < 1:
         p.error("--epochs, --batch-size and --threads must be >= 1")
+    default_seed, default_out, _, _ = NETS[args.net]
+    if args.seed is None:
+        args.seed = default_seed
+    if args.out is None:
+        args.out = default_out
     return args
 
 
 @torch.no_grad()
-def accuracy(model: FeatureNet, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
+def accuracy(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
     """Top-1 accuracy of ``model`` (eval mode) on uint8 images ``(N, 28, 28)``."""
     model.eval()
     correct = 0
@@ -68,12 +114,12 @@ def accuracy(model: FeatureNet, images: np.ndarray, labels: np.ndarray, batch: i
     return correct / len(labels)
 
 
-def train(args: argparse.Namespace) -> tuple[FeatureNet, float]:
+def train(args: argparse.Namespace) -> tuple[FeatureNet | MatchNet, float]:
     """Train from scratch; return the model (eval mode) and its test accuracy."""
     gen = torch.Generator().manual_seed(args.seed)
     train_set = load_fashion_mnist("train", args.data)
     test_set = load_fashion_mnist("test", args.data)
-    model = FeatureNet()
+    model: FeatureNet | MatchNet = FeatureNet() if args.net == "fid" else MatchNet()
     model.init_weights(gen)
     n = len(train_set)
     steps_per_epoch = (n + args.batch_size - 1) // args.batch_size
@@ -130,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    _, _, extractor_name, hash_constant = NETS[args.net]
     info: dict[str, object] = {
-        "extractor": EXTRACTOR_NAME,
+        "extractor": extractor_name,
         "test_accuracy": round(acc, 4),
         "seed": args.seed,
         "epochs": args.epochs,
@@ -139,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")
-    print("set FEATURE_WEIGHTS_SHA256 in shared/evaluation/quality.py to this value")
+    print(f"set {hash_constant} to this value")
     return 0
 
 

@@ -20,7 +20,7 @@ from cloud.service import check_round_start_fits, largest_round_start
 from shared.algorithms import make_algorithm
 from shared.errors import ConfigError
 from shared.metrics.prometheus import parse_exposition
-from shared.models.init import initial_unet
+from shared.models.init import initial_model
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.wire.messages import DeviceHello, EdgeUpdate, Topics, encode
@@ -35,7 +35,7 @@ def _cloud(**algorithm: Any) -> tuple[MemoryBus, CloudServer, Any, Topics]:
         algorithm={"name": "fedphd", **algorithm}, federation={"num_devices": 2, "num_edges": 2}
     )
     bus = MemoryBus(raise_errors=False)
-    state = dict(initial_unet(cfg.model.preset, cfg.model.init, seed=0).state_dict())
+    state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
     cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
     cloud.start()
     topics, ep = Topics(cfg.run.name), bus.endpoint("tester")

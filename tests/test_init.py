@@ -20,7 +20,7 @@ from shared.errors import ConfigError
 from shared.evaluation.evaluator import Evaluator
 from shared.models import init as model_init
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint, save_checkpoint
-from shared.models.init import initial_unet, load_init_state, pretrained_path
+from shared.models.init import initial_model, load_init_state, pretrained_path
 from shared.models.presets import build_unet
 from shared.runtime.process import EXIT_ERROR
 from shared.wire.codec import decode_tensors, encode_tensors, read_metadata, write_asset
@@ -48,7 +48,7 @@ def test_config_accepts_the_three_forms_and_nothing_else() -> None:
 def test_random_init_is_the_seeded_preset() -> None:
     assert load_init_state("fmnist-tiny", "random") is None
     assert _same(
-        initial_unet("fmnist-tiny", "random", seed=4).state_dict(),
+        initial_model("fmnist-tiny", "random", seed=4).state_dict(),
         build_unet("fmnist-tiny", seed=4).state_dict(),
     )
 
@@ -56,11 +56,11 @@ def test_random_init_is_the_seeded_preset() -> None:
 def test_bare_state_dict_and_dense_checkpoint_both_load(tmp_path: Path) -> None:
     source = build_unet("fmnist-tiny", seed=7).state_dict()
     bare = _save(tmp_path / "bare.safetensors", source)
-    assert _same(initial_unet("fmnist-tiny", str(bare), seed=0).state_dict(), source)
+    assert _same(initial_model("fmnist-tiny", str(bare), seed=0).state_dict(), source)
 
     cfg = tiny_config()
     ckpt = save_checkpoint(tmp_path / "ck", 3, dict(source), cfg, algo_state={"c": torch.ones(2)})
-    assert _same(initial_unet("fmnist-tiny", str(ckpt), seed=0).state_dict(), source)
+    assert _same(initial_model("fmnist-tiny", str(ckpt), seed=0).state_dict(), source)
 
 
 def test_unusable_files_are_refused_with_the_reason(tmp_path: Path) -> None:
@@ -138,8 +138,8 @@ def test_pretrained_generator_samples_far_better_than_random_init() -> None:
     cfg = config_from_dict({"eval": {"num_samples": 100, "num_reference": 1000,
                                      "sample_steps": 10}})  # fmt: skip
     evaluator = Evaluator(cfg)
-    fid_random = evaluator.evaluate(initial_unet("fmnist-tiny", "random"))["fid"]
-    fid_pretrained = evaluator.evaluate(initial_unet("fmnist-tiny", "pretrained"))["fid"]
+    fid_random = evaluator.evaluate(initial_model("fmnist-tiny", "random"))["fid"]
+    fid_pretrained = evaluator.evaluate(initial_model("fmnist-tiny", "pretrained"))["fid"]
     assert fid_pretrained < 0.5 * fid_random, (fid_pretrained, fid_random)
 
 

@@ -42,7 +42,7 @@ from shared.evaluation.evaluator import Evaluator
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
 from shared.models.checkpoint import save_checkpoint
-from shared.models.init import initial_unet
+from shared.models.init import initial_model
 from shared.models.plan import ChannelPlan
 from shared.models.presets import check_trainable
 from shared.models.pruning import prune_unet
@@ -79,7 +79,7 @@ def run_centralized(
     data, parts = split_dataset(cfg, progress=progress)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
     steps = steps_per_round(cfg, [len(p) for p in parts])
-    model = initial_unet(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     plan: ChannelPlan | None = None
     algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
     if algo.prune_ratio > 0:

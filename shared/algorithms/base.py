@@ -36,6 +36,7 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
+from shared.models.oneshot import FeatureMatch, is_oneshot
 from shared.models.plan import ChannelPlan
 from shared.wire.codec import TensorSpec
 
@@ -160,6 +161,11 @@ class Algorithm(ABC):
         device's last round left in ``ctx.state`` (a copy, on the CPU) and leaves its own
         there; a state for other parameter shapes (before pruning) is dropped."""
         device = self.training_device
+        match = self.objective(ctx, model, device)
+        if match is not None:
+            if hooks.get("loss_fn") is not None:
+                raise ConfigError(f"{self.name} has its own loss; it trains U-Nets only")
+            hooks["loss_fn"] = match
         keep = self.cfg.train.optimizer_state == "keep"
         # a kept state is loaded where the model trains (train_local's own move is then a no-op)
         with placed(model, device if keep and device.type != "cpu" else None):
@@ -171,7 +177,19 @@ class Algorithm(ABC):
             if opt is not None:
                 kept = optimizer_state_on_cpu(opt.state_dict())
                 ctx.state[OPTIMIZER_STATE] = (_shapes(opt), kept)
+        if match is not None:
+            match.keep(ctx.state)
         return result
+
+    def objective(
+        self, ctx: DeviceContext, model: nn.Module, device: torch.device
+    ) -> FeatureMatch | None:
+        """The loss a one-shot generator trains with (the feature-matching objective, its
+        state kept in ``ctx.state``; on ``device``); None for a U-Net (the DDPM loss)."""
+        if not is_oneshot(model):
+            return None
+        nz = int(getattr(model, "nz"))  # noqa: B009
+        return FeatureMatch.for_device(ctx.state, ctx.data, nz, self.cfg.train.ama_lr, device)
 
     @property
     def training_device(self) -> torch.device:

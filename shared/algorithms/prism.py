@@ -61,7 +61,7 @@ from shared.algorithms.base import (
 from shared.config import RunConfig
 from shared.config.algorithms import AlgorithmConfig, PrismConfig
 from shared.diffusion.schedule import ddpm_loss
-from shared.diffusion.training import TrainResult, train_local
+from shared.diffusion.training import TrainResult, placed, train_local
 from shared.errors import ConfigError
 from shared.models.masking import (
     COUNT,
@@ -365,13 +365,20 @@ class Prism(Algorithm):
         scores = {n: logit(theta[n], st.prism_mask_eps) for n in frozen}
         seed = int(torch.randint(0, 2**62, (), generator=ctx.generator))
         net = MaskedModule(model, frozen, scores, estimator=st.prism_estimator, seed=seed)
-        opt, started = self._optimizer(ctx, net, round_)
         train_cfg = self.cfg.train.model_copy(update={"grad_clip": 0.0})
-        result = train_local(
-            net, ctx.data, train_cfg, self.scheduler, ctx.generator,
-            steps=st.prism_local_iters, device=self.training_device, optimizer=opt,
-            loss_fn=ddpm_loss,  # an explicit loss keeps the step eager (no CUDA graph)
-        )  # fmt: skip
+        device = self.training_device
+        match = self.objective(ctx, model, device)  # one-shot: feature matching, eq. 1
+        # the kept moments are loaded where the scores train (load_state_dict moves them to
+        # the parameters' device), so the scores move there first
+        with placed(net, device if device.type != "cpu" else None):
+            opt, started = self._optimizer(ctx, net, round_)
+            result = train_local(
+                net, ctx.data, train_cfg, self.scheduler, ctx.generator,
+                steps=st.prism_local_iters, device=device, optimizer=opt,
+                loss_fn=match or ddpm_loss,  # an explicit loss keeps the step eager
+            )  # fmt: skip
+        if match is not None:
+            match.keep(ctx.state)
         ctx.state[ADAM_BEFORE] = started
         ctx.state[ADAM] = (
             round_,

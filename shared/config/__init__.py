@@ -28,7 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from shared.config.algorithms import AlgorithmSection, digest_later_keys
+from shared.config.algorithms import (
+    AlgorithmSection,
+    algorithm_names,
+    config_class,
+    digest_later_keys,
+)
 from shared.config.section import Section
 from shared.errors import ConfigError
 
@@ -130,12 +135,25 @@ class DataSection(Section):
         return names
 
 
+#: presets of one-shot generators (shared.models.oneshot): an image from a latent in one
+#: forward pass, trained with the feature-matching loss instead of the DDPM loss
+ONESHOT_PRESETS = ("resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64",
+                   "resnetg-cifar10-64")  # fmt: skip
+
+
+def model_kind(preset: str) -> str:
+    """``"oneshot"`` for a one-shot generator's preset, ``"unet"`` otherwise."""
+    return "oneshot" if preset in ONESHOT_PRESETS else "unet"
+
+
 class ModelSection(Section):
-    """Which U-Net preset to train, and where its first weights come from."""
+    """Which generator preset to train (a U-Net or a one-shot generator), and where its
+    first weights come from."""
 
     preset: Literal[
-        "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10"
-    ] = "fmnist-tiny"
+        "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10",
+        "resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64", "resnetg-cifar10-64",
+    ] = "fmnist-tiny"  # fmt: skip
     init: str = Field(
         "random",
         min_length=1,
@@ -220,6 +238,15 @@ class TrainSection(Section):
         "FedPhD after its sparse rounds) and with a fresh optimizer replays one capture kept "
         "on the GPU across rounds and devices (weights copied in and out, optimizer state "
         "zeroed) instead of capturing anew: no warm-up or capture per round. Per process",
+    )
+
+    ama_lr: float = Field(
+        0.005,
+        gt=0.0,
+        le=1.0,
+        description="one-shot generators: Adam learning rate of the moving averages of the "
+        "feature-matching loss (AMA, PRISM eqs. 7-8; the paper's 0.005, its code's default "
+        "1e-5); not used by U-Nets",
     )
 
     @model_validator(mode="after")
@@ -358,6 +385,7 @@ PER_PROCESS_KEYS = (
 #: keys added after digests were first recorded: left out of the digest at their default, so
 #: configs that do not set them keep the digests earlier versions computed
 LATER_KEYS = (
+    ("train", "ama_lr"),
     ("train", "precision"),
     ("train", "cuda_graph"),
     ("train", "cuda_graph_reuse"),
@@ -385,7 +413,15 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> RunConfig:
-        self.algorithm.config().check_run(self)
+        settings = self.algorithm.config()
+        kind = model_kind(self.model.preset)
+        if kind not in settings.model_kinds:
+            raise ValueError(
+                f"algorithm {self.algorithm.name!r} trains U-Nets, and model.preset = "
+                f"{self.model.preset!r} is a one-shot generator; train it with "
+                f"{[n for n in algorithm_names() if kind in config_class(n).model_kinds]}"
+            )
+        settings.check_run(self)
         if self.federation.cloud_every > self.run.rounds:
             raise ValueError(
                 f"federation.cloud_every (r_g={self.federation.cloud_every}) exceeds "

@@ -43,6 +43,9 @@ class AlgorithmConfig(Section):
     #: True for the algorithms whose keys digests have always held, False (keys left out at
     #: their defaults) for every algorithm added since
     digest_defaults: ClassVar[bool] = False
+    #: the kinds of generator (``model.preset``) the algorithm trains: ``unet``, and
+    #: ``oneshot`` where its local step is the plain loss on the module (no U-Net parts)
+    model_kinds: ClassVar[tuple[str, ...]] = ("unet",)
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Self:
@@ -106,6 +109,7 @@ class FedAvgConfig(AlgorithmConfig):
     """FedAvg has no settings of its own (FedAvg(E=1) is ``train.local_epochs = 1``)."""
 
     digest_defaults = True
+    model_kinds = ("unet", "oneshot")
 
 
 @algorithm_config("fedphd")
@@ -189,6 +193,7 @@ class FedProxConfig(AlgorithmConfig):
     """FedProx: the proximal term's weight."""
 
     digest_defaults = True
+    model_kinds = ("unet", "oneshot")
 
     prox_mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
 
@@ -198,6 +203,7 @@ class ScaffoldConfig(AlgorithmConfig):
     """SCAFFOLD has no settings of its own (its step size is ``train.lr``)."""
 
     digest_defaults = True
+    model_kinds = ("unet", "oneshot")
 
 
 @algorithm_config("moon")
@@ -218,6 +224,8 @@ class PrismConfig(AlgorithmConfig):
 
     The frozen weights and the initial scores come from a secret key that is never part of
     the config (``ESTUARY_PRISM_KEY`` / ``ESTUARY_PRISM_KEY_FILE``, docs/algorithms.md)."""
+
+    model_kinds = ("unet", "oneshot")
 
     prism_estimator: Literal["scaled", "identity"] = Field(
         "scaled",

@@ -5,7 +5,9 @@ of a dense, pruned or class-conditional U-Net with a dynamic batch axis (opset >
 optionally fp16 inside with fp32 inputs and outputs), then checks it against torch twice
 before anything is written: on random inputs, and on a whole DDIM trajectory from the same
 noise (torch eager + diffusers' scheduler against ONNX Runtime + the numpy loop the devices
-run). Above ``threshold`` the export is refused with both errors in the message.
+run). Above ``threshold`` the export is refused with both errors in the message. A one-shot
+generator (:mod:`shared.models.oneshot`) exports as ``image = f(z)``; its second check is
+the images the devices' sampler makes from its own seeded latents.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+from shared.models.oneshot import is_oneshot, latents
 from shared.models.plan import ChannelPlan, plan_digest
 from shared.models.presets import count_macs, count_params, image_shape, num_classes_of
 from shared.wire.codec import encode_tensors, spec_of
@@ -153,17 +156,44 @@ def example_inputs(
     return x, t
 
 
+class ImageModel(nn.Module):
+    """A one-shot generator as a plain function of tensors: image = f(z), float32 whatever
+    the inside precision."""
+
+    def __init__(self, generator: nn.Module, *, fp16: bool = False) -> None:
+        super().__init__()
+        self.generator = copy.deepcopy(generator).half() if fp16 else generator
+        self.fp16 = fp16
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from latents (batch, nz, 1, 1)."""
+        out: torch.Tensor = self.generator(z.half() if self.fp16 else z)
+        return out.float()
+
+
+def _onnx_signature(
+    unet: nn.Module, fp16: bool
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], list[str], str]:
+    """(traced module, example inputs, input names, output name) of either kind."""
+    gen = torch.Generator().manual_seed(0)
+    if is_oneshot(unet):
+        z = latents(2, int(getattr(unet, "nz")), gen)  # noqa: B009
+        return ImageModel(unet, fp16=fp16).eval(), (z,), ["z"], "image"
+    inputs = example_inputs(unet, 2, gen)
+    names = ["sample", "timestep", "class_labels"][: len(inputs)]
+    return EpsModel(unet, fp16=fp16).eval(), inputs, names, "eps"
+
+
 def to_onnx(unet: nn.Module, *, opset: int = MIN_OPSET, fp16: bool = False) -> bytes:
-    """ONNX bytes of ``unet``'s noise predictor with a dynamic batch axis.
+    """ONNX bytes of ``unet``'s noise predictor (a one-shot generator: its map from latents
+    to images) with a dynamic batch axis.
 
     Uses the TorchScript exporter (``dynamo=False``): it traces these U-Nets in seconds,
     where the dynamo exporter takes about a minute per model on a CPU.
     """
     if opset < MIN_OPSET:
         raise ExportError(f"opset must be >= {MIN_OPSET}, got {opset}")
-    model = EpsModel(unet, fp16=fp16).eval()
-    inputs = example_inputs(unet, 2, torch.Generator().manual_seed(0))
-    names = ["sample", "timestep", "class_labels"][: len(inputs)]
+    model, inputs, names, output = _onnx_signature(unet, fp16)
     buf = io.BytesIO()
     with (
         torch.no_grad(),
@@ -187,8 +217,8 @@ def to_onnx(unet: nn.Module, *, opset: int = MIN_OPSET, fp16: bool = False) -> b
             opset_version=opset,
             dynamo=False,
             input_names=names,
-            output_names=["eps"],
-            dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]},
+            output_names=[output],
+            dynamic_axes={n: {0: "batch"} for n in [*names, output]},
         )
     return buf.getvalue()
 
@@ -209,8 +239,10 @@ def check_parity(
     scheduler; ONNX: the devices' numpy loop)."""
     unet = unet.eval()
     gen = torch.Generator().manual_seed(seed)
-    inputs = example_inputs(unet, samples, gen, diffusion.num_train_timesteps)
     onnx = OnnxGenerator(onnx_bytes, card, provider="cpu")
+    if is_oneshot(unet):
+        return _oneshot_parity(unet, onnx, threshold=threshold, samples=samples, gen=gen, seed=seed)
+    inputs = example_inputs(unet, samples, gen, diffusion.num_train_timesteps)
     names = ["sample", "timestep", "class_labels"]
     feed = {n: v.numpy() for n, v in zip(names, inputs, strict=False)}
     with torch.no_grad():
@@ -232,6 +264,29 @@ def check_parity(
     )
     traj_err = float(np.abs(got_img - want_img).max())
     return Parity(random_err, traj_err, steps, threshold, samples)
+
+
+def _oneshot_parity(
+    model: nn.Module,
+    onnx: OnnxGenerator,
+    *,
+    threshold: float,
+    samples: int,
+    gen: torch.Generator,
+    seed: int,
+) -> Parity:
+    """A one-shot generator's parity: images from random latents, and the images the
+    devices' sampler makes from its own seeded latents (one pass, so ``trajectory_steps``
+    is 1), ONNX Runtime against torch."""
+    z = latents(samples, int(getattr(model, "nz")), gen)  # noqa: B009
+    with torch.no_grad():
+        want = model(z).float().numpy()
+    got = onnx.session.run(None, {"z": z.numpy()})[0]
+    random_err = float(np.abs(got - want).max())
+    got_img, _ = onnx.sample(samples, steps=1, seed=seed)
+    with torch.no_grad():
+        want_img = model(torch.from_numpy(onnx.noise(samples, seed))).float().numpy()
+    return Parity(random_err, float(np.abs(got_img - want_img).max()), 1, threshold, samples)
 
 
 def _quality_of(run_dir: Path | None, round_: int) -> dict[str, Any] | None:
@@ -256,6 +311,25 @@ def model_card(
 ) -> dict[str, Any]:
     """The card that travels with a deployed model (and sits beside it as card.json)."""
     c, h, w = image_shape(cfg.model.preset)
+    if is_oneshot(unet):
+        nz = int(getattr(unet, "nz"))  # noqa: B009
+        io_entries: dict[str, Any] = {
+            "kind": "oneshot",
+            "latent_dim": nz,
+            "inputs": {"z": f"float32 [batch, {nz}, 1, 1] ~ N(0, I)"},
+            "outputs": {"image": "float32 [batch, C, H, W] in [-1, 1]"},
+        }
+    else:
+        io_entries = {
+            "kind": "unet",
+            "inputs": {
+                "sample": "float32 [batch, C, H, W]",
+                "timestep": "int64 [batch]",
+                **({"class_labels": "int64 [batch]"} if num_classes_of(unet) else {}),
+            },
+            "outputs": {"eps": "float32 [batch, C, H, W]"},
+            "scheduler": scheduler_card(cfg.diffusion),
+        }
     card: dict[str, Any] = {
         "name": f"{cfg.run.name}-{cfg.model.preset}-{plan_digest(plan)}",
         "preset": cfg.model.preset,
@@ -268,13 +342,7 @@ def model_card(
         "opset": opset,
         "image_shape": [c, h, w],
         "num_classes": num_classes_of(unet),
-        "inputs": {
-            "sample": "float32 [batch, C, H, W]",
-            "timestep": "int64 [batch]",
-            **({"class_labels": "int64 [batch]"} if num_classes_of(unet) else {}),
-        },
-        "outputs": {"eps": "float32 [batch, C, H, W]"},
-        "scheduler": scheduler_card(cfg.diffusion),
+        **io_entries,
         "source": {"run": cfg.run.name, "round": round_, "path": source,
                    "config_digest": cfg.digest(), "algorithm": cfg.algorithm.name},
         "quality": quality,

@@ -258,8 +258,21 @@ class SampleStats:
         }
 
 
+def _card_shape(card: dict[str, Any]) -> tuple[int, int, int]:
+    """The card's ``image_shape`` [C, H, W], checked."""
+    shape = card.get("image_shape")
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 3
+        and all(type(s) is int and 0 < s <= 4096 for s in shape)
+    ):
+        raise EstuaryError(f"card image_shape must be [C, H, W] of ints, got {shape!r}")
+    return (shape[0], shape[1], shape[2])
+
+
 class OnnxGenerator:
-    """A deployed generator: an ONNX noise predictor, its card, and the DDIM loop."""
+    """A deployed generator: an ONNX noise predictor, its card, and the DDIM loop; or, for a
+    card of ``kind = "oneshot"``, a map from latents ``z`` to images (one run per batch)."""
 
     def __init__(
         self,
@@ -274,8 +287,17 @@ class OnnxGenerator:
         #: sha256 of the ONNX bytes, as the caller verified them (None: not given)
         self.model_sha256 = model_sha256
         self.session = make_session(model, provider=provider, threads=threads)
+        self.kind = card.get("kind", "unet")
+        if self.kind not in ("unet", "oneshot"):
+            raise EstuaryError(f"card kind must be 'unet' or 'oneshot', got {self.kind!r}")
         self.schedule = DdimSchedule.from_card(card.get("scheduler", {}))
         names = {i.name for i in self.session.get_inputs()}
+        self.image_shape = _card_shape(card)
+        self.latent_dim = 0
+        self.num_classes = 0
+        if self.kind == "oneshot":
+            self._check_oneshot(card, names)
+            return
         if not {"sample", "timestep"} <= names:
             raise EstuaryError(f"model inputs {sorted(names)} lack 'sample' and 'timestep'")
         classes = card.get("num_classes") or 0
@@ -284,14 +306,7 @@ class OnnxGenerator:
         self.num_classes = classes
         if ("class_labels" in names) != (self.num_classes > 0):
             raise EstuaryError("the model's class_labels input and the card's num_classes differ")
-        shape = card.get("image_shape")
-        if not (
-            isinstance(shape, list)
-            and len(shape) == 3
-            and all(type(s) is int and 0 < s <= 4096 for s in shape)
-        ):
-            raise EstuaryError(f"card image_shape must be [C, H, W] of ints, got {shape!r}")
-        self.image_shape = (shape[0], shape[1], shape[2])
+        shape = list(self.image_shape)
         sample = next(i for i in self.session.get_inputs() if i.name == "sample")
         fixed = [d if isinstance(d, int) else None for d in list(sample.shape)[1:]]
         if len(fixed) != 3 or any(
@@ -300,6 +315,21 @@ class OnnxGenerator:
             raise EstuaryError(
                 f"card image_shape {shape} does not match the model's sample input {sample.shape}"
             )
+
+    def _check_oneshot(self, card: dict[str, Any], names: set[str]) -> None:
+        """A one-shot model has one input ``z`` of the card's ``latent_dim`` and no classes."""
+        if names != {"z"}:
+            raise EstuaryError(f"a one-shot model takes one input 'z', not {sorted(names)}")
+        nz = card.get("latent_dim")
+        if type(nz) is not int or not 0 < nz <= 65_536:
+            raise EstuaryError(f"card latent_dim must be an integer in 1..65536, got {nz!r}")
+        if card.get("num_classes") not in (None, 0):
+            raise EstuaryError("a one-shot card cannot have classes (num_classes must be 0)")
+        z = self.session.get_inputs()[0]
+        dims = [d if isinstance(d, int) else None for d in list(z.shape)[1:]]
+        if not dims or (dims[0] is not None and dims[0] != nz):
+            raise EstuaryError(f"card latent_dim {nz} does not match the model's z input {z.shape}")
+        self.latent_dim = nz
 
     @property
     def providers(self) -> list[str]:
@@ -317,10 +347,20 @@ class OnnxGenerator:
             raise EstuaryError(f"ONNX Runtime failed: {type(err).__name__}: {err}") from None
         return out
 
+    def _images(self, z: np.ndarray) -> np.ndarray:
+        """A one-shot generator's images of latents ``z``."""
+        try:
+            out: np.ndarray = self.session.run(None, {"z": z})[0]
+        except Exception as err:  # onnxruntime's own error types
+            raise EstuaryError(f"ONNX Runtime failed: {type(err).__name__}: {err}") from None
+        return out
+
     def noise(self, n: int, seed: int) -> np.ndarray:
-        """Start noise for ``n`` images from ``seed`` (numpy's PCG64)."""
+        """Start noise for ``n`` images from ``seed`` (numpy's PCG64): a U-Net's noise
+        images, a one-shot generator's latents (n, latent_dim, 1, 1)."""
         rng = np.random.default_rng(seed)
-        return rng.standard_normal((n, *self.image_shape), dtype=np.float32)
+        shape = (self.latent_dim, 1, 1) if self.kind == "oneshot" else self.image_shape
+        return rng.standard_normal((n, *shape), dtype=np.float32)
 
     def balanced_labels(self, n: int) -> np.ndarray | None:
         """Class labels 0, 1, ..., 0, 1, ... for a conditional model (None otherwise)."""
@@ -337,7 +377,8 @@ class OnnxGenerator:
         noise: np.ndarray | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> tuple[np.ndarray, SampleStats]:
-        """``n`` images in [-1, 1] and the timing of the call."""
+        """``n`` images in [-1, 1] and the timing of the call (a one-shot generator maps
+        its latents in one run per batch: ``steps`` and ``labels`` do not apply)."""
         if n < 1 or batch_size < 1:
             raise EstuaryError("n and batch_size must be positive")
         noise = self.noise(n, seed) if noise is None else noise
@@ -350,7 +391,10 @@ class OnnxGenerator:
         for lo in range(0, n, batch_size):
             hi = min(n, lo + batch_size)
             lab = labels[lo:hi] if labels is not None else None
-            out.append(ddim_sample(self.eps, noise[lo:hi], self.schedule, steps, lab))
+            if self.kind == "oneshot":
+                out.append(self._images(noise[lo:hi]))
+            else:
+                out.append(ddim_sample(self.eps, noise[lo:hi], self.schedule, steps, lab))
             if progress is not None:
                 progress(hi - lo)
         seconds = time.perf_counter() - start

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.algorithms import make_algorithm
+from shared.algorithms import Algorithm, make_algorithm
 from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
@@ -25,22 +25,32 @@ from shared.diffusion.training import placed
 from shared.errors import DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
+from shared.models.oneshot import is_oneshot, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
 
 
 def model_from_state(
-    cfg: RunConfig, state: dict[str, torch.Tensor], plan: ChannelPlan | None = None
+    cfg: RunConfig,
+    state: dict[str, torch.Tensor],
+    plan: ChannelPlan | None = None,
+    *,
+    algorithm: Algorithm | None = None,
 ) -> torch.nn.Module:
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
     variate) are ignored; every module tensor must be present. The configured algorithm
     materializes the state first (:meth:`~shared.algorithms.base.Algorithm.materialize`:
-    PRISM's probabilities become the dense weights of one fixed mask)."""
+    PRISM's probabilities become the dense weights of one fixed mask). A one-shot
+    generator's batch norms then get their running statistics from latents drawn from the
+    run seed (:func:`~shared.models.oneshot.recalibrate_bn`), so that the eval-mode module
+    maps each latent to one image whatever the batch."""
     model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
     keys = set(model.state_dict())
-    tensors = make_algorithm(cfg).materialize(state)
+    tensors = (algorithm or make_algorithm(cfg)).materialize(state)
     model.load_state_dict({k: v for k, v in tensors.items() if k in keys})
+    if is_oneshot(model):
+        recalibrate_bn(model, cfg.run.seed)
     return model.eval()
 
 
@@ -55,13 +65,41 @@ def sample_images(
 ) -> torch.Tensor:
     """``n`` DDIM samples in [-1, 1] (on the CPU) from noise seeded by (run seed, salt),
     drawn on the CPU; the model samples on ``device`` (default: where it is) and is back
-    where it was on return."""
+    where it was on return. A one-shot generator maps ``n`` such latents in one pass each
+    (``steps`` unused), in eval mode."""
     gen = torch.Generator().manual_seed(
         int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
     )
+    if is_oneshot(model):
+        return oneshot_sample(model, n, gen, device=device)
     shape = (n, *image_shape(cfg.model.preset))
     with placed(model, device):
         return ddim_sample(model, shape, cfg.diffusion, gen, steps=steps, batch_size=256)
+
+
+@torch.no_grad()
+def oneshot_sample(
+    model: torch.nn.Module,
+    n: int,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
+    batch_size: int = 256,
+) -> torch.Tensor:
+    """``n`` images (on the CPU) of a one-shot generator from latents drawn on the CPU from
+    ``generator``, in batches on ``device``; the model is back in its mode and place after."""
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        with placed(model, device):
+            first = next(model.parameters())
+            for lo in range(0, n, batch_size):
+                z = latents(min(batch_size, n - lo), int(getattr(model, "nz")), generator)  # noqa: B009
+                out.append(model(z.to(first.device)).float().cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
 
 
 def write_grid(
@@ -130,5 +168,5 @@ class Evaluator:
             salt=2, device=self.device,
         )  # fmt: skip
         out = dict(quality.evaluate(fake, self.reference))
-        out["sample_steps"] = self.cfg.eval.sample_steps
+        out["sample_steps"] = 1 if is_oneshot(model) else self.cfg.eval.sample_steps
         return out

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DModel
+from torch import nn
 
 from shared.errors import CodecError, ConfigError
 from shared.models.checkpoint import MODEL_PREFIX, STATE_PREFIX, decode_checkpoint, is_checkpoint
-from shared.models.presets import build_unet, state_spec
+from shared.models.presets import build_net, state_spec
 from shared.wire.codec import check_spec, decode_tensors, file_sha256, sha256_hex
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -104,10 +104,11 @@ def init_fingerprint(preset: str, init: str) -> str:
         return f"unreadable: {err.strerror}"
 
 
-def initial_unet(preset: str, init: str = "random", *, seed: int = 0) -> UNet2DModel:
-    """The first global model of a run: :func:`build_unet` from ``seed``, then the weights
-    ``init`` names loaded into it (see :func:`load_init_state`)."""
-    model = build_unet(preset, seed=seed)
+def initial_model(preset: str, init: str = "random", *, seed: int = 0) -> nn.Module:
+    """The first global model of a run: :func:`~shared.models.presets.build_net` (a U-Net or
+    a one-shot generator) from ``seed``, then the weights ``init`` names loaded into it (see
+    :func:`load_init_state`)."""
+    model = build_net(preset, seed=seed)
     state = load_init_state(preset, init)
     if state is not None:
         model.load_state_dict(state)

@@ -167,8 +167,9 @@ def masked_names(spec: Mapping[str, TensorSpec]) -> list[str]:
 
 
 def frozen_constant(name: str, spec: TensorSpec) -> torch.Tensor:
-    """The value of an unmasked parameter: 1 for normalization weights, 0 otherwise."""
-    fill = 1.0 if name.endswith(".weight") else 0.0
+    """The value of an unmasked parameter or buffer: 1 for normalization weights and batch
+    norms' running variances, 0 otherwise."""
+    fill = 1.0 if name.endswith((".weight", ".running_var")) else 0.0
     return torch.full(spec.shape, fill, dtype=spec.dtype)
 
 
@@ -340,24 +341,24 @@ def depth_order(preset: str) -> tuple[str, ...]:
     """The masked weights of ``preset`` in the order their modules first run in a forward
     pass (input side first). Registration order is not depth: a diffusers U-Net registers
     ``mid_block`` after ``up_blocks``. Measured once per preset on a batch of one."""
-    from shared.models.presets import build_unet, image_shape
+    from shared.models.presets import _forward_inputs, build_net, image_shape
 
-    model = build_unet(preset, seed=0).eval()
+    model = build_net(preset, seed=0).eval()
     owner = {id(m): name for name, m in model.named_modules()}
     order: list[str] = []
 
     def hook(module: nn.Module, *_: Any) -> None:
         name = owner[id(module)]
         weight = f"{name}.weight" if name else "weight"
-        if weight not in order and is_masked(
-            weight, tuple(getattr(module, "weight", torch.zeros(0)).shape)
-        ):
+        param = getattr(module, "weight", None)
+        if weight not in order and param is not None and is_masked(weight, tuple(param.shape)):
             order.append(weight)
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
     try:
         with torch.no_grad():
-            model(torch.zeros(1, *image_shape(preset)), torch.zeros(1, dtype=torch.long))
+            inputs = _forward_inputs(model, torch.zeros(1, *image_shape(preset)), 0)
+            model(*inputs.values())
     finally:
         for h in handles:
             h.remove()

@@ -25,7 +25,7 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from shared.errors import ConfigError, EstuaryError
-from shared.models.presets import PRESETS, build_unet, image_shape, state_spec
+from shared.models.presets import PRESETS, build_net, build_unet, image_shape, kind_of, state_spec
 from shared.wire.codec import TensorSpec, spec_of
 
 #: a channel plan as JSON: ``{"format": PLAN_FORMAT, "preset": ..., "modules": {...}}``
@@ -124,6 +124,10 @@ def build_model(preset: str, plan: ChannelPlan | None, *, seed: int = 0) -> nn.M
     """A module of ``preset`` under ``plan``, initialized from ``seed``: the dense preset
     with every parameter cut to its planned shape (leading channels kept), ready for
     ``load_state_dict`` of the weights that travel with the plan. No Torch-Pruning needed."""
+    if kind_of(preset) == "oneshot":
+        if plan is not None:
+            raise ConfigError(f"model preset {preset!r} is a one-shot generator: no channel plan")
+        return build_net(preset, seed=seed)
     model = build_unet(preset, seed=seed)
     if plan is not None:
         _apply_plan(model, plan.modules)

@@ -1,4 +1,9 @@
-"""U-Net presets (diffusers ``UNet2DModel``) and their size: parameters, MACs, fp32 bytes.
+"""Model presets and their size: parameters, MACs, fp32 bytes.
+
+Two kinds of generator: ``unet`` presets (diffusers ``UNet2DModel``, a noise predictor that
+samples in DDIM steps) and ``oneshot`` presets (:mod:`shared.models.oneshot`: PRISM's ResNet
+generator, one forward pass from a latent ``z``). :func:`kind_of` tells them apart,
+:func:`build_net` builds either.
 
 ``ddpm-cifar10`` is the DDPM U-Net of Ho et al. (2020) as used by FedPhD's Tables III-IV:
 35.7 M parameters and 6.06 GMACs for one 32x32 forward pass. The Fashion-MNIST presets are
@@ -19,6 +24,7 @@ from diffusers import UNet2DModel
 from torch import nn
 
 from shared.errors import ConfigError
+from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot
 from shared.wire.codec import TensorSpec, spec_of
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -64,10 +70,33 @@ PRESETS["fmnist-tiny-cond"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 10}
 PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 10}
 
 
+#: every preset name, U-Nets and one-shot generators
+ALL_PRESETS: tuple[str, ...] = (*PRESETS, *ONESHOT_PRESETS)
+
+
+def kind_of(preset: str) -> str:
+    """``"unet"`` or ``"oneshot"`` (ConfigError for an unknown preset)."""
+    if preset in PRESETS:
+        return "unet"
+    if preset in ONESHOT_PRESETS:
+        return "oneshot"
+    raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(ALL_PRESETS)}")
+
+
+def build_net(preset: str, *, seed: int = 0) -> nn.Module:
+    """A freshly initialized generator of ``preset``, either kind; the init is drawn from
+    ``seed`` only."""
+    return (
+        build_oneshot(preset, seed=seed)
+        if kind_of(preset) == "oneshot"
+        else build_unet(preset, seed=seed)
+    )
+
+
 def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
     """A freshly initialized U-Net of ``preset``; the init is drawn from ``seed`` only."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if kind_of(preset) != "unet":
+        raise ConfigError(f"model preset {preset!r} is a one-shot generator, not a U-Net")
     devices: list[int] = []
     with torch.random.fork_rng(devices=devices):
         torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
@@ -76,10 +105,10 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
 
 def state_spec(preset: str) -> dict[str, TensorSpec]:
     """Names, shapes and dtypes of the preset's state dict, without initializing weights."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    oneshot = kind_of(preset) == "oneshot"
     with torch.device("meta"):
-        return spec_of(UNet2DModel(**PRESETS[preset]).state_dict())
+        model = build_oneshot(preset) if oneshot else UNet2DModel(**PRESETS[preset])
+        return spec_of(model.state_dict())
 
 
 def module_device(model: nn.Module) -> torch.device | None:
@@ -95,7 +124,9 @@ def num_classes_of(model: nn.Module) -> int:
 
 
 def image_shape(preset: str) -> tuple[int, int, int]:
-    """(channels, height, width) the preset expects."""
+    """(channels, height, width) of the preset's images."""
+    if kind_of(preset) == "oneshot":
+        return (ONESHOT_PRESETS[preset]["nc"], 32, 32)
     cfg = PRESETS[preset]
     return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
 
@@ -164,7 +195,10 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
 
 
 def _forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
-    """Keyword inputs of one U-Net forward pass on ``sample`` (class 0 when conditional)."""
+    """Keyword inputs of one forward pass producing images like ``sample``: a U-Net's
+    (sample, timestep, class 0 when conditional), a one-shot generator's latent ``z``."""
+    if is_oneshot(model):
+        return {"z": torch.zeros(sample.shape[0], int(getattr(model, "nz")), 1, 1)}  # noqa: B009
     inputs = {
         "sample": sample,
         "timestep": torch.full((sample.shape[0],), timestep, dtype=torch.long),
@@ -178,7 +212,8 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
     """Weight multiply-accumulates of one forward pass on ``sample``, per image.
 
     Counts ``out_elements * in_channels / groups * kernel_area`` for every Conv2d and
-    ``out_elements * in_features`` for every Linear, and nothing else: no bias additions,
+    ``out_elements * in_features`` for every Linear, ``in_elements * out_channels / groups *
+    kernel_area`` for every transposed convolution, and nothing else: no bias additions,
     no normalization or activation operations (which :func:`count_macs` includes).
     """
     total = 0
@@ -191,16 +226,25 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
         nonlocal total
         total += out.numel() * m.in_features
 
+    def conv_t(m: nn.ConvTranspose2d, inp: tuple[torch.Tensor, ...], _out: Any) -> None:
+        nonlocal total
+        total += inp[0].numel() * (m.out_channels // m.groups) * math.prod(m.kernel_size)
+
     hooks = []
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             hooks.append(m.register_forward_hook(conv))
+        elif isinstance(m, nn.ConvTranspose2d):
+            hooks.append(m.register_forward_hook(conv_t))
         elif isinstance(m, nn.Linear):
             hooks.append(m.register_forward_hook(linear))
     inputs = _forward_inputs(model, sample, timestep)
     try:
         with torch.no_grad():
-            model(inputs.pop("sample"), inputs.pop("timestep"), **inputs)
+            if "z" in inputs:
+                model(inputs["z"])
+            else:
+                model(inputs.pop("sample"), inputs.pop("timestep"), **inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -209,7 +253,7 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
 
 def model_info(preset: str, *, model_fn: Callable[[], nn.Module] | None = None) -> ModelInfo:
     """Params, MACs (one image at the preset's resolution) and fp32 bytes of ``preset``."""
-    model = model_fn() if model_fn is not None else build_unet(preset)
+    model = model_fn() if model_fn is not None else build_net(preset)
     model.eval()
     c, h, w = image_shape(preset)
     params = count_params(model)

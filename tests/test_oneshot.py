@@ -1,0 +1,214 @@
+"""One-shot generators (PRISM's ResNet generator): the preset's size, batch-norm
+recalibration, the feature-matching objective with moving averages, FedAvg and PRISM
+federations on it, export with parity and the devices' ONNX sampler."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from estuary.simulate import build_federation
+from shared.algorithms import DeviceContext, make_algorithm
+from shared.algorithms.prism import MASK, STEP, THETA
+from shared.config import RunConfig
+from shared.data.datasets import load_dataset
+from shared.data.partition import make_partition
+from shared.deploy.onnx_sampler import OnnxGenerator
+from shared.errors import EstuaryError
+from shared.evaluation.evaluator import model_from_state, sample_images
+from shared.models.masking import fan_in, is_masked
+from shared.models.oneshot import (
+    MATCH_STATE,
+    FeatureMatch,
+    ResnetG,
+    _ama_step,
+    build_oneshot,
+    recalibrate_bn,
+)
+from shared.models.presets import count_weight_macs, kind_of, model_info, state_spec
+from shared.transport.bus import MemoryBus
+from tests.conftest import tiny_config
+
+
+def oneshot_config(algorithm: str, **extra: Any) -> RunConfig:
+    """Two rounds of 4 devices at 2 edges on the smallest ResNet generator."""
+    return tiny_config(
+        run={"rounds": 2},
+        federation={"num_devices": 4, "num_edges": 2},
+        data={"synthetic_size": 64},
+        model={"preset": "resnetg-fmnist-16"},
+        train={"batch_size": 8, "local_steps": 2},
+        algorithm={"name": algorithm, "prism_local_iters": 2, **extra},
+    )
+
+
+# -- the generator ------------------------------------------------------------------------------
+def test_the_paper_generator_has_its_size_and_cost() -> None:
+    spec = state_spec("resnetg-fmnist-64")
+    masked = {n: s for n, s in spec.items() if is_masked(n, s.shape)}
+    assert len(masked) == 11
+    assert sum(math.prod(s.shape) for s in masked.values()) == 3_543_616
+    assert kind_of("resnetg-fmnist-64") == "oneshot" and kind_of("fmnist-tiny") == "unet"
+    info = model_info("resnetg-fmnist-64")
+    assert round(info.weight_macs / 1e9, 3) == 0.348  # Table 8: "0.34 B"
+    assert info.params == 3_543_616  # no biases, BN without affine parameters
+    # PRISM's scales: sqrt(2 / fan_in), torch's fan_in (a transposed conv: its out channels)
+    scales = {n: math.sqrt(2 / fan_in(s.shape)) for n, s in masked.items()}
+    assert scales["first.weight"] == pytest.approx(0.015625)
+    assert scales["blocks.0.bypass.weight"] == pytest.approx(0.0625)
+    assert scales["last.weight"] == pytest.approx(0.058926, abs=1e-6)
+    assert state_spec("resnetg-cifar10-64")["last.weight"].shape == (3, 64, 3, 3)
+
+
+def test_weight_macs_count_transposed_convolutions() -> None:
+    model = ResnetG(nz=8, ngf=2, nc=1).eval()
+    z = torch.zeros(1, 1, 32, 32)  # only the batch size is read for a one-shot generator
+    first = 8 * (8 * 2) * 16  # in elements x out channels x kernel area
+    assert count_weight_macs(model, z) > first
+
+
+def test_recalibrated_batch_norm_maps_each_latent_to_one_image() -> None:
+    model = build_oneshot("resnetg-fmnist-16", seed=0)
+    recalibrate_bn(model, seed=3)
+    assert not model.training
+    z = torch.randn(6, 128, 1, 1, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole, part = model(z), model(z[:2])
+    assert torch.allclose(whole[:2], part, atol=1e-5)
+    assert whole.shape == (6, 1, 32, 32) and float(whole.abs().max()) <= 1.0
+    again = recalibrate_bn(build_oneshot("resnetg-fmnist-16", seed=0), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), again.buffers(), strict=True))
+
+
+# -- the objective ------------------------------------------------------------------------------
+def test_the_moving_average_takes_an_adam_step_towards_delta() -> None:
+    m = torch.zeros(2, 3)
+    target = torch.tensor([[1.0, -2.0, 0.0], [0.5, 0.5, 0.5]])
+    moments = [torch.zeros(2, 3), torch.zeros(2, 3)]
+    _ama_step(m, target, moments, 1, lr=0.1)
+    # the first Adam step moves each coordinate by lr towards the target (sign of -(m - t))
+    assert torch.allclose(m, torch.tensor([[0.1, -0.1, 0.0], [0.1, 0.1, 0.1]]), atol=1e-6)
+
+
+class _Linear(torch.nn.Module):
+    """A tiny 'feature network': features = x flattened (ReLU of nothing: identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def relu_features(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+class _Gen(torch.nn.Module):
+    nz = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z.flatten(1)[:, :1] * 0 + self.bias  # a constant image: the bias
+
+
+def test_with_converged_averages_the_gradient_is_that_of_half_the_squared_distance() -> None:
+    real_mean, real_var = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.0, 0.0])
+    match = FeatureMatch(_Linear(), 2, (real_mean, real_var), lr=1e-12)
+    gen = _Gen()
+    delta = real_mean - gen.bias.detach()
+    match.m = torch.stack([delta, torch.zeros(3)])  # m already equals Delta
+    loss = match(gen, torch.zeros(4, 1), None, torch.Generator().manual_seed(0))
+    loss.backward()
+    # d/d bias of 1/2 ||real_mean - bias||^2 = -(real_mean - bias)
+    assert gen.bias.grad is not None
+    assert torch.allclose(gen.bias.grad, -delta, atol=1e-5)
+    # the value is eq. (1) on the batch (here the variance term is 0: a constant image)
+    assert float(loss.detach()) == pytest.approx(float(delta @ delta), rel=1e-5)
+    kept = match.state()
+    again = FeatureMatch(_Linear(), 2, (real_mean, real_var), lr=1e-12, kept=kept)
+    assert torch.equal(again.m, match.m) and again.step == match.step == 1
+
+
+# -- federations ------------------------------------------------------------------------------
+def _federate(cfg: RunConfig) -> tuple[Any, MemoryBus]:
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    bus = MemoryBus()
+    fed = build_federation(cfg, bus, data, parts)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    return fed, bus
+
+
+def test_fedavg_trains_the_generator_by_feature_matching_and_devices_keep_the_averages() -> None:
+    cfg = oneshot_config("fedavg")
+    start = build_oneshot(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    fed, _ = _federate(cfg)
+    final = fed.cloud.model
+    assert not torch.equal(final["first.weight"], start["first.weight"])
+    kept = fed.devices[0].algo_state[MATCH_STATE]
+    assert kept["real_mean"].ndim == 1 and int(kept["ama"]["step"]) == 4  # 2 rounds x 2 steps
+    images = sample_images(cfg, model_from_state(cfg, final), 5, steps=1)
+    assert images.shape == (5, 1, 32, 32) and torch.isfinite(images).all()
+
+
+def test_prism_masks_the_generator_and_uploads_one_bit_per_weight(tmp_path: Path) -> None:
+    from shared.deploy.export import export_module
+
+    cfg = oneshot_config("prism")
+    fed, bus = _federate(cfg)
+    final = fed.cloud.model
+    assert float(final[STEP]) == 2.0
+    masked = sum(v.numel() for k, v in final.items() if k.startswith(THETA))
+    assert masked == 418_192
+    up = bus.traffic.snapshot()["bytes"]["received:device_update"]
+    assert masked / 8 * 8 <= up <= (masked / 8 + 200) * 8  # 8 uploads of a packed mask
+    assert list(make_algorithm(cfg).upload_spec(fed.cloud.spec)) == [MASK]
+    assert MATCH_STATE in fed.devices[0].algo_state
+    # the deployed model: one fixed mask, BN recalibrated on latents, exported with parity
+    module = model_from_state(cfg, final)
+    result = export_module(cfg, module, None, tmp_path, round_=2, source="test")
+    card = json.loads((tmp_path / "card.json").read_text())
+    assert result.parity.passed and result.parity.trajectory_steps == 1
+    assert card["kind"] == "oneshot" and card["latent_dim"] == 128 and "scheduler" not in card
+    assert card["prism"]["masked_weights"] == masked
+    onnx = OnnxGenerator(tmp_path / "model.onnx", card, provider="cpu")
+    images, stats = onnx.sample(10, steps=50, seed=7, batch_size=4)
+    assert images.shape == (10, 1, 32, 32) and stats.n == 10
+    with torch.no_grad():
+        want = module(torch.from_numpy(onnx.noise(10, 7))).numpy()
+    assert float(np.abs(images - want).max()) < 1e-4
+    bad = {**card, "latent_dim": 64}
+    with pytest.raises(EstuaryError, match="latent_dim"):
+        OnnxGenerator(tmp_path / "model.onnx", bad, provider="cpu")
+    with pytest.raises(EstuaryError, match="kind"):
+        OnnxGenerator(tmp_path / "model.onnx", {**card, "kind": "gan"}, provider="cpu")
+    unet_card = {k: v for k, v in card.items() if k != "kind"}  # read as a U-Net's
+    with pytest.raises(EstuaryError, match="sample"):
+        OnnxGenerator(tmp_path / "model.onnx", unet_card, provider="cpu")
+
+
+def test_algorithms_with_u_net_parts_refuse_a_one_shot_generator() -> None:
+    for name in ("fedphd", "feddiffuse", "moon"):
+        with pytest.raises(EstuaryError, match="one-shot generator"):
+            oneshot_config(name)
+
+
+def test_a_device_objective_is_computed_once_and_kept() -> None:
+    cfg = oneshot_config("fedavg")
+    algo = make_algorithm(cfg)
+    data = torch.rand(12, 1, 32, 32) * 2 - 1
+    ctx = DeviceContext("d0", data, torch.zeros(12, dtype=torch.long), torch.Generator())
+    model = build_oneshot(cfg.model.preset)
+    first = algo.objective(ctx, model, torch.device("cpu"))
+    assert first is not None and ctx.state[MATCH_STATE]["n"] == 12
+    mean = ctx.state[MATCH_STATE]["real_mean"]
+    second = algo.objective(ctx, model, torch.device("cpu"))
+    assert second is not None and ctx.state[MATCH_STATE]["real_mean"] is mean
