@@ -28,6 +28,7 @@ from shared.evaluation.quality import (
     precision_recall,
 )
 from shared.models.presets import build_unet
+from shared.wire.codec import file_sha256
 from tests.conftest import tiny_config
 
 # ------------------------------------------------------------------------------------ FID
@@ -133,7 +134,7 @@ def test_chunked_distances_match_brute_force(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_shipped_weights_load_and_match_hash() -> None:
-    assert quality.file_sha256(quality.DEFAULT_WEIGHTS) == quality.FEATURE_WEIGHTS_SHA256
+    assert file_sha256(quality.DEFAULT_WEIGHTS) == quality.FEATURE_WEIGHTS_SHA256
     model = load_feature_extractor()
     assert isinstance(model, quality.FeatureNet) and not model.training
     assert load_feature_extractor() is model  # cached
@@ -153,7 +154,7 @@ def test_corrupted_weights_are_rejected(tmp_path) -> None:
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(bytes(data[:100]))  # hash pinned to the file: fails at decoding
     with pytest.raises(CodecError):
-        load_feature_extractor(truncated, expected_sha256=quality.file_sha256(truncated))
+        load_feature_extractor(truncated, expected_sha256=file_sha256(truncated))
     with pytest.raises(CodecError):
         load_feature_extractor(tmp_path / "missing.safetensors")
 

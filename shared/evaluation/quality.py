@@ -25,7 +25,6 @@ a missing or tampered weights file raises :class:`shared.errors.CodecError`.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from scipy.special import xlogy
 from torch import nn
 
 from shared.errors import CodecError, DataError
-from shared.wire.codec import file_sha256
+from shared.models.assets import load_shipped_net
 
 EXTRACTOR_NAME = "fmnist-cnn-v1"
 FEATURE_DIM = 128
@@ -119,47 +118,11 @@ def load_feature_extractor(
         CodecError: the file is missing, its sha256 differs from ``expected_sha256``, or it
             does not hold exactly FeatureNet's tensors.
     """
-    p = Path(path) if path is not None else DEFAULT_WEIGHTS
-    try:
-        digest = file_sha256(p)
-    except OSError as err:
-        msg = f"cannot read feature-extractor weights {p}: {err}. {RETRAIN_HINT}."
-        raise CodecError(msg) from None
-    if digest != expected_sha256:
-        raise CodecError(
-            f"feature-extractor weights {p} have sha256 {digest}, expected {expected_sha256} "
-            f"({EXTRACTOR_NAME}); the file is corrupt or from another training run. "
-            f"{RETRAIN_HINT} and update FEATURE_WEIGHTS_SHA256 in shared/evaluation/quality.py."
-        )
-    return _build_extractor(str(p.resolve()), digest)
-
-
-@functools.lru_cache(maxsize=4)
-def _build_extractor(path: str, digest: str) -> FeatureNet:
-    """Build the model from a file whose hash was already checked (cache keyed by the hash)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CodecError(f"cannot decode {path} as safetensors: {err}. {RETRAIN_HINT}.") from None
-    model = FeatureNet()
-    expected = model.state_dict()
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        raise CodecError(f"{path}: tensor names differ (missing {missing}, unexpected {extra})")
-    for name, t in tensors.items():
-        if t.shape != expected[name].shape or t.dtype != expected[name].dtype:
-            raise CodecError(
-                f"{path}: tensor {name} is {t.dtype}{tuple(t.shape)}, "
-                f"expected {expected[name].dtype}{tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(tensors)
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    return load_shipped_net(
+        FeatureNet, Path(path) if path is not None else DEFAULT_WEIGHTS, expected_sha256,
+        name=EXTRACTOR_NAME, hint=RETRAIN_HINT,
+        constant="FEATURE_WEIGHTS_SHA256 in shared/evaluation/quality.py",
+    )  # fmt: skip
 
 
 def _check_images(images: torch.Tensor) -> None:

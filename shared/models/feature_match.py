@@ -23,14 +23,12 @@ their sha256, :data:`MATCH_WEIGHTS_SHA256`, which :func:`load_match_extractor` c
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shared.errors import CodecError
-from shared.wire.codec import file_sha256
+from shared.models.assets import load_shipped_net
 
 MATCH_EXTRACTOR_NAME = "fmnist-match-v1"
 MATCH_NUM_CLASSES = 10
@@ -101,60 +99,16 @@ class MatchNet(nn.Module):
 def load_match_extractor(
     path: str | Path | None = None, *, expected_sha256: str = MATCH_WEIGHTS_SHA256
 ) -> MatchNet:
-    """Load the shipped :class:`MatchNet` (eval mode, gradients off) after checking its hash.
-
-    The file's sha256 is checked on every call; the model itself is built once per
-    (path, hash) and cached, so callers share one instance: do not modify it. Its parameters
-    do not require gradients, but gradients still flow through it to the input.
+    """The shipped :class:`MatchNet` (eval mode, parameters frozen; gradients still flow
+    through it to the input), loaded only when the file's sha256 is ``expected_sha256``,
+    built once and shared: do not modify it.
 
     Raises:
         CodecError: the file is missing, its sha256 differs from ``expected_sha256``, or it
             does not hold exactly MatchNet's tensors.
     """
-    p = Path(path) if path is not None else MATCH_WEIGHTS
-    try:
-        digest = file_sha256(p)
-    except OSError as err:
-        msg = f"cannot read feature-matching weights {p}: {err}. {MATCH_RETRAIN_HINT}."
-        raise CodecError(msg) from None
-    if digest != expected_sha256:
-        raise CodecError(
-            f"feature-matching weights {p} have sha256 {digest}, expected {expected_sha256} "
-            f"({MATCH_EXTRACTOR_NAME}); the file is corrupt or from another training run. "
-            f"{MATCH_RETRAIN_HINT} and update MATCH_WEIGHTS_SHA256 in "
-            "shared/models/feature_match.py."
-        )
-    return _build_match_extractor(str(p.resolve()), digest)
-
-
-@functools.lru_cache(maxsize=4)
-def _build_match_extractor(path: str, digest: str) -> MatchNet:
-    """Build the model from a file whose hash was already checked (cache keyed by the hash)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as err:
-        msg = f"cannot decode {path} as safetensors: {err}. {MATCH_RETRAIN_HINT}."
-        raise CodecError(msg) from None
-    model = MatchNet()
-    expected = model.state_dict()
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        raise CodecError(
-            f"{path}: tensor names differ (missing {missing}, unexpected {extra}). "
-            f"{MATCH_RETRAIN_HINT}."
-        )
-    for name, t in tensors.items():
-        if t.shape != expected[name].shape or t.dtype != expected[name].dtype:
-            raise CodecError(
-                f"{path}: tensor {name} is {t.dtype}{tuple(t.shape)}, "
-                f"expected {expected[name].dtype}{tuple(expected[name].shape)}. "
-                f"{MATCH_RETRAIN_HINT}."
-            )
-    model.load_state_dict(tensors)
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    return load_shipped_net(
+        MatchNet, Path(path) if path is not None else MATCH_WEIGHTS, expected_sha256,
+        name=MATCH_EXTRACTOR_NAME, hint=MATCH_RETRAIN_HINT,
+        constant="MATCH_WEIGHTS_SHA256 in shared/models/feature_match.py",
+    )  # fmt: skip
