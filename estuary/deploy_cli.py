@@ -54,9 +54,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     params, gmacs = card["params"] / 1e6, card["macs"] / 1e9
     print(f"exported {card['name']} to {result.model_path} ({size}, {params:.3f} M params, "
           f"{gmacs:.3f} GMACs, {card['dtype']})")  # fmt: skip
+    second = ("from the devices' sampler" if card.get("kind") == "oneshot"
+              else f"over a {p.trajectory_steps}-step DDIM trajectory")  # fmt: skip
     print(f"parity vs torch: {p.random_max_abs:.3g} on random inputs, "
-          f"{p.trajectory_max_abs:.3g} over a {p.trajectory_steps}-step DDIM trajectory "
-          f"(threshold {p.threshold:g})")  # fmt: skip
+          f"{p.trajectory_max_abs:.3g} {second} (threshold {p.threshold:g})")  # fmt: skip
     signed = "signed" if result.signed else "UNSIGNED (pass --key to sign)"
     print(f"manifest: {result.manifest_path} ({signed}); card: {result.out_dir / 'card.json'}")
     return 0
@@ -101,7 +102,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{out['n']} images, {out['steps']} DDIM steps on {out['provider']}: "
+        how = "one pass each" if gen.kind == "oneshot" else f"{out['steps']} DDIM steps"
+        print(f"{out['n']} images, {how} on {out['provider']}: "
               f"{out['images_per_s']:.2f} images/s, {out['latency_s']:.3f} s per batch of "
               f"{out['batch_size']} -> {grid}")  # fmt: skip
         if key is None:

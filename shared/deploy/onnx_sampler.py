@@ -398,6 +398,7 @@ class OnnxGenerator:
             if progress is not None:
                 progress(hi - lo)
         seconds = time.perf_counter() - start
-        return np.concatenate(out), SampleStats(n, steps, seconds, min(batch_size, n))
+        passes = 1 if self.kind == "oneshot" else steps
+        return np.concatenate(out), SampleStats(n, passes, seconds, min(batch_size, n))
 
 

@@ -93,7 +93,8 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
         marker="o",
         ms=3,
     )
-    ax.set(title="mean device training loss", xlabel="round", ylabel="DDPM loss (MSE)")
+    ax.set(title="mean device training loss", xlabel="round",
+            ylabel="DDPM loss (MSE); one-shot: eq. 1")  # fmt: skip
     ax.grid(alpha=0.3)
 
     ax = axes[1]
