@@ -159,6 +159,15 @@ def test_fedavg_trains_the_generator_by_feature_matching_and_devices_keep_the_av
     assert images.shape == (5, 1, 32, 32) and torch.isfinite(images).all()
 
 
+@pytest.mark.parametrize("name", ["fedprox", "scaffold"])
+def test_the_other_weight_training_algorithms_train_a_one_shot_generator(name: str) -> None:
+    cfg = oneshot_config(name)
+    start = build_oneshot(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    fed, _ = _federate(cfg)
+    assert not torch.equal(fed.cloud.model["first.weight"], start["first.weight"])
+    assert all(torch.isfinite(v).all() for v in fed.cloud.model.values() if v.is_floating_point())
+
+
 def test_prism_masks_the_generator_and_uploads_one_bit_per_weight(tmp_path: Path) -> None:
     from shared.deploy.export import export_module
 
