@@ -221,3 +221,19 @@ def test_a_device_objective_is_computed_once_and_kept() -> None:
     mean = ctx.state[MATCH_STATE]["real_mean"]
     second = algo.objective(ctx, model, torch.device("cpu"))
     assert second is not None and ctx.state[MATCH_STATE]["real_mean"] is mean
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["prism", "fedavg"])
+def test_two_rounds_train_on_a_gpu(algorithm: str) -> None:
+    """A device's second round on CUDA: PRISM loads its kept Adam moments where the scores
+    train, and the feature-matching state comes back to the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cfg = oneshot_config(algorithm).model_copy(
+        update={"compute": oneshot_config(algorithm).compute.model_copy(update={"device": "cuda"})}
+    )
+    fed, _ = _federate(cfg)
+    kept = fed.devices[0].algo_state[MATCH_STATE]
+    assert kept["real_mean"].device.type == "cpu" and kept["ama"]["m"].device.type == "cpu"
+    assert all(v.device.type == "cpu" for v in fed.cloud.model.values())
