@@ -53,3 +53,20 @@ def tiny_config(**overrides: dict[str, Any]) -> RunConfig:
 def tiny_cfg() -> RunConfig:
     """The default tiny config."""
     return tiny_config()
+
+
+def synthetic_federation(cfg: RunConfig, bus: Any = None) -> tuple[Any, Any, list[Any]]:
+    """The federation ``cfg`` describes, over ``bus`` (a fresh MemoryBus by default) on its
+    synthetic data split by its partition, not started yet: (federation, bus, the list the
+    round summaries collect in)."""
+    from estuary.simulate import build_federation
+    from shared.data.datasets import load_dataset
+    from shared.data.partition import make_partition
+    from shared.transport.bus import MemoryBus
+
+    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
+    bus = bus if bus is not None else MemoryBus()
+    summaries: list[Any] = []
+    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    return fed, bus, summaries

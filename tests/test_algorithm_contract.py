@@ -21,18 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from estuary.simulate import build_federation
 from shared.algorithms import DeviceContext, Update, make_algorithm, registered
 from shared.algorithms.base import Algorithm
 from shared.config import RunConfig, config_from_dict, with_overrides
 from shared.config.algorithms import PrismConfig, config_class
 from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
-from shared.data.partition import make_partition
 from shared.models.plan import model_spec
 from shared.models.presets import build_unet
-from shared.transport.bus import MemoryBus
 from shared.wire.codec import TensorSpec, check_spec, pack_bits, spec_of, unpack_bits
-from tests.conftest import tiny_config
+from tests.conftest import synthetic_federation, tiny_config
 
 #: settings that exercise an algorithm's own paths in a two-round run
 EXERCISE: dict[str, dict[str, Any]] = {
@@ -81,10 +78,7 @@ def test_settings_round_trip(name: str) -> None:
 def _run(cfg: RunConfig) -> tuple[str, dict[str, torch.Tensor], int]:
     """A whole federation over MemoryBus: the final model's sha256 and state, and the
     number of updates the edges aggregated."""
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus, summaries = MemoryBus(), list[Any]()
-    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    fed, bus, summaries = synthetic_federation(cfg)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
     return fed.cloud.model_sha, dict(fed.cloud.model), sum(s.updates for s in summaries)

@@ -13,12 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from estuary.simulate import build_federation
 from shared.algorithms import DeviceContext, make_algorithm
 from shared.algorithms.prism import MASK, STEP, THETA
 from shared.config import RunConfig
-from shared.data.datasets import load_dataset
-from shared.data.partition import make_partition
 from shared.deploy.onnx_sampler import OnnxGenerator
 from shared.errors import EstuaryError
 from shared.evaluation.evaluator import model_from_state, sample_images
@@ -32,13 +29,13 @@ from shared.models.oneshot import (
     recalibrate_bn,
 )
 from shared.models.presets import count_weight_macs, kind_of, model_info, state_spec
-from shared.transport.bus import MemoryBus
-from tests.conftest import tiny_config
+from tests.conftest import synthetic_federation, tiny_config
 
 
-def oneshot_config(algorithm: str, **extra: Any) -> RunConfig:
+def oneshot_config(algorithm: str, *, device: str = "auto", **extra: Any) -> RunConfig:
     """Two rounds of 4 devices at 2 edges on the smallest ResNet generator."""
     return tiny_config(
+        compute={"device": device},
         run={"rounds": 2},
         federation={"num_devices": 4, "num_edges": 2},
         data={"synthetic_size": 64},
@@ -137,11 +134,8 @@ def test_with_converged_averages_the_gradient_is_that_of_half_the_squared_distan
 
 
 # -- federations ------------------------------------------------------------------------------
-def _federate(cfg: RunConfig) -> tuple[Any, MemoryBus]:
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus = MemoryBus()
-    fed = build_federation(cfg, bus, data, parts)
+def _federate(cfg: RunConfig) -> tuple[Any, Any]:
+    fed, bus, _ = synthetic_federation(cfg)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
     return fed, bus
@@ -230,9 +224,7 @@ def test_two_rounds_train_on_a_gpu(algorithm: str) -> None:
     train, and the feature-matching state comes back to the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    cfg = oneshot_config(algorithm).model_copy(
-        update={"compute": oneshot_config(algorithm).compute.model_copy(update={"device": "cuda"})}
-    )
+    cfg = oneshot_config(algorithm, device="cuda")
     fed, _ = _federate(cfg)
     kept = fed.devices[0].algo_state[MATCH_STATE]
     assert kept["real_mean"].device.type == "cpu" and kept["ama"]["m"].device.type == "cpu"

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from estuary.simulate import build_federation
 from shared.algorithms import DeviceContext, Update, make_algorithm
 from shared.algorithms.prism import (
     COUNT,
@@ -31,7 +30,6 @@ from shared.algorithms.prism import (
 )
 from shared.config import RunConfig, with_overrides
 from shared.data.datasets import load_dataset, to_model_input
-from shared.data.partition import make_partition
 from shared.errors import CodecError, ConfigError
 from shared.evaluation.evaluator import model_from_state
 from shared.models.masking import (
@@ -58,7 +56,7 @@ from shared.wire.codec import (
     packed_spec,
     unpack_bits,
 )
-from tests.conftest import TEST_PRISM_KEY, tiny_config
+from tests.conftest import TEST_PRISM_KEY, synthetic_federation, tiny_config
 
 
 def prism_config(**algorithm: Any) -> RunConfig:
@@ -106,10 +104,7 @@ def test_the_edge_rejects_a_malformed_upload_counts_it_and_keeps_aggregating() -
     (every masked tensor of the U-Net presets is a multiple of 8 weights, so the padding
     check above is the codec's; this is the same rejection path end to end)."""
     cfg = prism_config()
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus, summaries = MemoryBus(), list[Any]()
-    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    fed, bus, summaries = synthetic_federation(cfg)
     bad = fed.devices[0]
     honest = bad.algorithm.device_round
 
@@ -316,10 +311,7 @@ def test_the_run_stops_at_the_privacy_budget_and_devices_refuse_beyond_it() -> N
     cfg = with_overrides(
         prism_config(prism_dp_noise=5.0, prism_dp_epsilon=budget), {"run": {"rounds": 4}}
     )
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus, summaries = MemoryBus(), list[Any]()
-    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    fed, bus, summaries = synthetic_federation(cfg)
     fed.start()
     assert bus.run(lambda: fed.cloud.done)
     assert fed.cloud.rounds == 2 and fed.cloud.round == 2 and len(summaries) == 2
@@ -358,11 +350,8 @@ class RecordingBus(MemoryBus):
 def test_the_key_is_in_no_config_message_or_log(caplog: pytest.LogCaptureFixture) -> None:
     cfg = prism_config()
     secret = bytes.fromhex(TEST_PRISM_KEY)
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus = RecordingBus()
     with caplog.at_level(logging.DEBUG):
-        fed = build_federation(cfg, bus, data, parts)
+        fed, bus, _ = synthetic_federation(cfg, RecordingBus())
         fed.start()
         assert bus.run(lambda: fed.cloud.done)
     assert len(bus.payloads) > 20
@@ -413,10 +402,7 @@ def test_materialize_draws_one_fixed_mask_and_exports_with_parity(tmp_path: Path
 
 def test_a_whole_federation_trains_scores_and_uploads_bits() -> None:
     cfg = prism_config()
-    data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
-    parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    bus, summaries = MemoryBus(), list[Any]()
-    fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
+    fed, bus, summaries = synthetic_federation(cfg)
     start = {k: v.clone() for k, v in fed.cloud.model.items()}
     fed.start()
     assert bus.run(lambda: fed.cloud.done)

@@ -36,7 +36,7 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
-from shared.models.oneshot import FeatureMatch, is_oneshot
+from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim
 from shared.models.plan import ChannelPlan
 from shared.wire.codec import TensorSpec
 
@@ -188,7 +188,7 @@ class Algorithm(ABC):
         state kept in ``ctx.state``; on ``device``); None for a U-Net (the DDPM loss)."""
         if not is_oneshot(model):
             return None
-        nz = int(getattr(model, "nz"))  # noqa: B009
+        nz = latent_dim(model)
         return FeatureMatch.for_device(ctx.state, ctx.data, nz, self.cfg.train.ama_lr, device)
 
     @property

@@ -40,7 +40,7 @@ from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
-from shared.models.oneshot import is_oneshot, latents
+from shared.models.oneshot import is_oneshot, latent_dim, latents
 from shared.models.plan import ChannelPlan, plan_digest
 from shared.models.presets import count_macs, count_params, image_shape, num_classes_of
 from shared.wire.codec import encode_tensors, spec_of
@@ -177,7 +177,7 @@ def _onnx_signature(
     """(traced module, example inputs, input names, output name) of either kind."""
     gen = torch.Generator().manual_seed(0)
     if is_oneshot(unet):
-        z = latents(2, int(getattr(unet, "nz")), gen)  # noqa: B009
+        z = latents(2, latent_dim(unet), gen)
         return ImageModel(unet, fp16=fp16).eval(), (z,), ["z"], "image"
     inputs = example_inputs(unet, 2, gen)
     names = ["sample", "timestep", "class_labels"][: len(inputs)]
@@ -278,7 +278,7 @@ def _oneshot_parity(
     """A one-shot generator's parity: images from random latents, and the images the
     devices' sampler makes from its own seeded latents (one pass, so ``trajectory_steps``
     is 1), ONNX Runtime against torch."""
-    z = latents(samples, int(getattr(model, "nz")), gen)  # noqa: B009
+    z = latents(samples, latent_dim(model), gen)
     with torch.no_grad():
         want = model(z).float().numpy()
     got = onnx.session.run(None, {"z": z.numpy()})[0]
@@ -312,7 +312,7 @@ def model_card(
     """The card that travels with a deployed model (and sits beside it as card.json)."""
     c, h, w = image_shape(cfg.model.preset)
     if is_oneshot(unet):
-        nz = int(getattr(unet, "nz"))  # noqa: B009
+        nz = latent_dim(unet)
         io_entries: dict[str, Any] = {
             "kind": "oneshot",
             "latent_dim": nz,

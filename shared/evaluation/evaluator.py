@@ -25,7 +25,7 @@ from shared.diffusion.training import placed
 from shared.errors import DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
-from shared.models.oneshot import is_oneshot, latents, recalibrate_bn
+from shared.models.oneshot import is_oneshot, latent_dim, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
 
@@ -95,7 +95,7 @@ def oneshot_sample(
         with placed(model, device):
             first = next(model.parameters())
             for lo in range(0, n, batch_size):
-                z = latents(min(batch_size, n - lo), int(getattr(model, "nz")), generator)  # noqa: B009
+                z = latents(min(batch_size, n - lo), latent_dim(model), generator)
                 out.append(model(z.to(first.device)).float().cpu())
     finally:
         model.train(was_training)

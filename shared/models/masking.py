@@ -341,7 +341,7 @@ def depth_order(preset: str) -> tuple[str, ...]:
     """The masked weights of ``preset`` in the order their modules first run in a forward
     pass (input side first). Registration order is not depth: a diffusers U-Net registers
     ``mid_block`` after ``up_blocks``. Measured once per preset on a batch of one."""
-    from shared.models.presets import _forward_inputs, build_net, image_shape
+    from shared.models.presets import build_net, forward_inputs, image_shape
 
     model = build_net(preset, seed=0).eval()
     owner = {id(m): name for name, m in model.named_modules()}
@@ -357,7 +357,7 @@ def depth_order(preset: str) -> tuple[str, ...]:
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
     try:
         with torch.no_grad():
-            inputs = _forward_inputs(model, torch.zeros(1, *image_shape(preset)), 0)
+            inputs = forward_inputs(model, torch.zeros(1, *image_shape(preset)), 0)
             model(*inputs.values())
     finally:
         for h in handles:

@@ -105,6 +105,11 @@ def is_oneshot(model: nn.Module) -> bool:
     return getattr(model, "kind", None) == "oneshot"
 
 
+def latent_dim(model: nn.Module) -> int:
+    """The latent size ``nz`` of a one-shot generator."""
+    return int(getattr(model, "nz"))  # noqa: B009 - set by ResnetG, not declared on nn.Module
+
+
 def latents(n: int, nz: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` latents N(0, I) of shape (n, nz, 1, 1), drawn on the CPU from ``generator``."""
     return torch.randn(n, nz, 1, 1, generator=generator)
@@ -132,7 +137,7 @@ def recalibrate_bn(
     count, size = batches
     try:
         for _ in range(count):
-            model(latents(size, int(getattr(model, "nz")), gen).to(first.device))  # noqa: B009
+            model(latents(size, latent_dim(model), gen).to(first.device))
     finally:
         for m, momentum in zip(norms, momenta, strict=True):
             m.momentum = momentum
@@ -254,15 +259,16 @@ def real_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-feature mean and (biased) variance of ``net.relu_features`` over ``data``, in
     float64 sums (one pass; on the network's device); returned float32 on the CPU."""
-    device = next(net.parameters()).device
-    total = sq = None
-    for lo in range(0, data.shape[0], batch_size):
-        f = net.relu_features(data[lo : lo + batch_size].to(device)).double()  # type: ignore[operator]
-        s, q = f.sum(0), (f * f).sum(0)
-        total, sq = (s, q) if total is None else (total + s, sq + q)  # type: ignore[operator]
-    if total is None or sq is None:
-        raise ValueError("real statistics need at least one image")
     n = data.shape[0]
+    if n == 0:
+        raise ValueError("real statistics need at least one image")
+    device = next(net.parameters()).device
+    sums, squares = [], []
+    for batch in data.split(batch_size):
+        f = net.relu_features(batch.to(device)).double()  # type: ignore[operator]
+        sums.append(f.sum(0))
+        squares.append((f * f).sum(0))
+    total, sq = torch.stack(sums).sum(0), torch.stack(squares).sum(0)
     mean = total / n
     var = (sq / n - mean * mean).clamp_min(0)
     return mean.float().cpu(), var.float().cpu()

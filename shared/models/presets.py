@@ -24,7 +24,7 @@ from diffusers import UNet2DModel
 from torch import nn
 
 from shared.errors import ConfigError
-from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot
+from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -188,17 +188,17 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
     """
     import torch_pruning as tp
 
-    inputs = _forward_inputs(model, sample, timestep)
+    inputs = forward_inputs(model, sample, timestep)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         ops, _ = tp.utils.count_ops_and_params(model, example_inputs=inputs)
     return int(ops) // sample.shape[0]
 
 
-def _forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
+def forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass producing images like ``sample``: a U-Net's
     (sample, timestep, class 0 when conditional), a one-shot generator's latent ``z``."""
     if is_oneshot(model):
-        return {"z": torch.zeros(sample.shape[0], int(getattr(model, "nz")), 1, 1)}  # noqa: B009
+        return {"z": torch.zeros(sample.shape[0], latent_dim(model), 1, 1)}
     inputs = {
         "sample": sample,
         "timestep": torch.full((sample.shape[0],), timestep, dtype=torch.long),
@@ -238,7 +238,7 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
             hooks.append(m.register_forward_hook(conv_t))
         elif isinstance(m, nn.Linear):
             hooks.append(m.register_forward_hook(linear))
-    inputs = _forward_inputs(model, sample, timestep)
+    inputs = forward_inputs(model, sample, timestep)
     try:
         with torch.no_grad():
             if "z" in inputs:
