@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.atomic import atomic_write
+from shared.config import model_kind
 from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
@@ -140,6 +141,9 @@ def deploy_when_trained(
     cfg = cloud.cfg
     if not cfg.deploy.enabled:
         return
+    if model_kind(cfg.model.preset) == "classifier":
+        collect_own_classifiers(cloud, run_dir)
+        return
     if not cfg.deploy.signing_key:
         log.warning("deploy.signing_key is not set: the trained model will not be deployed "
                     "(generate keys with `estuary keys`)")  # fmt: skip
@@ -189,5 +193,47 @@ def deploy_when_trained(
             finish()
             return
         cloud.ep.call_later(cfg.deploy.wait_s, lambda: None if cloud.done else finish())
+
+    cloud.on_trained = on_trained
+
+
+def collect_own_classifiers(cloud: Any, run_dir: Path) -> None:
+    """A classifier run's deployment: each device exports and serves its own model (the
+    cloud never held it: pFedGPA's devices fine-tune their personal parameters last) and
+    reports it (``classified``, with its test accuracy, or ``refused``). Once training ends
+    the cloud waits (``deploy.wait_s`` at most) for every registered online device's report,
+    writes them to ``deploy/reports.json`` and declares the run done."""
+    cfg = cloud.cfg
+    reports: dict[str, DeploymentReport] = {}
+    out = run_dir / "deploy"
+
+    def waiting_for() -> list[str]:
+        return sorted(d for d in cloud.devices if d not in cloud.offline and d not in reports)
+
+    def finish() -> None:
+        if cloud.done:
+            return
+        summary = {d: r.model_dump(exclude={"v", "kind"}) for d, r in sorted(reports.items())}
+        atomic_write(out / "reports.json", json.dumps(summary, indent=2).encode())
+        got = [r.accuracy for r in reports.values() if r.accuracy is not None]
+        log.info("%d device(s) serve their own classifier%s", len(got),
+                 f", mean test accuracy {sum(got) / len(got):.4f}" if got else "")  # fmt: skip
+        cloud.complete()
+
+    def on_report(msg: DeploymentReport) -> None:
+        if msg.event not in ("classified", "refused"):
+            return
+        reports[msg.device] = msg
+        if cloud.on_trained is None and not waiting_for():  # training is over
+            finish()
+
+    cloud.on(cloud.topics.all_device_deploy, DeploymentReport, on_report, "msg_deploy_report")
+
+    def on_trained() -> None:
+        cloud.on_trained = None
+        if not waiting_for() or cfg.deploy.wait_s == 0:
+            finish()
+            return
+        cloud.ep.call_later(cfg.deploy.wait_s, finish)
 
     cloud.on_trained = on_trained

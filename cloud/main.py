@@ -214,6 +214,8 @@ def _serve(
         on_round_end=on_round_end,
         init=start.init,
     )
+    if resumed:
+        cloud.algorithm.load_cloud_state(run_dir / "checkpoints", start_round - 1)
     recorder.model_fn = cloud.global_module
     if recorder.evaluator is not None and cloud.algorithm.local_parts:
         log.warning(

@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from cloud.personal import PersonalizeJob
 from shared.algorithms import Algorithm, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
@@ -41,6 +42,7 @@ from shared.wire.messages import (
     CloudState,
     DeviceHello,
     EdgeUpdate,
+    PersonalModel,
     Presence,
     RoundStart,
     encode,
@@ -132,6 +134,8 @@ class RoundSummary:
     final: bool = False
     #: the algorithm's figures of the global state (:meth:`Algorithm.round_report`)
     algorithm: dict[str, float] = field(default_factory=dict)
+    #: classifier runs: each reporting device's (before, after) test accuracy
+    accuracy: dict[str, tuple[float | None, float]] = field(default_factory=dict)
 
 
 class CloudServer(RoleService):
@@ -192,6 +196,10 @@ class CloudServer(RoleService):
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
         self.reports: dict[str, tuple[EdgeUpdate, TensorDict | None]] = {}
+        #: the devices' own uploads of the open round (per-device algorithms), by device
+        self.uploads: dict[str, TensorDict] = {}
+        self.personal_job: PersonalizeJob | None = None
+        self.personal = False  # the next round start says devices have personal models
         self.timer: Timer | None = None
         self.started = False
         self.done = False
@@ -329,7 +337,9 @@ class CloudServer(RoleService):
             participants=participants if selecting else [],
             edge_counts=dict(self.edge_counts),
             arch=plan_doc(self.plan),
+            personal=self.personal,
         )
+        self.personal = False
         self.fresh_global = False
         self.reports = {}
         self.opened_at = time.perf_counter()
@@ -370,6 +380,9 @@ class CloudServer(RoleService):
         if parts_problem:
             self.reject("bad_part_samples", f"{msg.edge} round {msg.round}: {parts_problem}")
             return
+        forwarded = self._forwarded(msg)
+        if forwarded is None:
+            return
         tensors = None
         if msg.model_ref is not None:
             # an edge sends the shared tensors only, where the algorithm has them
@@ -379,7 +392,25 @@ class CloudServer(RoleService):
             if tensors is None:
                 return
         self.reports[msg.edge] = (msg, tensors)
+        self.uploads.update(forwarded)
         self._maybe_close()
+
+    def _forwarded(self, msg: EdgeUpdate) -> dict[str, TensorDict] | None:
+        """The devices' own uploads an edge forwarded (algorithms with per-device updates;
+        empty otherwise), each checked against the model's spec; None (rejected) when one is
+        not a device of that edge's report or cannot be used."""
+        if not self.algorithm.per_device_updates or not msg.forwarded:
+            return {}
+        out: dict[str, TensorDict] = {}
+        for f in msg.forwarded:
+            if f.device not in msg.devices or f.device in out:
+                self.reject("bad_forward", f"{msg.edge} round {msg.round}: {f.device}")
+                return None
+            tensors = self.fetch_tensors(f.update_ref, self.spec)
+            if tensors is None:
+                return None
+            out[f.device] = tensors
+        return out
 
     def _part_samples_problem(self, msg: EdgeUpdate) -> str | None:
         """Why ``msg.part_samples`` cannot weight this algorithm's parts (None when it can)."""
@@ -455,8 +486,44 @@ class CloudServer(RoleService):
             self.on_round_end(summary)
         if self.round >= self.rounds:
             self._finish()
+        elif self.algorithm.per_device_updates and self.uploads:
+            self._personalize(r)
         else:
             self._open_round()
+
+    def _personalize(self, r: int) -> None:
+        """Run the algorithm's personalization of round ``r``'s uploads off the loop; then
+        send each device its model and open the next round."""
+        uploads = dict(sorted(self.uploads.items()))
+        self.uploads = {}
+
+        def done(result: Mapping[str, TensorDict] | None, error: BaseException | None) -> None:
+            self.personal_job = None
+            if error is not None:  # the devices train the global model instead
+                log.error("personalization of round %d failed: %s: %s", r,
+                          type(error).__name__, error)  # fmt: skip
+                self.reject("personalize_failed", f"round {r}: {type(error).__name__}")
+                result = None
+            self.personal = self._send_personal(result or {})
+            with self._transition("opening the round"):
+                self._open_round()
+
+        self.personal_job = PersonalizeJob(
+            self.algorithm, r, uploads, self.model, self.ep.call_later, done
+        )
+        self.personal_job.start()
+
+    def _send_personal(self, models: Mapping[str, TensorDict]) -> bool:
+        """Send each device its own model for the round about to open, on the path only
+        that device reads; whether any was sent."""
+        mode = self.algorithm.personal_mode
+        for device, tensors in sorted(models.items()):
+            ref = self.put_private_tensors(tensors, "personal_model", device)
+            msg = PersonalModel(
+                round=self.round, session=self.session, device=device, model_ref=ref, mode=mode
+            )
+            self.send(self.topics.device_down(device), msg)
+        return bool(models)
 
     def _checkpoint(self, r: int) -> None:
         every = self.cfg.eval.checkpoint_every
@@ -465,6 +532,7 @@ class CloudServer(RoleService):
             save_checkpoint(
                 self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan, init=self.init
             )
+            self.algorithm.save_cloud_state(self.checkpoint_dir, r)
 
     def _summarize(
         self, r: int, aggregated: bool, agg_seconds: float, trained_arch: str
@@ -484,6 +552,9 @@ class CloudServer(RoleService):
             train_seconds=sum(m.train_seconds for m in reports),
             rejected=sum(m.rejected for m in reports),
             edges={m.edge: len(m.devices) for m in reports},
+            accuracy={
+                d: (a.before, a.after) for m in reports for d, a in (m.accuracy or {}).items()
+            },
             model_params=self.model_params(),
             arch=plan_digest(self.plan),
             trained_arch=trained_arch,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
+from shared.config import model_kind
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
     Serve,
@@ -78,7 +79,11 @@ def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
         return lambda: code
     device, bus = _training_agent(args, cfg, cache)
     receiver = None
-    if cfg.deploy.enabled:
+    if cfg.deploy.enabled and model_kind(cfg.model.preset) == "classifier":
+        from device_agent.own_classifier import OwnClassifier
+
+        device.after_last_round = OwnClassifier(device, out_dir)
+    elif cfg.deploy.enabled:
         from device_agent.personalize import Personalizer
 
         receiver = DeploymentReceiver(device, out_dir, personalize=Personalizer(device))
@@ -105,6 +110,7 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
     data = device_data(cfg, index)
+    test = device_test_data(cfg, index)
     bus = connect_bus(cfg, "device", args.id, cache)
     device = DeviceAgent(
         cfg,
@@ -116,11 +122,25 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
         data=to_model_input(data.images),
         labels=torch.from_numpy(data.labels),
         state_dir=Path(args.state_dir) if args.state_dir else None,
+        test_data=None if test is None else to_model_input(test.images),
+        test_labels=None if test is None else torch.from_numpy(test.labels),
     )
     log.info("%s has %d samples from %s (home %s)", args.id, len(data), data.name, device.home_edge)
     device.metrics.training_images.set(len(data))
     device.metrics.skipped_image_files.set(data.skipped)
     return device, bus
+
+
+def device_test_data(cfg: RunConfig, index: int) -> ImageDataset | None:
+    """A classifier's own test split (the test set split by the training split's rule), on
+    which it reports its accuracy; None for a generator or a dataset without a test set."""
+    from shared.config import model_kind
+    from shared.data.partition import split_test
+
+    if model_kind(cfg.model.preset) != "classifier":
+        return None
+    test = split_test(cfg)
+    return None if test is None else test[0].subset(test[1][index])
 
 
 def device_data(cfg: RunConfig, index: int) -> ImageDataset:

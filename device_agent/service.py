@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from shared.wire.messages import (
     DeviceJoin,
     DeviceUpdate,
     EdgeRound,
+    PersonalModel,
     Presence,
     RoundStart,
 )
@@ -74,8 +76,20 @@ class DeviceAgent(RoleService):
         data: torch.Tensor,
         labels: torch.Tensor,
         state_dir: Path | None = None,
+        test_data: torch.Tensor | None = None,
+        test_labels: torch.Tensor | None = None,
     ) -> None:
         super().__init__(device_id, cfg, bus)
+        #: the device's own test split (a classifier reports its accuracy on it)
+        self.test_data, self.test_labels = test_data, test_labels
+        #: personal models the cloud sent for (session, round), newest last (at most
+        #: MAX_PENDING_ROUNDS); a round announced as personal waits for its own
+        self.personal: OrderedDict[tuple[str, int], PersonalModel] = OrderedDict()
+        #: the personal round waiting for its model, and the timer that gives up on it
+        self.awaiting: tuple[EdgeRound, Timer] | None = None
+        #: called with the round after the device trained the run's last round (a
+        #: classifier exports and serves its own model: device_agent.own_classifier)
+        self.after_last_round: Callable[[int], None] | None = None
         self.index = index
         self.home_edge = home_edge
         self.algorithm = algorithm
@@ -112,6 +126,9 @@ class DeviceAgent(RoleService):
         publish the retained registration."""
         self.restore_state()
         self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
+        if self.algorithm.per_device_updates:
+            self.on(self.topics.device_down(self.name), PersonalModel, self.on_personal,
+                    "msg_personal_model")  # fmt: skip
         if self.selecting:
             self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
             self.on(self.topics.all_device_join, DeviceJoin, self.on_join, "msg_join")
@@ -379,6 +396,66 @@ class DeviceAgent(RoleService):
                 return
         self.train_round(msg)
 
+    def on_personal(self, msg: PersonalModel) -> None:
+        """Keep the personal model the cloud sent; train the round waiting for it."""
+        if msg.device != self.name:
+            self.reject("not_mine", f"personal model for {msg.device}")
+            return
+        self.personal[(msg.session, msg.round)] = msg
+        while len(self.personal) > MAX_PENDING_ROUNDS:
+            self.personal.popitem(last=False)
+        if self.awaiting is not None:
+            pending, timer = self.awaiting
+            if (pending.session, pending.round) == (msg.session, msg.round):
+                timer.cancel()
+                self.awaiting = None
+                self.train_round(pending)
+
+    def _await_personal(self, msg: EdgeRound) -> bool:
+        """Whether round ``msg`` must wait for its personal model (then it is parked, with a
+        timer of ``join_timeout_s`` after which the device trains the edge's model)."""
+        if not msg.personal or (msg.session, msg.round) in self.personal:
+            return False
+        if self.awaiting is not None:
+            self.awaiting[1].cancel()
+
+        def give_up() -> None:
+            if self.awaiting is not None and self.awaiting[0] is msg:
+                self.awaiting = None
+                self.reject("no_personal_model", f"round {msg.round}: training the edge model")
+                self.train_round(msg, waited=True)
+
+        self.awaiting = (msg, self.ep.call_later(self.cfg.federation.join_timeout_s, give_up))
+        return True
+
+    def _load_round_model(self, ctx: DeviceContext, msg: EdgeRound) -> bool:
+        """Load what round ``msg`` trains: this device's personal model when the cloud sent
+        one, else the edge's (only its shared tensors when the device holds the rest);
+        False when the download failed (rejected and counted)."""
+        personal = self.personal.pop((msg.session, msg.round), None)
+        if personal is not None:
+            tensors = self.fetch_tensors(personal.model_ref, model_spec(self.cfg.model.preset,
+                                                                         self.plan))  # fmt: skip
+            if tensors is not None:
+                self.algorithm.device_personal(ctx, self.model, tensors)
+                return True
+        if not self.algorithm.needs_download(ctx):
+            self.algorithm.device_load(ctx, self.model, {})
+            return True
+        shared = self.algorithm.shared_spec(self.spec)
+        if (
+            msg.shared_ref is not None
+            and shared is not None
+            and self.algorithm.device_holds_rest(ctx, self.spec)
+        ):  # the device has the rest (its local parts): only the shared tensors travel
+            state = self.fetch_tensors(msg.shared_ref, shared)
+        else:
+            state = self.fetch_tensors(msg.model_ref, self.spec)
+        if state is None:
+            return False  # the edge's deadline covers the missing update
+        self.algorithm.device_load(ctx, self.model, state)
+        return True
+
     def _adopt_announced(self, doc: Plan | None) -> bool:
         """Adopt the architecture a round announcement carries (``doc``, its plan's JSON),
         checked once when it is new; False (rejected, counted) when it cannot be used."""
@@ -415,8 +492,9 @@ class DeviceAgent(RoleService):
                 return f"non-finite weights in {name}"
         return ""
 
-    def train_round(self, msg: EdgeRound) -> None:
-        """Train on the edge's model for ``msg.round`` and report (upload when asked)."""
+    def train_round(self, msg: EdgeRound, *, waited: bool = False) -> None:
+        """Train on the edge's model (or this device's personal one) for ``msg.round`` and
+        report (upload when asked)."""
         if msg.round == 0 and self.state_session not in (None, msg.session):
             self._start_over(msg.session)
         last = self.last_update
@@ -433,6 +511,8 @@ class DeviceAgent(RoleService):
             return
         if not self._adopt_announced(msg.arch):
             return
+        if not waited and self._await_personal(msg):
+            return
         ctx = DeviceContext(
             self.name,
             self.data,
@@ -443,6 +523,8 @@ class DeviceAgent(RoleService):
             peers=sorted(msg.devices),
             seed=self.cfg.run.seed,
             state=self.algo_state,
+            test_data=self.test_data,
+            test_labels=self.test_labels,
         )
         # Algorithms replace their state's entries (never mutate them), so this shallow copy
         # is the state as it was before the round, to go back to if training diverges.
@@ -450,19 +532,8 @@ class DeviceAgent(RoleService):
         # Between edge aggregations (r_e > 1) the device keeps training its own model.
         # (the same edge, too: it counts the rounds behind an upload, see EdgeServer)
         continuing = self.kept_local == (msg.session, msg.round - 1, msg.edge, msg.model_ref.sha256)
-        if not continuing:
-            shared = self.algorithm.shared_spec(self.spec)
-            if (
-                msg.shared_ref is not None
-                and shared is not None
-                and self.algorithm.device_holds_rest(ctx, self.spec)
-            ):  # the device has the rest (its local parts): only the shared tensors travel
-                state = self.fetch_tensors(msg.shared_ref, shared)
-            else:
-                state = self.fetch_tensors(msg.model_ref, self.spec)
-            if state is None:
-                return  # rejected and counted; the edge's deadline covers the missing update
-            self.algorithm.device_load(ctx, self.model, state)
+        if not continuing and not self._load_round_model(ctx, msg):
+            return
         self.kept_local = None  # set again below once this round's training is known good
         result = self.algorithm.device_round(ctx, self.model, msg.round, upload=msg.upload)
         reason = self._divergence(result)
@@ -491,6 +562,8 @@ class DeviceAgent(RoleService):
             train_loss=result.train.mean_loss,
             steps=result.train.steps,
             train_seconds=result.train.seconds,
+            acc_before=None if result.accuracy is None else result.accuracy.before,
+            acc_after=None if result.accuracy is None else result.accuracy.after,
         )
         self.last_update = update
         self.metrics.round.set(msg.round)
@@ -498,3 +571,5 @@ class DeviceAgent(RoleService):
         self.save_state(msg.round, msg.session)  # before the report: a restart resends it
         self.send(self.topics.device_up(self.name), update)
         log.debug("%s round %d loss %.4f", self.name, msg.round, result.train.mean_loss)
+        if self.after_last_round is not None and msg.round + 1 >= self.cfg.run.rounds:
+            self.after_last_round(msg.round)

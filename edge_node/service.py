@@ -33,12 +33,14 @@ from shared.wire.codec import TensorSpec, encode_tensors, sha256_hex
 from shared.wire.messages import (
     MAX_COUNT,
     BlobRef,
+    DeviceAccuracy,
     DeviceHello,
     DeviceJoin,
     DeviceUpdate,
     EdgeRound,
     EdgeState,
     EdgeUpdate,
+    Forwarded,
     Presence,
     RoundStart,
 )
@@ -312,6 +314,7 @@ class EdgeServer(RoleService):
             deadline_s=self.cfg.federation.round_deadline_s,
             select=self.selecting,
             arch=plan_doc(self.plan),
+            personal=msg.personal,
         )
         # retained: a device that (re)starts mid-round still learns what to train
         self.send(self.topics.edge_round(self.name), announce, retain=True)
@@ -339,7 +342,7 @@ class EdgeServer(RoleService):
                 outcome=reason if reason in ("late", "duplicate") else "rejected"
             ).inc()
             return
-        if self.upload:
+        if self.upload and self.algorithm.uploads:
             if msg.update_ref is None:
                 self.rejected_this_round += 1
                 self.reject("missing_update", f"{msg.device} round {msg.round}")
@@ -518,7 +521,7 @@ class EdgeServer(RoleService):
                         acc_parts[part] += n
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
-        if cloud_round and acc[0]:
+        if cloud_round and acc[0] and self.algorithm.uploads:
             shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
             ref = self.put_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
@@ -539,11 +542,28 @@ class EdgeServer(RoleService):
             train_seconds=sum(m.train_seconds for m in contributors.values()),
             rejected=self.rejected_this_round + discarded,
             part_samples=acc_parts,
+            accuracy=_accuracies(contributors),
+            forwarded=self._forward(contributors) if cloud_round else None,
         )
         log.debug(
             "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
         )
         return _Closed(model, model_ref, report, *acc, acc_parts, pending, cloud_round)
+
+    def _forward(self, contributors: dict[str, DeviceUpdate]) -> list[Forwarded] | None:
+        """Each contributor's own upload, served by this edge, for an algorithm whose cloud
+        keeps every device's model (``Algorithm.per_device_updates``)."""
+        if not self.algorithm.per_device_updates:
+            return None
+        return [
+            Forwarded(
+                device=d,
+                update_ref=self.put_tensors(self.updates[d].tensors, "forwarded_update"),
+                n_samples=contributors[d].n_samples,
+            )
+            for d in sorted(contributors)
+            if d in self.updates
+        ]
 
     def _publish_state(self) -> None:
         state = EdgeState(
@@ -554,3 +574,13 @@ class EdgeServer(RoleService):
             devices_last_round=len(self.reported),
         )
         self.send(self.topics.edge_state(self.name), state, retain=True)
+
+
+def _accuracies(contributors: dict[str, DeviceUpdate]) -> dict[str, DeviceAccuracy] | None:
+    """The contributors' classifier accuracies (None when none reported one)."""
+    out = {
+        d: DeviceAccuracy(before=m.acc_before, after=m.acc_after)
+        for d, m in sorted(contributors.items())
+        if m.acc_after is not None
+    }
+    return out or None

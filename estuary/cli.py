@@ -149,7 +149,7 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
     if args.prune_sp is None:
         info = model_info(args.preset).to_dict()
     elif kind != "unet":
-        raise ConfigError(f"--prune-sp: {args.preset!r} is a one-shot generator; U-Nets prune")
+        raise ConfigError(f"--prune-sp: {args.preset!r} is a {kind} model; U-Nets prune")
     else:
         from torch import nn
 
@@ -168,12 +168,20 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
             "removed": round(1 - info["params"] / dense, 4),
         }
     info["kind"] = kind
-    # what PRISM masks (one bit each on the wire): every weight of two or more dimensions
-    info["masked_weights"] = sum(
-        math.prod(s.shape) for n, s in state_spec(args.preset).items() if is_masked(n, s.shape)
-    )
+    if kind != "classifier":
+        # what PRISM masks (one bit each on the wire): every weight of two or more dimensions
+        info["masked_weights"] = sum(
+            math.prod(s.shape) for n, s in state_spec(args.preset).items()
+            if is_masked(n, s.shape)
+        )  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=2))
+    elif kind == "classifier":
+        print(
+            f"{info['preset']}: {info['params']:,} params, {info['macs']:,} MACs "
+            f"({info['weight_macs']:,} weight multiply-accumulates) per image, "
+            f"{info['fp32_bytes']:,} bytes fp32 ({kind})"
+        )
     else:
         pruned_by = f" (pruned {args.prune_sp:g} by {args.prune_method})" if "prune" in info else ""
         print(
@@ -291,11 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--quiet", action="store_true", help="no progress bar")
     sd.set_defaults(func=_cmd_split_data)
 
+    from estuary.classify_cli import add_parser as add_classify_parser
     from estuary.deploy_cli import add_parsers
     from estuary.prism_cli import add_parsers as add_prism_parsers
     from estuary.status import add_parser as add_status_parser
 
     add_parsers(sub)
+    add_classify_parser(sub)
     add_prism_parsers(sub)
     add_status_parser(sub)
     return p

@@ -236,7 +236,21 @@ def print_demo_result(result: DemoResult) -> None:
         for name, v in sorted(by_role.items()):
             mib = {k: x / 2**20 for k, x in v.items()}
             print(f"  {name:>8}: sent {mib['sent']:8.2f} MiB  received {mib['received']:8.2f} MiB")
-    if result.deployment:
+    classified = {k: r for k, r in result.deployment.items() if r["event"] == "classified"}
+    if classified:
+        accs = sorted(r["accuracy"] for r in classified.values() if r.get("accuracy") is not None)
+        rates = sorted(r["images_per_s"] for r in classified.values())
+        print(
+            f"{len(classified)}/{len(result.deployment)} devices exported their own classifier "
+            f"(ONNX, parity-checked, unsigned: {d / 'devices'}/<device>/classifier/)"
+            + (f"; test accuracy with ONNX Runtime: mean {sum(accs) / len(accs):.4f}, "
+               f"min {accs[0]:.4f}" if accs else "")
+            + (f", median {rates[len(rates) // 2]:.0f} images/s" if rates else "")
+        )  # fmt: skip
+        for name, r in sorted(result.deployment.items()):
+            if r["event"] != "classified":
+                print(f"  {name}: {r['event']} {r['reason']}")
+    elif result.deployment:
         sampled = {k: r for k, r in result.deployment.items() if r["event"] == "sampled"}
         speeds = sorted(r["images_per_s"] for r in sampled.values())
         own = sum(1 for r in sampled.values() if r.get("personal"))
@@ -254,7 +268,7 @@ def print_demo_result(result: DemoResult) -> None:
     print(f"  report:      {d / 'report.png'}")
     if grids:
         print(f"  samples:     {d / grids[-1]}")
-    if result.deployment:
+    if result.deployment and not classified:
         print(f"  device grids: {d / 'devices'}/<device>/samples/")
     print(f"  metrics:     {d / 'metrics.jsonl'}")
     print(f"  prometheus:  {d / 'prometheus.json'}")

@@ -26,9 +26,9 @@ from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config import RunConfig
+from shared.config import RunConfig, model_kind
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
-from shared.data.partition import label_count_matrix, split_dataset
+from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import plot_report
@@ -79,8 +79,10 @@ def build_federation(
     *,
     checkpoint_dir: Path | None = None,
     on_round_end: Callable[[RoundSummary], None] | None = None,
+    test: tuple[ImageDataset, list[np.ndarray]] | None = None,
 ) -> Federation:
-    """Cloud, edges and devices (device i's private data is ``data[parts[i]]``).
+    """Cloud, edges and devices (device i's private data is ``data[parts[i]]``, its test
+    split ``test[0][test[1][i]]`` when given).
 
     Every service gets its own algorithm instance; nothing is shared but the bus.
     """
@@ -100,6 +102,8 @@ def build_federation(
             home_edge=home_edge(i, cfg),
             data=to_model_input(data.images[p]),
             labels=torch.from_numpy(data.labels[p]),
+            test_data=None if test is None else to_model_input(test[0].images[test[1][i]]),
+            test_labels=None if test is None else torch.from_numpy(test[0].labels[test[1][i]]),
         )
         for i, p in enumerate(parts)
     ]
@@ -127,6 +131,24 @@ def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
     return out
 
 
+def device_test_splits(
+    cfg: RunConfig, run_dir: Path, names: list[str], *, show: bool
+) -> tuple[ImageDataset, list[np.ndarray]] | None:
+    """A classifier run's per-device test splits (:func:`split_test`), their label counts
+    saved as ``label_counts_test.csv`` (and printed with ``show``); None for generators."""
+    if model_kind(cfg.model.preset) != "classifier":
+        return None
+    test = split_test(cfg)
+    if test is None:
+        log.warning("%s has no test set: the devices report no accuracy", cfg.data.dataset)
+        return None
+    matrix = label_count_matrix(test[0].labels, test[1], NUM_CLASSES)
+    if show:
+        print("test split:")
+    save_label_counts(run_dir, matrix, names, show=show, name="label_counts_test.csv")
+    return test
+
+
 def announce_prism_key(directory: Path, *, show: bool) -> None:
     """Give a PRISM run a key (``directory/prism.key``, kept for a resumed run) when none is
     configured, and say where it is (never what it is)."""
@@ -152,6 +174,7 @@ def simulate(
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     save_label_counts(run_dir, matrix, device_names, show=progress)
+    test = device_test_splits(cfg, run_dir, device_names, show=progress)
 
     bus = MemoryBus()
     recorder = RunRecorder(cfg, run_dir, bus.traffic, evaluate=evaluate)
@@ -162,6 +185,7 @@ def simulate(
         parts,
         checkpoint_dir=run_dir / "checkpoints",
         on_round_end=recorder.on_round_end,
+        test=test,
     )
     cloud = fed.cloud
     recorder.model_fn = cloud.global_module

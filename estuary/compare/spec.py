@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cloud.service import sample_participants
-from shared.config import RunConfig, apply_env_overrides, config_from_dict
+from shared.config import RunConfig, apply_env_overrides, config_from_dict, model_kind
 from shared.config.algorithms import FedPhDConfig
 from shared.data.partition import split_dataset
 from shared.diffusion.training import num_local_steps
@@ -162,6 +162,11 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
+    if centralized and model_kind(cfg.model.preset) == "classifier":
+        raise ConfigError(
+            f"{path}: method {label!r}: centralized training is for generators; compare "
+            "classifiers with Local-only, FedAvg and pFedGPA"
+        )
     algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
     if centralized and algo.prune_ratio > 0 and algo.prune_at != "init":
         raise ConfigError(

@@ -55,6 +55,48 @@ COLUMNS: list[tuple[str, str, int]] = [
 ]
 
 
+#: the columns of a comparison of classifiers (pFedGPA and its baselines): the devices'
+#: final-round accuracy on their own test splits instead of FID
+CLASSIFIER_COLUMNS: list[tuple[str, str, int]] = [
+    ("method", "method", 0),
+    ("algorithm", "algorithm", 0),
+    ("acc_before", "acc. before FT (%)", 2),
+    ("acc_after", "acc. after FT (%)", 2),
+    ("acc_std", "std over devices (pp)", 2),
+    ("under60_before", "devices < 60 % before FT", 0),
+    ("under60_after", "devices < 60 % after FT", 0),
+    ("params", "params", 0),
+    ("device_up_bytes", "device upload B/round", 0),
+    ("device_round_bytes", "device round B (down + up)", 0),
+    ("total_mib", "total MiB", 2),
+    ("rounds", "rounds", 0),
+    ("local_steps", "local steps", 0),
+    ("wall_s", "wall s", 1),
+]
+
+
+def columns_for(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """The table's columns: accuracy for classifiers, FID and costs for generators."""
+    return CLASSIFIER_COLUMNS if any("acc_after" in r for r in rows) else COLUMNS
+
+
+def _accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The final round's classifier figures in percent (the paper's "final round average
+    test accuracy across clients"), none for a generator run."""
+    last = next((r["accuracy"] for r in reversed(rows) if r.get("accuracy")), None)
+    if last is None:
+        return {}
+    out = {
+        "acc_after": 100 * last["after_mean"],
+        "acc_std": 100 * last["after_std"],
+        "under60_after": last["after_under_60"],
+        "acc_devices": last["devices"],
+    }
+    if "before_mean" in last:
+        out |= {"acc_before": 100 * last["before_mean"], "under60_before": last["before_under_60"]}
+    return out
+
+
 def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
     q = [r["quality"] for r in rows if r.get("quality")]
     if not q:
@@ -166,6 +208,7 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "algorithm": _algorithm(run.method),
             "centralized": run.method.centralized,
             **_quality(run.rows),
+            **_accuracy(run.rows),
             "params": info.params,
             "params_m": info.params / 1e6,
             "macs": info.macs,
@@ -207,14 +250,17 @@ def _fmt(value: Any, decimals: int) -> str:
 
 def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
     """``table.md``: the table, the ratios to the reference and what the columns mean."""
+    columns = columns_for(rows)
+    if columns is CLASSIFIER_COLUMNS:
+        return _classifier_markdown(rows, spec)
     lines = [
         f"# {spec.name}",
         "",
-        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
     ]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in columns) + " |")
     lines += ["", f"Relative to {spec.reference}:", ""]
     lines += [
         "| method | cloud-link bytes/agg | weighted cost/window | Table IV rule | total bytes |"
@@ -288,11 +334,32 @@ def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
     return "\n".join(lines)
 
 
+def _classifier_markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
+    """``table.md`` of a comparison of classifiers."""
+    cols = CLASSIFIER_COLUMNS
+    lines = [f"# {spec.name}", "", "| " + " | ".join(h for _, h, _ in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]  # fmt: skip
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in cols) + " |")
+    lines += [
+        "",
+        "Accuracy: each device's classifier on its own test split (drawn from the test set by "
+        "the training split's rule), averaged over the devices, in the final round. Before FT: "
+        "the model the device received (FedAvg: the global model; pFedGPA: its personal "
+        "parameters; Local-only: its own model of the round before); after FT: after its "
+        "local round (FedAvg's is FedAvg-FT). std: over the devices, after FT.",
+        "device upload B/round: one device's upload blob (mean over the run); device round B: "
+        "that plus its download. total = every byte received.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> None:
     """``table.md``, ``table.csv`` and ``table.json`` in ``out``."""
     atomic_write(out / "table.md", markdown(rows, spec).encode())
     buf = io.StringIO()
-    keys = [k for k, _, _ in COLUMNS]
+    keys = [k for k, _, _ in columns_for(rows)]
     writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
@@ -301,7 +368,7 @@ def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> No
         "name": spec.name,
         "reference": spec.reference,
         "distances": {"d_e": spec.distances.d_e, "d_c": spec.distances.d_c},
-        "columns": {k: h for k, h, _ in COLUMNS},
+        "columns": {k: h for k, h, _ in columns_for(rows)},
         "rows": rows,
         "relative": _ratios(rows, spec.reference),
     }
@@ -340,6 +407,8 @@ def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if any(r.get("accuracy") for run in runs for r in run.rows):
+        _accuracy_plot(runs, out / "accuracy.png")
     curves = [(run.method.label, _curves(run, d)) for run in runs]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for label, c in curves:
@@ -365,6 +434,28 @@ def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
     for a in axes:
         a.set(xlabel="local training steps, all devices")
     _finish(fig, axes, out / "bytes.png")
+
+
+def _accuracy_plot(runs: list[MethodRun], path: Path) -> None:
+    """``accuracy.png``: each method's mean device accuracy by round, before and after the
+    local round (fine-tuning), and the devices under 60 % before it."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for run in runs:
+        rows = [r for r in run.rows if r.get("accuracy")]
+        x = [r["round"] + 1 for r in rows]
+        line = axes[0].plot(x, [100 * r["accuracy"]["after_mean"] for r in rows],
+                            label=f"{run.method.label}, after FT")[0]  # fmt: skip
+        before = [(r["round"] + 1, r["accuracy"]) for r in rows if "before_mean" in r["accuracy"]]
+        if before:
+            axes[0].plot([b[0] for b in before], [100 * b[1]["before_mean"] for b in before],
+                         ls="--", color=line.get_color(), label=f"{run.method.label}, before FT")
+            axes[1].plot([b[0] for b in before], [b[1]["before_under_60"] for b in before],
+                         color=line.get_color(), label=run.method.label)  # fmt: skip
+    axes[0].set(xlabel="round", ylabel="accuracy (%)", title="mean device test accuracy")
+    axes[1].set(xlabel="round", ylabel="devices", title="devices under 60 % before FT")
+    _finish(fig, axes, path)
 
 
 def _finish(fig: Any, axes: Any, path: Path) -> None:

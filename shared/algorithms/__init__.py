@@ -9,10 +9,13 @@ from shared.algorithms import fedavg as _fedavg  # noqa: F401  (registers "fedav
 from shared.algorithms import feddiffuse as _feddiffuse  # noqa: F401  (registers "feddiffuse")
 from shared.algorithms import fedphd as _fedphd  # noqa: F401  (registers "fedphd")
 from shared.algorithms import fedprox as _fedprox  # noqa: F401  (registers "fedprox")
+from shared.algorithms import local as _local  # noqa: F401  (registers "local")
 from shared.algorithms import moon as _moon  # noqa: F401  (registers "moon")
+from shared.algorithms import pfedgpa as _pfedgpa  # noqa: F401  (registers "pfedgpa")
 from shared.algorithms import prism as _prism  # noqa: F401  (registers "prism")
 from shared.algorithms import scaffold as _scaffold  # noqa: F401  (registers "scaffold")
 from shared.algorithms.base import (
+    Accuracy,
     Algorithm,
     DeviceContext,
     LocalResult,
@@ -23,6 +26,7 @@ from shared.algorithms.base import (
 )
 
 __all__ = [
+    "Accuracy",
     "Algorithm",
     "DeviceContext",
     "LocalResult",

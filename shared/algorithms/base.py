@@ -19,7 +19,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
+from shared.models.classifier import accuracy, is_classifier, train_classifier
 from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim
 from shared.models.plan import ChannelPlan
 from shared.wire.codec import TensorSpec
@@ -75,6 +77,18 @@ class DeviceContext:
     peers: list[str] = field(default_factory=list)  # devices training at this edge (sorted)
     seed: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    #: the device's own test split (classifiers report their accuracy on it); None: none
+    test_data: torch.Tensor | None = None
+    test_labels: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A classifier's accuracy on its device's test split before and after a local round
+    (``before`` is None when the round started from no model worth measuring)."""
+
+    before: float | None
+    after: float
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,8 @@ class LocalResult:
 
     tensors: TensorDict | None
     train: TrainResult
+    #: a classifier's accuracy on the device's test split (None for generators)
+    accuracy: Accuracy | None = None
 
 
 def optimizer_state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +158,16 @@ class Algorithm(ABC):
     #: cannot sets False and trains on the CPU (with a warning) whatever the setting.
     supports_cuda: ClassVar[bool] = True
 
+    #: devices upload their model each aggregation round; False (Local-only): nothing
+    #: travels up, and edges accept reports without a model
+    uploads: ClassVar[bool] = True
+    #: the cloud needs every device's own upload, not only the edges' averages (pFedGPA):
+    #: edges forward each one (``EdgeUpdate.forwarded``) and the cloud hands them to
+    #: :meth:`personalize`
+    per_device_updates: ClassVar[bool] = False
+    #: how :meth:`personalize` made the devices' models (``PersonalModel.mode``)
+    personal_mode: Literal["inversion", "generation", "guidance"] = "inversion"
+
     #: this algorithm's settings, as the run config holds them
     settings: AlgorithmConfig
 
@@ -161,6 +187,8 @@ class Algorithm(ABC):
         device's last round left in ``ctx.state`` (a copy, on the CPU) and leaves its own
         there; a state for other parameter shapes (before pruning) is dropped."""
         device = self.training_device
+        if is_classifier(model):
+            return self._train_classifier(ctx, model, device, **hooks)
         match = self.objective(ctx, model, device)
         if match is not None:
             if hooks.get("loss_fn") is not None:
@@ -180,6 +208,49 @@ class Algorithm(ABC):
         if match is not None:
             match.keep(ctx.state)
         return result
+
+    def _train_classifier(
+        self, ctx: DeviceContext, model: nn.Module, device: torch.device, **hooks: Any
+    ) -> TrainResult:
+        """Cross-entropy LocalUpdate of a classifier (no DDPM hooks apply to it)."""
+        if any(h is not None for h in hooks.values()):
+            raise ConfigError(f"{self.name}: a classifier trains with cross-entropy only")
+        keep = self.cfg.train.optimizer_state == "keep"
+        with placed(model, device if keep and device.type != "cpu" else None):
+            opt = _resumed_optimizer(ctx, model, self.cfg.train) if keep else None
+            loss, steps, seconds = train_classifier(
+                model, ctx.data, ctx.labels, self.cfg.train, ctx.generator,
+                device=device, optimizer=opt,
+            )  # fmt: skip
+            if opt is not None:
+                kept = optimizer_state_on_cpu(opt.state_dict())
+                ctx.state[OPTIMIZER_STATE] = (_shapes(opt), kept)
+        return TrainResult(loss, steps, seconds)
+
+    def test_accuracy(self, ctx: DeviceContext, model: nn.Module) -> float | None:
+        """``model``'s accuracy on the device's own test split (None for a generator or a
+        device without one)."""
+        if not is_classifier(model) or ctx.test_data is None or ctx.test_labels is None:
+            return None
+        return accuracy(model, ctx.test_data, ctx.test_labels)
+
+    def measures_accuracy(self, round_: int) -> bool:
+        """Whether devices measure their classifier's accuracy in ``round_``: every
+        ``eval.every`` rounds and in the last one (only the last with ``eval.every = 0``)."""
+        every = self.cfg.eval.every
+        return round_ + 1 >= self.cfg.run.rounds or bool(every and (round_ + 1) % every == 0)
+
+    def classify_round(
+        self, ctx: DeviceContext, model: nn.Module, *, upload: bool, measure_before: bool = True
+    ) -> LocalResult:
+        """A classifier's round: accuracy of the model received (``measure_before``), the
+        LocalUpdate, accuracy after it; the model's tensors when ``upload``."""
+        measure = self.measures_accuracy(ctx.round)
+        before = self.test_accuracy(ctx, model) if measure and measure_before else None
+        result = self.train(ctx, model)
+        after = self.test_accuracy(ctx, model) if measure else None
+        acc = None if after is None else Accuracy(before, after)
+        return LocalResult(model_state(model) if upload else None, result, acc)
 
     def objective(
         self, ctx: DeviceContext, model: nn.Module, device: torch.device
@@ -257,6 +328,11 @@ class Algorithm(ABC):
         return frozenset(self.part_names)
 
     # -- device -----------------------------------------------------------------------------
+    def needs_download(self, ctx: DeviceContext) -> bool:
+        """Whether the device downloads the edge's model this round (Local-only: only
+        until it holds its own)."""
+        return True
+
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
         """Put the edge's state into the device's module (default: the whole model; only
         the :meth:`shared_spec` tensors when :meth:`device_holds_rest` said so)."""
@@ -304,6 +380,33 @@ class Algorithm(ABC):
         """How many of the configured ``rounds`` the run may train: an algorithm with a
         budget (a privacy budget) ends the run earlier; all of them by default."""
         return rounds
+
+    def personalize(
+        self, round_: int, uploads: Mapping[str, TensorDict], state: TensorDict
+    ) -> Mapping[str, TensorDict] | None:
+        """With :attr:`per_device_updates`: each device's own model for the next round from
+        the devices' uploads of round ``round_`` (sorted by device) and the new global
+        ``state``, sent to each device privately (``Topics.device_down``); None: the
+        devices train the global model. Called on the cloud after :meth:`cloud_aggregate`;
+        it may take long (a worker runs it off the cloud's message loop)."""
+        return None
+
+    def mode_of(self, device: str) -> Literal["inversion", "generation", "guidance"]:
+        """How :meth:`personalize` made ``device``'s last model (``PersonalModel.mode``)."""
+        return self.personal_mode
+
+    def save_cloud_state(self, directory: Path, round_: int) -> None:  # noqa: B027
+        """Write what the cloud's part of this algorithm keeps besides the global state (an
+        algorithm's own files in ``directory``, beside the checkpoint of ``round_``),
+        atomically; nothing by default. Never exported or published."""
+
+    def load_cloud_state(self, directory: Path, round_: int) -> None:  # noqa: B027
+        """Take back what :meth:`save_cloud_state` wrote with the checkpoint of ``round_``
+        (a resumed cloud); nothing by default."""
+
+    def device_personal(self, ctx: DeviceContext, model: nn.Module, tensors: TensorDict) -> None:
+        """Load the personal model the cloud sent this device (instead of the edge's)."""
+        model.load_state_dict(tensors)
 
     def after_cloud_aggregate(
         self, round_: int, state: TensorDict, plan: ChannelPlan | None

@@ -2,6 +2,10 @@
 Algorithm 3): every device trains the whole U-Net for E local epochs (or S steps) with the
 DDPM loss and uploads it; edges and the cloud average weighted by sample counts.
 FedAvg(E=1) is the config ``train.local_epochs = 1``.
+
+For a classifier the same run gives two of pFedGPA's baselines (seed 004, Table 1): each
+device measures the global model it received on its own test split (FedAvg) and the model
+after its local round, its fine-tuning (FedAvg-FT).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from shared.algorithms.base import (
     register,
 )
 from shared.config.algorithms import AlgorithmConfig, FedAvgConfig
+from shared.models.classifier import is_classifier
 
 
 @register
@@ -33,6 +38,8 @@ class FedAvg(Algorithm):
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
+        if is_classifier(model):  # FedAvg-FT: accuracy of the global model and after the FT
+            return self.classify_round(ctx, model, upload=upload)
         result = self.train(ctx, model)
         tensors = {k: v.detach().clone() for k, v in model.state_dict().items()} if upload else None
         return LocalResult(tensors, result)

@@ -84,7 +84,12 @@ class FederationSection(Section):
         return self
 
 
-PartitionName = Literal["iid", "dirichlet", "classes", "shards", "quantity", "dominant"]
+PartitionName = Literal[
+    "iid", "dirichlet", "classes", "shards", "quantity", "dominant", "dominant_groups"
+]  # fmt: skip
+
+#: FedPAC's groups of dominant classes (overlapping triples), device i in group i mod 5
+FEDPAC_GROUPS = ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0))
 
 
 class DataSection(Section):
@@ -113,7 +118,27 @@ class DataSection(Section):
     classes_per_device: int = Field(2, ge=1, le=10)
     dirichlet_beta: float = Field(0.5, gt=0.0)
     shards_per_device: int = Field(4, ge=1)
-    dominant_uniform_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    dominant_uniform_fraction: float = Field(
+        0.2, ge=0.0, le=1.0, description="dominant, dominant_groups: the share s drawn from "
+        "all classes (pFedGPA's default 20 %)"
+    )
+    dominant_groups: list[list[int]] = Field(
+        default_factory=lambda: [list(g) for g in FEDPAC_GROUPS],
+        min_length=1,
+        max_length=1000,
+        description="dominant_groups: the groups of dominant classes; device i draws the "
+        "rest of its samples evenly from group i mod len(groups) (default: FedPAC's "
+        "overlapping triples, which pFedGPA's setup implies)",
+    )
+    samples_per_device: int = Field(
+        600, ge=0, le=10_000_000, description="dominant_groups: training samples per device "
+        "(pFedGPA: 600); 0 = an equal share of the dataset"
+    )
+    test_samples_per_device: int = Field(
+        600, ge=0, le=10_000_000, description="dominant_groups: test samples per device, "
+        "drawn from the test set by the same rule (a device's own test split); 0 = an equal "
+        "share of the test set"
+    )
     quantity_sigma: float = Field(1.0, gt=0.0)
     max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
     synthetic_size: int = Field(512, ge=10, le=1_000_000)
@@ -123,6 +148,16 @@ class DataSection(Section):
         """Each device trains on an image folder of its own (``dataset = "folder"`` without
         ``path``; with a path, the one folder is split like any dataset)."""
         return self.dataset == "folder" and not self.path
+
+    @field_validator("dominant_groups")
+    @classmethod
+    def _check_groups(cls, groups: list[list[int]]) -> list[list[int]]:
+        for g in groups:
+            if not g or len(set(g)) != len(g) or not all(0 <= c < 1000 for c in g):
+                raise ValueError(
+                    f"group {g}: a group is a non-empty list of distinct class indices"
+                )
+        return groups
 
     @field_validator("class_names")
     @classmethod
@@ -141,9 +176,21 @@ ONESHOT_PRESETS = ("resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64"
                    "resnetg-cifar10-64")  # fmt: skip
 
 
+#: presets of classifiers (shared.models.classifier): trained with cross-entropy, judged by
+#: accuracy on each device's own test split (pFedGPA and its baselines)
+CLASSIFIER_PRESETS = ("fmnist-cnn",)
+
+#: what each model kind is, for error messages
+KIND_NAMES = {"unet": "a U-Net", "oneshot": "a one-shot generator", "classifier": "a classifier"}
+KIND_PLURALS = {"unet": "U-Nets", "oneshot": "one-shot generators", "classifier": "classifiers"}
+
+
 def model_kind(preset: str) -> str:
-    """``"oneshot"`` for a one-shot generator's preset, ``"unet"`` otherwise."""
-    return "oneshot" if preset in ONESHOT_PRESETS else "unet"
+    """``"oneshot"`` for a one-shot generator's preset, ``"classifier"`` for a classifier's,
+    ``"unet"`` otherwise."""
+    if preset in ONESHOT_PRESETS:
+        return "oneshot"
+    return "classifier" if preset in CLASSIFIER_PRESETS else "unet"
 
 
 class ModelSection(Section):
@@ -153,6 +200,7 @@ class ModelSection(Section):
     preset: Literal[
         "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10",
         "resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64", "resnetg-cifar10-64",
+        "fmnist-cnn",
     ] = "fmnist-tiny"  # fmt: skip
     init: str = Field(
         "random",
@@ -416,9 +464,10 @@ class RunConfig(Section):
         settings = self.algorithm.config()
         kind = model_kind(self.model.preset)
         if kind not in settings.model_kinds:
+            trains = " and ".join(KIND_PLURALS[k] for k in settings.model_kinds)
             raise ValueError(
-                f"algorithm {self.algorithm.name!r} trains U-Nets, and model.preset = "
-                f"{self.model.preset!r} is a one-shot generator; train it with "
+                f"algorithm {self.algorithm.name!r} trains {trains}, and model.preset = "
+                f"{self.model.preset!r} is {KIND_NAMES[kind]}; train it with "
                 f"{[n for n in algorithm_names() if kind in config_class(n).model_kinds]}"
             )
         settings.check_run(self)

@@ -8,6 +8,7 @@ table every run prints and saves.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -116,12 +117,79 @@ def dominant(labels: np.ndarray, n: int, uniform: float, rng: np.random.Generato
     return parts
 
 
-def make_partition(labels: np.ndarray, n: int, cfg: DataSection, seed: int) -> Parts:
-    """Partition named by ``cfg.partition``; the same (labels, n, cfg, seed) give the same split."""
+def _even(total: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``total`` split into ``k`` counts differing by at most one (the larger ones at random)."""
+    counts = np.full(k, total // k, dtype=np.int64)
+    counts[rng.permutation(k)[: total % k]] += 1
+    return counts
+
+
+def dominant_groups(
+    labels: np.ndarray,
+    n: int,
+    groups: Sequence[Sequence[int]],
+    uniform: float,
+    size: int,
+    rng: np.random.Generator,
+    *,
+    disjoint: bool = True,
+) -> Parts:
+    """pFedGPA's partition (FedPAC's ``noniid_s``): each device holds ``size`` samples, the
+    share ``uniform`` (s) spread evenly over all classes and the rest evenly over the
+    dominant classes of its group, ``groups[d mod len(groups)]``. ``disjoint``: no sample
+    goes to two devices (training data; a class running out is a ConfigError naming it);
+    otherwise each device draws on its own, without repeats within the device (test splits:
+    the test set is smaller than the devices' test splits together)."""
+    classes = np.unique(labels)
+    pools = {int(c): rng.permutation(np.flatnonzero(labels == c)) for c in classes}
+    used = dict.fromkeys(pools, 0)
+    for g in groups:
+        missing = [c for c in g if c not in pools]
+        if missing:
+            raise ConfigError(f"dominant group {list(g)}: no samples of class {missing[0]}")
+    n_uni = round(size * uniform)
+    parts = []
+    for d in range(n):
+        group = [int(c) for c in groups[d % len(groups)]]
+        want = dict(zip(pools, _even(n_uni, len(pools), rng).tolist(), strict=True))
+        for c, k in zip(group, _even(size - n_uni, len(group), rng).tolist(), strict=True):
+            want[c] += k
+        take: list[np.ndarray] = []
+        for c, k in want.items():
+            pool = pools[c]
+            if disjoint:
+                if used[c] + k > len(pool):
+                    raise ConfigError(
+                        f"dominant_groups: class {c} has {len(pool)} samples, too few for "
+                        f"{n} devices of {size}; use fewer devices or samples_per_device"
+                    )
+                take.append(pool[used[c] : used[c] + k])
+                used[c] += k
+            else:
+                if k > len(pool):
+                    raise ConfigError(f"dominant_groups: class {c} has only {len(pool)} samples")
+                take.append(rng.choice(pool, size=k, replace=False))
+        parts.append(np.sort(np.concatenate(take).astype(np.int64)))
+    return parts
+
+
+def make_partition(
+    labels: np.ndarray, n: int, cfg: DataSection, seed: int, *, test: bool = False
+) -> Parts:
+    """Partition named by ``cfg.partition``; the same (labels, n, cfg, seed) give the same
+    split. ``test``: the devices' test splits of a test set, drawn by the same rule from
+    their own RNG stream (``dominant_groups``: ``test_samples_per_device`` each, a test
+    image may serve several devices)."""
     if n > len(labels):
         raise ConfigError(f"{n} devices but only {len(labels)} samples")
-    rng = np.random.default_rng([seed, 0x9A27])
-    if cfg.partition == "iid":
+    rng = np.random.default_rng([seed, 0x7E57 if test else 0x9A27])
+    if cfg.partition == "dominant_groups":
+        size = cfg.test_samples_per_device if test else cfg.samples_per_device
+        parts = dominant_groups(
+            labels, n, cfg.dominant_groups, cfg.dominant_uniform_fraction,
+            size or len(labels) // n, rng, disjoint=not test,
+        )  # fmt: skip
+    elif cfg.partition == "iid":
         parts = iid(labels, n, rng)
     elif cfg.partition == "dirichlet":
         parts = dirichlet(labels, n, cfg.dirichlet_beta, rng)
@@ -133,7 +201,7 @@ def make_partition(labels: np.ndarray, n: int, cfg: DataSection, seed: int) -> P
         parts = quantity(labels, n, cfg.quantity_sigma, rng)
     else:
         parts = dominant(labels, n, cfg.dominant_uniform_fraction, rng)
-    if cfg.max_samples_per_device:
+    if cfg.max_samples_per_device and not test:
         parts = [np.sort(rng.permutation(p)[: cfg.max_samples_per_device]) for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:  # a device with no images cannot train (and its update would weigh nothing)
@@ -198,6 +266,21 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
         d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed, class_names=d.class_names
     )
     return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+
+
+def split_test(cfg: RunConfig) -> tuple[ImageDataset, Parts] | None:
+    """The devices' own test splits (classifiers report their accuracy on them): the
+    dataset's test set split by the training split's rule (:func:`make_partition` with
+    ``test``). None for image folders, which have no test set."""
+    d = cfg.data
+    if d.dataset == "folder":
+        return None
+    data = load_dataset(
+        d.dataset, d.path, split="test", size=d.synthetic_size, seed=cfg.run.seed,
+        class_names=d.class_names,
+    )  # fmt: skip
+    n = cfg.federation.num_devices
+    return data, make_partition(data.labels, n, d, cfg.run.seed, test=True)
 
 
 def device_folder(

@@ -40,6 +40,7 @@ from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents
 from shared.models.plan import ChannelPlan, plan_digest
 from shared.models.presets import count_macs, count_params, image_shape, num_classes_of
@@ -191,6 +192,7 @@ def to_onnx(unet: nn.Module, *, opset: int = MIN_OPSET, fp16: bool = False) -> b
     Uses the TorchScript exporter (``dynamo=False``): it traces these U-Nets in seconds,
     where the dynamo exporter takes about a minute per model on a CPU.
     """
+    refuse_classifier(unet, "generator export")
     if opset < MIN_OPSET:
         raise ExportError(f"opset must be >= {MIN_OPSET}, got {opset}")
     model, inputs, names, output = _onnx_signature(unet, fp16)

@@ -25,6 +25,7 @@ from shared.diffusion.training import placed
 from shared.errors import DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
+from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
@@ -67,6 +68,7 @@ def sample_images(
     drawn on the CPU; the model samples on ``device`` (default: where it is) and is back
     where it was on return. A one-shot generator maps ``n`` such latents in one pass each
     (``steps`` unused), in eval mode."""
+    refuse_classifier(model, "sampling")
     gen = torch.Generator().manual_seed(
         int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
     )

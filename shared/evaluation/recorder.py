@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from shared.atomic import atomic_write
-from shared.config import RunConfig
+from shared.config import RunConfig, model_kind
 from shared.data.partition import format_label_counts
 from shared.diffusion.training import resolve_device
 from shared.evaluation.evaluator import Evaluator, write_grid
@@ -28,7 +28,10 @@ from shared.transport.telemetry import Traffic, diff_counts
 
 log = logging.getLogger(__name__)
 
-UP_KINDS = ("device_update", "edge_update", "msg_device_update", "msg_edge_update", "msg_hello")
+UP_KINDS = (
+    "device_update", "edge_update", "forwarded_update", "msg_device_update", "msg_edge_update",
+    "msg_hello",
+)  # fmt: skip
 
 TrafficScope = Literal["all", "cloud"]
 """What a row's ``bytes_up``/``bytes_down`` cover. ``"all"``: one :class:`Traffic` counts every
@@ -69,6 +72,10 @@ class RunRecorder:
         self.evaluator: Evaluator | None = (
             Evaluator(cfg, self.device) if evaluate and cfg.eval.every else None
         )
+        #: a classifier run: judged by the devices' accuracies, never sampled
+        self.classifier = model_kind(cfg.model.preset) == "classifier"
+        if self.classifier:
+            self.evaluator = None
         self.bar: tqdm[Any] | None = None
         self.metrics_path = run_dir / "metrics.jsonl"
         if resume_after is not None and self.metrics_path.is_file():
@@ -112,7 +119,11 @@ class RunRecorder:
                 "train_s": round(s.train_seconds, 4),
             },
         }
-        self._evaluate(s, row)
+        accuracies = getattr(s, "accuracy", None)
+        if accuracies:
+            row["accuracy"] = accuracy_figures(accuracies)
+        if not self.classifier:
+            self._evaluate(s, row)
         self.rows.append(row)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -146,6 +157,32 @@ class RunRecorder:
             else:
                 row["quality"] = self.evaluator.evaluate(model)
             row["durations"]["eval_s"] = round(time.perf_counter() - t0, 3)
+
+
+#: a device whose accuracy is below this is counted as failed (pFedGPA's Fig. 4: 60 %)
+FAIL_BELOW = 0.6
+
+
+def accuracy_figures(per_device: Mapping[str, tuple[float | None, float]]) -> dict[str, Any]:
+    """A round's classifier figures from each device's (before, after) accuracy on its own
+    test split: means, the standard deviation over devices, devices under 60 % (before and
+    after the local round), and every device's pair."""
+    after = np.array([a for _, a in per_device.values()], dtype=np.float64)
+    before = np.array([b for b, _ in per_device.values() if b is not None], dtype=np.float64)
+    out: dict[str, Any] = {
+        "devices": len(after),
+        "after_mean": float(after.mean()),
+        "after_std": float(after.std()),
+        "after_under_60": int((after < FAIL_BELOW).sum()),
+    }
+    if len(before):
+        out |= {
+            "before_mean": float(before.mean()),
+            "before_std": float(before.std()),
+            "before_under_60": int((before < FAIL_BELOW).sum()),
+        }
+    out["per_device"] = {d: [b, a] for d, (b, a) in sorted(per_device.items())}
+    return out
 
 
 def client_quality(evaluator: Evaluator, clients: Mapping[str, nn.Module]) -> dict[str, Any]:
@@ -192,13 +229,16 @@ def prepare_run_dir(cfg: RunConfig, out: Path | None, *, resuming: bool = False)
     return run_dir
 
 
-def save_label_counts(run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool) -> None:
-    """Write ``label_counts.csv`` (device x class) and optionally print the table."""
+def save_label_counts(
+    run_dir: Path, matrix: np.ndarray, names: list[str], *, show: bool,
+    name: str = "label_counts.csv",
+) -> None:  # fmt: skip
+    """Write ``name`` (device x class counts) and optionally print the table."""
     header = "device," + ",".join(str(c) for c in range(matrix.shape[1]))
     lines = [header] + [
         f"{n}," + ",".join(str(int(v)) for v in row) for n, row in zip(names, matrix, strict=True)
     ]
-    atomic_write(run_dir / "label_counts.csv", ("\n".join(lines) + "\n").encode())
+    atomic_write(run_dir / name, ("\n".join(lines) + "\n").encode())
     if show:
         print("label counts per device (rows) and class (columns):")
         print(format_label_counts(matrix, names))

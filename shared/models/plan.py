@@ -124,9 +124,11 @@ def build_model(preset: str, plan: ChannelPlan | None, *, seed: int = 0) -> nn.M
     """A module of ``preset`` under ``plan``, initialized from ``seed``: the dense preset
     with every parameter cut to its planned shape (leading channels kept), ready for
     ``load_state_dict`` of the weights that travel with the plan. No Torch-Pruning needed."""
-    if kind_of(preset) == "oneshot":
+    if kind_of(preset) != "unet":
         if plan is not None:
-            raise ConfigError(f"model preset {preset!r} is a one-shot generator: no channel plan")
+            raise ConfigError(
+                f"model preset {preset!r} is a {kind_of(preset)} model: no channel plan"
+            )
         return build_net(preset, seed=seed)
     model = build_unet(preset, seed=seed)
     if plan is not None:

@@ -2,8 +2,9 @@
 
 Two kinds of generator: ``unet`` presets (diffusers ``UNet2DModel``, a noise predictor that
 samples in DDIM steps) and ``oneshot`` presets (:mod:`shared.models.oneshot`: PRISM's ResNet
-generator, one forward pass from a latent ``z``). :func:`kind_of` tells them apart,
-:func:`build_net` builds either.
+generator, one forward pass from a latent ``z``), and one kind of classifier, ``classifier``
+(:mod:`shared.models.classifier`: pFedGPA's small CNN). :func:`kind_of` tells them apart,
+:func:`build_net` builds any.
 
 ``ddpm-cifar10`` is the DDPM U-Net of Ho et al. (2020) as used by FedPhD's Tables III-IV:
 35.7 M parameters and 6.06 GMACs for one 32x32 forward pass. The Fashion-MNIST presets are
@@ -24,6 +25,7 @@ from diffusers import UNet2DModel
 from torch import nn
 
 from shared.errors import ConfigError
+from shared.models.classifier import CLASSIFIER_PRESETS, build_classifier, is_classifier
 from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
 
@@ -70,33 +72,36 @@ PRESETS["fmnist-tiny-cond"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 10}
 PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 10}
 
 
-#: every preset name, U-Nets and one-shot generators
-ALL_PRESETS: tuple[str, ...] = (*PRESETS, *ONESHOT_PRESETS)
+#: every preset name: U-Nets, one-shot generators and classifiers
+ALL_PRESETS: tuple[str, ...] = (*PRESETS, *ONESHOT_PRESETS, *CLASSIFIER_PRESETS)
 
 
 def kind_of(preset: str) -> str:
-    """``"unet"`` or ``"oneshot"`` (ConfigError for an unknown preset)."""
+    """``"unet"``, ``"oneshot"`` or ``"classifier"`` (ConfigError for an unknown preset)."""
     if preset in PRESETS:
         return "unet"
     if preset in ONESHOT_PRESETS:
         return "oneshot"
+    if preset in CLASSIFIER_PRESETS:
+        return "classifier"
     raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(ALL_PRESETS)}")
 
 
 def build_net(preset: str, *, seed: int = 0) -> nn.Module:
-    """A freshly initialized generator of ``preset``, either kind; the init is drawn from
-    ``seed`` only."""
-    return (
-        build_oneshot(preset, seed=seed)
-        if kind_of(preset) == "oneshot"
-        else build_unet(preset, seed=seed)
-    )
+    """A freshly initialized model of ``preset``, any kind; the init is drawn from ``seed``
+    only."""
+    kind = kind_of(preset)
+    if kind == "oneshot":
+        return build_oneshot(preset, seed=seed)
+    if kind == "classifier":
+        return build_classifier(preset, seed=seed)
+    return build_unet(preset, seed=seed)
 
 
 def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
     """A freshly initialized U-Net of ``preset``; the init is drawn from ``seed`` only."""
     if kind_of(preset) != "unet":
-        raise ConfigError(f"model preset {preset!r} is a one-shot generator, not a U-Net")
+        raise ConfigError(f"model preset {preset!r} is a {kind_of(preset)} model, not a U-Net")
     devices: list[int] = []
     with torch.random.fork_rng(devices=devices):
         torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
@@ -105,9 +110,14 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
 
 def state_spec(preset: str) -> dict[str, TensorSpec]:
     """Names, shapes and dtypes of the preset's state dict, without initializing weights."""
-    oneshot = kind_of(preset) == "oneshot"
+    kind = kind_of(preset)
     with torch.device("meta"):
-        model = build_oneshot(preset) if oneshot else UNet2DModel(**PRESETS[preset])
+        if kind == "oneshot":
+            model: nn.Module = build_oneshot(preset)
+        elif kind == "classifier":
+            model = build_classifier(preset)
+        else:
+            model = UNet2DModel(**PRESETS[preset])
         return spec_of(model.state_dict())
 
 
@@ -127,6 +137,8 @@ def image_shape(preset: str) -> tuple[int, int, int]:
     """(channels, height, width) of the preset's images."""
     if kind_of(preset) == "oneshot":
         return (ONESHOT_PRESETS[preset]["nc"], 32, 32)
+    if kind_of(preset) == "classifier":
+        return (1, 32, 32)
     cfg = PRESETS[preset]
     return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
 
@@ -196,7 +208,10 @@ def count_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10) -> in
 
 def forward_inputs(model: nn.Module, sample: torch.Tensor, timestep: int) -> dict[str, Any]:
     """Keyword inputs of one forward pass producing images like ``sample``: a U-Net's
-    (sample, timestep, class 0 when conditional), a one-shot generator's latent ``z``."""
+    (sample, timestep, class 0 when conditional), a one-shot generator's latent ``z``, a
+    classifier's images ``x``."""
+    if is_classifier(model):
+        return {"x": sample}
     if is_oneshot(model):
         return {"z": torch.zeros(sample.shape[0], latent_dim(model), 1, 1)}
     inputs = {
@@ -241,8 +256,8 @@ def count_weight_macs(model: nn.Module, sample: torch.Tensor, timestep: int = 10
     inputs = forward_inputs(model, sample, timestep)
     try:
         with torch.no_grad():
-            if "z" in inputs:
-                model(inputs["z"])
+            if "z" in inputs or "x" in inputs:
+                model(*inputs.values())
             else:
                 model(inputs.pop("sample"), inputs.pop("timestep"), **inputs)
     finally:

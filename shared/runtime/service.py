@@ -16,7 +16,15 @@ from shared.metrics.prometheus import RoleMetrics
 from shared.transport.bus import Bus, Endpoint
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import TensorDict, TensorSpec, decode_tensors, encode_tensors
-from shared.wire.messages import BlobRef, Presence, Topics, decode, encode, home_of
+from shared.wire.messages import (
+    BlobRef,
+    Presence,
+    Topics,
+    decode,
+    encode,
+    home_of,
+    private_home,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,13 @@ class RoleService:
         data = encode_tensors(tensors)
         sha = self.ep.put_blob(data, kind=kind)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
+
+    def put_private_tensors(self, tensors: Mapping[str, Any], kind: str, device: str) -> BlobRef:
+        """Encode tensors as safetensors and upload them as a blob served to ``device`` alone,
+        on its private downlink (the ref's ``src``), which only it and the cloud can read."""
+        data = encode_tensors(tensors)
+        sha = self.ep.put_blob(data, kind=kind, recipient=device)
+        return BlobRef(sha256=sha, size=len(data), kind=kind, src=private_home(device))
 
     def put_state(
         self, state: Mapping[str, Any], shared: Mapping[str, Any] | None, kind: str

@@ -10,6 +10,15 @@ receivers asking at once share one stream (the broker fans it out). Received and
 blobs live in a :class:`~shared.transport.blobs.BlobStore` (memory LRU + optional disk cache), so an
 edge fetches each global model once and serves it to all its devices.
 
+A private blob (:meth:`BlobServer.put_private`: the cloud's personal model for one device) is
+kept in a store of its own and served only under that device's private downlink
+``device/{d}/down`` (:func:`~shared.wire.messages.private_home`), to requests on
+``device/{d}/want/device/{d}/down``: the device's own subtree, which the broker's ACL grants
+to its credentials alone, as it grants ``device/{d}/down/#`` to it and the cloud alone. The
+fetching side needs nothing special: a BlobRef whose ``src`` is the private downlink makes
+its fetcher ask and listen exactly there. Any other request for a private blob is answered
+as for a blob never put, and counted.
+
 Both classes are driven by :class:`~shared.transport.mqtt.MqttBus` and follow its threading
 contract: what runs in paho's network thread (:meth:`BlobServer.admit_want`,
 :meth:`BlobFetcher.route_chunk`) only counts and enqueues; a server's requests are handled
@@ -38,7 +47,7 @@ from shared.config import BrokerSection
 from shared.errors import CodecError, TransportError
 from shared.transport.blobs import BlobStore
 from shared.transport.telemetry import Traffic
-from shared.wire.messages import BlobWant, Topics, encode
+from shared.wire.messages import BlobWant, Topics, encode, private_home
 
 # the bus's logger: blob transfer logs under the same name as before it had a module of its own
 log = logging.getLogger("shared.transport.mqtt")
@@ -72,6 +81,10 @@ it still lacks after ``chunk_timeout_s`` of silence."""
 MAX_QUEUED_WANTS: Final = 1024
 MAX_QUEUED_WANT_BYTES: Final = 16 << 20
 """Blob requests waiting for the I/O worker (count and payload bytes); more are dropped."""
+
+MAX_PRIVATE_BLOBS: Final = 1 << 16
+"""Most private blobs a server remembers the recipients of (the newest); an older one is then
+served to nobody. A recipient is also forgotten once its blob has left the private store."""
 
 _MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
 
@@ -139,11 +152,30 @@ class BlobServer:
     :meth:`send_next` sends one while fewer than ``max_inflight_bytes`` are unacknowledged,
     :meth:`acked` frees the window. ``on_served(sha256)`` is called for each request of a
     blob held, ``publish`` sends a chunk (or the ``missing`` answer).
+
+    Private blobs (:meth:`put_private`) live in ``private_store`` (by default in memory
+    only, within ``memory_limit_bytes``), apart from ``store``: the shared path never finds
+    them there, and a recipient forgotten (restart, :data:`MAX_PRIVATE_BLOBS`) leaves its
+    blob served to nobody, never to everybody. A request for a private blob on the shared
+    path, or on another device's downlink, gets the ``missing`` answer and is counted
+    (``blob_server`` rejections).
     """
 
-    def __init__(self, ctx: BlobContext, *, on_served: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        ctx: BlobContext,
+        *,
+        on_served: Callable[[str], None],
+        private_store: BlobStore | None = None,
+    ) -> None:
         self.ctx = ctx
         self._on_served = on_served
+        if private_store is None:
+            private_store = BlobStore(None, memory_limit_bytes=ctx.settings.memory_limit_bytes)
+        self.private_store = private_store
+        self.max_private_blobs = MAX_PRIVATE_BLOBS
+        self._recipients: OrderedDict[str, frozenset[str]] = OrderedDict()  # sha -> device ids
+        self._private_lock = threading.Lock()  # put_private runs on the role's thread
         self.max_pending_chunks = MAX_PENDING_CHUNKS
         self.max_queued_wants = MAX_QUEUED_WANTS
         self.max_queued_want_bytes = MAX_QUEUED_WANT_BYTES
@@ -151,10 +183,28 @@ class BlobServer:
         self._wants_queued = 0  # admitted requests not yet handled, and their bytes
         self._want_bytes_queued = 0
         self._wants_lock = threading.Lock()
-        # I/O worker only: chunks to send per (sha256, chunk_bytes), and the unacked window
-        self._pending: OrderedDict[tuple[str, int], OrderedDict[int, None]] = OrderedDict()
+        # I/O worker only: chunks to send per (home served under, sha256, chunk_bytes), and
+        # the unacked window
+        self._pending: OrderedDict[tuple[str, str, int], OrderedDict[int, None]] = OrderedDict()
         self._inflight: dict[int, int] = {}
         self._inflight_bytes = 0
+
+    # -- the role's thread ----------------------------------------------------------------
+    def put_private(self, data: bytes, device: str) -> str:
+        """Keep ``data`` for device ``device`` alone (served on its private downlink only);
+        returns its sha256. The same bytes may be private to several devices."""
+        sha = self.private_store.put(data)
+        with self._private_lock:
+            devices = self._recipients.pop(sha, frozenset())
+            self._recipients[sha] = devices | {device}
+            while len(self._recipients) > self.max_private_blobs:
+                self._recipients.popitem(last=False)
+        return sha
+
+    def recipients(self, sha256: str) -> frozenset[str]:
+        """The devices private blob ``sha256`` is served to (empty: not a private blob)."""
+        with self._private_lock:
+            return self._recipients.get(sha256, frozenset())
 
     # -- paho's thread -------------------------------------------------------------------
     def admit_want(self, payload: bytes) -> bool:
@@ -178,10 +228,14 @@ class BlobServer:
             self._want_bytes_queued -= len(payload)
 
     # -- the I/O worker ------------------------------------------------------------------
-    def handle_want(self, payload: bytes) -> None:
-        """Queue the chunks an admitted request asks for."""
+    def handle_want(self, payload: bytes, device: str | None = None) -> None:
+        """Queue the chunks an admitted request asks for: on this role's shared path, or
+        with ``device`` on that device's private downlink (asked from its own subtree)."""
         self.release_want(payload)
-        self._queue_want(payload)
+        if device is None:
+            self._queue_want(payload)
+        else:
+            self._queue_private_want(payload, device)
 
     def acked(self, mid: int) -> None:
         """The broker acknowledged message ``mid``: its bytes leave the window."""
@@ -202,17 +256,51 @@ class BlobServer:
             self._inflight[mid] = nbytes
             self._inflight_bytes += nbytes
 
-    def _queue_want(self, payload: bytes) -> None:
+    def _parse(self, payload: bytes) -> BlobWant | None:
         try:
-            want = BlobWant.model_validate_json(payload)
+            return BlobWant.model_validate_json(payload)
         except ValidationError as err:
             self.ctx.traffic.reject("blob_server", "bad_request")
             log.warning("%s: bad blob request: %s", self.ctx.name, err.errors()[0]["msg"])
+            return None
+
+    def _refuse(self, want: BlobWant, reason: str, asker: str) -> None:
+        """Count a request for a private blob made where its recipients do not ask."""
+        self.ctx.traffic.reject("blob_server", reason)
+        log.warning("%s: refused private blob %s… asked for %s (%s)", self.ctx.name,
+                    want.sha256[:12], asker, reason)  # fmt: skip
+
+    def _queue_want(self, payload: bytes) -> None:
+        want = self._parse(payload)
+        if want is None:
             return
-        size = self.ctx.store.size(want.sha256)
+        if self.recipients(want.sha256) and self.ctx.store.size(want.sha256) is None:
+            self._refuse(want, "private_blob_public_path", f"on {self.ctx.home}'s shared path")
+        self._queue_chunks(want, self.ctx.store, self.ctx.home)
+
+    def _queue_private_want(self, payload: bytes, device: str) -> None:
+        want = self._parse(payload)
+        if want is None:
+            return
+        home = private_home(device)
+        devices = self.recipients(want.sha256)
+        if device not in devices:
+            if devices:
+                self._refuse(want, "private_blob_other_device", f"by {device}")
+            self._queue_chunks(want, None, home)  # the missing answer, on the asker's own path
+            return
+        if self.private_store.size(want.sha256) is None:  # evicted: forget its recipients
+            with self._private_lock:
+                self._recipients.pop(want.sha256, None)
+        self._queue_chunks(want, self.private_store, home)
+
+    def _queue_chunks(self, want: BlobWant, store: BlobStore | None, home: str) -> None:
+        """Queue the chunks ``want`` asks for of the blob in ``store``, to send under
+        ``home``; answer ``missing`` when ``store`` (None: nothing here) lacks it."""
+        size = None if store is None else store.size(want.sha256)
         if size is None:
             self.ctx.traffic.note("blob_requests_missing")
-            self._answer(want.sha256, want.chunk_bytes, "missing", b"")
+            self._answer(home, want.sha256, want.chunk_bytes, "missing", b"")
             return
         self._on_served(want.sha256)
         # the chunk count comes from the blob held, never from the requester's claim
@@ -237,7 +325,7 @@ class BlobServer:
                 runs[-1] = (runs[-1][0], max(runs[-1][1], last))
             else:
                 runs.append((first, last))
-        key = (want.sha256, want.chunk_bytes)
+        key = (home, want.sha256, want.chunk_bytes)
         pending = self._pending
         queued = pending.get(key)
         if queued is None:
@@ -270,21 +358,23 @@ class BlobServer:
             pending.move_to_end(key)  # round-robin between blobs being served
         else:
             del pending[key]
-        sha, chunk_bytes = key
-        data = self.ctx.store.chunk(sha, index, chunk_bytes)
+        home, sha, chunk_bytes = key
+        store = self.ctx.store if home == self.ctx.home else self.private_store
+        data = store.chunk(sha, index, chunk_bytes)
         if data is None:
             self.pending_chunks -= len(pending.pop(key, ()))
-            self._answer(sha, chunk_bytes, "missing", b"")
+            self._answer(home, sha, chunk_bytes, "missing", b"")
             return None
-        mid = self._answer(sha, chunk_bytes, index, data)
+        mid = self._answer(home, sha, chunk_bytes, index, data)
         self.ctx.traffic.note("chunks_sent")
         return mid, len(data)
 
-    def _answer(self, sha256: str, chunk_bytes: int, index: int | str, data: bytes) -> int:
-        """Publish chunk ``index`` (or the empty ``missing`` answer) under this role."""
-        return self.ctx.publish(
-            self.ctx.topics.blob_chunk(self.ctx.home, sha256, chunk_bytes, index), data
-        )
+    def _answer(
+        self, home: str, sha256: str, chunk_bytes: int, index: int | str, data: bytes
+    ) -> int:
+        """Publish chunk ``index`` (or the empty ``missing`` answer) under ``home``: this
+        role's, or the private downlink the request came for."""
+        return self.ctx.publish(self.ctx.topics.blob_chunk(home, sha256, chunk_bytes, index), data)
 
 
 class BlobFetcher:

@@ -16,6 +16,7 @@ import functools
 import heapq
 import itertools
 import logging
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -26,6 +27,7 @@ from typing import ClassVar
 from shared.errors import CodecError, TransportError
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import sha256_hex
+from shared.wire.messages import home_of
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class Timer(ABC):
 
 #: blobs put but not yet fetched that a bus remembers to count as sent (oldest dropped)
 MAX_UNSERVED_BLOBS = 4096
+
+#: a private blob's recipient: a device id (:data:`shared.wire.messages.Id`), spelled into topics
+_RECIPIENT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Bus(ABC):
@@ -108,8 +113,16 @@ class Bus(ABC):
     def _put_blob(self, data: bytes) -> str: ...
 
     @abstractmethod
-    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
-        """Bytes of blob ``sha256``, verified against the hash (raise CodecError if not)."""
+    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+        """Store a blob that only device ``recipient`` (and ``owner``, the home that puts it)
+        may get; anyone else is answered as for a blob never put. Returns its sha256."""
+
+    @abstractmethod
+    def _get_blob(
+        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+    ) -> bytes:
+        """Bytes of blob ``sha256`` for the role at home ``requester``, verified against the
+        hash (raise CodecError if not)."""
 
     @abstractmethod
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -149,14 +162,23 @@ class Endpoint:
 
         self.bus._subscribe(pattern, counted)
 
-    def put_blob(self, data: bytes, *, kind: str) -> str:
-        """Upload a blob once; returns its sha256."""
+    def put_blob(self, data: bytes, *, kind: str, recipient: str | None = None) -> str:
+        """Upload a blob once; returns its sha256.
+
+        With ``recipient`` (a device id) the blob is private: it is served to that device
+        alone, on its private downlink (:func:`~shared.wire.messages.private_home`, the
+        ``src`` of its BlobRef), and never under this role's shared blob path."""
         if len(data) > self.bus.max_blob_bytes:
             raise TransportError(
                 f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}",
                 reason="blob_too_large",
             )
-        sha = self.bus._put_blob(data)
+        if recipient is None:
+            sha = self.bus._put_blob(data)
+        elif _RECIPIENT.match(recipient):
+            sha = self.bus._put_private_blob(data, recipient, self.home)
+        else:
+            raise TransportError(f"private blob recipient {recipient[:80]!r} is no device id")
         self.bus._await_fetch(sha, kind, len(data))  # counted as sent when first fetched
         return sha
 
@@ -174,7 +196,7 @@ class Endpoint:
             raise TransportError(
                 f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
             )
-        data = self.bus._get_blob(sha256, size, timeout_s, src)
+        data = self.bus._get_blob(sha256, size, timeout_s, src, self.home)
         # _get_blob returns verified bytes (MemoryBus keys by the hash it computed, MqttBus
         # hashes while receiving, BlobStore re-hashes disk reads); the size is checked here.
         if len(data) != size:
@@ -213,6 +235,8 @@ class MemoryBus(Bus):
     ``store_limit_bytes`` bounds the blob store (oldest blobs are evicted first);
     ``max_queue`` bounds queued deliveries. Handler exceptions propagate when
     ``raise_errors`` is true (simulation, tests) and are logged and counted otherwise.
+    There is no ACL in-process, but a private blob is refused, as if never put, to every
+    endpoint but its recipient's and its owner's.
     """
 
     def __init__(
@@ -234,6 +258,8 @@ class MemoryBus(Bus):
         self._queue: deque[tuple[Handler, str, bytes]] = deque()
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
         self._blob_bytes = 0
+        #: private blobs (each lives as long as it is in ``_blobs``): the homes that may get it
+        self._readers: dict[str, frozenset[str]] = {}
         self._timers: list[HeapTimer] = []
         self._seq = itertools.count()
         self._clock = 0.0
@@ -260,6 +286,20 @@ class MemoryBus(Bus):
                 self._enqueue(handler, topic, payload)
 
     def _put_blob(self, data: bytes) -> str:
+        digest = self._store(data)
+        self._readers.pop(digest, None)  # the same bytes put in the open are no secret
+        return digest
+
+    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+        digest = sha256_hex(data)
+        if digest in self._blobs and digest not in self._readers:  # already public
+            return self._store(data)
+        readers = self._readers.get(digest, frozenset())
+        self._store(data)  # the newest blob is never the one evicted
+        self._readers[digest] = readers | {home_of("device", recipient), owner}
+        return digest
+
+    def _store(self, data: bytes) -> str:
         digest = sha256_hex(data)
         if digest in self._blobs:
             self._blobs.move_to_end(digest)
@@ -267,12 +307,21 @@ class MemoryBus(Bus):
         self._blobs[digest] = data
         self._blob_bytes += len(data)
         while self._blob_bytes > self.store_limit_bytes and len(self._blobs) > 1:
-            _, old = self._blobs.popitem(last=False)
+            old_digest, old = self._blobs.popitem(last=False)
             self._blob_bytes -= len(old)
+            self._readers.pop(old_digest, None)
         return digest
 
-    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+    def _get_blob(
+        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+    ) -> bytes:
         data = self._blobs.get(sha256)
+        readers = self._readers.get(sha256)
+        if readers is not None and requester not in readers:
+            self.traffic.reject("blob_server", "private_blob_other_device")
+            log.warning("%s asked for blob %s…, private to %s", requester, sha256[:12],
+                        sorted(readers))  # fmt: skip
+            data = None  # answered as for a blob never put
         if data is None:
             raise TransportError(f"blob {sha256[:12]}… is not on the bus (evicted or never put)")
         self._fetched(sha256)

@@ -22,7 +22,9 @@ section 2: content-addressed blobs moved in resumable, hash-verified chunks) is 
 :class:`~shared.transport.blob_transfer.BlobFetcher`, which ``get_blob`` runs on the calling
 thread. Received and published blobs live in a :class:`~shared.transport.blobs.BlobStore`
 (memory LRU + optional disk cache), so an edge fetches each global model once and serves it
-to all its devices.
+to all its devices. Private blobs (``put_blob(..., recipient=d)``, the cloud's personal model
+for device ``d``) are kept apart and served only on ``d``'s private downlink; the first one
+put subscribes the bus to the requests made there (:attr:`Topics.all_private_want`).
 
 Every publish and subscription uses :data:`QOS` (1: at least once; receivers are idempotent).
 MQTT v5 sessions start clean when the process starts and are resumed on reconnects, so
@@ -142,6 +144,7 @@ class MqttBus(Bus):
         self._last_error = ""
         self._want_prefix = f"{self.topics.base}/"
         self._want_suffix = f"/want/{home}"
+        self._serves_private = False  # a private blob was put: requests for them are heard
         self.client = self._make_client(will)
         self._io = threading.Thread(target=self._io_loop, name=f"mqtt-io-{client_id}", daemon=True)
         ctx = BlobContext(
@@ -287,32 +290,47 @@ class MqttBus(Bus):
     def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
         topic, payload = msg.topic, cast(bytes, msg.payload)  # paho hands us bytes
         self.traffic.note("wire_bytes_received", len(payload))
-        rel = topic[len(self._want_prefix) :].split("/", 3)  # relative to the run's base
-        # a role's subtree is "cloud" or "edge/<id>" / "device/<id>", then the verb
-        verb = rel[1] if rel[0] == "cloud" else rel[2] if len(rel) > 2 else ""
-        if verb == "blob" and topic.startswith(self._want_prefix):
+        ours = topic.startswith(self._want_prefix)
+        rel = topic[len(self._want_prefix) :].split("/", 4)  # relative to the run's base
+        # a subtree is "cloud", "edge/<id>", "device/<id>" or a device's private downlink
+        # "device/<id>/down", then the verb
+        depth = 1 if rel[0] == "cloud" else 3 if rel[0] == "device" and rel[2:3] == ["down"] else 2
+        verb = rel[depth] if len(rel) > depth else ""
+        if verb == "blob" and ours:
             self._blob_fetcher.route_chunk(topic, payload)
-        elif (
-            verb == "want"
-            and topic.endswith(self._want_suffix)
-            and topic.startswith(self._want_prefix)
-        ):
+        elif verb == "want" and ours and topic.endswith(self._want_suffix):
             self._enqueue_want(payload)
+        elif verb == "want" and ours and rel[0] == "device" and topic.endswith("/down"):
+            self._enqueue_private_want(topic, rel[1], payload)
         else:
             try:
                 self._inbound.put_nowait((topic, payload))
             except queue.Full:
                 self.traffic.reject("bus", "queue_full")
 
-    def _enqueue_want(self, payload: bytes) -> None:
-        """Hand a blob request to the I/O worker, or drop it (counted) when too many wait."""
+    def _enqueue_want(self, payload: bytes, device: str | None = None) -> None:
+        """Hand a blob request (with ``device``: one on that device's private downlink) to
+        the I/O worker, or drop it (counted) when too many wait."""
         if self._blob_server.admit_want(payload):
             try:
-                self._control.put_nowait(("want", payload))
+                if device is None:
+                    self._control.put_nowait(("want", payload))
+                else:
+                    self._control.put_nowait(("private_want", (payload, device)))
                 return
             except queue.Full:
                 self._blob_server.release_want(payload)
         self.traffic.reject("blob_server", "want_queue_full")
+
+    def _enqueue_private_want(self, topic: str, requester: str, payload: bytes) -> None:
+        """A request on a private downlink: served only when the device asks for its own
+        (the broker lets ``device/<id>/#`` be written by that device's credentials alone)."""
+        if topic != self.topics.private_want(requester):
+            self.traffic.reject("blob_server", "private_want_mismatch")
+            log.warning("%s: dropped a request for another device's downlink on %.200r",
+                        self.client_id, topic)  # fmt: skip
+            return
+        self._enqueue_want(payload, requester)
 
     # -- I/O worker: reconnects and blob serving -----------------------------------------
     def _io_loop(self) -> None:
@@ -330,6 +348,8 @@ class MqttBus(Bus):
                         server.acked(arg)
                     elif what == "want":
                         server.handle_want(arg)
+                    elif what == "private_want":
+                        server.handle_want(*arg)
                     elif what == "connected":
                         self._after_connect(session_present=arg)
                     continue
@@ -349,6 +369,8 @@ class MqttBus(Bus):
             with self._subs_lock:
                 patterns = {p for p, _ in self._subs}
             patterns.update(self.topics.blob_want_patterns(self.home))
+            if self._serves_private:
+                patterns.add(self.topics.all_private_want)
             patterns.update(self._blob_fetcher.chunk_patterns())
             # acknowledged before the bus says it is connected: a request published to it
             # right after connect() returns is not lost to a subscription still in flight
@@ -419,7 +441,22 @@ class MqttBus(Bus):
     def _put_blob(self, data: bytes) -> str:
         return self.store.put(data)
 
-    def _get_blob(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
+    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+        sha = self._blob_server.put_private(data, recipient)
+        if not self._serves_private:
+            self._serves_private = True  # subscribed again by every reconnect from now on
+            # waits for the SUBACK, so the recipient's first request is heard; unconnected,
+            # it returns at once and the connect path subscribes
+            self._subscribe_wait(self.topics.all_private_want)
+        return sha
+
+    def _get_blob(
+        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+    ) -> bytes:
+        if self._serves_private:  # a private blob this role put itself
+            own = self._blob_server.private_store.get(sha256)
+            if own is not None:
+                return own
         return self._blob_fetcher.get(sha256, size, timeout_s, src)
 
     # -- timers and the role loop --------------------------------------------------------

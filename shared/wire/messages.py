@@ -27,17 +27,30 @@ LabelCounts = Annotated[list[Count], Field(max_length=1000)]
 #: a model part's name in :attr:`EdgeUpdate.part_samples` (FedDiffuse: encoder, bottleneck, ...)
 PartName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z_]+$")]
 Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+#: a share in [0, 1] (an accuracy)
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 #: a pruned architecture's JSON channel plan (shared.models.pruning); validated again by its user
 Plan = Annotated[dict[str, Any], Field(max_length=100_000)]
+#: where a blob is served: a role's subtree, or a device's private downlink (:func:`private_home`)
 Home = Annotated[
     str,
-    Field(max_length=80, pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64})$"),
+    Field(
+        max_length=80,
+        pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64}(/down)?)$",
+    ),
 ]
 
 
 def home_of(role: str, name: str) -> str:
     """Topic subtree a role instance may write under: ``cloud``, ``edge/{e}``, ``device/{d}``."""
     return "cloud" if role == "cloud" else f"{role}/{name}"
+
+
+def private_home(device: str) -> str:
+    """A device's private downlink, ``device/{d}/down``: under the ACL of ``estuary provision``
+    only that device and the cloud read it. The cloud serves the blobs meant for that device
+    alone there (a :class:`BlobRef` with this ``src``), never under its shared ``cloud``."""
+    return f"device/{device}/down"
 
 
 class Topics:
@@ -75,6 +88,10 @@ class Topics:
     def device_up(self, device: str) -> str:
         """Device -> edge: update for a round."""
         return f"{self.base}/device/{device}/up"
+
+    def device_down(self, device: str) -> str:
+        """Cloud -> one device: its personal model (pFedGPA); only that device reads it."""
+        return f"{self.base}/device/{device}/down"
 
     def device_join(self, device: str) -> str:
         """Device -> edges: the edge this device picked for a round."""
@@ -126,6 +143,17 @@ class Topics:
         """A request from ``requester`` for chunks of a blob served by ``src``."""
         return f"{self.base}/{requester}/want/{src}"
 
+    def private_want(self, device: str) -> str:
+        """The only topic on which ``device`` may ask for a blob of its private downlink: its
+        own subtree asking :func:`private_home` of itself."""
+        return self.blob_want(home_of("device", device), private_home(device))
+
+    @property
+    def all_private_want(self) -> str:
+        """Subscription pattern for requests on every device's private downlink (the cloud
+        checks that requester and downlink are the same device)."""
+        return f"{self.base}/device/+/want/device/+/down"
+
     def blob_want_patterns(self, src: str) -> list[str]:
         """Subscriptions a blob server ``src`` needs to see every request addressed to it."""
         return [f"{self.base}/cloud/want/{src}", f"{self.base}/+/+/want/{src}"]
@@ -139,6 +167,8 @@ class Topics:
             return self.device_up(msg.device)
         if isinstance(msg, DeviceJoin):
             return self.device_join(msg.device)
+        if isinstance(msg, PersonalModel):
+            return self.device_down(msg.device)
         if isinstance(msg, EdgeRound):
             return self.edge_round(msg.edge)
         if isinstance(msg, EdgeUpdate):
@@ -248,6 +278,8 @@ class RoundStart(_Msg):
     arch: Plan | None = None  # channel plan of a pruned model; None = the dense preset
     deadline_s: float = Field(gt=0, le=86_400)
     config_digest: str = Field(max_length=64)
+    #: the cloud sent participants personal models for this round (PersonalModel)
+    personal: bool = False
 
 
 class EdgeRound(_Msg):
@@ -266,6 +298,20 @@ class EdgeRound(_Msg):
     deadline_s: float = Field(gt=0, le=86_400)
     select: bool = False  # devices in ``devices`` may join (DeviceJoin) rather than must
     arch: Plan | None = None
+    #: devices train the personal model the cloud sent them (PersonalModel), not this one
+    personal: bool = False
+
+
+class PersonalModel(_Msg):
+    """Cloud -> one device (``Topics.device_down``): the model that device alone trains in
+    ``round`` instead of its edge's (pFedGPA's personalized parameters)."""
+
+    kind: Literal["personal_model"] = "personal_model"
+    round: Round
+    session: Session
+    device: Id
+    model_ref: BlobRef
+    mode: Literal["inversion", "generation", "guidance"]
 
 
 class DeviceJoin(_Msg):
@@ -294,6 +340,28 @@ class DeviceUpdate(_Msg):
     train_loss: float = Field(allow_inf_nan=False)
     steps: Count
     train_seconds: float = Field(ge=0, allow_inf_nan=False)
+    #: a classifier's accuracy on the device's own test split, on the model it received
+    #: (None: not measured) and after its local round
+    acc_before: Fraction | None = None
+    acc_after: Fraction | None = None
+
+
+class DeviceAccuracy(BaseModel):
+    """A device's classifier accuracy before and after its local round (its test split)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    before: Fraction | None = None
+    after: Fraction
+
+
+class Forwarded(BaseModel):
+    """One device's upload as its edge forwards it, for algorithms that keep every
+    device's model (pFedGPA): the edge serves the blob."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    device: Id
+    update_ref: BlobRef
+    n_samples: Count
 
 
 class EdgeUpdate(_Msg):
@@ -314,6 +382,10 @@ class EdgeUpdate(_Msg):
     #: samples behind each part of ``model_ref`` since the last cloud aggregation, so the
     #: cloud averages every part over the devices that reported it; None: ``n_samples``
     part_samples: Annotated[dict[PartName, Count], Field(max_length=16)] | None = None
+    #: the contributors' classifier accuracies (classifier runs), by device
+    accuracy: Annotated[dict[Id, DeviceAccuracy], Field(max_length=10_000)] | None = None
+    #: each contributor's own upload (algorithms with per-device updates), sorted by device
+    forwarded: Annotated[list[Forwarded], Field(max_length=10_000)] | None = None
 
 
 class EdgeState(_Msg):
@@ -377,11 +449,12 @@ class SampleRequest(_Msg):
 
 
 class DeploymentReport(_Msg):
-    """A device's deployment event: a model loaded or refused, or a grid sampled."""
+    """A device's deployment event: a model loaded or refused, a grid sampled, or its own
+    classifier exported and its test split classified (``accuracy``)."""
 
     kind: Literal["deploy_report"] = "deploy_report"
     device: Id
-    event: Literal["loaded", "refused", "sampled"]
+    event: Literal["loaded", "refused", "sampled", "classified"]
     model_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     serving: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # model in service
     #: the model in service is the device's own (global federated parts over its local
@@ -395,6 +468,8 @@ class DeploymentReport(_Msg):
     latency_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     provider: str = Field("", max_length=64)
     grid: str = Field("", max_length=500)
+    #: a classifier's accuracy on the device's own test split, with ONNX Runtime
+    accuracy: Fraction | None = None
 
 
 Message = (
@@ -403,6 +478,7 @@ Message = (
     | EdgeRound
     | DeviceUpdate
     | DeviceJoin
+    | PersonalModel
     | EdgeUpdate
     | EdgeState
     | CloudState

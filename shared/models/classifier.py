@@ -1,0 +1,140 @@
+"""Classifier presets: the small CNNs personalized federated learning trains (pFedGPA, seed 004).
+
+``fmnist-cnn`` is the client CNN of FedPAC's code (``models/cnn.py::CNN_FMNIST``), whose
+partition, batch size and baselines pFedGPA's Fashion-MNIST setup matches (the paper's
+appendix with its own CNNs is lost): conv 1→16 k5, max-pool, conv 16→32 k5 pad 1, max-pool,
+fc 800→128, fc 128→10, LeakyReLU, no normalization: 117,066 parameters. Estuary feeds every
+model (N, 1, 32, 32) images in [-1, 1] (Fashion-MNIST padded by two pixels); the classifier
+crops the padding back off, so it sees the 28x28 images it was designed for.
+
+Classifiers train with cross-entropy (:func:`train_classifier`: plain minibatch SGD as the
+paper's LocalUpdate, no gradient clipping unless configured) and are judged by accuracy on
+each device's own test split (:func:`accuracy`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.config import TrainSection
+from shared.errors import ConfigError
+
+#: preset name -> constructor arguments; every preset classifies 10 classes of 1x32x32 images
+CLASSIFIER_PRESETS: dict[str, dict[str, Any]] = {"fmnist-cnn": {"num_classes": 10, "crop": 2}}
+
+
+class FmnistCNN(nn.Module):
+    """FedPAC's ``CNN_FMNIST``: two 5x5 convolutions with max-pooling, two linear layers."""
+
+    def __init__(self, num_classes: int = 10, crop: int = 2) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.crop = crop
+        self.conv1 = nn.Conv2d(1, 16, 5)
+        self.conv2 = nn.Conv2d(16, 32, 5, padding=1)
+        self.fc1 = nn.Linear(32 * 5 * 5, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of (N, 1, 32, 32) images (the padding is cropped to 28x28 first)."""
+        if self.crop:
+            x = x[..., self.crop : -self.crop, self.crop : -self.crop]
+        x = F.max_pool2d(F.leaky_relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.leaky_relu(self.conv2(x)), 2)
+        x = F.leaky_relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def build_classifier(preset: str, *, seed: int = 0) -> FmnistCNN:
+    """A freshly initialized classifier of ``preset``; the init is drawn from ``seed`` only."""
+    if preset not in CLASSIFIER_PRESETS:
+        raise ConfigError(
+            f"unknown classifier preset {preset!r}; choose one of {sorted(CLASSIFIER_PRESETS)}"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.random.manual_seed(seed)  # scoped: the caller's RNG is untouched
+        return FmnistCNN(**CLASSIFIER_PRESETS[preset])
+
+
+def is_classifier(model: nn.Module) -> bool:
+    """Whether ``model`` is a classifier (logits of images) rather than a generator."""
+    return isinstance(model, FmnistCNN)
+
+
+def refuse_classifier(model: nn.Module, what: str) -> None:
+    """Raise ConfigError when ``model`` is a classifier: ``what`` (sampling, FID, export
+    of a generator) is for generators only."""
+    if is_classifier(model):
+        raise ConfigError(
+            f"{what} is for generators, and this model is a classifier ({type(model).__name__}); "
+            "classifiers are judged by accuracy (estuary classify, the devices' test splits)"
+        )
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: torch.Tensor, *, batch_size: int = 1000) -> torch.Tensor:
+    """Predicted classes of ``images`` (on the model's device, in eval mode; the mode it had
+    is restored)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        out = [
+            model(images[i : i + batch_size].to(device)).argmax(1).cpu()
+            for i in range(0, len(images), batch_size)
+        ]
+    finally:
+        model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of ``images`` the model classifies as ``labels`` (nan for no images)."""
+    if len(labels) == 0:
+        return float("nan")
+    return float((predict(model, images) == labels.cpu()).float().mean())
+
+
+def train_classifier(
+    model: nn.Module,
+    data: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: TrainSection,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[float, int, float]:
+    """Cross-entropy minibatch training (the paper's LocalUpdate) of ``model`` on ``data``
+    for ``local_epochs`` shuffled passes (or ``local_steps`` batches), batches drawn with
+    ``generator`` only. Returns (mean loss, steps, seconds); the model ends on the CPU."""
+    from shared.diffusion.training import make_optimizer, num_local_steps
+
+    device = device or torch.device("cpu")
+    model.to(device).train()
+    opt = optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+    steps = num_local_steps(len(data), cfg)
+    batch = min(cfg.batch_size, len(data))
+    total, done, order, at = 0.0, 0, torch.randperm(len(data), generator=generator), 0
+    start = time.perf_counter()
+    while done < steps:
+        if at + batch > len(order):  # reshuffle: fixed batch shapes, every image equally often
+            order, at = torch.randperm(len(data), generator=generator), 0
+        idx = order[at : at + batch]
+        at += batch
+        x, y = data[idx].to(device), labels[idx].to(device)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        total += float(loss.detach())
+        done += 1
+    model.to("cpu")
+    return total / max(1, done), done, time.perf_counter() - start

@@ -1,0 +1,589 @@
+"""Latent diffusion over flattened client parameters: the server-side maths of pFedGPA.
+
+pFedGPA (Lai et al., arXiv 2409.05701) trains a DDPM on the clients' uploaded parameters
+(eqs. 3-6), personalizes by *parameter inversion* (eqs. 11-16) and guides new clients with
+the local update as a classifier-style score (eq. 10, Alg. 1 lines 9-13). The architecture is
+p-diff's (Wang et al. 2024): a 1-D conv autoencoder over the flattened parameter vector
+(``ODEncoder2Decoder``) and a 1-D conv DDPM in its tanh-bounded latent (``AE_CNN_bottleneck``).
+
+Diffusion steps are numbered as in the paper, t = 1..T, with ``betas[t - 1]`` = beta_t;
+the denoiser's embedding index is t - 1. Deviations from p-diff, each on purpose:
+
+- vectors are standardized per coordinate with statistics of the store (p-diff feeds raw
+  parameters; layer scales differ by ~6x), and the statistics travel with the model;
+- every conv pads ``k // 2`` so lengths are exact (latent length = padded length / f**4),
+  and the padded length is at least 2 * f**4 (InstanceNorm needs two positions);
+- the denoiser conditions sample j on t[j] (p-diff indexes ``time_encode(t)[0]``), has three
+  levels of width * (1, 2, 4) instead of four of 64..512, and does not InstanceNorm its raw
+  input (z_t's scale tells the noise level);
+- posterior sigma_t (eq. 6) instead of p-diff's ``fixedlarge`` beta_t; EMA with the usual
+  warm-up min(ema, (1 + s) / (10 + s)) so short runs do not keep the initial weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from shared.errors import CodecError
+
+__all__ = [
+    "LatentDenoiser",
+    "ParamAutoencoder",
+    "ParamDM",
+    "ParamDMConfig",
+    "ParamNormalizer",
+    "betas_linear",
+    "flatten_params",
+    "forward_chain",
+    "generate",
+    "guide",
+    "invert",
+    "posterior_sigma",
+    "reconstruct",
+    "train_param_dm",
+    "unflatten_params",
+]
+
+FORMAT = "estuary-param-dm-v1"
+#: p-diff sizes: (fold rate f = kernel k, encoder channels, decoder channels)
+AE_SIZES: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {
+    "small": (3, (2, 2, 2, 2), (2, 64, 64, 8)),
+    "medium": (5, (4, 4, 4, 4), (4, 256, 256, 8)),
+}
+Progress = Callable[[str, int, int, float], None]
+
+
+@dataclass(frozen=True)
+class ParamDMConfig:
+    """Sizes and training settings of the parameter DM (defaults after p-diff)."""
+
+    ae_size: Literal["small", "medium"] = "small"
+    denoiser_width: int = 64
+    ae_steps: int = 2000
+    dm_steps: int = 2000
+    batch_size: int = 64
+    lr: float = 1e-3
+    input_noise: float = 0.001
+    latent_noise: float = 0.1
+    timesteps: int = 1000
+    ema: float = 0.999
+    clamp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ae_size not in AE_SIZES:
+            raise ValueError(f"ae_size must be one of {sorted(AE_SIZES)}, got {self.ae_size!r}")
+        for name in ("denoiser_width", "ae_steps", "dm_steps", "batch_size", "timesteps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        for name in ("input_noise", "latent_noise"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.ema < 1:
+            raise ValueError(f"ema must be in (0, 1), got {self.ema}")
+
+
+@dataclass(frozen=True)
+class ParamNormalizer:
+    """Per-coordinate standardization with the store's mean and (floored) std."""
+
+    mean: Tensor
+    std: Tensor
+
+    @classmethod
+    def fit(cls, x: Tensor) -> ParamNormalizer:
+        """Statistics of ``x`` [N, D]; std floored at max(1e-3 * median std, 1e-8) so that
+        near-constant coordinates (e.g. untouched weights) do not blow up."""
+        if x.ndim != 2 or x.shape[0] < 1:
+            raise ValueError(f"expected vectors of shape [N, D], got {tuple(x.shape)}")
+        x = x.detach().float()
+        std = x.std(dim=0, correction=0)
+        floor = max(1e-3 * float(std.median()), 1e-8)
+        return cls(mean=x.mean(dim=0), std=std.clamp_min(floor))
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """(x - mean) / std, in x's dtype and device."""
+        return (x - self.mean.to(x)) / self.std.to(x)
+
+    def denormalize(self, x: Tensor) -> Tensor:
+        """Inverse of :meth:`normalize`."""
+        return x * self.std.to(x) + self.mean.to(x)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The two statistics as tensors."""
+        return {"mean": self.mean, "std": self.std}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor]) -> ParamNormalizer:
+        """Rebuild from :meth:`state_dict`."""
+        if state["mean"].shape != state["std"].shape or state["mean"].ndim != 1:
+            raise ValueError("normalizer mean and std must be 1-D of the same length")
+        return cls(mean=state["mean"], std=state["std"])
+
+
+class ParamAutoencoder(nn.Module):
+    """p-diff's ``ODEncoder2Decoder``: 1-D conv AE from [N, D] to a tanh latent [N, C, L]."""
+
+    def __init__(self, in_dim: int, size: Literal["small", "medium"] = "small") -> None:
+        super().__init__()
+        if in_dim < 1:
+            raise ValueError(f"in_dim must be positive, got {in_dim}")
+        f, enc, dec = AE_SIZES[size]
+        self.in_dim, self.fold = in_dim, f
+        self.real_dim = max(in_dim // f**4 + 1, 2) * f**4
+        chans = [1, *enc]
+        self.encoder = nn.Sequential(
+            *(self._enc_block(chans[i], chans[i + 1], f, last=i == len(enc) - 1)
+              for i in range(len(enc)))
+        )
+        chans = [*dec, 1]
+        self.decoder = nn.Sequential(
+            *(self._dec_block(chans[i], chans[i + 1], f) for i in range(len(dec)))
+        )
+        self._latent = (enc[-1], self.real_dim // f**4)
+
+    @staticmethod
+    def _enc_block(c_in: int, c_out: int, f: int, last: bool) -> nn.Sequential:
+        # p-diff: the first block maps 1 -> c_out at stride 1; later ones keep c_in there
+        mid = c_out if c_in == 1 else c_in
+        return nn.Sequential(
+            nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, mid, f, padding=f // 2), nn.LeakyReLU(),
+            nn.InstanceNorm1d(mid), nn.Conv1d(mid, c_out, f, stride=f),
+            nn.Tanh() if last else nn.LeakyReLU(),
+        )
+
+    @staticmethod
+    def _dec_block(c_in: int, c_out: int, f: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.ConvTranspose1d(c_in, c_in, f, stride=f),
+            nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, c_out, f, padding=f // 2),
+        )
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """(channels, length) of one latent."""
+        return self._latent
+
+    def encode(self, x: Tensor) -> Tensor:
+        """[N, D] -> [N, C, L] in [-1, 1] (zero-padded to ``real_dim`` first)."""
+        if x.ndim != 2 or x.shape[1] != self.in_dim:
+            raise ValueError(f"expected [N, {self.in_dim}], got {tuple(x.shape)}")
+        return self.encoder(F.pad(x, (0, self.real_dim - self.in_dim)).unsqueeze(1))
+
+    def decode(self, z: Tensor) -> Tensor:
+        """[N, C, L] -> [N, D] (the padding is cropped off)."""
+        return self.decoder(z)[:, 0, : self.in_dim]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Clean reconstruction decode(encode(x))."""
+        return self.decode(self.encode(x))
+
+
+class LatentDenoiser(nn.Module):
+    """eps_phi(z_t, t) after p-diff's ``AE_CNN_bottleneck``: the latent flattened to one
+    channel of length C*L, stride-1 conv blocks of width * (1, 2, 4) with InstanceNorm and
+    LeakyReLU, U-skips, and a learned time embedding added before every block, *per sample*.
+    """
+
+    def __init__(
+        self, latent_shape: tuple[int, int], width: int = 64, timesteps: int = 1000
+    ) -> None:
+        super().__init__()
+        self.latent_shape = latent_shape
+        length = latent_shape[0] * latent_shape[1]
+        w = (width, 2 * width, 4 * width)
+        self.time_embed = nn.Embedding(timesteps, length)
+        self.enc = nn.ModuleList([
+            self._block(1, w[0], norm_input=False), self._block(w[0], w[1]),
+            self._block(w[1], w[2]),
+        ])
+        self.dec = nn.ModuleList([
+            self._block(w[2], w[1]), self._block(w[1], w[0]), self._block(w[0], 1),
+        ])
+
+    @staticmethod
+    def _block(c_in: int, c_out: int, norm_input: bool = True) -> nn.Sequential:
+        head: list[nn.Module] = [nn.LeakyReLU(), nn.InstanceNorm1d(c_in)] if norm_input else []
+        return nn.Sequential(
+            *head, nn.Conv1d(c_in, c_out, 3, padding=1), nn.LeakyReLU(),
+            nn.InstanceNorm1d(c_out), nn.Conv1d(c_out, c_out, 3, padding=1),
+        )
+
+    def forward(self, z: Tensor, t: Tensor) -> Tensor:
+        """Predicted noise for ``z`` [N, C, L] at embedding indices ``t`` [N] (0..T-1)."""
+        if z.ndim != 3 or tuple(z.shape[1:]) != self.latent_shape or t.shape != (z.shape[0],):
+            raise ValueError(f"expected z [N, {self.latent_shape}] and t [N], got "
+                             f"{tuple(z.shape)} and {tuple(t.shape)}")
+        emb = self.time_embed(t)[:, None, :]  # [N, 1, C*L]: sample j sees t[j] only
+        h = z.reshape(z.shape[0], 1, -1)
+        skips = []
+        for block in self.enc:
+            h = block(h + emb)
+            skips.append(h)
+        skips.pop()
+        for block in self.dec:
+            h = block(h + emb) + (skips.pop() if skips else 0)
+        return h.reshape(z.shape)
+
+
+@dataclass
+class ParamDM:
+    """A trained parameter DM: what inversion, generation and guidance need, and its file."""
+
+    config: ParamDMConfig
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    normalizer: ParamNormalizer
+    autoencoder: ParamAutoencoder
+    denoiser: LatentDenoiser  # EMA weights
+    betas: Tensor  # float64 [T]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every tensor, prefixed ``normalizer.``, ``autoencoder.``, ``denoiser.``, ``betas``."""
+        out = {f"normalizer.{k}": v for k, v in self.normalizer.state_dict().items()}
+        out.update({f"autoencoder.{k}": v for k, v in self.autoencoder.state_dict().items()})
+        out.update({f"denoiser.{k}": v for k, v in self.denoiser.state_dict().items()})
+        out["betas"] = self.betas
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able description: format, the config used, tensor names and shapes."""
+        return {"format": FORMAT, "config": asdict(self.config), "names": list(self.names),
+                "shapes": [list(s) for s in self.shapes], "in_dim": self.autoencoder.in_dim}
+
+    def save(self, path: Path) -> None:
+        """Write one safetensors file atomically (temp file in the same dir, then rename)."""
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(self.state_dict(), tmp, metadata={"estuary": json.dumps(self.meta())})
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> ParamDM:
+        """Read a file written by :meth:`save` (no pickle); CodecError when it is not one."""
+        from safetensors import SafetensorError, safe_open
+        from safetensors.torch import load_file
+
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = json.loads((fh.metadata() or {})["estuary"])
+            tensors = load_file(str(path))
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            cfg = ParamDMConfig(**meta["config"])
+            ae, den = _build_modules(int(meta["in_dim"]), cfg, seed=0)
+            ae.load_state_dict(_sub(tensors, "autoencoder."))
+            den.load_state_dict(_sub(tensors, "denoiser."))
+            return cls(cfg, list(meta["names"]), [tuple(s) for s in meta["shapes"]],
+                       ParamNormalizer.from_state_dict(_sub(tensors, "normalizer.")),
+                       ae.eval(), den.eval(), tensors["betas"])
+        except (OSError, SafetensorError, KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CodecError(f"cannot load a parameter DM from {path}: {err}") from None
+
+
+def _sub(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def _build_modules(
+    in_dim: int, cfg: ParamDMConfig, seed: int
+) -> tuple[ParamAutoencoder, LatentDenoiser]:
+    # initialization draws from the global RNG; scope it so the caller's state is untouched
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        ae = ParamAutoencoder(in_dim, cfg.ae_size)
+        den = LatentDenoiser(ae.latent_shape, cfg.denoiser_width, cfg.timesteps)
+    return ae, den
+
+
+def _derive(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A fresh generator on ``device`` seeded from ``generator`` (one draw)."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _interp_noise(x: Tensor, xi: float, gen: torch.Generator) -> Tensor:
+    # p-diff's add_noise is an interpolation, not an additive perturbation
+    noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+    return (1 - xi) * x + xi * noise
+
+
+def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+            e.lerp_(p, 1 - decay)
+
+
+def _report(progress: Progress | None, phase: str, step: int, total: int, loss: Tensor) -> None:
+    if progress is not None and (step % max(1, total // 100) == 0 or step == total):
+        progress(phase, step, total, float(loss))
+
+
+def train_param_dm(
+    vectors: Tensor,
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    cfg: ParamDMConfig,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
+    progress: Progress | None = None,
+) -> ParamDM:
+    """Fit the normalizer, train the AE (MSE with p-diff's noise augmentation), then the
+    latent DDPM on clean encodings (eq. 5, per-sample uniform t), AdamW(lr, wd 2e-6) and EMA.
+
+    Every random draw (init, minibatches, noise) comes from ``generator``: the same seed and
+    input give a bit-identical ParamDM on CPU. ``progress(phase, step, total, loss)`` is
+    called about every 1% of the steps of phase "ae" and "dm".
+    """
+    if vectors.ndim != 2 or vectors.shape[0] < 1:
+        raise ValueError(f"expected vectors [N, D], got {tuple(vectors.shape)}")
+    if sum(math.prod(s) for s in shapes) != vectors.shape[1] or len(names) != len(shapes):
+        raise ValueError("names/shapes do not describe vectors of dimension "
+                         f"{vectors.shape[1]}")
+    device = vectors.device if device is None else device
+    normalizer = ParamNormalizer.fit(vectors)
+    x = normalizer.normalize(vectors.detach().float()).to(device)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    ae, den = _build_modules(x.shape[1], cfg, seed)
+    ae, den = ae.to(device), den.to(device)
+    gen = _derive(generator, device)
+    n, bs = x.shape[0], min(cfg.batch_size, x.shape[0])
+
+    def batch(data: Tensor) -> Tensor:
+        return data if bs == n else data[torch.randperm(n, generator=gen, device=device)[:bs]]
+
+    opt = torch.optim.AdamW(ae.parameters(), lr=cfg.lr, weight_decay=2e-6)
+    for step in range(1, cfg.ae_steps + 1):
+        xb = batch(x)
+        z = _interp_noise(ae.encode(_interp_noise(xb, cfg.input_noise, gen)),
+                          cfg.latent_noise, gen)
+        loss = F.mse_loss(ae.decode(z.clamp(-1, 1)), xb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _report(progress, "ae", step, cfg.ae_steps, loss.detach())
+    ae.eval().requires_grad_(False)
+    with torch.no_grad():
+        z0_all = ae.encode(x)
+
+    betas = betas_linear(cfg.timesteps)
+    abar = torch.cumprod(1 - betas, 0).float().to(device)
+    ema = copy.deepcopy(den).requires_grad_(False)
+    opt = torch.optim.AdamW(den.parameters(), lr=cfg.lr, weight_decay=2e-6)
+    for step in range(1, cfg.dm_steps + 1):
+        z0 = batch(z0_all)
+        t = torch.randint(0, cfg.timesteps, (z0.shape[0],), generator=gen, device=device)
+        eps = torch.randn(z0.shape, generator=gen, device=device)
+        a = abar[t][:, None, None]
+        loss = F.mse_loss(den(a.sqrt() * z0 + (1 - a).sqrt() * eps, t), eps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _ema_update(ema, den, min(cfg.ema, (1 + step) / (10 + step)))
+        _report(progress, "dm", step, cfg.dm_steps, loss.detach())
+    return ParamDM(cfg, list(names), [tuple(s) for s in shapes], normalizer, ae,
+                   ema.eval(), betas)
+
+
+def betas_linear(timesteps: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """DDPM's linear schedule beta_1..beta_T from 1e-4 to 2e-2."""
+    if timesteps < 1:
+        raise ValueError(f"timesteps must be positive, got {timesteps}")
+    return torch.linspace(1e-4, 2e-2, timesteps, dtype=dtype)
+
+
+def forward_chain(
+    z0: Tensor, betas: Tensor, generator: torch.Generator, t0: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Eq. 11: z_t = sqrt(1 - b_t) z_{t-1} + sqrt(b_t) eps_t for t = 1..t0 (default T).
+
+    Returns z_{t0} and eps_tilde [t0, *z0.shape], row t - 1 holding eq. 12's
+    (z_t - sqrt(1 - b_t) z_{t-1}) / sqrt(b_t), recomputed from the chain as the paper does.
+    """
+    t0 = betas.shape[0] if t0 is None else t0
+    if not 0 <= t0 <= betas.shape[0]:
+        raise ValueError(f"t0 must be in [0, {betas.shape[0]}], got {t0}")
+    b = betas.to(z0.dtype)
+    z, eps_tilde = z0, torch.empty((t0, *z0.shape), dtype=z0.dtype, device=z0.device)
+    for i in range(t0):
+        noise = torch.randn(z0.shape, generator=generator, dtype=z0.dtype, device=z0.device)
+        z_next = (1 - b[i]).sqrt() * z + b[i].sqrt() * noise
+        eps_tilde[i] = (z_next - (1 - b[i]).sqrt() * z) / b[i].sqrt()
+        z = z_next
+    return z, eps_tilde
+
+
+def reconstruct(z_t: Tensor, eps_tilde: Tensor, betas: Tensor) -> Tensor:
+    """Eq. 14: z_{t-1} = (z_t - sqrt(b_t) eps_tilde_t) / sqrt(1 - b_t), t = t0..1."""
+    b = betas.to(z_t.dtype)
+    z = z_t
+    for i in reversed(range(eps_tilde.shape[0])):
+        z = (z - b[i].sqrt() * eps_tilde[i]) / (1 - b[i]).sqrt()
+    return z
+
+
+def posterior_sigma(betas: Tensor) -> Tensor:
+    """Eq. 6's sigma_t = sqrt((1 - abar_{t-1}) / (1 - abar_t) * b_t); sigma_1 = 0."""
+    abar = torch.cumprod(1 - betas, 0)
+    abar_prev = torch.cat([torch.ones_like(abar[:1]), abar[:-1]])
+    return ((1 - abar_prev) / (1 - abar) * betas).sqrt()
+
+
+def _modules(dm: ParamDM, device: torch.device | None) -> tuple[ParamAutoencoder, LatentDenoiser]:
+    # copy to another device rather than moving the caller's modules
+    ae, den = dm.autoencoder, dm.denoiser
+    if device is not None and next(ae.parameters()).device != device:
+        ae, den = copy.deepcopy(ae).to(device), copy.deepcopy(den).to(device)
+    return ae.eval(), den.eval()
+
+
+def _step(
+    den: LatentDenoiser, z: Tensor, t: int, t_prev: int, abar: Tensor, noise: Tensor | None,
+    clamp: bool, guidance: Tensor | None = None,
+) -> Tensor:
+    """One reverse step from t to t_prev < t (eqs. 6/16; strided: DDPM respacing).
+
+    ``abar`` is [T + 1] float64 with abar[0] = 1; ``noise`` is what sigma multiplies (random
+    for sampling, -eps_tilde for eq. 15); ``guidance`` is added to eps_phi as in eq. 10.
+    """
+    a_t, a_p = float(abar[t]), float(abar[t_prev])
+    alpha, sigma = a_t / a_p, math.sqrt((1 - a_p) / (1 - a_t) * (1 - a_t / a_p))
+    eps = den(z, torch.full((z.shape[0],), t - 1, dtype=torch.long, device=z.device))
+    if guidance is not None:
+        eps = eps + guidance
+    if clamp:  # p-diff: clamp x0-hat, then the posterior mean from it
+        x0 = ((z - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)).clamp(-1, 1)
+        mu = (math.sqrt(a_p) * (1 - alpha) * x0 + math.sqrt(alpha) * (1 - a_p) * z) / (1 - a_t)
+    else:
+        mu = (z - (1 - alpha) / math.sqrt(1 - a_t) * eps) / math.sqrt(alpha)
+    out = mu if noise is None or t_prev == 0 else mu + sigma * noise
+    return out.clamp(-1, 1) if clamp else out
+
+
+def _abar(dm: ParamDM) -> Tensor:
+    return torch.cat([torch.ones(1, dtype=torch.float64),
+                      torch.cumprod(1 - dm.betas.double().cpu(), 0)])
+
+
+def _decode(dm: ParamDM, ae: ParamAutoencoder, z: Tensor) -> Tensor:
+    # the decoder only ever saw latents in [-1, 1] (tanh, then clamped after augmentation)
+    return dm.normalizer.denormalize(ae.decode(z.clamp(-1, 1)))
+
+
+@torch.no_grad()
+def invert(
+    dm: ParamDM, theta: Tensor, generator: torch.Generator, *, t0: int | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Parameter inversion (eqs. 11-16) in latent space, batched over rows of ``theta`` [N, D].
+
+    z0 = E(norm(theta)); forward chain to t0 (default T) recording eps_tilde; then from
+    z~_{t0} = z_{t0}: z~_{t-1} = mu_phi(z~_t, t) - sigma_t eps_tilde_t (eq. 15, posterior
+    sigma, no clamping); returns denorm(D(z~_0)). t0 = 0 gives the AE reconstruction.
+    """
+    ae, den = _modules(dm, device)
+    dev = next(ae.parameters()).device
+    z, eps_tilde = forward_chain(ae.encode(dm.normalizer.normalize(theta.float().to(dev))),
+                                 dm.betas.to(dev), _derive(generator, dev), t0)
+    abar = _abar(dm)
+    for t in range(eps_tilde.shape[0], 0, -1):
+        z = _step(den, z, t, t - 1, abar, -eps_tilde[t - 1], clamp=False)
+    return _decode(dm, ae, z)
+
+
+@torch.no_grad()
+def generate(
+    dm: ParamDM, n: int, generator: torch.Generator, *, device: torch.device | None = None
+) -> Tensor:
+    """Direct generation (Table 2 "w/o inversion"): z_T ~ N(0, I), ancestral sampling with
+    eq. 6 and fresh noise each step (clamped when ``config.clamp``), decoded to [n, D]."""
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    ae, den = _modules(dm, device)
+    dev = next(ae.parameters()).device
+    gen = _derive(generator, dev)
+    z = torch.randn((n, *ae.latent_shape), generator=gen, device=dev)
+    abar = _abar(dm)
+    for t in range(dm.betas.shape[0], 0, -1):
+        noise = torch.randn(z.shape, generator=gen, device=dev)
+        z = _step(den, z, t, t - 1, abar, noise, dm.config.clamp)
+    return _decode(dm, ae, z)
+
+
+@torch.no_grad()
+def guide(
+    dm: ParamDM, theta_prev: Tensor, theta_now: Tensor, generator: torch.Generator, *,
+    omega: float, steps: int, start_t: int, device: torch.device | None = None,
+) -> Tensor:
+    """Global guidance for a new client (eq. 10; Alg. 1 lines 9-13), our reading.
+
+    Alg. 1 line 11 lost its operators in extraction. We read it through eq. 10 with
+    grad log P ~ (theta_l - theta_{l-1}) / lambda (one local update) and classifier-guidance
+    scaling: eps~ = eps_phi(z_t, t) + (1 + omega) sqrt(1 - abar_t) (z_prev - z_now), where
+    z_prev, z_now = E(norm(theta_prev)), E(norm(theta_now)). z_now is noised to ``start_t``
+    with q(z_t | z_0), then ``steps`` ancestral steps spaced evenly down to 0 follow.
+    Returns the guided parameters [D].
+    """
+    if theta_prev.shape != theta_now.shape or theta_now.ndim != 1:
+        raise ValueError(f"expected two [D] vectors, got {tuple(theta_prev.shape)} and "
+                         f"{tuple(theta_now.shape)}")
+    if not 1 <= steps <= start_t <= dm.betas.shape[0]:
+        raise ValueError(f"need 1 <= steps ({steps}) <= start_t ({start_t}) <= T "
+                         f"({dm.betas.shape[0]})")
+    ae, den = _modules(dm, device)
+    dev = next(ae.parameters()).device
+    gen = _derive(generator, dev)
+    pair = dm.normalizer.normalize(torch.stack([theta_prev, theta_now]).float().to(dev))
+    z_prev, z_now = ae.encode(pair).split(1)
+    abar = _abar(dm)
+    a = float(abar[start_t])
+    z = math.sqrt(a) * z_now + math.sqrt(1 - a) * torch.randn(z_now.shape, generator=gen,
+                                                              device=dev)
+    ts = torch.linspace(start_t, 0, steps + 1, dtype=torch.float64).round().long().tolist()
+    for t, t_prev in itertools.pairwise(ts):
+        shift = (1 + omega) * math.sqrt(1 - float(abar[t])) * (z_prev - z_now)
+        noise = torch.randn(z.shape, generator=gen, device=dev)
+        z = _step(den, z, t, t_prev, abar, noise, dm.config.clamp, guidance=shift)
+    return _decode(dm, ae, z)[0]
+
+
+def flatten_params(state: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+    """1-D float32 concatenation of ``state[name]`` in the order of ``names``."""
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise KeyError(f"state has no tensors named {missing}")
+    return torch.cat([state[n].detach().reshape(-1).float().cpu() for n in names])
+
+
+def unflatten_params(
+    vec: Tensor, names: Sequence[str], shapes: Sequence[tuple[int, ...]]
+) -> dict[str, Tensor]:
+    """Inverse of :func:`flatten_params`: split ``vec`` into tensors of ``shapes``."""
+    sizes = [math.prod(s) for s in shapes]
+    if len(names) != len(shapes) or vec.ndim != 1 or vec.numel() != sum(sizes):
+        raise ValueError(f"a vector of {vec.numel()} values does not split into {len(names)} "
+                         f"tensors of {sum(sizes)} values")
+    parts = vec.split(sizes)
+    return {n: p.reshape(s).clone() for n, p, s in zip(names, parts, shapes, strict=True)}
