@@ -171,6 +171,8 @@ def simulate(
     run_dir = prepare_run_dir(cfg, out)
     if cfg.algorithm.name == "prism":
         announce_prism_key(run_dir, show=progress)
+    if progress and cfg.algorithm.name == "pfedgpa":  # minutes of diffusion training: say so
+        logging.getLogger("shared.algorithms.pfedgpa").setLevel(logging.INFO)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     save_label_counts(run_dir, matrix, device_names, show=progress)

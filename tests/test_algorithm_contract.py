@@ -27,7 +27,7 @@ from shared.config import RunConfig, config_from_dict, with_overrides
 from shared.config.algorithms import PrismConfig, config_class
 from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
 from shared.models.plan import model_spec
-from shared.models.presets import build_unet
+from shared.models.presets import build_net
 from shared.wire.codec import TensorSpec, check_spec, pack_bits, spec_of, unpack_bits
 from tests.conftest import synthetic_federation, tiny_config
 
@@ -36,7 +36,15 @@ EXERCISE: dict[str, dict[str, Any]] = {
     "fedphd": {"sparse_rounds": 1, "prune_ratio": 0.3, "lambda0": 1e-3},
     "feddiffuse": {"split": "usplit"},
     "prism": {"prism_local_iters": 1},
-}
+    "pfedgpa": {"pfedgpa_ae_steps": 2, "pfedgpa_dm_steps": 2, "pfedgpa_timesteps": 10,
+                "pfedgpa_denoiser_width": 4, "pfedgpa_batch": 2},
+}  # fmt: skip
+#: the model and training of an algorithm that trains no U-Nets (a classifier's SGD)
+CLASSIFIER: dict[str, dict[str, Any]] = {
+    "model": {"preset": "fmnist-cnn"},
+    "train": {"local_steps": 1, "batch_size": 4, "optimizer": "sgd", "lr": 0.01,
+              "grad_clip": 0.0},
+}  # fmt: skip
 #: settings for the convexity check where an algorithm's defaults add a step after the
 #: average (PRISM's MADA mixes in the previous state)
 AVERAGE_ONLY: dict[str, dict[str, Any]] = {"prism": {"prism_mada": False}}
@@ -44,14 +52,18 @@ NAMES = registered()
 
 
 def contract_config(name: str) -> RunConfig:
-    """Two rounds of 2 devices at one edge, one local step each, for algorithm ``name``."""
-    return tiny_config(
-        run={"rounds": 2},
-        federation={"num_devices": 2, "num_edges": 1},
-        data={"synthetic_size": 32},
-        train={"local_steps": 1, "batch_size": 4},
-        algorithm={"name": name, **EXERCISE.get(name, {})},
-    )
+    """Two rounds of 2 devices at one edge, one local step each, for algorithm ``name`` (a
+    U-Net, or the classifier for an algorithm that trains no U-Nets)."""
+    sections: dict[str, dict[str, Any]] = {
+        "run": {"rounds": 2},
+        "federation": {"num_devices": 2, "num_edges": 1},
+        "data": {"synthetic_size": 32},
+        "train": {"local_steps": 1, "batch_size": 4},
+        "algorithm": {"name": name, **EXERCISE.get(name, {})},
+    }
+    if "unet" not in config_class(name).model_kinds:
+        sections |= CLASSIFIER
+    return tiny_config(**sections)
 
 
 def test_every_algorithm_is_registered_with_its_settings() -> None:
@@ -87,11 +99,12 @@ def _run(cfg: RunConfig) -> tuple[str, dict[str, torch.Tensor], int]:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_same_seed_gives_the_same_model_on_memorybus(name: str) -> None:
     cfg = contract_config(name)
-    initial = dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict())
+    initial = dict(build_net(cfg.model.preset, seed=cfg.run.seed).state_dict())
     sha, final, updates = _run(cfg)
     assert updates == 2 * cfg.federation.num_devices
     assert all(torch.isfinite(v).all() for v in final.values())
-    assert any(k not in final or not torch.equal(final[k], v) for k, v in initial.items())
+    if make_algorithm(cfg).uploads:  # Local-only's global model never changes, by design
+        assert any(k not in final or not torch.equal(final[k], v) for k, v in initial.items())
     again, _, _ = _run(cfg)
     assert again == sha
 
@@ -168,6 +181,8 @@ def test_aggregation_weights_are_convex(name: str) -> None:
     if name in AVERAGE_ONLY:
         cfg = with_overrides(cfg, {"algorithm": AVERAGE_ONLY[name]})
     algo = make_algorithm(cfg)
+    if not algo.uploads:
+        pytest.skip(f"{name} uploads and aggregates nothing (Local-only)")
     mspec, gspec = _specs(algo, cfg.model.preset)
     # what is averaged: the model's tensors, or the probabilities PRISM's state holds in
     # their place (SCAFFOLD's control variate is a sum, not an average)
@@ -206,10 +221,12 @@ def _same_spec(tensors: dict[str, torch.Tensor], spec: dict[str, TensorSpec]) ->
 def test_names_and_shapes_are_kept(name: str) -> None:
     cfg = contract_config(name)
     algo = make_algorithm(cfg)
-    module = build_unet(cfg.model.preset, seed=cfg.run.seed)
+    module = build_net(cfg.model.preset, seed=cfg.run.seed)
     mspec, gspec = _specs(algo, cfg.model.preset)
     state = algo.init_global(dict(module.state_dict()))
     assert _same_spec(state, gspec)
+    if not algo.uploads:
+        pytest.skip(f"{name} uploads nothing (Local-only)")
     data = load_dataset("synthetic", size=8, seed=0)
     ctx = DeviceContext(
         "dev000", to_model_input(data.images), torch.from_numpy(data.labels),

@@ -5,6 +5,8 @@ downlink."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +23,9 @@ from shared.models.classifier import accuracy, build_classifier, train_classifie
 from shared.models.presets import kind_of, model_info, state_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import PersonalModel, Topics, decode
-from tests.conftest import synthetic_federation, tiny_config
+from tests.conftest import have_fmnist, synthetic_federation, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def classifier_config(
@@ -255,3 +259,25 @@ def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path:
     assert guided is not None and list(guided) == ["dev009"]
     assert restored.mode_of("dev009") == "guidance"
     assert torch.isfinite(guided["dev009"]["fc2.weight"]).all()
+
+
+@pytest.mark.skipif(not have_fmnist(), reason="Fashion-MNIST missing")
+def test_the_quick_pfedgpa_comparison_reports_accuracies_and_bytes(tmp_path: Any) -> None:
+    from estuary.compare import load_compare, run_compare
+    from estuary.compare.tables import CLASSIFIER_COLUMNS
+
+    spec = load_compare(REPO / "configs" / "compare" / "compare_pfedgpa_quick.toml")
+    run_compare(spec, tmp_path, progress=False)
+    table = json.loads((tmp_path / "table.json").read_text())
+    rows = {r["method"]: r for r in table["rows"]}
+    assert list(rows) == ["Local-only", "FedAvg", "pFedGPA", "pFedGPA, direct"]
+    assert set(table["columns"]) == {k for k, _, _ in CLASSIFIER_COLUMNS}
+    for r in rows.values():
+        assert 0 <= r["acc_after"] <= 100 and 0 <= r["acc_before"] <= 100
+        assert r["under60_before"] <= 5 and r["acc_std"] >= 0
+    assert rows["Local-only"]["device_up_bytes"] == 0  # nothing travels up
+    assert rows["FedAvg"]["device_up_bytes"] == pytest.approx(468_856, rel=0.01)
+    assert rows["pFedGPA"]["device_down_bytes"] == pytest.approx(468_856, rel=0.01)
+    # pFedGPA and its ablation differ only in the last round's parameters
+    assert rows["pFedGPA"]["acc_before"] != rows["pFedGPA, direct"]["acc_before"]
+    assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "table.md").is_file()

@@ -21,7 +21,7 @@ from shared.config import BrokerSection, RunConfig
 from shared.data.datasets import load_dataset, to_model_input
 from shared.data.partition import make_partition
 from shared.errors import TransportError
-from shared.models.presets import build_unet
+from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.transport.blob_transfer import chunk_count
 from shared.transport.bus import MemoryBus
@@ -67,7 +67,7 @@ def _run_over_mqtt(cfg: RunConfig, broker: LocalBroker) -> tuple[str, Traffic]:
             cfg,
             cbus,
             make_algorithm(cfg),
-            initial_model=dict(build_unet(cfg.model.preset, seed=cfg.run.seed).state_dict()),
+            initial_model=dict(initial_model(cfg.model.preset, seed=cfg.run.seed).state_dict()),
         )
         services: list[tuple[object, MqttBus]] = [(cloud, cbus)]
         for e in edge_ids(cfg):
@@ -123,16 +123,33 @@ PRISM = {
 }
 
 
+#: pFedGPA: edges forward each upload, the cloud trains its diffusion model after round 1 and
+#: sends each device its own classifier on its private downlink for round 2
+PFEDGPA = {
+    "run": {"name": "agree-pfedgpa", "rounds": 3},
+    "federation": {"num_devices": 4, "num_edges": 2},
+    "data": {"synthetic_size": 2000, "partition": "dominant_groups", "samples_per_device": 100},
+    "model": {"preset": "fmnist-cnn"},
+    "train": {"optimizer": "sgd", "lr": 0.05, "batch_size": 50, "local_epochs": 1,
+              "local_steps": 0, "grad_clip": 0.0},
+    "algorithm": {"name": "pfedgpa", "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 10,
+                  "pfedgpa_dm_steps": 10, "pfedgpa_timesteps": 20, "pfedgpa_batch": 8,
+                  "pfedgpa_denoiser_width": 8},
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"run": {"name": "agree", "rounds": 2}, "federation": {"num_devices": 4, "num_edges": 2}},
-     FEDPHD, PRISM],
-    ids=["fedavg-static", "fedphd-select", "prism-bits"],
+     FEDPHD, PRISM, PFEDGPA],
+    ids=["fedavg-static", "fedphd-select", "prism-bits", "pfedgpa-personal"],
 )  # fmt: skip
 def test_mqtt_and_memory_bus_agree(broker: LocalBroker, overrides: dict) -> None:  # type: ignore[type-arg]
     """Same config and seed: identical final model, message counts and blob bytes (FedAvg on
-    home edges, and FedPhD with devices choosing their edges in participant order)."""
-    cfg = tiny_config(train={"threads": 1}, **overrides)
+    home edges, FedPhD with devices choosing their edges in participant order, pFedGPA with
+    each device's own model on its private downlink)."""
+    train = {"threads": 1, **overrides.get("train", {})}
+    cfg = tiny_config(**{**overrides, "train": train})
     mem = MemoryBus()
     data = load_dataset("synthetic", size=cfg.data.synthetic_size, seed=cfg.run.seed)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
@@ -144,6 +161,13 @@ def test_mqtt_and_memory_bus_agree(broker: LocalBroker, overrides: dict) -> None
     assert sha == fed.cloud.model_sha  # bitwise: same aggregation order on both buses
 
     m, q = mem.traffic.snapshot(), traffic.snapshot()
+    if overrides is PFEDGPA:
+        # In the personal round no device fetches its edge's model (the global one, put by
+        # the edge as "edge_model"): MemoryBus's one store holds those bytes once, put by the
+        # cloud too, and counts the edge's fetch of the global under the later put's kind.
+        for snap in (m, q):
+            for counts in (snap["messages"], snap["bytes"]):
+                counts.pop("sent:edge_model", None)
     assert q["messages"] == m["messages"]
     assert q["rejected"] == m["rejected"] == {}
     for key, nbytes in m["bytes"].items():

@@ -67,7 +67,7 @@ CLASSIFIER_COLUMNS: list[tuple[str, str, int]] = [
     ("under60_after", "devices < 60 % after FT", 0),
     ("params", "params", 0),
     ("device_up_bytes", "device upload B/round", 0),
-    ("device_round_bytes", "device round B (down + up)", 0),
+    ("device_down_bytes", "device download B/round", 0),
     ("total_mib", "total MiB", 2),
     ("rounds", "rounds", 0),
     ("local_steps", "local steps", 0),
@@ -151,7 +151,10 @@ def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str,
     # what one device sends (and fetches) in a round, from the byte counters
     uploads = sum(r.get("updates", 0) for r in run.rows)
     up = sum(r.get("bytes", {}).get("received:device_update", 0) for r in run.rows)
-    down = sum(r.get("bytes", {}).get("received:edge_model", 0) for r in run.rows)
+    down = sum(  # the edge's model, or the device's personal one (pFedGPA)
+        r.get("bytes", {}).get(f"received:{kind}", 0)
+        for r in run.rows for kind in ("edge_model", "personal_model")
+    )  # fmt: skip
     device_up = up / uploads if uploads else None
     s = _per_participant_steps(run)
     k_c, k_e = acc.aggregations_per_window(fed, steps_per_round=s, window_steps=window)
@@ -224,6 +227,8 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "run_dir": run.run_dir.name,
             "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
         }
+        if "device_round_bytes" in row and "device_up_bytes" in row:
+            row["device_down_bytes"] = row["device_round_bytes"] - row["device_up_bytes"]
         out.append(row)
     return out
 
@@ -348,8 +353,9 @@ def _classifier_markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
         "the model the device received (FedAvg: the global model; pFedGPA: its personal "
         "parameters; Local-only: its own model of the round before); after FT: after its "
         "local round (FedAvg's is FedAvg-FT). std: over the devices, after FT.",
-        "device upload B/round: one device's upload blob (mean over the run); device round B: "
-        "that plus its download. total = every byte received.",
+        "device upload B/round: one device's upload blob (mean over the run); download: the "
+        "model it fetched a round (the edge's, or its personal one). total = every byte "
+        "received, control messages and edges' forwarding included.",
         "",
     ]
     return "\n".join(lines)

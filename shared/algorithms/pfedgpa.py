@@ -65,9 +65,16 @@ STATE_DIR = "pfedgpa"
 MAX_STORE_BYTES = 2 << 30
 
 
-def generated_names(preset: str, layers: Sequence[str]) -> list[str]:
-    """The parameter names (state-dict order) of ``layers`` (module names; ``*``: all)."""
+#: what ``pfedgpa_layers = ["auto"]`` generates on a CPU: the last layer
+CPU_LAYERS = ("fc2",)
+
+
+def generated_names(preset: str, layers: Sequence[str], device: torch.device) -> list[str]:
+    """The parameter names (state-dict order) of ``layers`` (module names; ``*``: all;
+    ``auto``: all on a GPU ``device``, :data:`CPU_LAYERS` on a CPU)."""
     names = [k for k, s in state_spec(preset).items() if s.dtype.is_floating_point]
+    if list(layers) == ["auto"]:
+        layers = ["*"] if device.type == "cuda" else list(CPU_LAYERS)
     if list(layers) == ["*"]:
         return names
     chosen = [k for k in names if k.rsplit(".", 1)[0] in layers]
@@ -101,7 +108,9 @@ class PFedGPA(Algorithm):
         super().__init__(cfg)
         s = self.settings
         self.personal_mode = s.pfedgpa_mode
-        self.names = generated_names(cfg.model.preset, s.pfedgpa_layers)
+        self.names = generated_names(
+            cfg.model.preset, s.pfedgpa_layers, resolve_device(cfg.compute.device)
+        )
         spec = state_spec(cfg.model.preset)
         self.shapes = [tuple(spec[k].shape) for k in self.names]
         #: (round, device) -> the device's upload's generated layers, flattened (cloud only)

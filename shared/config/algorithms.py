@@ -321,11 +321,13 @@ class PFedGPAConfig(AlgorithmConfig):
         "direct sampling from noise (Table 2's 'w/o inversion' ablation)",
     )
     pfedgpa_layers: list[str] = Field(
-        default_factory=lambda: ["fc2"],
+        default_factory=lambda: ["auto"],
+        min_length=1,
         max_length=64,
         description="the model's layers (module names) whose parameters the diffusion model "
         "generates; the rest stays the device's own. ['*'] = the whole model (the paper's "
-        "Fashion-MNIST setting, for a GPU); default the last layer, CPU-sized",
+        "Fashion-MNIST setting); ['auto'] = the whole model where the cloud has a GPU "
+        "(compute.device), the last layer (fc2) on a CPU",
     )
     pfedgpa_ae_size: Literal["small", "medium"] = Field(
         "small", description="p-diff autoencoder size (small: f=k=3; medium: f=k=5)"
@@ -356,7 +358,8 @@ class PFedGPAConfig(AlgorithmConfig):
 
     def check_run(self, cfg: RunConfig) -> None:
         _check_classifier_rounds("pfedgpa", cfg)
-        if not self.pfedgpa_guide_steps <= self.pfedgpa_guide_from <= self.pfedgpa_timesteps:
+        guide = (self.pfedgpa_guide_steps, self.pfedgpa_guide_from, self.pfedgpa_timesteps)
+        if self.pfedgpa_guide_rounds and not guide[0] <= guide[1] <= guide[2]:
             raise ValueError(
                 "need pfedgpa_guide_steps <= pfedgpa_guide_from <= pfedgpa_timesteps"
             )

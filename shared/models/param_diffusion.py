@@ -15,9 +15,10 @@ the denoiser's embedding index is t - 1. Deviations from p-diff, each on purpose
   and the padded length is at least 2 * f**4 (InstanceNorm needs two positions);
 - the denoiser conditions sample j on t[j] (p-diff indexes ``time_encode(t)[0]``), has three
   levels of width * (1, 2, 4) instead of four of 64..512, and does not InstanceNorm its raw
-  input (z_t's scale tells the noise level);
+  input (p-diff's first InstanceNorm discards the scale of z_t, which carries the noise level);
 - posterior sigma_t (eq. 6) instead of p-diff's ``fixedlarge`` beta_t; EMA with the usual
-  warm-up min(ema, (1 + s) / (10 + s)) so short runs do not keep the initial weights.
+  warm-up min(ema, (1 + s) / (10 + s)) so that short runs do not keep the initial weights;
+- one safetensors file via the repository's codec and atomic write, never pickle.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import copy
 import itertools
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,24 +36,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from shared.atomic import atomic_write
 from shared.errors import CodecError
+from shared.wire.codec import decode_tensors, encode_tensors, read_metadata
 
 __all__ = [
-    "LatentDenoiser",
-    "ParamAutoencoder",
-    "ParamDM",
-    "ParamDMConfig",
-    "ParamNormalizer",
-    "betas_linear",
-    "flatten_params",
-    "forward_chain",
-    "generate",
-    "guide",
-    "invert",
-    "posterior_sigma",
-    "reconstruct",
-    "train_param_dm",
-    "unflatten_params",
+    "LatentDenoiser", "ParamAutoencoder", "ParamDM", "ParamDMConfig", "ParamNormalizer",
+    "betas_linear", "flatten_params", "forward_chain", "generate", "guide", "invert",
+    "posterior_sigma", "reconstruct", "train_param_dm", "unflatten_params",
 ]
 
 FORMAT = "estuary-param-dm-v1"
@@ -80,7 +69,7 @@ class ParamDMConfig:
     latent_noise: float = 0.1
     timesteps: int = 1000
     ema: float = 0.999
-    clamp: bool = False
+    clamp: bool = False  # clamp z_t and x0-hat to [-1, 1] in generate/guide (never in invert)
 
     def __post_init__(self) -> None:
         if self.ae_size not in AE_SIZES:
@@ -88,13 +77,11 @@ class ParamDMConfig:
         for name in ("denoiser_width", "ae_steps", "dm_steps", "batch_size", "timesteps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-        for name in ("input_noise", "latent_noise"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 < self.ema < 1:
-            raise ValueError(f"ema must be in (0, 1), got {self.ema}")
+        for name, ok, rule in (("lr", self.lr > 0, "> 0"), ("ema", 0 < self.ema < 1, "in (0, 1)"),
+                               ("input_noise", 0 <= self.input_noise < 1, "in [0, 1)"),
+                               ("latent_noise", 0 <= self.latent_noise < 1, "in [0, 1)")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -106,14 +93,13 @@ class ParamNormalizer:
 
     @classmethod
     def fit(cls, x: Tensor) -> ParamNormalizer:
-        """Statistics of ``x`` [N, D]; std floored at max(1e-3 * median std, 1e-8) so that
-        near-constant coordinates (e.g. untouched weights) do not blow up."""
+        """Statistics of ``x`` [N, D]; the std is floored at max(1e-3 * median std, 1e-8) so
+        that near-constant coordinates (e.g. weights nobody trains) do not blow up."""
         if x.ndim != 2 or x.shape[0] < 1:
             raise ValueError(f"expected vectors of shape [N, D], got {tuple(x.shape)}")
         x = x.detach().float()
         std = x.std(dim=0, correction=0)
-        floor = max(1e-3 * float(std.median()), 1e-8)
-        return cls(mean=x.mean(dim=0), std=std.clamp_min(floor))
+        return cls(x.mean(dim=0), std.clamp_min(max(1e-3 * float(std.median()), 1e-8)))
 
     def normalize(self, x: Tensor) -> Tensor:
         """(x - mean) / std, in x's dtype and device."""
@@ -124,7 +110,7 @@ class ParamNormalizer:
         return x * self.std.to(x) + self.mean.to(x)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The two statistics as tensors."""
+        """The two statistics."""
         return {"mean": self.mean, "std": self.std}
 
     @classmethod
@@ -132,34 +118,32 @@ class ParamNormalizer:
         """Rebuild from :meth:`state_dict`."""
         if state["mean"].shape != state["std"].shape or state["mean"].ndim != 1:
             raise ValueError("normalizer mean and std must be 1-D of the same length")
-        return cls(mean=state["mean"], std=state["std"])
+        return cls(state["mean"], state["std"])
 
 
 class ParamAutoencoder(nn.Module):
-    """p-diff's ``ODEncoder2Decoder``: 1-D conv AE from [N, D] to a tanh latent [N, C, L]."""
+    """p-diff's ``ODEncoder2Decoder``: a 1-D conv AE from [N, D] to a tanh latent [N, C, L]."""
 
     def __init__(self, in_dim: int, size: Literal["small", "medium"] = "small") -> None:
         super().__init__()
         if in_dim < 1:
             raise ValueError(f"in_dim must be positive, got {in_dim}")
         f, enc, dec = AE_SIZES[size]
-        self.in_dim, self.fold = in_dim, f
+        self.in_dim = in_dim
         self.real_dim = max(in_dim // f**4 + 1, 2) * f**4
-        chans = [1, *enc]
-        self.encoder = nn.Sequential(
-            *(self._enc_block(chans[i], chans[i + 1], f, last=i == len(enc) - 1)
-              for i in range(len(enc)))
-        )
-        chans = [*dec, 1]
-        self.decoder = nn.Sequential(
-            *(self._dec_block(chans[i], chans[i + 1], f) for i in range(len(dec)))
-        )
-        self._latent = (enc[-1], self.real_dim // f**4)
+        self.latent_shape = (enc[-1], self.real_dim // f**4)
+        ch = [1, *enc]
+        self.encoder = nn.Sequential(*(
+            self._enc_block(ch[i], ch[i + 1], f, last=i == len(enc) - 1) for i in range(len(enc))
+        ))
+        ch = [*dec, 1]
+        self.decoder = nn.Sequential(*(
+            self._dec_block(ch[i], ch[i + 1], f) for i in range(len(dec))
+        ))
 
     @staticmethod
     def _enc_block(c_in: int, c_out: int, f: int, last: bool) -> nn.Sequential:
-        # p-diff: the first block maps 1 -> c_out at stride 1; later ones keep c_in there
-        mid = c_out if c_in == 1 else c_in
+        mid = c_out if c_in == 1 else c_in  # p-diff: block 1 lifts 1 -> c_out before folding
         return nn.Sequential(
             nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, mid, f, padding=f // 2), nn.LeakyReLU(),
             nn.InstanceNorm1d(mid), nn.Conv1d(mid, c_out, f, stride=f),
@@ -172,11 +156,6 @@ class ParamAutoencoder(nn.Module):
             nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.ConvTranspose1d(c_in, c_in, f, stride=f),
             nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, c_out, f, padding=f // 2),
         )
-
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        """(channels, length) of one latent."""
-        return self._latent
 
     def encode(self, x: Tensor) -> Tensor:
         """[N, D] -> [N, C, L] in [-1, 1] (zero-padded to ``real_dim`` first)."""
@@ -204,16 +183,11 @@ class LatentDenoiser(nn.Module):
     ) -> None:
         super().__init__()
         self.latent_shape = latent_shape
-        length = latent_shape[0] * latent_shape[1]
         w = (width, 2 * width, 4 * width)
-        self.time_embed = nn.Embedding(timesteps, length)
-        self.enc = nn.ModuleList([
-            self._block(1, w[0], norm_input=False), self._block(w[0], w[1]),
-            self._block(w[1], w[2]),
-        ])
-        self.dec = nn.ModuleList([
-            self._block(w[2], w[1]), self._block(w[1], w[0]), self._block(w[0], 1),
-        ])
+        self.time_embed = nn.Embedding(timesteps, latent_shape[0] * latent_shape[1])
+        block = self._block
+        self.enc = nn.ModuleList([block(1, w[0], False), block(w[0], w[1]), block(w[1], w[2])])
+        self.dec = nn.ModuleList([block(w[2], w[1]), block(w[1], w[0]), block(w[0], 1)])
 
     @staticmethod
     def _block(c_in: int, c_out: int, norm_input: bool = True) -> nn.Sequential:
@@ -228,15 +202,15 @@ class LatentDenoiser(nn.Module):
         if z.ndim != 3 or tuple(z.shape[1:]) != self.latent_shape or t.shape != (z.shape[0],):
             raise ValueError(f"expected z [N, {self.latent_shape}] and t [N], got "
                              f"{tuple(z.shape)} and {tuple(t.shape)}")
-        emb = self.time_embed(t)[:, None, :]  # [N, 1, C*L]: sample j sees t[j] only
+        emb = self.time_embed(t)[:, None, :]  # [N, 1, C*L]: row j sees t[j] only
         h = z.reshape(z.shape[0], 1, -1)
         skips = []
-        for block in self.enc:
-            h = block(h + emb)
+        for blk in self.enc:
+            h = blk(h + emb)
             skips.append(h)
         skips.pop()
-        for block in self.dec:
-            h = block(h + emb) + (skips.pop() if skips else 0)
+        for blk in self.dec:
+            h = blk(h + emb) + (skips.pop() if skips else 0)
         return h.reshape(z.shape)
 
 
@@ -249,15 +223,15 @@ class ParamDM:
     shapes: list[tuple[int, ...]]
     normalizer: ParamNormalizer
     autoencoder: ParamAutoencoder
-    denoiser: LatentDenoiser  # EMA weights
+    denoiser: LatentDenoiser  # the EMA weights
     betas: Tensor  # float64 [T]
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every tensor, prefixed ``normalizer.``, ``autoencoder.``, ``denoiser.``, ``betas``."""
-        out = {f"normalizer.{k}": v for k, v in self.normalizer.state_dict().items()}
-        out.update({f"autoencoder.{k}": v for k, v in self.autoencoder.state_dict().items()})
-        out.update({f"denoiser.{k}": v for k, v in self.denoiser.state_dict().items()})
-        out["betas"] = self.betas
+        out = {"betas": self.betas}
+        for prefix, part in (("normalizer.", self.normalizer), ("autoencoder.", self.autoencoder),
+                             ("denoiser.", self.denoiser)):
+            out.update({prefix + k: v for k, v in part.state_dict().items()})
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def meta(self) -> dict[str, Any]:
@@ -266,40 +240,30 @@ class ParamDM:
                 "shapes": [list(s) for s in self.shapes], "in_dim": self.autoencoder.in_dim}
 
     def save(self, path: Path) -> None:
-        """Write one safetensors file atomically (temp file in the same dir, then rename)."""
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(self.state_dict(), tmp, metadata={"estuary": json.dumps(self.meta())})
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Write one safetensors file atomically (a temp file in the same directory, then
+        rename), with :meth:`meta` as JSON in its string metadata."""
+        atomic_write(path, encode_tensors(self.state_dict(), {"estuary": json.dumps(self.meta())}))
 
     @classmethod
     def load(cls, path: Path) -> ParamDM:
-        """Read a file written by :meth:`save` (no pickle); CodecError when it is not one."""
-        from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file
-
+        """Read a file written by :meth:`save` (never unpickles); CodecError if it is not one."""
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = json.loads((fh.metadata() or {})["estuary"])
-            tensors = load_file(str(path))
+            data = path.read_bytes()
+            meta = json.loads(read_metadata(data).get("estuary", "{}"))
             if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-            cfg = ParamDMConfig(**meta["config"])
+                raise CodecError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+            tensors, cfg = decode_tensors(data), ParamDMConfig(**meta["config"])
             ae, den = _build_modules(int(meta["in_dim"]), cfg, seed=0)
             ae.load_state_dict(_sub(tensors, "autoencoder."))
             den.load_state_dict(_sub(tensors, "denoiser."))
-            return cls(cfg, list(meta["names"]), [tuple(s) for s in meta["shapes"]],
-                       ParamNormalizer.from_state_dict(_sub(tensors, "normalizer.")),
-                       ae.eval(), den.eval(), tensors["betas"])
-        except (OSError, SafetensorError, KeyError, ValueError, TypeError, RuntimeError) as err:
+            dm = cls(cfg, list(meta["names"]), [tuple(s) for s in meta["shapes"]],
+                     ParamNormalizer.from_state_dict(_sub(tensors, "normalizer.")),
+                     ae.eval(), den.eval(), tensors["betas"])
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CodecError(f"cannot load a parameter DM from {path}: {err}") from None
+        if sum(math.prod(s) for s in dm.shapes) != ae.in_dim or dm.betas.shape != (cfg.timesteps,):
+            raise CodecError(f"{path}: shapes or betas do not match the recorded config")
+        return dm
 
 
 def _sub(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -309,102 +273,96 @@ def _sub(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
 def _build_modules(
     in_dim: int, cfg: ParamDMConfig, seed: int
 ) -> tuple[ParamAutoencoder, LatentDenoiser]:
-    # initialization draws from the global RNG; scope it so the caller's state is untouched
+    # module init draws from the global RNG: scope it so that the caller's state is untouched
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         ae = ParamAutoencoder(in_dim, cfg.ae_size)
-        den = LatentDenoiser(ae.latent_shape, cfg.denoiser_width, cfg.timesteps)
-    return ae, den
+        return ae, LatentDenoiser(ae.latent_shape, cfg.denoiser_width, cfg.timesteps)
+
+
+def _seed(generator: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
 def _derive(generator: torch.Generator, device: torch.device) -> torch.Generator:
-    """A fresh generator on ``device`` seeded from ``generator`` (one draw)."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    return torch.Generator(device=device).manual_seed(seed)
+    """A fresh generator on ``device`` seeded by one draw from ``generator``."""
+    return torch.Generator(device=device).manual_seed(_seed(generator))
 
 
-def _interp_noise(x: Tensor, xi: float, gen: torch.Generator) -> Tensor:
-    # p-diff's add_noise is an interpolation, not an additive perturbation
-    noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
-    return (1 - xi) * x + xi * noise
-
-
-def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    with torch.no_grad():
-        for e, p in zip(ema.parameters(), model.parameters(), strict=True):
-            e.lerp_(p, 1 - decay)
-
-
-def _report(progress: Progress | None, phase: str, step: int, total: int, loss: Tensor) -> None:
-    if progress is not None and (step % max(1, total // 100) == 0 or step == total):
-        progress(phase, step, total, float(loss))
+def _fit(
+    model: nn.Module, loss_fn: Callable[[], Tensor], steps: int, cfg: ParamDMConfig,
+    phase: str, progress: Progress | None, ema: nn.Module | None = None,
+) -> None:
+    """``steps`` AdamW steps (p-diff's lr and wd 2e-6) on ``loss_fn``, optionally with EMA."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=2e-6)
+    for step in range(1, steps + 1):
+        loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if ema is not None:
+            decay = min(cfg.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.lerp_(p, 1 - decay)
+        if progress is not None and (step % max(1, steps // 100) == 0 or step == steps):
+            progress(phase, step, steps, float(loss.detach()))
 
 
 def train_param_dm(
-    vectors: Tensor,
-    names: Sequence[str],
-    shapes: Sequence[tuple[int, ...]],
-    cfg: ParamDMConfig,
-    generator: torch.Generator,
-    *,
-    device: torch.device | None = None,
+    vectors: Tensor, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+    cfg: ParamDMConfig, generator: torch.Generator, *, device: torch.device | None = None,
     progress: Progress | None = None,
 ) -> ParamDM:
-    """Fit the normalizer, train the AE (MSE with p-diff's noise augmentation), then the
-    latent DDPM on clean encodings (eq. 5, per-sample uniform t), AdamW(lr, wd 2e-6) and EMA.
+    """Fit the normalizer, train the AE (MSE, p-diff's noise augmentation), then the latent
+    DDPM on clean encodings (eq. 5 with per-sample uniform t), keeping an EMA of it.
 
     Every random draw (init, minibatches, noise) comes from ``generator``: the same seed and
     input give a bit-identical ParamDM on CPU. ``progress(phase, step, total, loss)`` is
-    called about every 1% of the steps of phase "ae" and "dm".
+    called about every 1% of the steps of phase "ae" and of phase "dm".
     """
     if vectors.ndim != 2 or vectors.shape[0] < 1:
         raise ValueError(f"expected vectors [N, D], got {tuple(vectors.shape)}")
     if sum(math.prod(s) for s in shapes) != vectors.shape[1] or len(names) != len(shapes):
-        raise ValueError("names/shapes do not describe vectors of dimension "
-                         f"{vectors.shape[1]}")
+        raise ValueError(f"names/shapes do not describe vectors of dimension {vectors.shape[1]}")
     device = vectors.device if device is None else device
     normalizer = ParamNormalizer.fit(vectors)
     x = normalizer.normalize(vectors.detach().float()).to(device)
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    ae, den = _build_modules(x.shape[1], cfg, seed)
-    ae, den = ae.to(device), den.to(device)
+    ae, den = _build_modules(x.shape[1], cfg, _seed(generator))
+    ae.to(device)
+    den.to(device)
     gen = _derive(generator, device)
     n, bs = x.shape[0], min(cfg.batch_size, x.shape[0])
 
     def batch(data: Tensor) -> Tensor:
         return data if bs == n else data[torch.randperm(n, generator=gen, device=device)[:bs]]
 
-    opt = torch.optim.AdamW(ae.parameters(), lr=cfg.lr, weight_decay=2e-6)
-    for step in range(1, cfg.ae_steps + 1):
+    def noised(v: Tensor, xi: float) -> Tensor:  # p-diff's add_noise: an interpolation
+        return (1 - xi) * v + xi * torch.randn(v.shape, generator=gen, device=device)
+
+    def ae_loss() -> Tensor:
         xb = batch(x)
-        z = _interp_noise(ae.encode(_interp_noise(xb, cfg.input_noise, gen)),
-                          cfg.latent_noise, gen)
-        loss = F.mse_loss(ae.decode(z.clamp(-1, 1)), xb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        _report(progress, "ae", step, cfg.ae_steps, loss.detach())
+        z = noised(ae.encode(noised(xb, cfg.input_noise)), cfg.latent_noise)
+        return F.mse_loss(ae.decode(z.clamp(-1, 1)), xb)
+
+    _fit(ae, ae_loss, cfg.ae_steps, cfg, "ae", progress)
     ae.eval().requires_grad_(False)
     with torch.no_grad():
-        z0_all = ae.encode(x)
-
+        z0_all = ae.encode(x)  # the DDPM learns clean latents; the AE is frozen from here
     betas = betas_linear(cfg.timesteps)
     abar = torch.cumprod(1 - betas, 0).float().to(device)
-    ema = copy.deepcopy(den).requires_grad_(False)
-    opt = torch.optim.AdamW(den.parameters(), lr=cfg.lr, weight_decay=2e-6)
-    for step in range(1, cfg.dm_steps + 1):
+
+    def dm_loss() -> Tensor:
         z0 = batch(z0_all)
         t = torch.randint(0, cfg.timesteps, (z0.shape[0],), generator=gen, device=device)
         eps = torch.randn(z0.shape, generator=gen, device=device)
         a = abar[t][:, None, None]
-        loss = F.mse_loss(den(a.sqrt() * z0 + (1 - a).sqrt() * eps, t), eps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        _ema_update(ema, den, min(cfg.ema, (1 + step) / (10 + step)))
-        _report(progress, "dm", step, cfg.dm_steps, loss.detach())
-    return ParamDM(cfg, list(names), [tuple(s) for s in shapes], normalizer, ae,
-                   ema.eval(), betas)
+        return F.mse_loss(den(a.sqrt() * z0 + (1 - a).sqrt() * eps, t), eps)
+
+    ema = copy.deepcopy(den).requires_grad_(False)
+    _fit(den, dm_loss, cfg.dm_steps, cfg, "dm", progress, ema=ema)
+    return ParamDM(cfg, list(names), [tuple(s) for s in shapes], normalizer, ae, ema.eval(),
+                   betas)
 
 
 def betas_linear(timesteps: int, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -436,9 +394,8 @@ def forward_chain(
 
 
 def reconstruct(z_t: Tensor, eps_tilde: Tensor, betas: Tensor) -> Tensor:
-    """Eq. 14: z_{t-1} = (z_t - sqrt(b_t) eps_tilde_t) / sqrt(1 - b_t), t = t0..1."""
-    b = betas.to(z_t.dtype)
-    z = z_t
+    """Eq. 14: z_{t-1} = (z_t - sqrt(b_t) eps_tilde_t) / sqrt(1 - b_t) for t = t0..1."""
+    b, z = betas.to(z_t.dtype), z_t
     for i in reversed(range(eps_tilde.shape[0])):
         z = (z - b[i].sqrt() * eps_tilde[i]) / (1 - b[i]).sqrt()
     return z
@@ -451,44 +408,42 @@ def posterior_sigma(betas: Tensor) -> Tensor:
     return ((1 - abar_prev) / (1 - abar) * betas).sqrt()
 
 
-def _modules(dm: ParamDM, device: torch.device | None) -> tuple[ParamAutoencoder, LatentDenoiser]:
-    # copy to another device rather than moving the caller's modules
+def _prepare(
+    dm: ParamDM, device: torch.device | None
+) -> tuple[ParamAutoencoder, LatentDenoiser, torch.device, Tensor]:
+    """The modules on ``device`` (copied, so the caller's stay put) and abar [T + 1] with
+    abar[0] = 1, in float64 on the CPU."""
     ae, den = dm.autoencoder, dm.denoiser
-    if device is not None and next(ae.parameters()).device != device:
-        ae, den = copy.deepcopy(ae).to(device), copy.deepcopy(den).to(device)
-    return ae.eval(), den.eval()
+    dev = next(ae.parameters()).device if device is None else device
+    if next(ae.parameters()).device != dev:
+        ae, den = copy.deepcopy(ae).to(dev), copy.deepcopy(den).to(dev)
+    abar = torch.cumprod(1 - dm.betas.double().cpu(), 0)
+    return ae.eval(), den.eval(), dev, torch.cat([torch.ones(1, dtype=torch.float64), abar])
 
 
 def _step(
-    den: LatentDenoiser, z: Tensor, t: int, t_prev: int, abar: Tensor, noise: Tensor | None,
+    den: LatentDenoiser, z: Tensor, t: int, t_prev: int, abar: Tensor, noise: Tensor,
     clamp: bool, guidance: Tensor | None = None,
 ) -> Tensor:
-    """One reverse step from t to t_prev < t (eqs. 6/16; strided: DDPM respacing).
-
-    ``abar`` is [T + 1] float64 with abar[0] = 1; ``noise`` is what sigma multiplies (random
-    for sampling, -eps_tilde for eq. 15); ``guidance`` is added to eps_phi as in eq. 10.
-    """
+    """One reverse step from t to t_prev < t: eqs. 6/16 (strided: DDPM respacing, with
+    alpha = abar_t / abar_{t_prev}). ``noise`` is what sigma multiplies (random when
+    sampling, -eps_tilde for eq. 15); ``guidance`` is added to eps_phi as in eq. 10."""
     a_t, a_p = float(abar[t]), float(abar[t_prev])
-    alpha, sigma = a_t / a_p, math.sqrt((1 - a_p) / (1 - a_t) * (1 - a_t / a_p))
+    alpha = a_t / a_p
     eps = den(z, torch.full((z.shape[0],), t - 1, dtype=torch.long, device=z.device))
     if guidance is not None:
         eps = eps + guidance
-    if clamp:  # p-diff: clamp x0-hat, then the posterior mean from it
+    if clamp:  # p-diff: clamp x0-hat, then take the posterior mean from it
         x0 = ((z - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)).clamp(-1, 1)
         mu = (math.sqrt(a_p) * (1 - alpha) * x0 + math.sqrt(alpha) * (1 - a_p) * z) / (1 - a_t)
     else:
         mu = (z - (1 - alpha) / math.sqrt(1 - a_t) * eps) / math.sqrt(alpha)
-    out = mu if noise is None or t_prev == 0 else mu + sigma * noise
+    out = mu + math.sqrt((1 - a_p) / (1 - a_t) * (1 - alpha)) * noise
     return out.clamp(-1, 1) if clamp else out
 
 
-def _abar(dm: ParamDM) -> Tensor:
-    return torch.cat([torch.ones(1, dtype=torch.float64),
-                      torch.cumprod(1 - dm.betas.double().cpu(), 0)])
-
-
 def _decode(dm: ParamDM, ae: ParamAutoencoder, z: Tensor) -> Tensor:
-    # the decoder only ever saw latents in [-1, 1] (tanh, then clamped after augmentation)
+    # the decoder only ever saw latents in [-1, 1] (tanh, and clamped after augmentation)
     return dm.normalizer.denormalize(ae.decode(z.clamp(-1, 1)))
 
 
@@ -497,17 +452,16 @@ def invert(
     dm: ParamDM, theta: Tensor, generator: torch.Generator, *, t0: int | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
-    """Parameter inversion (eqs. 11-16) in latent space, batched over rows of ``theta`` [N, D].
+    """Parameter inversion (eqs. 11-16) in latent space, batched over the rows of ``theta``.
 
-    z0 = E(norm(theta)); forward chain to t0 (default T) recording eps_tilde; then from
-    z~_{t0} = z_{t0}: z~_{t-1} = mu_phi(z~_t, t) - sigma_t eps_tilde_t (eq. 15, posterior
-    sigma, no clamping); returns denorm(D(z~_0)). t0 = 0 gives the AE reconstruction.
+    z0 = E(norm(theta)) [N, C, L]; the forward chain to t0 (default T) records eps_tilde;
+    then from z~_{t0} = z_{t0}: z~_{t-1} = mu_phi(z~_t, t) - sigma_t eps_tilde_t (eq. 15,
+    posterior sigma, never clamped); returns denorm(D(z~_0)) [N, D]. t0 = 0 gives the AE
+    reconstruction. Rows get independent noise from ``generator``.
     """
-    ae, den = _modules(dm, device)
-    dev = next(ae.parameters()).device
-    z, eps_tilde = forward_chain(ae.encode(dm.normalizer.normalize(theta.float().to(dev))),
-                                 dm.betas.to(dev), _derive(generator, dev), t0)
-    abar = _abar(dm)
+    ae, den, dev, abar = _prepare(dm, device)
+    z0 = ae.encode(dm.normalizer.normalize(theta.float().to(dev)))
+    z, eps_tilde = forward_chain(z0, dm.betas.to(dev), _derive(generator, dev), t0)
     for t in range(eps_tilde.shape[0], 0, -1):
         z = _step(den, z, t, t - 1, abar, -eps_tilde[t - 1], clamp=False)
     return _decode(dm, ae, z)
@@ -521,11 +475,9 @@ def generate(
     eq. 6 and fresh noise each step (clamped when ``config.clamp``), decoded to [n, D]."""
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
-    ae, den = _modules(dm, device)
-    dev = next(ae.parameters()).device
+    ae, den, dev, abar = _prepare(dm, device)
     gen = _derive(generator, dev)
     z = torch.randn((n, *ae.latent_shape), generator=gen, device=dev)
-    abar = _abar(dm)
     for t in range(dm.betas.shape[0], 0, -1):
         noise = torch.randn(z.shape, generator=gen, device=dev)
         z = _step(den, z, t, t - 1, abar, noise, dm.config.clamp)
@@ -537,14 +489,14 @@ def guide(
     dm: ParamDM, theta_prev: Tensor, theta_now: Tensor, generator: torch.Generator, *,
     omega: float, steps: int, start_t: int, device: torch.device | None = None,
 ) -> Tensor:
-    """Global guidance for a new client (eq. 10; Alg. 1 lines 9-13), our reading.
+    """Global guidance for a new client (eq. 10; Alg. 1 lines 9-13) in our reading.
 
-    Alg. 1 line 11 lost its operators in extraction. We read it through eq. 10 with
-    grad log P ~ (theta_l - theta_{l-1}) / lambda (one local update) and classifier-guidance
-    scaling: eps~ = eps_phi(z_t, t) + (1 + omega) sqrt(1 - abar_t) (z_prev - z_now), where
-    z_prev, z_now = E(norm(theta_prev)), E(norm(theta_now)). z_now is noised to ``start_t``
-    with q(z_t | z_0), then ``steps`` ancestral steps spaced evenly down to 0 follow.
-    Returns the guided parameters [D].
+    The two operators of Alg. 1 line 11 were lost in extraction. We read it through eq. 10:
+    one local update gives grad log P ~ (theta_l - theta_{l-1}) / lambda, so with
+    classifier-guidance scaling eps~ = eps_phi(z_t, t) + (1 + omega) sqrt(1 - abar_t)
+    (z_prev - z_now), z_prev and z_now being E(norm(theta_prev)) and E(norm(theta_now)).
+    z_now is noised to ``start_t`` with q(z_t | z_0), then ``steps`` ancestral steps spaced
+    evenly down to 0 give the guided parameters [D].
     """
     if theta_prev.shape != theta_now.shape or theta_now.ndim != 1:
         raise ValueError(f"expected two [D] vectors, got {tuple(theta_prev.shape)} and "
@@ -552,12 +504,10 @@ def guide(
     if not 1 <= steps <= start_t <= dm.betas.shape[0]:
         raise ValueError(f"need 1 <= steps ({steps}) <= start_t ({start_t}) <= T "
                          f"({dm.betas.shape[0]})")
-    ae, den = _modules(dm, device)
-    dev = next(ae.parameters()).device
+    ae, den, dev, abar = _prepare(dm, device)
     gen = _derive(generator, dev)
     pair = dm.normalizer.normalize(torch.stack([theta_prev, theta_now]).float().to(dev))
     z_prev, z_now = ae.encode(pair).split(1)
-    abar = _abar(dm)
     a = float(abar[start_t])
     z = math.sqrt(a) * z_now + math.sqrt(1 - a) * torch.randn(z_now.shape, generator=gen,
                                                               device=dev)
