@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shared.algorithms import make_algorithm
+from shared.algorithms.pfedgpa import PFedGPA
 from shared.config import RunConfig
 from shared.data.partition import dominant_groups, make_partition, split_test
 from shared.errors import ConfigError
@@ -198,6 +199,7 @@ def test_pfedgpa_sends_each_device_only_its_own_parameters() -> None:
         assert topic == topics.device_down(msg.device) and msg.round == 2
         assert msg.mode == "inversion"
     algo = fed.cloud.algorithm
+    assert isinstance(algo, PFedGPA)
     assert algo.dm_round == 1 and len(algo.store) == 2 * 4  # 2 rounds kept of 4 devices
     # each device trained its own parameters in the last round: fc2 generated, the rest its own
     assert all(not d.personal for d in fed.devices)  # consumed
@@ -228,6 +230,7 @@ def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path:
         },
     )  # fmt: skip
     algo = make_algorithm(cfg)
+    assert isinstance(algo, PFedGPA)
 
     def uploads(devices: list[str], salt: int) -> dict[str, Any]:
         return {
@@ -248,6 +251,7 @@ def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path:
 
     algo.save_cloud_state(tmp_path, 2)
     restored = make_algorithm(cfg)
+    assert isinstance(restored, PFedGPA)
     restored.load_cloud_state(tmp_path, 2)
     assert list(restored.store) == list(algo.store)
     assert all(torch.equal(restored.store[k], v) for k, v in algo.store.items())
