@@ -54,6 +54,7 @@ TORCH_FREE = (
     "shared.wire",
     "shared.transport",
     "shared.deploy.onnx_sampler",
+    "shared.deploy.onnx_classifier",
     "shared.deploy.signing",
     "shared.config",
     "shared.naming",

@@ -34,10 +34,11 @@ from shared.diffusion.training import (
     make_optimizer,
     placed,
     resolve_device,
+    train_classifier,
     train_local,
 )
 from shared.errors import ConfigError
-from shared.models.classifier import accuracy, is_classifier, train_classifier
+from shared.models.classifier import accuracy, is_classifier
 from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim
 from shared.models.plan import ChannelPlan
 from shared.wire.codec import TensorSpec

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from torch import nn
 
@@ -61,6 +62,44 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainSection) -> torch.optim
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_classifier(
+    model: nn.Module,
+    data: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: TrainSection,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[float, int, float]:
+    """Cross-entropy minibatch training (the paper's LocalUpdate) of ``model`` on ``data``
+    for ``local_epochs`` shuffled passes (or ``local_steps`` batches), batches drawn with
+    ``generator`` only. Returns (mean loss, steps, seconds); the model ends on the CPU."""
+    device = device or torch.device("cpu")
+    model.to(device).train()
+    opt = optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+    steps = num_local_steps(len(data), cfg)
+    batch = min(cfg.batch_size, len(data))
+    total, done, order, at = 0.0, 0, torch.randperm(len(data), generator=generator), 0
+    start = time.perf_counter()
+    while done < steps:
+        if at + batch > len(order):  # reshuffle: fixed batch shapes, every image equally often
+            order, at = torch.randperm(len(data), generator=generator), 0
+        idx = order[at : at + batch]
+        at += batch
+        x, y = data[idx].to(device), labels[idx].to(device)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        total += float(loss.detach())
+        done += 1
+    model.to("cpu")
+    return total / max(1, done), done, time.perf_counter() - start
 
 
 class WeightAverage:

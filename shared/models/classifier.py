@@ -7,21 +7,20 @@ fc 800→128, fc 128→10, LeakyReLU, no normalization: 117,066 parameters. Estu
 model (N, 1, 32, 32) images in [-1, 1] (Fashion-MNIST padded by two pixels); the classifier
 crops the padding back off, so it sees the 28x28 images it was designed for.
 
-Classifiers train with cross-entropy (:func:`train_classifier`: plain minibatch SGD as the
-paper's LocalUpdate, no gradient clipping unless configured) and are judged by accuracy on
-each device's own test split (:func:`accuracy`).
+Classifiers train with cross-entropy
+(:func:`shared.diffusion.training.train_classifier`, beside the DDPM loop: plain minibatch SGD
+as the paper's LocalUpdate, no gradient clipping unless configured) and are judged by
+accuracy on each device's own test split (:func:`accuracy`).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.config import TrainSection
 from shared.errors import ConfigError
 
 #: preset name -> constructor arguments; every preset classifies 10 classes of 1x32x32 images
@@ -98,43 +97,3 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> fl
     if len(labels) == 0:
         return float("nan")
     return float((predict(model, images) == labels.cpu()).float().mean())
-
-
-def train_classifier(
-    model: nn.Module,
-    data: torch.Tensor,
-    labels: torch.Tensor,
-    cfg: TrainSection,
-    generator: torch.Generator,
-    *,
-    device: torch.device | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> tuple[float, int, float]:
-    """Cross-entropy minibatch training (the paper's LocalUpdate) of ``model`` on ``data``
-    for ``local_epochs`` shuffled passes (or ``local_steps`` batches), batches drawn with
-    ``generator`` only. Returns (mean loss, steps, seconds); the model ends on the CPU."""
-    from shared.diffusion.training import make_optimizer, num_local_steps
-
-    device = device or torch.device("cpu")
-    model.to(device).train()
-    opt = optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-    steps = num_local_steps(len(data), cfg)
-    batch = min(cfg.batch_size, len(data))
-    total, done, order, at = 0.0, 0, torch.randperm(len(data), generator=generator), 0
-    start = time.perf_counter()
-    while done < steps:
-        if at + batch > len(order):  # reshuffle: fixed batch shapes, every image equally often
-            order, at = torch.randperm(len(data), generator=generator), 0
-        idx = order[at : at + batch]
-        at += batch
-        x, y = data[idx].to(device), labels[idx].to(device)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        total += float(loss.detach())
-        done += 1
-    model.to("cpu")
-    return total / max(1, done), done, time.perf_counter() - start
