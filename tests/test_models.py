@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from estuary.cli import main
-from shared.config import DiffusionSection
+from shared.config import DiffusionSection, RunConfig
 from shared.diffusion.schedule import ddim_sample, ddpm_loss, make_train_scheduler
 from shared.errors import ConfigError
 from shared.models.presets import build_unet, count_weight_macs, model_info
@@ -90,7 +90,13 @@ def test_compute_device_resolution_and_every_algorithm_trains_there(
     assert (
         config_from_dict({"compute": {"device": "cuda"}}).digest() == config_from_dict({}).digest()
     )
-    configs = {n: config_from_dict({"algorithm": {"name": n}}) for n in registered()}
+    from shared.config.algorithms import config_class
+
+    def config_of(name: str) -> RunConfig:  # an algorithm that trains no U-Nets: a classifier
+        model = {} if "unet" in config_class(name).model_kinds else {"preset": "fmnist-cnn"}
+        return config_from_dict({"algorithm": {"name": name}, "model": model})
+
+    configs = {n: config_of(n) for n in registered()}
     algos = {n: make_algorithm(cfg) for n, cfg in configs.items()}
     assert {n for n, algo in algos.items() if not algo.supports_cuda} == set()
     assert {n: a.training_device for n, a in algos.items()} == dict.fromkeys(
