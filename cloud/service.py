@@ -516,12 +516,12 @@ class CloudServer(RoleService):
     def _send_personal(self, models: Mapping[str, TensorDict]) -> bool:
         """Send each device its own model for the round about to open, on the path only
         that device reads; whether any was sent."""
-        mode = self.algorithm.personal_mode
         for device, tensors in sorted(models.items()):
             ref = self.put_private_tensors(tensors, "personal_model", device)
             msg = PersonalModel(
-                round=self.round, session=self.session, device=device, model_ref=ref, mode=mode
-            )
+                round=self.round, session=self.session, device=device, model_ref=ref,
+                mode=self.algorithm.mode_of(device),
+            )  # fmt: skip
             self.send(self.topics.device_down(device), msg)
         return bool(models)
 

@@ -241,13 +241,11 @@ class Algorithm(ABC):
         every = self.cfg.eval.every
         return round_ + 1 >= self.cfg.run.rounds or bool(every and (round_ + 1) % every == 0)
 
-    def classify_round(
-        self, ctx: DeviceContext, model: nn.Module, *, upload: bool, measure_before: bool = True
-    ) -> LocalResult:
-        """A classifier's round: accuracy of the model received (``measure_before``), the
-        LocalUpdate, accuracy after it; the model's tensors when ``upload``."""
+    def classify_round(self, ctx: DeviceContext, model: nn.Module, *, upload: bool) -> LocalResult:
+        """A classifier's round: accuracy of the model received, the LocalUpdate, accuracy
+        after it; the model's tensors when ``upload``."""
         measure = self.measures_accuracy(ctx.round)
-        before = self.test_accuracy(ctx, model) if measure and measure_before else None
+        before = self.test_accuracy(ctx, model) if measure else None
         result = self.train(ctx, model)
         after = self.test_accuracy(ctx, model) if measure else None
         acc = None if after is None else Accuracy(before, after)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -113,6 +114,8 @@ class PFedGPA(Algorithm):
         )
         spec = state_spec(cfg.model.preset)
         self.shapes = [tuple(spec[k].shape) for k in self.names]
+        #: vectors the store holds at most (:data:`MAX_STORE_BYTES` of float32 vectors)
+        self.max_stored = MAX_STORE_BYTES // (4 * sum(math.prod(s) for s in self.shapes))
         #: (round, device) -> the device's upload's generated layers, flattened (cloud only)
         self.store: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()
         self.dm: ParamDM | None = None
@@ -160,7 +163,7 @@ class PFedGPA(Algorithm):
         oldest = round_ - self.settings.pfedgpa_store_rounds + 1
         for key in [k for k in self.store if k[0] < oldest]:
             del self.store[key]
-        while sum(v.numel() * 4 for v in self.store.values()) > MAX_STORE_BYTES:
+        while len(self.store) > self.max_stored:
             self.store.popitem(last=False)
 
     def mode_of(self, device: str) -> Literal["inversion", "generation", "guidance"]:
