@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from shared.config import RunConfig
 from shared.diffusion.training import set_deterministic
 from shared.errors import CodecError, ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
-from shared.evaluation.report import last_quality, plot_report
+from shared.evaluation.report import headline, last_quality, plot_report
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_model
 from shared.models.plan import ChannelPlan, model_spec, plan_doc
@@ -173,6 +174,7 @@ def _serve(
     """Record, aggregate and serve from ``start`` until the run is done (with ``--stay``:
     until stopped); returns the exit code."""
     start_round = start.next_round
+    started = time.monotonic()
     try:  # the evaluator reads its reference images here (a folder run: --reference)
         recorder = RunRecorder(
             cfg,
@@ -237,6 +239,8 @@ def _serve(
         plot_report(recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} (MQTT)")
         summary = {
             "rounds": cloud.round,
+            "results": headline(recorder.rows),
+            "wall_s": round(time.monotonic() - started, 1),
             "final_model_sha256": cloud.model_sha,
             "model_params": cloud.model_params(),
             "arch": plan_doc(cloud.plan),

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
 from shared.atomic import atomic_write
 from shared.config import RunConfig
@@ -52,6 +54,14 @@ from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRe
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def grid_seed(seed: int, device: str) -> int:
+    """The seed of the grid a device samples when a deployment arrives: from the run's seed
+    and the device's name, so that each device draws its own images (one seed for all draws
+    the same grid on every device running the same model)."""
+    name = int.from_bytes(hashlib.sha256(device.encode()).digest()[:8], "big")
+    return int(np.random.SeedSequence([seed, name, 0x6121D]).generate_state(1)[0])
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,8 @@ class DeploymentReceiver:
                  card.get("params"), served.generator.providers[0])  # fmt: skip
         self._report("loaded", sha)
         steps = self.cfg.sample_steps
-        self._sample(self.cfg.grid_size, steps, self.service.cfg.run.seed, f"deploy-{sha[:12]}")
+        seed = grid_seed(self.service.cfg.run.seed, self.service.name)
+        self._sample(self.cfg.grid_size, steps, seed, f"deploy-{sha[:12]}")
 
     def _load(self, msg: Deployment) -> Served:
         if self.key is None:

@@ -570,6 +570,11 @@ class DeviceAgent(RoleService):
         self.metrics.training_seconds.observe(result.train.seconds)
         self.save_state(msg.round, msg.session)  # before the report: a restart resends it
         self.send(self.topics.device_up(self.name), update)
-        log.debug("%s round %d loss %.4f", self.name, msg.round, result.train.mean_loss)
+        log.info(
+            "%s: round %d/%d at %s: %d steps in %.1f s, loss %.4f%s", self.name, msg.round + 1,
+            self.cfg.run.rounds, msg.edge, result.train.steps, result.train.seconds,
+            result.train.mean_loss,
+            f", uploaded {ref.size / 1024:.1f} KiB" if ref is not None else ", kept local",
+        )  # fmt: skip
         if self.after_last_round is not None and msg.round + 1 >= self.cfg.run.rounds:
             self.after_last_round(msg.round)

@@ -545,9 +545,13 @@ class EdgeServer(RoleService):
             accuracy=_accuracies(contributors),
             forwarded=self._forward(contributors) if cloud_round else None,
         )
-        log.debug(
-            "%s closed round %d in %.3fs", self.name, self.round, time.perf_counter() - agg_start
-        )
+        log.info(
+            "%s: round %d/%d closed in %.2f s: %d update(s), %d rejected, loss %s%s",
+            self.name, self.round + 1, self.cfg.run.rounds, time.perf_counter() - agg_start,
+            len(contributors), report.rejected,
+            "-" if report.mean_loss is None else f"{report.mean_loss:.4f}",
+            f", {ref.size / 1024:.1f} KiB to the cloud" if ref is not None else "",
+        )  # fmt: skip
         return _Closed(model, model_ref, report, *acc, acc_parts, pending, cloud_round)
 
     def _forward(self, contributors: dict[str, DeviceUpdate]) -> list[Forwarded] | None:

@@ -7,14 +7,24 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
+import traceback
 from pathlib import Path
+from typing import Any
 
-from shared.errors import ConfigError, EstuaryError
+from estuary.paths import check_out_dir, describe_os_error
+from shared.errors import ConfigError, EstuaryError, did_you_mean
 
 #: modules of the "train" extra; a sampling-only install lacks them
 TRAIN_MODULES = frozenset({"torch", "diffusers", "torch_pruning", "safetensors", "scipy",
                            "matplotlib", "onnx"})  # fmt: skip
+
+
+#: the subcommands that are role processes (they parse their own arguments)
+ROLE_COMMANDS = frozenset({"cloud", "edge", "device"})
+QUIET_HELP = "no progress bars, tables or warnings; results and errors still print"
+VERBOSE_HELP = "debug logging (and a traceback with an error)"
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -22,6 +32,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from shared.config import load_config
 
     cfg = load_config(args.config)
+    check_out_dir(Path(args.out) if args.out else Path("runs"))
     result = simulate(
         cfg,
         Path(args.out) if args.out else None,
@@ -45,7 +56,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from estuary.compare import load_compare, run_compare
 
     spec = load_compare(args.config)
-    out = Path(args.out) if args.out else Path("runs") / spec.name
+    out = check_out_dir(Path(args.out) if args.out else Path("runs") / spec.name)
     result = run_compare(
         spec,
         out,
@@ -69,7 +80,7 @@ def _cmd_split_data(args: argparse.Namespace) -> int:
     from estuary.split_data import split_data
     from shared.config import load_config
 
-    out = Path(args.out)
+    out = check_out_dir(Path(args.out))
     result = split_data(load_config(args.config), out, progress=not args.quiet)
     sizes = result.device_images
     print(f"{len(sizes)} device folders ({min(sizes)}-{max(sizes)} images each) and the "
@@ -86,6 +97,7 @@ def _cmd_split_data(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from estuary.demo import print_demo_result, run_demo
 
+    check_out_dir(Path(args.out) if args.out else Path("runs"))
     result = run_demo(
         Path(args.out) if args.out else None,
         config=Path(args.config) if args.config else None,
@@ -142,6 +154,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
+    from shared.models.info_table import load_table
+
+    names = preset_names()
+    if args.preset not in names:  # said at once, before torch is imported
+        raise ConfigError(f"unknown model preset {args.preset!r}"
+                          f"{did_you_mean(args.preset, names)}; choose one of {names}")  # fmt: skip
+    shipped = load_table().get(args.preset) if args.prune_sp is None else None
+    if shipped is not None:  # the shipped table: at once, no torch
+        return _print_model_info(dict(shipped), args)
     from shared.models.masking import is_masked
     from shared.models.presets import build_unet, kind_of, model_info, state_spec
 
@@ -174,6 +195,11 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
             math.prod(s.shape) for n, s in state_spec(args.preset).items()
             if is_masked(n, s.shape)
         )  # fmt: skip
+    return _print_model_info(info, args)
+
+
+def _print_model_info(info: dict[str, Any], args: argparse.Namespace) -> int:
+    kind = info["kind"]
     if args.json:
         print(json.dumps(info, indent=2))
     elif kind == "classifier":
@@ -205,7 +231,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="estuary", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    p.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser(
@@ -214,7 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="run directory (default runs/demo-<timestamp>)")
     d.add_argument("--config", help="run config instead of the embedded demo default")
     d.add_argument("--broker", choices=["auto", "mosquitto", "amqtt"], default="auto")
-    d.add_argument("--quiet", action="store_true", help="no progress output")
     d.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     d.set_defaults(func=_cmd_demo)
 
@@ -229,14 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run a federation in one process (MemoryBus)")
     s.add_argument("config", help="TOML config (see configs/)")
     s.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
-    s.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     s.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("compare", help="run several methods on one split; table and plots")
     c.add_argument("config", help="comparison TOML (see configs/compare/)")
     c.add_argument("--out", help="output directory (default runs/<compare name>)")
-    c.add_argument("--quiet", action="store_true", help="no progress output")
     c.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     c.add_argument(
         "--fresh",
@@ -274,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_eval)
 
     m = sub.add_parser("model-info", help="params, MACs and fp32 bytes of a preset")
-    m.add_argument("--preset", required=True)
+    m.add_argument("--preset", required=True, help=f"one of: {', '.join(preset_names())}")
     m.add_argument(
         "--prune-sp", type=float, help="report the preset pruned by this fraction of parameters"
     )
@@ -296,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sd.add_argument("config", help="run config (fashion-mnist or synthetic)")
     sd.add_argument("--out", required=True, help="new directory for the folders")
-    sd.add_argument("--quiet", action="store_true", help="no progress bar")
     sd.set_defaults(func=_cmd_split_data)
 
     from estuary.classify_cli import add_parser as add_classify_parser
@@ -308,7 +332,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_classify_parser(sub)
     add_prism_parsers(sub)
     add_status_parser(sub)
+    for name, command in sub.choices.items():
+        if name not in ROLE_COMMANDS:  # the roles parse their own arguments
+            add_output_flags(command)
     return p
+
+
+def add_output_flags(command: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` and ``-v/--verbose`` on a subcommand, as on ``estuary`` itself (either
+    place works: ``estuary -q demo`` is ``estuary demo -q``)."""
+    flags = command.add_argument_group("output")
+    # SUPPRESS: a subcommand that is not given the flag keeps the top-level value
+    flags.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help=QUIET_HELP)  # fmt: skip
+    flags.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help=VERBOSE_HELP)  # fmt: skip
+
+
+def preset_names() -> list[str]:
+    """Every model preset a config may name (from the config schema: no torch import)."""
+    from typing import get_args
+
+    from shared.config import ModelSection
+
+    return sorted(get_args(ModelSection.model_fields["preset"].annotation))
+
+
+def version() -> str:
+    """The installed package's version (``0+unknown`` when run from an uninstalled tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("estuary")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,13 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         return _role_main(args.role_module, rest)  # the role parses its own arguments
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.quiet and args.verbose:
+        build_parser().error("-q/--quiet and -v/--verbose exclude each other")
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args))
     except EstuaryError as err:
+        if args.verbose:
+            traceback.print_exc()
         print(f"estuary: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
@@ -337,6 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("estuary: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): no error line, the usual status
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush into the closed pipe
+        return 141
+    except OSError as err:
+        if args.verbose:
+            raise
+        # a file-system error the checks before the work did not foresee: one line, not a
+        # traceback (-v shows it)
+        print(f"estuary: error: {describe_os_error(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from estuary.launcher import Hierarchy
 from shared.atomic import atomic_write
-from shared.config import RunConfig, config_from_dict, load_config
+from shared.config import RunConfig, config_from_dict, load_config, model_kind
 from shared.errors import EstuaryError
 from shared.evaluation.report import read_metrics
 from shared.runtime.process import interrupts_as_keyboard
@@ -102,10 +102,14 @@ def run_demo(
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = with_deploy_keys(cfg, run_dir)
-    config_path = run_dir / "launch_config.json"
-    atomic_write(config_path, cfg.to_json().encode())
     t0 = time.monotonic()
     broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker")
+    # the config every process reads, with the broker's real address: `estuary status
+    # <run dir>` finds the running demo from it
+    broker_section = cfg.broker.model_copy(update={"host": broker.host, "port": broker.port})
+    cfg = cfg.model_copy(update={"broker": broker_section})
+    config_path = run_dir / "launch_config.json"
+    atomic_write(config_path, cfg.to_json().encode())
     if cfg.algorithm.name == "prism":
         from estuary.simulate import announce_prism_key  # torch: only where PRISM runs
 
@@ -121,6 +125,12 @@ def run_demo(
     summary = json.loads((run_dir / "summary.json").read_text())
     atomic_write(run_dir / "prometheus.json", json.dumps(scrapes, indent=1).encode())
     reports = run_dir / "deploy" / "reports.json"
+    deployment = json.loads(reports.read_text()) if reports.is_file() else {}
+    summary["demo"] = {  # what the cloud cannot know: the whole demo's time, the devices' word
+        "wall_s": round(time.monotonic() - t0, 1),
+        "deployment": _deployment_outcome(deployment),
+    }
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return DemoResult(
         run_dir=run_dir,
         rounds=summary["rounds"],
@@ -128,9 +138,23 @@ def run_demo(
         seconds=time.monotonic() - t0,
         rows=read_metrics(run_dir / "metrics.jsonl"),
         scrapes=scrapes,
-        deployment=json.loads(reports.read_text()) if reports.is_file() else {},
+        deployment=deployment,
         resumed_from_round=summary.get("resumed_from_round"),
     )
+
+
+def _deployment_outcome(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Devices per deployment event (``sampled``, ``classified``, ``refused``...) and the
+    median images per second of those that sampled or classified."""
+    events: dict[str, int] = {}
+    for r in reports.values():
+        events[r["event"]] = events.get(r["event"], 0) + 1
+    rates = sorted(r["images_per_s"] for r in reports.values() if r.get("images_per_s"))
+    return {
+        "devices": len(reports),
+        "events": events,
+        "median_images_per_s": rates[len(rates) // 2] if rates else None,
+    }
 
 
 def with_deploy_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
@@ -162,7 +186,7 @@ def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: boo
     if progress:
         ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
         print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
-    scrapes.update(_follow(hier, hier.cfg, hier.run_dir, progress=progress))
+    scrapes.update(_follow(hier, hier.cfg, hier.run_dir, progress=progress, evaluate=hier.evaluate))
     code = hier.wait("cloud", 60)
     if code != 0:
         raise EstuaryError(
@@ -173,8 +197,47 @@ def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: boo
         hier.wait(p.name, 30)
 
 
+def _state_of(samples: dict[str, float]) -> str | None:
+    """The ``estuary_phase`` state a role's scrape reports (None when it has none yet)."""
+    for key, value in samples.items():
+        if key.startswith("estuary_phase{") and value == 1.0:
+            return key.split('"')[1]
+    return None
+
+
+def phase_text(
+    cfg: RunConfig, scrapes: dict[str, dict[str, float]], rows: int, *, evaluate: bool = True
+) -> str:
+    """What the hierarchy is doing now, in a few words, from the roles' last scrapes and
+    the rounds recorded (``rows``): the demo's progress bar shows it. ``evaluate``: whether
+    the cloud computes FID on its evaluation rounds."""
+    cloud = scrapes.get("cloud")
+    state = _state_of(cloud) if cloud else None
+    if cloud is None or state is None:
+        return "starting processes"
+    if state in ("idle", "waiting"):
+        online = sum(
+            int(v) for samples in scrapes.values() for k, v in samples.items()
+            if k.startswith("estuary_connected_devices{")
+        )  # fmt: skip
+        return f"waiting for devices ({online}/{cfg.federation.num_devices} connected)"
+    r = int(cloud.get("estuary_round", rows)) + 1
+    if state == "training":
+        return f"round {r}: devices training"
+    if state == "aggregating":
+        every = cfg.eval.every if evaluate and model_kind(cfg.model.preset) != "classifier" else 0
+        if every and (r % every == 0 or r == cfg.run.rounds):
+            return f"round {r}: aggregating and evaluating (FID on {cfg.eval.num_samples} samples)"
+        return f"round {r}: aggregating"
+    if state == "deploying":
+        if model_kind(cfg.model.preset) == "classifier":
+            return "deploying: each device exports its own classifier to ONNX and tests it"
+        return "deploying: export to ONNX, parity check, signing, devices sampling"
+    return "finishing"
+
+
 def _follow(
-    hier: Hierarchy, cfg: RunConfig, run_dir: Path, *, progress: bool
+    hier: Hierarchy, cfg: RunConfig, run_dir: Path, *, progress: bool, evaluate: bool
 ) -> dict[str, dict[str, float]]:
     """Show a progress bar from ``metrics.jsonl`` until the cloud exits; keep the last
     Prometheus scrape of every role; fail fast if any process dies with an error."""
@@ -203,9 +266,12 @@ def _follow(
             if time.monotonic() >= next_scrape:
                 scrapes.update(hier.scrape_all())
                 next_scrape = time.monotonic() + 2.0
+                text = phase_text(cfg, scrapes, len(rows), evaluate=evaluate)
+                bar.set_description_str(f"demo: {text}")
             time.sleep(0.5)
         rows = read_metrics(metrics) if metrics.is_file() else []
         bar.update(max(0, len(rows) - bar.n))
+        bar.set_description_str("demo: done")
     return scrapes
 
 

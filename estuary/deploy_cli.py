@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from estuary.paths import check_out_dir, check_out_file
 from shared.errors import EstuaryError
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     """Generate the Ed25519 deployment key pair."""
     from shared.deploy.signing import generate_keys, key_id, load_public_key
 
-    priv, pub = generate_keys(Path(args.out), overwrite=args.force)
+    priv, pub = generate_keys(check_out_dir(Path(args.out)), overwrite=args.force)
     out = {"private_key": str(priv), "public_key": str(pub), "key_id": key_id(load_public_key(pub))}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -36,6 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shared.deploy.export import export_generator
     from shared.deploy.signing import load_private_key
 
+    check_out_dir(Path(args.out))
     key = load_private_key(args.key) if args.key else None
     result = export_generator(
         Path(args.source),
@@ -68,6 +70,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from device_agent.sampling import load_generator, save_grid
     from shared.deploy.signing import load_public_key
 
+    check_out_file(Path(args.out))  # before sampling, not after it
     key = load_public_key(args.verify_key) if args.verify_key else None
     gen, manifest = load_generator(
         Path(args.model), verify_key=key, provider=args.provider, threads=args.threads,
@@ -169,7 +172,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from estuary.provision import provision
     from shared.config import load_config
 
-    info = provision(load_config(args.config), Path(args.out), tls_hosts=args.tls_host,
+    cfg = load_config(args.config)
+    info = provision(cfg, check_out_dir(Path(args.out)), tls_hosts=args.tls_host,
                      force=args.force, keep=args.keep)  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=2))
@@ -227,7 +231,6 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--own", action="store_true", help="a device's own model (FedDiffuse "
                    "ULATDEC/UDEC): --model is the device's models/<sha16> directory")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="one untimed 1-step batch first")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_sample)
 

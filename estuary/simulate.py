@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
 from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
-from shared.evaluation.report import plot_report
+from shared.evaluation.report import headline, plot_report
 from shared.models.init import initial_model
 from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
@@ -164,6 +165,7 @@ def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
     """Run the configured federation in-process and write the run directory."""
+    started = time.monotonic()
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
     # first: a refused split leaves no run directory
@@ -205,6 +207,8 @@ def simulate(
     traffic = bus.traffic.snapshot()
     summary = {
         "rounds": cloud.round,
+        "results": headline(recorder.rows),
+        "wall_s": round(time.monotonic() - started, 1),
         "final_model_sha256": cloud.model_sha,
         "model_params": cloud.model_params(),
         "arch": plan_doc(cloud.plan),

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -65,6 +67,8 @@ def observer_topics(topics: Topics) -> list[str]:
     return [topic(topics) for topic, *_ in _READS]
 
 
+#: seconds a broker that is up takes at most to accept a TCP connection
+CONNECT_CHECK_S = 3.0
 #: seconds to listen for retained messages, by default
 DEFAULT_WAIT_S = 2.0
 #: the most seconds one may ask to listen
@@ -344,6 +348,33 @@ class _Printer:
         print(f"{clear}{head}\n{format_status(st, self.where)}\n", flush=True)
 
 
+def run_config_path(path: Path) -> Path:
+    """``path``, or for a run directory the config its processes were started with
+    (``launch_config.json``, which carries the broker's real address; else ``config.json``)."""
+    if not path.is_dir():
+        return path
+    for name in ("launch_config.json", "config.json"):
+        if (path / name).is_file():
+            return path / name
+    raise EstuaryError(f"{path} is a folder without launch_config.json or config.json; give "
+                       "a run config or the run directory of `estuary demo`")  # fmt: skip
+
+
+def check_listening(host: str, port: int, timeout_s: float = CONNECT_CHECK_S) -> None:
+    """Fail at once, with a sentence, when nothing accepts TCP connections on ``host:port``
+    (the MQTT client would retry until its connect timeout instead)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise EstuaryError(
+            f"no broker at {host}:{port} ({why}); is the run up? Point --broker HOST:PORT at "
+            "it, or give the run directory of `estuary demo` (its launch_config.json has the "
+            "broker's address)"
+        ) from None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``estuary status``: 0 when the run's cloud state was found, 1 when not; with
     ``--watch --until-done``, 3 when the run was not done within ``--for-s``."""
@@ -360,9 +391,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise EstuaryError(f"--for-s must be in (0, {MAX_WATCH_S:g}], got {args.for_s:g}")
     if args.until_done and not watching:
         raise EstuaryError("--until-done needs --watch")
+    args.config = str(run_config_path(Path(args.config)))
     cfg = load_role_config(args)
     b, name = cfg.broker, f"status-{os.getpid()}"
     where = f"{b.host}:{b.port}"
+    check_listening(b.host, b.port)
     bus = connect_bus(cfg, OBSERVER, name, None, will=False)  # home observer/<name>
     try:
         if not watching:
@@ -389,7 +422,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """The ``status`` subcommand."""
     s = sub.add_parser("status", help="where a running federation stands (from the broker)")
-    s.add_argument("config", help="run config (run name, broker address and credentials)")
+    s.add_argument("config", help="run config (run name, broker address and credentials), or a "
+                   "run directory of `estuary demo`")  # fmt: skip
     s.add_argument("--broker", help="HOST:PORT (overrides broker.host/port)")
     s.add_argument("--wait-s", type=float, default=DEFAULT_WAIT_S,
                    help=f"seconds to listen (default {DEFAULT_WAIT_S:g})")  # fmt: skip

@@ -20,6 +20,16 @@ label, ``reason`` carries the label (``bad_json``, ``blob_hash_mismatch``, ``bad
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` to ``word``, else ``""``:
+    for error messages about a mistyped name."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 class EstuaryError(Exception):
     """Root of every error Estuary raises on purpose."""

@@ -189,6 +189,36 @@ def test_agent_serves_verified_deployments_and_keeps_old_model_after_refusal(
     assert served is not None and served.sha256 == good.model_ref.sha256
 
 
+def test_devices_draw_their_own_grids_large_enough_to_see(
+    exports: list[Path], keys: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two devices serving the same deployment draw different images (each its own seed,
+    from the run's seed and its name), and the grid is enlarged to be seen (4 images of
+    32 px would be 70 px wide)."""
+    from PIL import Image
+
+    from device_agent.deployment import grid_seed
+    from device_agent.sampling import GRID_MIN_WIDTH
+
+    cfg = _federation(tmp_path, keys)
+    bus = MemoryBus()
+    cloud = PublisherService("cloud", cfg, bus)
+    publisher = DeploymentPublisher(cloud, load_private_key(keys[0]))
+    agents = [SamplingAgent(cfg, bus, device_id=d, out_dir=tmp_path / d)
+              for d in ("dev000", "dev001")]  # fmt: skip
+    for a in agents:
+        a.start()
+    publisher.publish(exports[0])
+    bus.run(lambda: publisher.settled(["dev000", "dev001"]))
+    grids = [a.receiver.grids[0] for a in agents]
+    assert grids[0].read_bytes() != grids[1].read_bytes()
+    for g in grids:
+        with Image.open(g) as img:
+            assert GRID_MIN_WIDTH <= img.width <= 8 * GRID_MIN_WIDTH
+    assert grid_seed(0, "dev000") == grid_seed(0, "dev000") != grid_seed(0, "dev001")
+    assert grid_seed(0, "dev000") != grid_seed(1, "dev000")
+
+
 def test_agent_without_verify_key_refuses(exports: list[Path], keys: tuple[Path, Path],
                                           tmp_path: Path) -> None:  # fmt: skip
     cfg = _federation(tmp_path, keys, verify_key="")

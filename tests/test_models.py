@@ -288,3 +288,13 @@ def test_train_local_can_keep_one_optimizer_and_watch_each_step() -> None:
     assert seen == [id(model)] * 6
     first = next(iter(model.parameters()))
     assert int(opt.state[first]["step"]) == 6  # one Adam for both calls
+
+
+def test_shipped_preset_table_matches_the_presets() -> None:
+    """``estuary model-info`` answers from shared/assets/preset_info.json; it must be what
+    the presets measure now."""
+    from shared.models.info_table import compute_table, load_table
+
+    assert load_table() == compute_table(), (
+        "a preset changed: python -m shared.models.info_table writes the table again"
+    )

@@ -277,3 +277,37 @@ def test_an_open_round_is_dated_against_its_deadline() -> None:
     done = state.model_copy(update={"phase": "done", "opened_at": None, "deadline_s": None})
     text = format_status(FederationStatus(RUN, cfg.digest(), 5, cloud=done), "b", 1150.0)
     assert "done      round 3 of 5   global" in text
+
+
+def test_a_run_directory_names_the_running_broker(
+    finished: tuple[LocalBroker, RunConfig, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`estuary status RUN_DIR` reads the broker's address from ``launch_config.json`` (as
+    `estuary demo` writes it: the real port), no --broker needed."""
+    broker, cfg, _ = finished
+    launched = cfg.model_copy(
+        update={"broker": cfg.broker.model_copy(update={"host": "127.0.0.1", "port": broker.port})}
+    )
+    (tmp_path / "launch_config.json").write_text(launched.to_json())
+    assert main(["status", str(tmp_path), "--wait-s", "1.5"]) == 0
+    assert f'run "{RUN}" on 127.0.0.1:{broker.port}' in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["status", str(empty)]) == 2
+    assert "without launch_config.json or config.json" in capsys.readouterr().err
+
+
+def test_nothing_listening_is_said_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refused connection is one sentence within seconds, not the MQTT client's connect
+    timeout (30 s by default)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        t0 = time.monotonic()
+        code = main(["status", _config_file(tmp_path, tiny_config()), "--broker",
+                     f"127.0.0.1:{port}"])  # fmt: skip
+    assert code == 2 and time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert f"no broker at 127.0.0.1:{port}" in err and "is the run up?" in err

@@ -182,6 +182,10 @@ def parse_compare(
 ) -> CompareSpec:
     """Validate a comparison config (already parsed TOML); see :mod:`estuary.compare`."""
     unknown = set(raw) - {"compare", "base", "method"}
+    if unknown & {"run", "federation", "model", "train"}:
+        raise ConfigError(f"{path} is a run config; `estuary compare` takes a comparison "
+                          "([compare], [base] and [[method]] tables, see configs/compare/), "
+                          f"`estuary simulate {path}` runs this one")  # fmt: skip
     if unknown:
         raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}")
     opts = raw.get("compare", {})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +36,7 @@ from shared.config.algorithms import (
     digest_later_keys,
 )
 from shared.config.section import Section
-from shared.errors import ConfigError
+from shared.errors import ConfigError, did_you_mean
 
 ENV_PREFIX = "ESTUARY__"
 
@@ -548,13 +549,31 @@ def _default(cfg: RunConfig, section: str, key: str) -> Any:
     return type(getattr(cfg, section)).model_fields[key].get_default(call_default_factory=True)
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section that ``loc`` (a path of keys) sits in."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         value = e.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  - {loc}: {e['msg']}{shown}")
+        hint = ""
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            hint = did_you_mean(str(e["loc"][-1]), _fields_at(tuple(e["loc"])))
+        elif e["type"] == "literal_error" and isinstance(value, str):
+            expected = (e.get("ctx") or {}).get("expected", "")
+            hint = did_you_mean(value, re.findall(r"'([^']*)'", str(expected)))
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  - {loc}: {msg}{shown}{hint}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,26 @@ def last_quality(
     return None
 
 
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results a reader looks for first in ``summary.json``: the mean training loss of
+    the first and the last round, the last quality evaluation and the last accuracy
+    measurement (each with its round; absent when the run had none)."""
+    out: dict[str, Any] = {}
+    losses = [(r["round"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    if losses:
+        out["train_loss"] = {"first": losses[0][1], "last": losses[-1][1],
+                             "first_round": losses[0][0], "last_round": losses[-1][0]}  # fmt: skip
+    quality = last_quality(rows)
+    if quality is not None:
+        out["quality"] = {k: v for k, v in quality.items() if not isinstance(v, (list, dict))}
+    for row in reversed(rows):
+        if row.get("accuracy"):
+            figures = {k: v for k, v in row["accuracy"].items() if not isinstance(v, (list, dict))}
+            out["accuracy"] = {"round": row["round"], **figures}
+            break
+    return out
+
+
 def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
     """Title and up/down labels of the traffic panel for the rows' ``traffic_scope``."""
     if rows and all(r.get("traffic_scope") == "cloud" for r in rows):
@@ -95,6 +115,7 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
     )
     ax.set(title="mean device training loss", xlabel="round",
             ylabel="DDPM loss (MSE); one-shot: eq. 1")  # fmt: skip
+    ax.set_ylim(bottom=0)  # from zero: a flat loss must not look like a spike
     ax.grid(alpha=0.3)
 
     ax = axes[1]
@@ -104,7 +125,9 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
     ax.bar(rounds, up, label=up_label)
     ax.bar(rounds, down, bottom=up, label=down_label)
     ax.set(title=panel_title, xlabel="round", ylabel="MiB")
-    ax.legend(fontsize=8, loc="lower right")
+    top = float((up + down).max()) if len(rows) else 0.0
+    ax.set_ylim(0, top * 1.4 if top > 0 else 1.0)  # headroom: the legend sits above the bars
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
 
     ax = axes[2]
@@ -112,6 +135,7 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
     if q:
         ax.plot([x for x, _ in q], [m["fid"] for _, m in q], marker="o", color="C3", label="FID")
         ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
+        ax.set_ylim(0, max(m["fid"] for _, m in q) * 1.15)  # from zero: 35.5 -> 34.8 is small
         ax2 = ax.twinx()
         ax2.plot(
             [x for x, _ in q],

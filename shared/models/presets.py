@@ -24,7 +24,7 @@ import torch
 from diffusers import UNet2DModel
 from torch import nn
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, did_you_mean
 from shared.models.classifier import CLASSIFIER_PRESETS, build_classifier, is_classifier
 from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
@@ -84,7 +84,8 @@ def kind_of(preset: str) -> str:
         return "oneshot"
     if preset in CLASSIFIER_PRESETS:
         return "classifier"
-    raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(ALL_PRESETS)}")
+    raise ConfigError(f"unknown model preset {preset!r}{did_you_mean(preset, ALL_PRESETS)}; "
+                      f"choose one of {sorted(ALL_PRESETS)}")  # fmt: skip
 
 
 def build_net(preset: str, *, seed: int = 0) -> nn.Module:

@@ -168,9 +168,7 @@ def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:
     """Start ``/metrics`` for ``service`` when enabled; returns the bound port."""
     if not cfg.metrics.enabled:
         return None
-    port = service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)
-    log.info("%s: Prometheus metrics on http://%s:%d/metrics", service.name, cfg.metrics.addr, port)
-    return port
+    return service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)  # it logs the address
 
 
 def serve_until_cloud_done(service: RoleService, bus: MqttBus, *, stay: bool) -> int:

@@ -1,0 +1,55 @@
+"""The size of every preset, computed once and shipped (``shared/assets/preset_info.json``):
+``estuary model-info`` answers from it at once, without importing torch or building a model.
+
+The table is what :func:`shared.models.presets.model_info` measures (parameters, Torch-Pruning's
+MACs, weight multiply-accumulates, fp32 bytes) plus the weights PRISM masks; a test
+recomputes it and fails when a preset changed without the table:
+``python -m shared.models.info_table`` writes it again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from shared.atomic import atomic_write
+
+TABLE_PATH = Path(__file__).resolve().parents[1] / "assets" / "preset_info.json"
+
+
+def load_table(path: Path = TABLE_PATH) -> dict[str, dict[str, Any]]:
+    """Preset name -> its ``model_info`` figures (``{}`` when the file is missing)."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    return dict(doc["presets"])
+
+
+def compute_table() -> dict[str, dict[str, Any]]:
+    """Measure every preset (builds each model once; torch)."""
+    from shared.models.masking import is_masked
+    from shared.models.presets import ALL_PRESETS, kind_of, model_info, state_spec
+
+    table: dict[str, dict[str, Any]] = {}
+    for preset in sorted(ALL_PRESETS):
+        info = model_info(preset).to_dict()
+        info["kind"] = kind_of(preset)
+        if info["kind"] != "classifier":
+            info["masked_weights"] = sum(
+                math.prod(s.shape) for n, s in state_spec(preset).items() if is_masked(n, s.shape)
+            )
+        table[preset] = info
+    return table
+
+
+def write_table(path: Path = TABLE_PATH) -> Path:
+    """Compute the table and write it (atomically)."""
+    doc = {"about": "written by python -m shared.models.info_table", "presets": compute_table()}
+    atomic_write(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    return path
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_table()}")

@@ -1,0 +1,65 @@
+"""What a run leaves for its reader: the headline results in ``summary.json``, a report whose
+axes do not exaggerate, and the demo's progress bar saying what the hierarchy is doing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from estuary.demo import DEMO_CONFIG, phase_text
+from shared.config import config_from_dict
+from shared.evaluation.report import headline, report_figure
+
+
+def _rows() -> list[dict[str, Any]]:
+    return [
+        {"round": 0, "train_loss": 0.0512, "bytes_up": 100, "bytes_down": 200},
+        {"round": 1, "train_loss": 0.0508, "bytes_up": 100, "bytes_down": 200,
+         "quality": {"fid": 35.5, "precision": 0.5, "recall": 0.4, "extractor": "x",
+                     "n_fake": 250}},
+        {"round": 2, "train_loss": None, "bytes_up": 0, "bytes_down": 0},
+        {"round": 3, "train_loss": 0.0505, "bytes_up": 100, "bytes_down": 200,
+         "quality": {"fid": 34.8, "precision": 0.6, "recall": 0.5, "extractor": "x",
+                     "n_fake": 250, "clients": {"dev000": 40.0}},
+         "accuracy": {"devices": 2, "after_mean": 0.8, "per_device": {"dev000": [0.7, 0.8]}}},
+    ]  # fmt: skip
+
+
+def test_headline_has_loss_quality_and_accuracy() -> None:
+    h = headline(_rows())
+    assert h["train_loss"] == {"first": 0.0512, "last": 0.0505, "first_round": 0,
+                               "last_round": 3}  # fmt: skip
+    assert h["quality"]["fid"] == 34.8 and h["quality"]["round"] == 3
+    assert "clients" not in h["quality"]  # headline figures only, not every device's
+    assert h["accuracy"] == {"round": 3, "devices": 2, "after_mean": 0.8}
+    assert headline([]) == {}
+
+
+def test_report_axes_start_at_zero_and_the_legend_has_room(tmp_path: Path) -> None:
+    """A flat loss and FID 35.5 -> 34.8 must look flat: both axes start at zero; the
+    traffic legend sits in headroom above the bars."""
+    fig = report_figure(_rows())
+    loss_ax, traffic_ax, quality_ax = fig.axes[:3]
+    assert loss_ax.get_ylim()[0] == 0 and quality_ax.get_ylim()[0] == 0
+    assert quality_ax.get_ylim()[1] >= 35.5
+    assert traffic_ax.get_ylim()[1] >= 1.3 * 300 / 2**20
+
+
+def test_demo_progress_says_what_is_happening() -> None:
+    cfg = config_from_dict(DEMO_CONFIG, source="demo")
+
+    def cloud(state: str, round_: float) -> dict[str, dict[str, float]]:
+        return {"cloud": {f'estuary_phase{{estuary_phase="{state}"}}': 1.0,
+                          'estuary_phase{estuary_phase="idle"}': 0.0,
+                          "estuary_round": round_}}  # fmt: skip
+
+    assert phase_text(cfg, {}, 0) == "starting processes"
+    waiting = cloud("waiting", 0) | {"edge0": {'estuary_connected_devices{edge="edge0"}': 3.0},
+                                     "edge1": {'estuary_connected_devices{edge="edge1"}': 2.0}}
+    assert phase_text(cfg, waiting, 0) == "waiting for devices (5/6 connected)"
+    assert phase_text(cfg, cloud("training", 2), 2) == "round 3: devices training"
+    # the demo evaluates every 2 rounds: round 2 is an evaluation round, round 3 is not
+    assert "evaluating (FID on 250 samples)" in phase_text(cfg, cloud("aggregating", 1), 1)
+    assert phase_text(cfg, cloud("aggregating", 2), 2) == "round 3: aggregating"
+    assert phase_text(cfg, cloud("aggregating", 1), 1, evaluate=False) == "round 2: aggregating"
+    assert phase_text(cfg, cloud("deploying", 4), 4).startswith("deploying: export to ONNX")
