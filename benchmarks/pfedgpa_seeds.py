@@ -70,13 +70,10 @@ def checks(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     local, fedavg, ft = pts("Local-only", "after_mean"), pts("FedAvg", "before_mean"), pts(
         "FedAvg", "after_mean"
     )
-    local_before = pts("Local-only", "before_mean")
     inv_before, dir_before = pts("pFedGPA", "before_mean"), pts("pFedGPA, direct", "before_mean")
     inv_after = pts("pFedGPA", "after_mean")
     under = {k: statistics.fmean(r["before_under_60"] for r in runs[k])
              for k in ("pFedGPA", "pFedGPA, direct")}  # fmt: skip
-    # Local-only has no "before": its devices never receive a model; its accuracy is "after"
-    del local_before
     rows = [
         {"check": "C1 order FedAvg-FT > Local-only > FedAvg", "value": f"{ft:.2f} > {local:.2f} "
          f"> {fedavg:.2f}", "pass": ft > local > fedavg},
@@ -114,7 +111,9 @@ def fork_check(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def table_md(runs: dict[str, list[dict[str, Any]]], fork: int | None) -> str:
+def table_md(
+    runs: dict[str, list[dict[str, Any]]], found: list[dict[str, Any]], fork: int | None
+) -> str:
     """The markdown table, the checks and the fork check."""
     seeds = [r["seed"] for r in next(iter(runs.values()))]
     lines = [
@@ -135,7 +134,7 @@ def table_md(runs: dict[str, list[dict[str, Any]]], fork: int | None) -> str:
         lines.append(f"| {label} | {before} | {a[0]:.2f} ± {a[1]:.2f} | {sd:.2f} | "
                      f"{ub:.1f} / {ua:.1f} |")  # fmt: skip
     lines += ["", "| check | measured | holds |", "|---|---|---|"]
-    for c in checks(runs):
+    for c in found:
         lines.append(f"| {c['check']} | {c['value']} | {'yes' if c['pass'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -176,7 +175,8 @@ def main() -> None:
     p.add_argument("--fork", type=int, help="the fork round (for the caption)")
     args = p.parse_args()
     runs = collect(args.out)
-    text = table_md(runs, args.fork)
+    found = checks(runs)
+    text = table_md(runs, found, args.fork)
     fork_rows = fork_check(args.out)
     if fork_rows:
         text += "\nFork against a full 200-round run of the same seed (accuracy %):\n\n"
@@ -187,7 +187,7 @@ def main() -> None:
                      f"{100 * r['fork_before']:.2f} | {100 * r['full_after']:.2f} / "
                      f"{100 * r['fork_after']:.2f} |\n")  # fmt: skip
     (args.out / "table.md").write_text(text)
-    doc = {"runs": runs, "checks": checks(runs), "fork": args.fork, "fork_check": fork_rows}
+    doc = {"runs": runs, "checks": found, "fork": args.fork, "fork_check": fork_rows}
     (args.out / "table.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(runs, args.out / "accuracy_seeds.png")
     print(text)

@@ -154,7 +154,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from shared.models.info_table import load_table
+    from shared.models.info_table import load_table, masked_weight_count
 
     names = preset_names()
     if args.preset not in names:  # said at once, before torch is imported
@@ -163,7 +163,6 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
     shipped = load_table().get(args.preset) if args.prune_sp is None else None
     if shipped is not None:  # the shipped table: at once, no torch
         return _print_model_info(dict(shipped), args)
-    from shared.models.masking import is_masked
     from shared.models.presets import build_unet, kind_of, model_info, state_spec
 
     kind = kind_of(args.preset)
@@ -190,11 +189,7 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
         }
     info["kind"] = kind
     if kind != "classifier":
-        # what PRISM masks (one bit each on the wire): every weight of two or more dimensions
-        info["masked_weights"] = sum(
-            math.prod(s.shape) for n, s in state_spec(args.preset).items()
-            if is_masked(n, s.shape)
-        )  # fmt: skip
+        info["masked_weights"] = masked_weight_count(args.preset)
     return _print_model_info(info, args)
 
 

@@ -27,19 +27,25 @@ def load_table(path: Path = TABLE_PATH) -> dict[str, dict[str, Any]]:
     return dict(doc["presets"])
 
 
+def masked_weight_count(preset: str) -> int:
+    """What PRISM masks of a dense ``preset`` (one bit each on the wire): every weight of two
+    or more dimensions (torch)."""
+    from shared.models.masking import is_masked
+    from shared.models.presets import state_spec
+
+    return sum(math.prod(s.shape) for n, s in state_spec(preset).items() if is_masked(n, s.shape))
+
+
 def compute_table() -> dict[str, dict[str, Any]]:
     """Measure every preset (builds each model once; torch)."""
-    from shared.models.masking import is_masked
-    from shared.models.presets import ALL_PRESETS, kind_of, model_info, state_spec
+    from shared.models.presets import ALL_PRESETS, kind_of, model_info
 
     table: dict[str, dict[str, Any]] = {}
     for preset in sorted(ALL_PRESETS):
         info = model_info(preset).to_dict()
         info["kind"] = kind_of(preset)
         if info["kind"] != "classifier":
-            info["masked_weights"] = sum(
-                math.prod(s.shape) for n, s in state_spec(preset).items() if is_masked(n, s.shape)
-            )
+            info["masked_weights"] = masked_weight_count(preset)
         table[preset] = info
     return table
 
