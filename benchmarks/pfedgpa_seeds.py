@@ -35,7 +35,7 @@ def last_accuracy(run_dir: Path) -> dict[str, Any]:
     if not measured:
         raise SystemExit(f"{run_dir}: no round measured accuracy")
     last = measured[-1]
-    return {"round": last["round"], "rounds": rows[-1]["round"] + 1, **last["accuracy"]}
+    return {"round": last["round"], "rounds": rows[-1]["round"], **last["accuracy"]}
 
 
 def seeds_of(out: Path) -> list[int]:
@@ -67,8 +67,10 @@ def checks(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     def pts(label: str, key: str) -> float:
         return 100 * statistics.fmean(r[key] for r in runs[label])
 
-    local, fedavg, ft = pts("Local-only", "after_mean"), pts("FedAvg", "before_mean"), pts(
-        "FedAvg", "after_mean"
+    local, fedavg, ft = (
+        pts("Local-only", "after_mean"),
+        pts("FedAvg", "before_mean"),
+        pts("FedAvg", "after_mean"),
     )
     inv_before, dir_before = pts("pFedGPA", "before_mean"), pts("pFedGPA, direct", "before_mean")
     inv_after = pts("pFedGPA", "after_mean")

@@ -29,7 +29,7 @@ for s in $SEEDS; do
   echo "seed $s: Local-only and FedAvg done ($(date -u +%H:%M:%S))"
 done
 for s in $SEEDS; do
-  ckpt="$OUT/seed$s/fedavg/checkpoints/round_$(printf %06d $((FORK - 1))).safetensors"
+  ckpt="$OUT/seed$s/fedavg/checkpoints/round_$(printf %06d "$FORK").safetensors"
   test -f "$ckpt" || { echo "no FedAvg checkpoint at round $FORK: $ckpt" >&2; exit 1; }
   ESTUARY__RUN__SEED=$s ESTUARY__RUN__ROUNDS=$((ROUNDS - FORK)) ESTUARY__MODEL__INIT="$(realpath "$ckpt")" \
     $ESTUARY compare "$CFG" --out "$OUT/seed$s-fork" --only pFedGPA --only "pFedGPA, direct" \

@@ -174,7 +174,7 @@ def deploy_when_trained(
         try:
             result = export_module(
                 cfg, cloud.global_module(), cloud.plan, out,
-                round_=cloud.round - 1, source=str(run_dir / "checkpoints"), fp16=cfg.deploy.fp16,
+                round_=cloud.round, source=str(run_dir / "checkpoints"), fp16=cfg.deploy.fp16,
                 opset=cfg.deploy.opset, threshold=cfg.deploy.parity_threshold,
                 parity_steps=cfg.deploy.parity_steps, signing_key=key, quality=quality(),
                 algorithm=cloud.algorithm,

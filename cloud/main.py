@@ -125,7 +125,8 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
         check_spec(ckpt.model, spec)
     except CodecError as err:
         raise EstuaryError(f"{path} does not hold a global state of this run: {err}") from None
-    log.info("resuming after round %d from %s (model %s)", ckpt.round, path, ckpt.model_sha256[:12])
+    log.info("resuming after round %d from %s (model %s)", ckpt.round + 1, path,
+             ckpt.model_sha256[:12])  # fmt: skip
     return ResumePoint(ckpt.model, ckpt.plan, ckpt.round + 1, ckpt.init)
 
 
@@ -244,7 +245,7 @@ def _serve(
             "final_model_sha256": cloud.model_sha,
             "model_params": cloud.model_params(),
             "arch": plan_doc(cloud.plan),
-            "resumed_from_round": start_round if resumed else None,
+            "resumed_after_round": start_round if resumed else None,  # from 1
             "traffic": bus.traffic.snapshot(),
             "transport": bus.traffic.transport(),
         }

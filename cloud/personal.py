@@ -67,6 +67,6 @@ class PersonalizeJob:
         if self._thread.is_alive():
             self._call_later(POLL_S, self.poll)
             return
-        log.debug("personalization of round %d took %.1fs", self.round,
+        log.debug("personalization of round %d took %.1fs", self.round + 1,
                   time.perf_counter() - self.started)  # fmt: skip
         self._done(self._result, self._error)

@@ -276,7 +276,7 @@ class CloudServer(RoleService):
             return
         self.offline.add(msg.name)
         if msg.role == "edge" and self.started and not self.done and self.timer is not None:
-            log.warning("edge %s went offline during round %d", msg.name, self.round)
+            log.warning("edge %s went offline during round %d", msg.name, self.round + 1)
             self._maybe_close()
 
     def _registration_timeout(self) -> None:
@@ -299,7 +299,7 @@ class CloudServer(RoleService):
         try:
             yield
         except Exception as err:
-            self.failed = f"round {self.round}: {what}: {type(err).__name__}: {err}"
+            self.failed = f"round {self.round + 1}: {what}: {type(err).__name__}: {err}"
             log.error("%s; stopping (a restart resumes from the last checkpoint)", self.failed)
             raise
 
@@ -361,7 +361,7 @@ class CloudServer(RoleService):
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""
         if msg.session != self.session:
-            self.reject("stale_session", f"{msg.edge} round {msg.round}")
+            self.reject("stale_session", f"{msg.edge} round {msg.round + 1}")
             return
         if msg.round != self.round or not self.started or self.done:
             self.reject("late" if msg.round < self.round else "unexpected_round", msg.edge)
@@ -370,15 +370,15 @@ class CloudServer(RoleService):
             self.reject("unknown_edge", msg.edge)
             return
         if msg.edge in self.reports:
-            self.reject("duplicate", f"{msg.edge} round {msg.round}")
+            self.reject("duplicate", f"{msg.edge} round {msg.round + 1}")
             return
         problem = histogram_problem(msg.label_counts, msg.n_samples)
         if problem:
-            self.reject("bad_label_counts", f"{msg.edge} round {msg.round}: {problem}")
+            self.reject("bad_label_counts", f"{msg.edge} round {msg.round + 1}: {problem}")
             return
         parts_problem = self._part_samples_problem(msg)
         if parts_problem:
-            self.reject("bad_part_samples", f"{msg.edge} round {msg.round}: {parts_problem}")
+            self.reject("bad_part_samples", f"{msg.edge} round {msg.round + 1}: {parts_problem}")
             return
         forwarded = self._forwarded(msg)
         if forwarded is None:
@@ -404,7 +404,7 @@ class CloudServer(RoleService):
         out: dict[str, TensorDict] = {}
         for f in msg.forwarded:
             if f.device not in msg.devices or f.device in out:
-                self.reject("bad_forward", f"{msg.edge} round {msg.round}: {f.device}")
+                self.reject("bad_forward", f"{msg.edge} round {msg.round + 1}: {f.device}")
                 return None
             tensors = self.fetch_tensors(f.update_ref, self.spec)
             if tensors is None:
@@ -500,9 +500,9 @@ class CloudServer(RoleService):
         def done(result: Mapping[str, TensorDict] | None, error: BaseException | None) -> None:
             self.personal_job = None
             if error is not None:  # the devices train the global model instead
-                log.error("personalization of round %d failed: %s: %s", r,
+                log.error("personalization of round %d failed: %s: %s", r + 1,
                           type(error).__name__, error)  # fmt: skip
-                self.reject("personalize_failed", f"round {r}: {type(error).__name__}")
+                self.reject("personalize_failed", f"round {r + 1}: {type(error).__name__}")
                 result = None
             self.personal = self._send_personal(result or {})
             with self._transition("opening the round"):

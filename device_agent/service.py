@@ -89,6 +89,7 @@ class DeviceAgent(RoleService):
         self.awaiting: tuple[EdgeRound, Timer] | None = None
         #: called with the round after the device trained the run's last round (a
         #: classifier exports and serves its own model: device_agent.own_classifier)
+        #: called with the 1-based number of the last round once it is trained
         self.after_last_round: Callable[[int], None] | None = None
         self.index = index
         self.home_edge = home_edge
@@ -115,7 +116,7 @@ class DeviceAgent(RoleService):
         self.current: tuple[str, int] | None = None  # (session, round) of the last RoundStart
         self.choices: OrderedDict[tuple[str, int], str] = OrderedDict()  # (session, round)
         self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
-        #: the session of the last round trained (a round 0 of another one: a new run)
+        #: the session of the last round trained (the first round of another one: a new run)
         self.state_session: str | None = None
         #: where the state is kept across restarts (``--state-dir``); None: memory only
         self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
@@ -161,10 +162,11 @@ class DeviceAgent(RoleService):
             return
         reason = histogram_problem(msg.label_counts)
         if reason:
-            self.reject("bad_join", f"{msg.device} round {msg.round}: {reason}")
+            self.reject("bad_join", f"{msg.device} round {msg.round + 1}: {reason}")
             return
         if self._stale(msg.session, msg.round):
-            log.debug("%s: dropped %s's join for past round %d", self.name, msg.device, msg.round)
+            log.debug("%s: dropped %s's join for past round %d", self.name, msg.device,
+                      msg.round + 1)  # fmt: skip
             return
         self.joins[(msg.session, msg.round, msg.device)] = (msg.edge, tuple(msg.label_counts))
         while len(self.joins) > MAX_KEPT_JOINS:
@@ -194,7 +196,7 @@ class DeviceAgent(RoleService):
         for edge, counts in msg.edge_counts.items():
             reason = histogram_problem(counts)
             if reason:
-                self.reject("bad_edge_counts", f"round {msg.round}, edge {edge}: {reason}")
+                self.reject("bad_edge_counts", f"round {msg.round + 1}, edge {edge}: {reason}")
                 return
         self._advance(msg.session, msg.round)
         if self.name not in msg.participants:
@@ -237,12 +239,12 @@ class DeviceAgent(RoleService):
         try:
             edge = self.choose(msg.round, counts)
         except ValueError:
-            self.reject("no_edge_online", f"round {msg.round}")
+            self.reject("no_edge_online", f"round {msg.round + 1}")
             return
         self.choices[(msg.session, msg.round)] = edge
         while len(self.choices) > MAX_PENDING_ROUNDS:
             self.choices.popitem(last=False)
-        log.debug("%s round %d picked %s", self.name, msg.round, edge)
+        log.debug("%s round %d picked %s", self.name, msg.round + 1, edge)
         self._joined(msg, edge)
 
     def choose(self, round_: int, edge_counts: dict[str, list[int]]) -> str:
@@ -312,9 +314,7 @@ class DeviceAgent(RoleService):
         )  # fmt: skip
         return True
 
-    def _check_saved(
-        self, saved: DeviceState
-    ) -> tuple[ChannelPlan | None, tuple[str, str] | None]:
+    def _check_saved(self, saved: DeviceState) -> tuple[ChannelPlan | None, tuple[str, str] | None]:
         """``saved``'s architecture, checked once, and (reason slug, detail) when ``saved``
         is not this device's state for this run (None when it is)."""
         if saved.device != self.name:
@@ -372,9 +372,9 @@ class DeviceAgent(RoleService):
         log.debug("%s: state saved (%d bytes)", self.name, size)
 
     def _start_over(self, session: str) -> None:
-        """A round 0 from another session than the kept state's: the cloud started the run
-        over (a resumed cloud starts at round 1 or later), so nothing kept applies."""
-        log.info("%s: round 0 of session %s after session %s: the run started over; "
+        """The first round (index 0) from another session than the kept state's: the cloud
+        started the run over (a resumed cloud starts at a later round), so nothing kept applies."""
+        log.info("%s: the first round of session %s after session %s: the run started over; "
                  "dropping the state kept from before", self.name, session,
                  self.state_session)  # fmt: skip
         self.algo_state.clear()
@@ -422,7 +422,7 @@ class DeviceAgent(RoleService):
         def give_up() -> None:
             if self.awaiting is not None and self.awaiting[0] is msg:
                 self.awaiting = None
-                self.reject("no_personal_model", f"round {msg.round}: training the edge model")
+                self.reject("no_personal_model", f"round {msg.round + 1}: training the edge model")
                 self.train_round(msg, waited=True)
 
         self.awaiting = (msg, self.ep.call_later(self.cfg.federation.join_timeout_s, give_up))
@@ -507,7 +507,7 @@ class DeviceAgent(RoleService):
             self.send(self.topics.device_up(self.name), last)
             return
         if last is not None and last.session == msg.session and msg.round < last.round:
-            self.reject("late", f"round {msg.round} announced after round {last.round}")
+            self.reject("late", f"round {msg.round + 1} announced after round {last.round + 1}")
             return
         if not self._adopt_announced(msg.arch):
             return
@@ -544,7 +544,7 @@ class DeviceAgent(RoleService):
             # FedDiffuse's local parts; MOON's previous model), not with none.
             self.algo_state.clear()
             self.algo_state.update(before)
-            self.reject("diverged", f"round {msg.round} at {msg.edge}: {reason}")
+            self.reject("diverged", f"round {msg.round + 1} at {msg.edge}: {reason}")
             return
         if not msg.upload:
             self.kept_local = (msg.session, msg.round, msg.edge, msg.model_ref.sha256)
@@ -566,7 +566,7 @@ class DeviceAgent(RoleService):
             acc_after=None if result.accuracy is None else result.accuracy.after,
         )
         self.last_update = update
-        self.metrics.round.set(msg.round)
+        self.metrics.round.set(msg.round + 1)  # rounds completed
         self.metrics.training_seconds.observe(result.train.seconds)
         self.save_state(msg.round, msg.session)  # before the report: a restart resends it
         self.send(self.topics.device_up(self.name), update)
@@ -577,4 +577,4 @@ class DeviceAgent(RoleService):
             f", uploaded {ref.size / 1024:.1f} KiB" if ref is not None else ", kept local",
         )  # fmt: skip
         if self.after_last_round is not None and msg.round + 1 >= self.cfg.run.rounds:
-            self.after_last_round(msg.round)
+            self.after_last_round(msg.round + 1)

@@ -63,6 +63,11 @@ def _plus(work: Pending, n: int, counts: Sequence[int]) -> Pending:
     return work[0] + n, [a + b for a, b in zip(work[1], counts, strict=True)]
 
 
+def _shown(round_: int | None) -> str:
+    """A round index as people count rounds (from 1), or "-" before the first."""
+    return "-" if round_ is None else str(round_ + 1)
+
+
 class _Closed(NamedTuple):
     """What closing a round computes; the edge takes it on only once all of it is known."""
 
@@ -167,7 +172,8 @@ class EdgeServer(RoleService):
         else:
             self.offline.add(msg.name)
             if not self.closed and msg.name in self.candidates and msg.name not in self.reported:
-                log.warning("%s: %s went offline in round %s", self.name, msg.name, self.round)
+                log.warning("%s: %s went offline in round %s", self.name, msg.name,
+                            _shown(self.round))  # fmt: skip
                 self.dropped.add(msg.name)
                 self._maybe_close()
         self._update_device_gauge()
@@ -221,7 +227,7 @@ class EdgeServer(RoleService):
         if sha256_hex(encode_tensors(merged)) != msg.global_ref.sha256:
             self.reject(
                 "shared_mismatch",
-                f"round {msg.round}: the global's shared tensors over this edge's state do "
+                f"round {msg.round + 1}: the global's shared tensors over this edge's state do "
                 "not give the global state; fetching all of it",
             )
             return None, True
@@ -240,7 +246,7 @@ class EdgeServer(RoleService):
         """
         same_session = msg.session == self.session
         if same_session and self.round is not None and msg.round <= self.round:
-            self.reject("duplicate", f"round {msg.round} already opened")
+            self.reject("duplicate", f"round {msg.round + 1} already opened")
             return
         new_arch = plan_digest(msg.arch) != plan_digest(self.plan)
         spec, plan = self.spec, self.plan
@@ -277,7 +283,7 @@ class EdgeServer(RoleService):
             # its model is the global again, so none of that is aggregated work
             reason = self._check_counts(counts)
             if reason:
-                self.reject("bad_edge_counts", f"round {msg.round}: {reason}; ignored")
+                self.reject("bad_edge_counts", f"round {msg.round + 1}: {reason}; ignored")
             else:
                 self.carried = (sum(counts), list(counts))
         if self.timer is not None:
@@ -294,8 +300,8 @@ class EdgeServer(RoleService):
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
         if self.dropped:
-            log.warning("%s: %s offline at the start of round %s; not waiting for them",
-                        self.name, ", ".join(sorted(self.dropped)), msg.round)  # fmt: skip
+            log.warning("%s: %s offline at the start of round %d; not waiting for them",
+                        self.name, ", ".join(sorted(self.dropped)), msg.round + 1)  # fmt: skip
         if not self.candidates:
             self._close()
             return
@@ -337,7 +343,7 @@ class EdgeServer(RoleService):
         reason = self._check_update(msg)
         if reason:
             self.rejected_this_round += 1
-            self.reject(reason, f"{msg.device} round {msg.round}")
+            self.reject(reason, f"{msg.device} round {msg.round + 1}")
             self.metrics.updates.labels(
                 outcome=reason if reason in ("late", "duplicate") else "rejected"
             ).inc()
@@ -345,7 +351,7 @@ class EdgeServer(RoleService):
         if self.upload and self.algorithm.uploads:
             if msg.update_ref is None:
                 self.rejected_this_round += 1
-                self.reject("missing_update", f"{msg.device} round {msg.round}")
+                self.reject("missing_update", f"{msg.device} round {msg.round + 1}")
                 self.metrics.updates.labels(outcome="rejected").inc()
                 return
             # never wait on one device's blob past the round's own deadline
@@ -449,8 +455,8 @@ class EdgeServer(RoleService):
         try:
             closed = self._close_report()
         except Exception as err:  # one bad round must not stop the edge
-            log.exception("%s could not close round %s", self.name, self.round)
-            self.reject("close_failed", f"round {self.round}: {type(err).__name__}: {err}")
+            log.exception("%s could not close round %s", self.name, _shown(self.round))
+            self.reject("close_failed", f"round {_shown(self.round)}: {type(err).__name__}: {err}")
             self.pending = {}  # this round's work is not recorded: no chain continues
             return
         # everything is computed: only now does the edge's state change
@@ -461,7 +467,7 @@ class EdgeServer(RoleService):
         if closed.cloud_round:
             self.carried = _no_work()  # the period it was served in has ended
         self.send(self.topics.edge_up(self.name), closed.report)
-        self.metrics.round.set(closed.report.round)
+        self.metrics.round.set(closed.report.round + 1)  # rounds completed
         self._publish_state()
 
     def _close_report(self) -> _Closed:
@@ -499,7 +505,7 @@ class EdgeServer(RoleService):
             contributors, discarded = {}, len(self.reported)
             self.reject(
                 "too_few_updates",
-                f"round {self.round}: {discarded} update(s) < min_updates "
+                f"round {self.round + 1}: {discarded} update(s) < min_updates "
                 f"{self.cfg.federation.min_updates}; discarded",
             )
         # pending work left by the round just before (a chain of rounds without upload)

@@ -136,7 +136,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     metrics = evaluator.evaluate(model_from_state(cfg, ckpt.model, ckpt.plan))
     out = {
         "checkpoint": str(path),
-        "round": ckpt.round,
+        "round": ckpt.round + 1,
         "model_sha256": ckpt.model_sha256,
         **metrics,
         "level": "global",

@@ -62,9 +62,10 @@ class DemoResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     scrapes: dict[str, dict[str, float]] = field(default_factory=dict)
     deployment: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> report
-    #: the round the cloud resumed at from the run directory's checkpoints (None: from 0);
-    #: equal to ``rounds`` when the directory held a finished run and nothing was trained
-    resumed_from_round: int | None = None
+    #: the last round (from 1) the cloud restored from the run directory's checkpoints
+    #: (None: it started afresh); equal to ``rounds`` when the directory held a finished run
+    #: and nothing was trained
+    resumed_after_round: int | None = None
 
 
 def demo_config(path: Path | None) -> RunConfig:
@@ -139,7 +140,7 @@ def run_demo(
         rows=read_metrics(run_dir / "metrics.jsonl"),
         scrapes=scrapes,
         deployment=deployment,
-        resumed_from_round=summary.get("resumed_from_round"),
+        resumed_after_round=summary.get("resumed_after_round"),
     )
 
 
@@ -283,13 +284,13 @@ def print_demo_result(result: DemoResult) -> None:
     grids = [r["grid"] for r in rows if r.get("grid")]
     d = result.run_dir
     print(f"\ndemo finished: {result.rounds} rounds in {result.seconds:.0f}s")
-    start = result.resumed_from_round
+    start = result.resumed_after_round
     if start is not None and start >= result.rounds:
         print(f"nothing was trained: {d} already held all {result.rounds} rounds of this "
               "config (the cloud resumed after the last one); the figures below are that "
               "run's. Use a new --out to train again.")  # fmt: skip
     elif start is not None:
-        print(f"resumed from the checkpoint of round {start - 1} in {d}")
+        print(f"resumed from the checkpoint of round {start} in {d}")
     if losses:
         print(f"train loss: first round {losses[0]:.4f} -> last round {losses[-1]:.4f}")
     if quality:

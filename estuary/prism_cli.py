@@ -43,7 +43,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         "format": COMPACT_FORMAT,
         "preset": cfg.model.preset,
         "seed": str(cfg.run.seed),
-        "round": str(ckpt.round),
+        "round": str(ckpt.round + 1),
         "key_fingerprint": key.fingerprint,
         "bit_order": "little: element 8j+i is bit i of byte j; tensors in sorted name order",
     }

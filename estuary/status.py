@@ -280,8 +280,11 @@ def format_status(st: FederationStatus, where: str, now: float | None = None) ->
         )
         model = _sha(c.model_ref.sha256 if c.model_ref else None)
         clock = _round_clock(c, time.time() if now is None else now)
+        # the state counts rounds done (the 0-based index of the one in progress); people
+        # read the round in progress from 1, and a finished run as "round N of N"
+        shown = min(c.round + 1, st.rounds) if c.phase in ("waiting", "training") else c.round
         lines.append(
-            f"cloud   {_online(st.cloud_online):8} {c.phase:9} round {c.round} of {st.rounds}"
+            f"cloud   {_online(st.cloud_online):8} {c.phase:9} round {shown} of {st.rounds}"
             f"{clock}   global model {model}   running {same}"
         )
     online = sum(v.online is True for v in st.edges.values())
@@ -290,7 +293,7 @@ def format_status(st: FederationStatus, where: str, now: float | None = None) ->
         if e.state is None:
             what = "no state retained"
         else:
-            last = "none yet" if e.state.round is None else str(e.state.round)
+            last = "none yet" if e.state.round is None else str(e.state.round + 1)
             what = (f"last closed round {last}: {e.state.devices_last_round} devices; "
                     f"{e.state.n_samples} samples since the last cloud aggregation")  # fmt: skip
         lines.append(f"  {name:8} {_online(e.online):8} {what}")

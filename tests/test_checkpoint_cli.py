@@ -67,7 +67,7 @@ def test_cli_simulate_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[st
     capsys.readouterr()
     assert main(["eval", str(out), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
-    assert metrics["extractor"] == "fmnist-cnn-v1" and metrics["round"] == 0
+    assert metrics["extractor"] == "fmnist-cnn-v1" and metrics["round"] == 1  # the first
     ckpt = load_checkpoint(latest_checkpoint_path(out / "checkpoints"))  # type: ignore[arg-type]
     assert ckpt.init == "random"  # the cloud records what the run started from
     assert metrics["fid"] > 0 and metrics["n_fake"] == 20
@@ -194,11 +194,11 @@ def test_demo_says_when_a_rerun_trained_nothing(
     says nothing was trained instead of looking like a fresh run."""
     from estuary.demo import DemoResult, print_demo_result
 
-    result = DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_from_round=6)
+    result = DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_after_round=6)
     print_demo_result(result)
     assert "nothing was trained" in capsys.readouterr().out
-    print_demo_result(DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_from_round=3))
-    assert "resumed from the checkpoint of round 2" in capsys.readouterr().out
+    print_demo_result(DemoResult(tmp_path, 6, "ab" * 32, 3.0, resumed_after_round=3))
+    assert "resumed from the checkpoint of round 3" in capsys.readouterr().out
     print_demo_result(DemoResult(tmp_path, 6, "ab" * 32, 3.0))
     out = capsys.readouterr().out
     assert "nothing was trained" not in out and "resumed" not in out

@@ -336,7 +336,7 @@ def test_centralized_training_with_a_weight_average(
     run = run_method(m, tmp_path, evaluate=True, progress=False)
     assert len(made) == 1  # not one per evaluation interval
     base = run_method(plain, tmp_path, evaluate=True, progress=False)
-    assert [r["round"] for r in run.rows] == [0, 1] and "quality" in run.rows[-1]
+    assert [r["round"] for r in run.rows] == [1, 2] and "quality" in run.rows[-1]
     # same data, seed and steps: the raw weights train identically, the saved model differs
     assert [r["train_loss"] for r in run.rows] == [r["train_loss"] for r in base.rows]
     assert run.rows[-1]["quality"]["fid"] != base.rows[-1]["quality"]["fid"]
@@ -476,12 +476,12 @@ def test_an_evaluated_record_serves_a_comparison_without_evaluation(tmp_path: Pa
     m = parse_compare(_toml_text(TINY), tmp_path / "x.toml").methods[0]
     run_dir = tmp_path / m.slug
     run_dir.mkdir()
-    rows = [{"round": 0, "quality": {"fid": 12.5}}]
+    rows = [{"round": 1, "quality": {"fid": 12.5}}]
     steps = [1] * m.cfg.run.rounds
     save_record(MethodRun(m, run_dir, rows, {}, None, 1.0, steps), evaluate=True)
     done, _ = load_record(m, run_dir, evaluate=False)
     assert done is not None and done.rows == rows
-    save_record(MethodRun(m, run_dir, [{"round": 0}], {}, None, 1.0, steps), evaluate=False)
+    save_record(MethodRun(m, run_dir, [{"round": 1}], {}, None, 1.0, steps), evaluate=False)
     done, why = load_record(m, run_dir, evaluate=True)
     assert done is None and "has evaluate False, this comparison True" in why
 

@@ -93,7 +93,7 @@ def test_cross_field_rule() -> None:
         (
             {"run": {"rounds": 10}, "federation": {"cloud_every": 5},
              "algorithm": {"name": "fedphd", "sparse_rounds": 3, "prune_ratio": 0.44}},
-            r"sparse_rounds \(R_s=3\) is not a multiple .* rounds 3..4 would train the dense",
+            r"sparse_rounds \(R_s=3\) is not a multiple .* rounds 4..5 would train the dense",
         ),
         # R_s beyond the run: it never pruned; R_s = rounds: the pruned model never trained
         (
@@ -101,7 +101,7 @@ def test_cross_field_rule() -> None:
                                                   "prune_ratio": 0.44}},
             r"sparse_rounds \(R_s=10\) must be below run.rounds \(10\)",
         ),
-        # OS prunes before round 0: the penalty would only shrink an already pruned model
+        # OS prunes before the first round: the penalty would only shrink an already pruned model
         (
             {"algorithm": {"name": "fedphd", "sparse_rounds": 2, "prune_ratio": 0.44,
                            "prune_at": "init"}},

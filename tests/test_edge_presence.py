@@ -42,10 +42,10 @@ def test_a_device_offline_before_the_round_is_not_waited_for(
     _will(cloud, "dev001")
     bus.run(lambda: False)
     with caplog.at_level(logging.WARNING, logger="edge_node.service"):
-        cloud.open_round(1, ["dev000", "dev001"])
+        cloud.open_round(1, ["dev000", "dev001"])  # index 1: the second round
         bus.run(lambda: bool(rounds))
     assert edge.dropped == {"dev001"} and not edge.closed
-    assert "edge0: dev001 offline at the start of round 1; not waiting for them" in caplog.text
+    assert "edge0: dev001 offline at the start of round 2; not waiting for them" in caplog.text
     assert "went offline" not in caplog.text
 
 
@@ -57,5 +57,5 @@ def test_a_device_dying_mid_round_releases_it(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level(logging.WARNING, logger="edge_node.service"):
         _will(cloud, "dev001")
         bus.run(lambda: "dev001" in edge.dropped)
-    assert "edge0: dev001 went offline in round 1" in caplog.text
+    assert "edge0: dev001 went offline in round 2" in caplog.text
     assert "offline at the start" not in caplog.text

@@ -188,7 +188,10 @@ def test_export_and_sample_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     plan = ChannelPlan.of_module(model)
     run = tmp_path / "run"
     save_checkpoint(run / "checkpoints", 7, dict(model.state_dict()), cfg, plan=plan)
-    (run / "metrics.jsonl").write_text(json.dumps({"round": 7, "quality": {"fid": 123.0}}) + "\n")
+    # the checkpoint after index 7 is the eighth round: file, metrics row and card say 8
+    assert (run / "checkpoints" / "round_000008.safetensors").is_file()
+    rows = [{"round": 8, "quality": {"fid": 123.0}}, {"round": 9, "quality": {"fid": 99.0}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli_main(["keys", "--out", str(tmp_path / "keys")]) == 0
     key = tmp_path / "keys" / "deploy_ed25519.pem"
     pub = tmp_path / "keys" / "deploy_ed25519.pub.pem"
@@ -198,7 +201,7 @@ def test_export_and_sample_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads(capsys.readouterr().out)
     card = report["card"]
     assert report["signed"] and report["parity"]["passed"]
-    assert card["source"]["round"] == 7 and card["quality"] == {"round": 7, "fid": 123.0}
+    assert card["source"]["round"] == 8 and card["quality"] == {"round": 8, "fid": 123.0}
     assert card["pruned"] and card["image_shape"] == [1, 32, 32] and card["macs"] > 0
     assert card["scheduler"]["num_train_timesteps"] == 1000
     args = ["sample", "--model", str(out), "--n", "6", "--steps", "5", "--batch-size", "4",

@@ -101,19 +101,19 @@ def test_cloud_sigkill_resumes_to_the_uninterrupted_model(
 
     hier = hierarchy(cfg, path)
     hier.start_all()
-    _wait(lambda: _checkpoint_round(hier.run_dir) >= 1, 120, "two checkpoints", hier)
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 2, 120, "two checkpoints", hier)
     scraped = hier.scrape_all()["cloud"]
     assert any(k.startswith("estuary_bytes_total{") for k in scraped)
     hier.kill("cloud")
     killed_after = _checkpoint_round(hier.run_dir)
-    assert killed_after < cfg.run.rounds - 1, "the run finished before the kill; slow it down"
+    assert killed_after < cfg.run.rounds, "the run finished before the kill; slow it down"
     hier.start("cloud", "cloud")
     summary = _finish(hier)
 
-    assert summary["resumed_from_round"] == killed_after + 1
+    assert summary["resumed_after_round"] == killed_after
     assert summary["final_model_sha256"] == reference.final_model_sha256
     rounds = [r["round"] for r in read_metrics(hier.run_dir / "metrics.jsonl")]
-    assert rounds == list(range(cfg.run.rounds))
+    assert rounds == list(range(1, cfg.run.rounds + 1))
     assert "resuming after round" in hier.procs["cloud"].log_path.read_text()
 
 
@@ -154,7 +154,7 @@ def test_device_killed_mid_round_does_not_stall(
     )
     hier = hierarchy(cfg, path)
     hier.start_all()
-    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0, 120, "round 0", hier)
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 1, 120, "round 1", hier)
     hier.kill("dev001")
     killed = time.monotonic()
     summary = _finish(hier)
@@ -183,10 +183,10 @@ def test_edge_restart_and_broker_restart_are_survived(
     )
     hier = hierarchy(cfg, path)
     hier.start_all()
-    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0, 120, "round 0", hier)
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 1, 120, "round 1", hier)
     hier.kill("edge0")
     hier.start("edge", "edge0")
-    _wait(lambda: _checkpoint_round(hier.run_dir) >= 2, 150, "round 2 after the edge restart", hier)
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 3, 150, "round 3 after the edge restart", hier)
     hier.broker.kill()
     time.sleep(1.0)
     hier.broker.start()
@@ -213,7 +213,7 @@ def test_a_restarted_device_takes_up_its_saved_state(
     hier = hierarchy(cfg, path)
     hier.start_all()
     state = hier.run_dir / "state" / "dev001.safetensors"
-    _wait(lambda: _checkpoint_round(hier.run_dir) >= 0 and state.is_file(), 120, "round 0", hier)
+    _wait(lambda: _checkpoint_round(hier.run_dir) >= 1 and state.is_file(), 120, "round 1", hier)
     hier.kill("dev001")
     hier.start("device", "dev001")
     summary = _finish(hier, timeout_s=180)
@@ -257,7 +257,7 @@ def test_deployment_reaches_training_and_sampling_only_devices(
         summary = _finish(hier)
         reports = json.loads((hier.run_dir / "deploy" / "reports.json").read_text())
         card = json.loads((hier.run_dir / "deploy" / "card.json").read_text())
-        assert card["parity"]["passed"] and card["source"]["round"] == 1
+        assert card["parity"]["passed"] and card["source"]["round"] == 2
         assert summary["rounds"] == 2
         for d in ("dev000", "dev001"):
             assert reports[d]["event"] == "sampled" and reports[d]["images_per_s"] > 0

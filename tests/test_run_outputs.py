@@ -7,18 +7,20 @@ from pathlib import Path
 from typing import Any
 
 from estuary.demo import DEMO_CONFIG, phase_text
+from estuary.simulate import simulate
 from shared.config import config_from_dict
-from shared.evaluation.report import headline, report_figure
+from shared.evaluation.report import headline, read_metrics, report_figure
+from tests.conftest import tiny_config
 
 
 def _rows() -> list[dict[str, Any]]:
     return [
-        {"round": 0, "train_loss": 0.0512, "bytes_up": 100, "bytes_down": 200},
-        {"round": 1, "train_loss": 0.0508, "bytes_up": 100, "bytes_down": 200,
+        {"round": 1, "train_loss": 0.0512, "bytes_up": 100, "bytes_down": 200},
+        {"round": 2, "train_loss": 0.0508, "bytes_up": 100, "bytes_down": 200,
          "quality": {"fid": 35.5, "precision": 0.5, "recall": 0.4, "extractor": "x",
                      "n_fake": 250}},
-        {"round": 2, "train_loss": None, "bytes_up": 0, "bytes_down": 0},
-        {"round": 3, "train_loss": 0.0505, "bytes_up": 100, "bytes_down": 200,
+        {"round": 3, "train_loss": None, "bytes_up": 0, "bytes_down": 0},
+        {"round": 4, "train_loss": 0.0505, "bytes_up": 100, "bytes_down": 200,
          "quality": {"fid": 34.8, "precision": 0.6, "recall": 0.5, "extractor": "x",
                      "n_fake": 250, "clients": {"dev000": 40.0}},
          "accuracy": {"devices": 2, "after_mean": 0.8, "per_device": {"dev000": [0.7, 0.8]}}},
@@ -27,11 +29,11 @@ def _rows() -> list[dict[str, Any]]:
 
 def test_headline_has_loss_quality_and_accuracy() -> None:
     h = headline(_rows())
-    assert h["train_loss"] == {"first": 0.0512, "last": 0.0505, "first_round": 0,
-                               "last_round": 3}  # fmt: skip
-    assert h["quality"]["fid"] == 34.8 and h["quality"]["round"] == 3
+    assert h["train_loss"] == {"first": 0.0512, "last": 0.0505, "first_round": 1,
+                               "last_round": 4}  # fmt: skip
+    assert h["quality"]["fid"] == 34.8 and h["quality"]["round"] == 4
     assert "clients" not in h["quality"]  # headline figures only, not every device's
-    assert h["accuracy"] == {"round": 3, "devices": 2, "after_mean": 0.8}
+    assert h["accuracy"] == {"round": 4, "devices": 2, "after_mean": 0.8}
     assert headline([]) == {}
 
 
@@ -54,8 +56,10 @@ def test_demo_progress_says_what_is_happening() -> None:
                           "estuary_round": round_}}  # fmt: skip
 
     assert phase_text(cfg, {}, 0) == "starting processes"
-    waiting = cloud("waiting", 0) | {"edge0": {'estuary_connected_devices{edge="edge0"}': 3.0},
-                                     "edge1": {'estuary_connected_devices{edge="edge1"}': 2.0}}
+    waiting = cloud("waiting", 0) | {
+        "edge0": {'estuary_connected_devices{edge="edge0"}': 3.0},
+        "edge1": {'estuary_connected_devices{edge="edge1"}': 2.0},
+    }
     assert phase_text(cfg, waiting, 0) == "waiting for devices (5/6 connected)"
     assert phase_text(cfg, cloud("training", 2), 2) == "round 3: devices training"
     # the demo evaluates every 2 rounds: round 2 is an evaluation round, round 3 is not
@@ -63,3 +67,34 @@ def test_demo_progress_says_what_is_happening() -> None:
     assert phase_text(cfg, cloud("aggregating", 2), 2) == "round 3: aggregating"
     assert phase_text(cfg, cloud("aggregating", 1), 1, evaluate=False) == "round 2: aggregating"
     assert phase_text(cfg, cloud("deploying", 4), 4).startswith("deploying: export to ONNX")
+
+
+def test_rounds_are_counted_from_one_everywhere_a_person_reads_them(tmp_path: Path) -> None:
+    """The third round is round 3 in metrics.jsonl, in the grid's and the checkpoint's file
+    names, on the report's x axis and in summary.json, as in the progress bar and the logs."""
+    import json
+
+    cfg = tiny_config(eval={"every": 0, "sample_every": 2, "checkpoint_every": 1})
+    result = simulate(cfg, tmp_path / "r", progress=False, evaluate=False)
+    run = result.run_dir
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    # every second round and the last one: rounds 2 and 3
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == [
+        "round_000002.png",
+        "round_000003.png",
+    ]
+    assert [r.get("grid") for r in rows] == [None, "samples/round_000002.png",
+                                             "samples/round_000003.png"]  # fmt: skip
+    assert sorted(p.name for p in (run / "checkpoints").glob("round_*")) == [
+        "round_000001.safetensors",
+        "round_000002.safetensors",
+        "round_000003.safetensors",
+    ]
+    assert json.loads((run / "checkpoints" / "latest.json").read_text())["round"] == 3
+    loss_ax, traffic_ax = report_figure(rows).axes[:2]
+    assert list(map(int, loss_ax.lines[0].get_xdata())) == [1, 2, 3]  # type: ignore[arg-type]
+    bars = [b.get_center()[0] for b in traffic_ax.patches[:3]]  # type: ignore[attr-defined]
+    assert [round(x) for x in bars] == [1, 2, 3]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["results"]["train_loss"]["last_round"] == 3 and summary["rounds"] == 3

@@ -45,9 +45,13 @@ def test_smoke_fmnist_tiny(tmp_path: Path) -> None:
     for name in ("config.json", "metrics.jsonl", "report.png", "label_counts.csv", "summary.json"):
         assert (a.run_dir / name).is_file(), name
     rows = [json.loads(x) for x in (a.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["round"] for r in rows] == [1, 2, 3]  # counted from 1, like the bar and logs
+    assert sorted(p.name for p in (a.run_dir / "checkpoints").glob("round_*")) == [
+        f"round_{r:06d}.safetensors" for r in (1, 2, 3)
+    ]
     ckpt = load_checkpoint(latest_checkpoint_path(a.run_dir / "checkpoints"))  # type: ignore[arg-type]
-    assert ckpt.round == 2 and ckpt.model_sha256 == a.final_model_sha256
+    assert ckpt.round == 2 and ckpt.path.name == "round_000003.safetensors"
+    assert ckpt.model_sha256 == a.final_model_sha256
     assert ckpt.config == cfg
 
     b = simulate(cfg, tmp_path / "b", progress=False)

@@ -272,7 +272,8 @@ def test_an_open_round_is_dated_against_its_deadline() -> None:
     state = CloudState(round=3, session="a" * 16, phase="training", config_digest=cfg.digest(),
                        opened_at=1_000, deadline_s=100.0)  # fmt: skip
     st = FederationStatus(RUN, cfg.digest(), 5, cloud=state, cloud_online=True)
-    assert "training  round 3 of 5 (open 42 s of 100 s)   global" in format_status(st, "b", 1042.0)
+    # three rounds done, the fourth open
+    assert "training  round 4 of 5 (open 42 s of 100 s)   global" in format_status(st, "b", 1042.0)
     assert "(open 150 s of 100 s  OVERDUE)" in format_status(st, "b", 1150.0)
     done = state.model_copy(update={"phase": "done", "opened_at": None, "deadline_s": None})
     text = format_status(FederationStatus(RUN, cfg.digest(), 5, cloud=done), "b", 1150.0)

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     common = sorted(set.intersection(*(set(f) for f in fid.values())))
     print(f"# {root.name}: quality at equal rounds\n")
     head = ["method", "rounds done", "s/round (median)", "last MADA lambda"]
-    head += [f"FID r{r + 1}" for r in common] + ["device uploads MiB at last"]
+    head += [f"FID r{r}" for r in common] + ["device uploads MiB at last"]
     print("| " + " | ".join(head) + " |")
     print("|---" * (5 + len(common)) + "|")
     for label, rows in methods:

@@ -18,8 +18,10 @@ from shared.models.pruning import PRUNING_RECIPE
 
 #: file name of a finished method's record, inside its run directory
 RECORD = "method.json"
-#: version tag of the record; another tag is not reused
-RECORD_FORMAT = "estuary.compare-method/1"
+#: version tag of the record; another tag is not reused, except :data:`RECORD_FORMAT_V1`
+RECORD_FORMAT = "estuary.compare-method/2"
+#: the tag before rows counted rounds from 1: its rows are read with ``round + 1``
+RECORD_FORMAT_V1 = "estuary.compare-method/1"
 #: a record larger than this is not read (rows of 10,000 rounds are well under it)
 RECORD_MAX_BYTES = 64 * 2**20
 #: what a record written before a key existed implies for it (earlier runs trained in fp32)
@@ -94,7 +96,7 @@ def load_record(
         doc = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
         return None, f"{path} is not JSON ({e})"
-    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in (RECORD_FORMAT, RECORD_FORMAT_V1):
         return None, f"{path} is not a {RECORD_FORMAT} record"
     want = {
         "label": m.label,
@@ -125,6 +127,8 @@ def load_record(
     steps_ok = len(steps) == m.cfg.run.rounds and all(isinstance(n, int) and n >= 0 for n in steps)
     if not (rows_ok and steps_ok):
         return None, bad
+    if doc["format"] == RECORD_FORMAT_V1:  # its rows count rounds from 0
+        rows = [{**r, "round": r["round"] + 1} for r in rows]
     threads = doc.get("torch_threads")
     if not (threads is None or (type(threads) is int and threads > 0)):
         return None, f"{path}: torch_threads {threads!r} is not a positive integer"

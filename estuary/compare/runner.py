@@ -107,7 +107,7 @@ def run_centralized(
             model, pooled, cfg.train, scheduler, gen, steps=pending, device=device,
             optimizer=opt, after_step=average.update if average is not None else None,
         )  # fmt: skip
-        row: dict[str, Any] = {"round": r, "train_loss": result.mean_loss, "steps": pending}
+        row: dict[str, Any] = {"round": r + 1, "train_loss": result.mean_loss, "steps": pending}
         pending = 0
         if evaluator is not None:
             row["quality"] = evaluator.evaluate(

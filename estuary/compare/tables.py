@@ -389,7 +389,7 @@ def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
     fid_x, fid, fid_up = [], [], []
     total = weighted = uploaded = 0.0
     for row in run.rows:
-        step = float(done[row["round"]])
+        step = float(done[row["round"] - 1])
         b = acc.split_received(row.get("bytes", {}))
         total += acc.mib(b.total)
         uploaded += acc.mib(row.get("bytes", {}).get("received:device_update", 0))
@@ -450,13 +450,18 @@ def _accuracy_plot(runs: list[MethodRun], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for run in runs:
         rows = [r for r in run.rows if r.get("accuracy")]
-        x = [r["round"] + 1 for r in rows]
+        x = [r["round"] for r in rows]
         line = axes[0].plot(x, [100 * r["accuracy"]["after_mean"] for r in rows],
                             label=f"{run.method.label}, after FT")[0]  # fmt: skip
-        before = [(r["round"] + 1, r["accuracy"]) for r in rows if "before_mean" in r["accuracy"]]
+        before = [(r["round"], r["accuracy"]) for r in rows if "before_mean" in r["accuracy"]]
         if before:
-            axes[0].plot([b[0] for b in before], [100 * b[1]["before_mean"] for b in before],
-                         ls="--", color=line.get_color(), label=f"{run.method.label}, before FT")
+            axes[0].plot(
+                [b[0] for b in before],
+                [100 * b[1]["before_mean"] for b in before],
+                ls="--",
+                color=line.get_color(),
+                label=f"{run.method.label}, before FT",
+            )
             axes[1].plot([b[0] for b in before], [b[1]["before_under_60"] for b in before],
                          color=line.get_color(), label=run.method.label)  # fmt: skip
     axes[0].set(xlabel="round", ylabel="accuracy (%)", title="mean device test accuracy")

@@ -387,9 +387,9 @@ class FedDiffuse(Algorithm):
         if ctx.device not in assignment:
             raise EstuaryError(
                 f"USPLIT: {ctx.device} is not among the peers {ctx.peers} of {ctx.edge!r} in "
-                f"round {round_}; the device agent must fill DeviceContext.peers"
+                f"round {round_ + 1}; the device agent must fill DeviceContext.peers"
             )
-        log.debug("%s round %d reports %s", ctx.device, round_, sorted(assignment[ctx.device]))
+        log.debug("%s round %d reports %s", ctx.device, round_ + 1, sorted(assignment[ctx.device]))
         return assignment[ctx.device]
 
     # -- edge and cloud ----------------------------------------------------------------------

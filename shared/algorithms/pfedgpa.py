@@ -199,7 +199,7 @@ class PFedGPA(Algorithm):
             made = generate(self.dm, len(devices), gen, device=device)
         log.info("pfedgpa: %s for %d devices after %.1fs (round %d)",
                  self.settings.pfedgpa_mode, len(devices), time.perf_counter() - t0,
-                 round_)  # fmt: skip
+                 round_ + 1)  # fmt: skip
         self.modes = dict.fromkeys(devices, self.personal_mode)
         return self._splice(uploads, dict(zip(devices, made, strict=True)))
 
@@ -242,7 +242,7 @@ class PFedGPA(Algorithm):
                 start_t=s.pfedgpa_guide_from, device=device,
             )  # fmt: skip
         self.modes = dict.fromkeys(made, "guidance")
-        log.info("pfedgpa: guided %d new device(s) in round %d", len(made), round_)
+        log.info("pfedgpa: guided %d new device(s) in round %d", len(made), round_ + 1)
         return self._splice(uploads, made)
 
     # -- the cloud's own files (beside its checkpoints; never exported or published) ------

@@ -151,7 +151,7 @@ class FedPhDConfig(AlgorithmConfig):
         rounds, r_g, r_s = cfg.run.rounds, cfg.federation.cloud_every, self.sparse_rounds
         if self.prune_at == "init" and r_s:
             raise ValueError(
-                f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before round 0, so "
+                f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before the first round, so "
                 f"sparse_rounds (R_s={r_s}) would add the group penalty to the pruned "
                 "model and never prune again; set sparse_rounds = 0"
             )
@@ -159,7 +159,7 @@ class FedPhDConfig(AlgorithmConfig):
             raise ValueError(
                 f"algorithm.sparse_rounds (R_s={r_s}) is not a multiple of "
                 f"federation.cloud_every (r_g={r_g}): the cloud prunes after a central "
-                f"aggregation, so rounds {r_s}..{r_s - r_s % r_g + r_g - 1} would train "
+                f"aggregation, so rounds {r_s + 1}..{r_s - r_s % r_g + r_g} would train "
                 "the dense model without the penalty; use a multiple of r_g"
             )
         if self.prune_at == "sparse" and r_s >= rounds:
@@ -360,9 +360,7 @@ class PFedGPAConfig(AlgorithmConfig):
         _check_classifier_rounds("pfedgpa", cfg)
         guide = (self.pfedgpa_guide_steps, self.pfedgpa_guide_from, self.pfedgpa_timesteps)
         if self.pfedgpa_guide_rounds and not guide[0] <= guide[1] <= guide[2]:
-            raise ValueError(
-                "need pfedgpa_guide_steps <= pfedgpa_guide_from <= pfedgpa_timesteps"
-            )
+            raise ValueError("need pfedgpa_guide_steps <= pfedgpa_guide_from <= pfedgpa_timesteps")
         if self.pfedgpa_invert_from > self.pfedgpa_timesteps:
             raise ValueError("pfedgpa_invert_from cannot exceed pfedgpa_timesteps")
 

@@ -264,7 +264,7 @@ def export_classifier(
     e.g. the device's test split): max |logit difference| <= ``tolerance`` and the same
     argmax for every image, else :class:`ExportError` and nothing is written. With
     ``labels``, the card records ONNX Runtime's accuracy on them. ``origin`` (e.g.
-    ``{"device": "dev003", "round": 199, "algorithm": "pfedgpa"}``) is copied into the card.
+    ``{"device": "dev003", "round": 200, "algorithm": "pfedgpa"}``) is copied into the card.
 
     The export is unsigned by design: a device signs nothing it did not receive signed
     (the card says ``"signed": false``). Files an earlier export left in ``out_dir`` that

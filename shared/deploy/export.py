@@ -292,7 +292,7 @@ def _oneshot_parity(
 
 
 def _quality_of(run_dir: Path | None, round_: int) -> dict[str, Any] | None:
-    """The run's last quality evaluation at or before ``round_``, if it measured one."""
+    """The run's last quality evaluation at or before round ``round_`` (from 1), if any."""
     if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
         return None
     return last_quality(read_metrics(run_dir / "metrics.jsonl"), round_)
@@ -311,7 +311,8 @@ def model_card(
     quality: dict[str, Any] | None,
     parity: Parity | None = None,
 ) -> dict[str, Any]:
-    """The card that travels with a deployed model (and sits beside it as card.json)."""
+    """The card that travels with a deployed model (and sits beside it as card.json).
+    ``round_``: how many rounds trained the model (its last round, counted from 1)."""
     c, h, w = image_shape(cfg.model.preset)
     if is_oneshot(unet):
         nz = latent_dim(unet)
@@ -389,9 +390,9 @@ def export_generator(
     threshold = threshold if threshold is not None else (5e-2 if fp16 else 1e-4)
     return export_module(
         cfg, unet, ckpt.plan, out_dir,
-        round_=ckpt.round, source=str(ckpt_path), fp16=fp16, opset=opset, threshold=threshold,
+        round_=ckpt.round + 1, source=str(ckpt_path), fp16=fp16, opset=opset, threshold=threshold,
         parity_steps=parity_steps, signing_key=signing_key,
-        quality=_quality_of(run_dir, ckpt.round), start=start,
+        quality=_quality_of(run_dir, ckpt.round + 1), start=start,
     )  # fmt: skip
 
 
@@ -437,7 +438,8 @@ def export_module(
     algorithm: Algorithm | None = None,
 ) -> ExportResult:
     """:func:`export_generator` for a module in hand (the cloud after training, which
-    passes its ``algorithm``; else the one ``cfg`` names)."""
+    passes its ``algorithm``; else the one ``cfg`` names). ``round_``: the model's last
+    round, counted from 1 (None: not from a run)."""
     start = time.perf_counter() if start is None else start
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise ExportError(f"parity threshold must be a finite number >= 0, got {threshold}")

@@ -80,7 +80,7 @@ class RunRecorder:
         self.metrics_path = run_dir / "metrics.jsonl"
         if resume_after is not None and self.metrics_path.is_file():
             # a restarted cloud keeps the rows up to its checkpoint and redoes the rest
-            kept = [r for r in read_metrics(self.metrics_path) if r["round"] <= resume_after]
+            kept = [r for r in read_metrics(self.metrics_path) if r["round"] <= resume_after + 1]
             self.rows = kept
         atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
 
@@ -96,7 +96,7 @@ class RunRecorder:
         else:
             down = sum(v for k, v in received.items() if k not in UP_KINDS)
         row: dict[str, Any] = {
-            "round": s.round,
+            "round": s.round + 1,  # 1-based, as people count (the wire counts from 0)
             "train_loss": s.mean_loss,
             "participants": s.participants,
             "updates": s.updates,
@@ -144,7 +144,7 @@ class RunRecorder:
         model.eval()
         if want_grid:
             path = write_grid(
-                self.cfg, model, self.run_dir / "samples" / f"round_{s.round:06d}.png",
+                self.cfg, model, self.run_dir / "samples" / f"round_{s.round + 1:06d}.png",
                 device=self.device,
             )  # fmt: skip
             row["grid"] = str(path.relative_to(self.run_dir))

@@ -169,7 +169,11 @@ class RoleMetrics:
             "estuary_info", "Role and instance of this process.", ("role", "instance"), registry=reg
         )
         info.labels(role=role, instance=name).set(1)
-        self.round = Gauge("estuary_round", "Current federated round.", registry=reg)
+        self.round = Gauge(
+            "estuary_round",
+            "Rounds completed (the 0-based index of the round in progress).",
+            registry=reg,
+        )
         self.round_started = Gauge(
             "estuary_round_start_time_seconds",
             "Unix time the current round opened (cloud).",

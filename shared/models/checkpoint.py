@@ -1,8 +1,11 @@
 """Atomic checkpoints: safetensors weights plus the config used and the round, written to a
 temporary file and renamed into place so a crash never leaves a half-written checkpoint.
 
-Layout under ``DIR``: ``round_000004.safetensors`` files and ``latest.json`` pointing at the
-newest one (written after it, also atomically).
+Layout under ``DIR``: ``round_000004.safetensors`` holds the model after the fourth round (file
+names and ``latest.json`` count rounds from 1, as every figure a person reads does), and
+``latest.json`` points at the newest one (written after it, also atomically). Inside, the
+metadata's ``round`` is the protocol's 0-based index of that round (3 for the fourth), which is
+what a resume continues after.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_m
 __all__ = [
     "Checkpoint",
     "atomic_write",
+    "checkpoint_name",
     "decode_checkpoint",
     "is_checkpoint",
     "latest_checkpoint_path",
@@ -40,6 +44,7 @@ CHECKPOINT_FORMAT = "estuary-checkpoint-v1"
 class Checkpoint:
     """A loaded checkpoint."""
 
+    #: 0-based index of the round it was saved after (people read ``round + 1``)
     round: int
     model: dict[str, torch.Tensor]
     algo_state: dict[str, torch.Tensor]
@@ -57,6 +62,12 @@ def model_digest(model: dict[str, torch.Tensor]) -> str:
     return sha256_hex(encode_tensors(model))
 
 
+def checkpoint_name(round_: int) -> str:
+    """File name of the checkpoint after the round of 0-based index ``round_``:
+    ``round_000004.safetensors`` after the fourth round."""
+    return f"round_{round_ + 1:06d}.safetensors"
+
+
 def save_checkpoint(
     directory: Path,
     round_: int,
@@ -66,7 +77,8 @@ def save_checkpoint(
     plan: ChannelPlan | None = None,
     init: str | None = None,
 ) -> Path:
-    """Write ``round_XXXXXX.safetensors`` and update ``latest.json``; returns the file path.
+    """Write :func:`checkpoint_name` of ``round_`` (the 0-based index of the round just
+    finished) and update ``latest.json``; returns the file path.
 
     ``init`` is the :func:`~shared.models.init.init_fingerprint` of ``cfg.model.init`` (what the
     run started from, by content), recorded so that a resume can tell a moved init file from
@@ -83,9 +95,9 @@ def save_checkpoint(
         meta["arch"] = json.dumps(plan.doc, sort_keys=True)
     if init is not None:
         meta["init"] = init
-    path = directory / f"round_{round_:06d}.safetensors"
+    path = directory / checkpoint_name(round_)
     atomic_write(path, encode_tensors(tensors, meta))
-    pointer = {"round": round_, "file": path.name, "model_sha256": meta["model_sha256"]}
+    pointer = {"round": round_ + 1, "file": path.name, "model_sha256": meta["model_sha256"]}
     atomic_write(directory / "latest.json", json.dumps(pointer, indent=2).encode())
     return path
 
