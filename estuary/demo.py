@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from estuary.launcher import Hierarchy
 from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict, load_config, model_kind
 from shared.errors import EstuaryError
 from shared.evaluation.report import read_metrics
+from shared.progress import progress_bar
 from shared.runtime.process import interrupts_as_keyboard
 from shared.transport.local_broker import BrokerKind, LocalBroker
 
@@ -246,7 +245,7 @@ def _follow(
     scrapes: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + OVERALL_TIMEOUT_S
     next_scrape = 0.0
-    with tqdm(total=cfg.run.rounds, desc="demo", unit="round", disable=not progress) as bar:
+    with progress_bar(total=cfg.run.rounds, desc="demo", unit="round", disable=not progress) as bar:
         while hier.procs["cloud"].alive:
             if time.monotonic() > deadline:
                 raise EstuaryError(f"demo did not finish within {OVERALL_TIMEOUT_S:.0f}s")

@@ -118,10 +118,10 @@ def _progress(total: int, *, quiet: bool) -> Any:
     if quiet:
         return None
     try:
-        from tqdm import tqdm
-    except ImportError:
+        from shared.progress import progress_bar
+    except ImportError:  # a device image without tqdm
         return None
-    return tqdm(total=total, unit="img", desc="sampling")
+    return progress_bar(total=total, unit="img", desc="sampling")
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

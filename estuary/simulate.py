@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
@@ -37,6 +36,7 @@ from shared.models.init import initial_model
 from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
+from shared.progress import progress_bar
 from shared.runtime.cpu import set_torch_threads
 from shared.transport.bus import MemoryBus
 
@@ -196,7 +196,8 @@ def simulate(
     if cloud.algorithm.local_parts:
         recorder.client_models_fn = functools.partial(client_modules, fed)
     fed.start()
-    with tqdm(total=cfg.run.rounds, desc=cfg.run.name, unit="round", disable=not progress) as bar:
+    bar_args = {"total": cfg.run.rounds, "desc": cfg.run.name, "unit": "round"}
+    with progress_bar(**bar_args, disable=not progress) as bar:
         recorder.bar = bar
         bus.run(lambda: cloud.done)
     if not cloud.done:

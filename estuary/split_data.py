@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from shared.atomic import atomic_write
 from shared.config import RunConfig, with_overrides
@@ -26,6 +25,7 @@ from shared.data.partition import split_dataset
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import reference_indices
 from shared.naming import device_name
+from shared.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSumm
         return write_image_folder(share, folder, [f"{i:0{width}d}" for i in indices])
 
     sizes = []
-    for i, idx in enumerate(tqdm(parts, desc="devices", unit="dev", disable=not progress)):
+    for i, idx in enumerate(progress_bar(parts, desc="devices", unit="dev", disable=not progress)):
         sizes.append(write(data.subset(idx), idx, out / device_name(i)))
     ref = reference_indices(len(data), cfg.eval.num_reference)
     n_ref = write(data.subset(ref), ref, out / "cloud")

@@ -98,3 +98,32 @@ def test_rounds_are_counted_from_one_everywhere_a_person_reads_them(tmp_path: Pa
     assert [round(x) for x in bars] == [1, 2, 3]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["results"]["train_loss"]["last_round"] == 3 and summary["rounds"] == 3
+
+
+def test_the_progress_bar_shows_on_a_terminal_that_reports_no_size() -> None:
+    """A fresh pseudo-terminal reports 0 columns and 0 rows (``script``, some ``docker exec
+    -t``); tqdm alone draws nothing there, the demo's bar gets a size and shows."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    draw = (
+        "from {} import {} as bar\n"
+        "with bar(total=4, desc='demo', unit='round') as b:\n"
+        "    b.set_description_str('demo: round 2: devices training'); b.update(1)\n"
+    )
+
+    def on_a_fresh_pty(code: str) -> str:
+        master, slave = pty.openpty()
+        try:
+            assert os.get_terminal_size(slave) == (0, 0)
+            subprocess.run([sys.executable, "-c", code], stderr=slave, check=True, timeout=60)
+            return os.read(master, 65536).decode()
+        finally:
+            os.close(master)
+            os.close(slave)
+
+    assert "round 2" not in on_a_fresh_pty(draw.format("tqdm", "tqdm"))  # what this fixes
+    out = on_a_fresh_pty(draw.format("shared.progress", "progress_bar"))
+    assert "demo: round 2: devices training" in out and "1/4" in out

@@ -30,9 +30,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from shared.errors import DataError
+from shared.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def load_image_folder(
     images: list[np.ndarray] = []
     labels: list[int] = []
     skipped: list[str] = []
-    bar = tqdm(
+    bar = progress_bar(
         files, desc=f"reading {root}", unit="img", mininterval=2.0,
         disable=not progress or len(files) < 5000,
     )  # fmt: skip

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from shared.config import DataSection, RunConfig
 from shared.data.datasets import ImageDataset, load_dataset, load_image_folder
 from shared.errors import ConfigError
 from shared.models.presets import check_trainable
 from shared.naming import device_name
+from shared.progress import progress_bar
 
 Parts = list[np.ndarray]
 
@@ -249,7 +249,7 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
                 "`estuary split-data` writes that layout), or data.path to one image folder "
                 "to split across the devices"
             )
-        devices = tqdm(
+        devices = progress_bar(
             range(cfg.federation.num_devices), desc="reading device folders", unit="dev",
             disable=not progress,
         )  # fmt: skip

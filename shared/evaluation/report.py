@@ -148,7 +148,8 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
         ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", marker="^", color="C4",
                  label="recall")  # fmt: skip
         ax2.set(ylim=(0, 1), ylabel="precision / recall")
-        ax2.legend(fontsize=8, loc="upper right")
+        handles = ax.get_lines() + ax2.get_lines()  # one legend for both axes' lines
+        ax2.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right")
     else:
         ax.text(0.5, 0.5, "no quality evaluation in this run", ha="center", va="center")
     ax.set(title="sample quality", xlabel="round")
