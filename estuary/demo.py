@@ -260,8 +260,9 @@ def _follow(
                 bar.update(len(rows) - bar.n)
                 last = rows[-1]
                 post = {"loss": f"{last['train_loss']:.4f}" if last["train_loss"] else "-"}
-                if last.get("quality"):
-                    post["FID"] = f"{last['quality']['fid']:.1f}"
+                measured = [r["quality"] for r in rows if r.get("quality")]
+                if measured:  # the latest FID stays shown between evaluations
+                    post["FID"] = f"{measured[-1]['fid']:.1f}"
                 bar.set_postfix(post)
             if time.monotonic() >= next_scrape:
                 scrapes.update(hier.scrape_all())

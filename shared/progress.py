@@ -17,7 +17,7 @@ from tqdm import tqdm
 __all__ = ["FALLBACK_COLUMNS", "FALLBACK_ROWS", "bar_columns", "progress_bar"]
 
 #: size of a terminal that reports none
-FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24
+FALLBACK_COLUMNS, FALLBACK_ROWS = 120, 24
 
 
 def bar_columns(stream: IO[str] | None = None) -> int | None:
