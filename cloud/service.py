@@ -208,6 +208,11 @@ class CloudServer(RoleService):
         self.failed: str | None = None
         self.opened_at = 0.0
         self.aggregations = 0
+        #: the first round this process runs (a resumed cloud starts after its checkpoint)
+        self.start_round = start_round
+        #: device contributions the edges reported in this process's rounds: none after
+        #: all of them means nothing trained the model, a failure, not a finished run
+        self.contributions = 0
         self.checkpoint_dir = checkpoint_dir
         self.on_round_end = on_round_end
         #: called once the last round is aggregated; it deploys and then calls
@@ -221,9 +226,11 @@ class CloudServer(RoleService):
         self.on(t.all_edge_up, EdgeUpdate, self.on_edge_update, "msg_edge_update")
         for pattern in (t.all_device_status, t.all_edge_status):
             self.on(pattern, Presence, self.on_presence, "msg_presence")
-        self.announce_presence(True)
         self.metrics.model_params.set(self.model_params())
+        # the new session's state first: a role that sees this cloud online must not find a
+        # finished run's retained "done" still in place (see follow_cloud)
         self._publish_state("waiting")
+        self.announce_presence(True)
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
 
     def global_module(self) -> nn.Module:
@@ -454,6 +461,7 @@ class CloudServer(RoleService):
         for edge, (m, _t) in self.reports.items():
             if edge in self.edge_counts and len(m.label_counts) == NUM_CLASSES:
                 self.edge_counts[edge] = list(m.label_counts)
+            self.contributions += len(m.devices)
         if (r + 1) % self.cfg.federation.cloud_every == 0:
             updates = [  # sorted: the same float summation order on every bus
                 Update(m.edge, t, m.n_samples, tuple(m.label_counts), m.part_samples)
@@ -571,6 +579,19 @@ class CloudServer(RoleService):
             self.metrics.model_bytes.set(self.global_ref.size)
 
     def _finish(self) -> None:
+        ran = self.round - self.start_round
+        if ran > 0 and self.contributions == 0:
+            # every round closed without a single device's work: the model is the one this
+            # process started from, and a "finished" run would deploy it as trained
+            self.failed = (
+                f"none of the {ran} round(s) this cloud ran received a device's update (each "
+                f"closed with fewer than federation.min_updates = "
+                f"{self.cfg.federation.min_updates}); the model is untrained: not deploying. "
+                "Check that the edges and devices run this config on this broker (`estuary "
+                "status`) and the edges' logs for rejected updates"
+            )
+            log.error("%s", self.failed)
+            return
         # the retained state of a finished run names the final model (fetchable from a cloud
         # that stays), not the last one the edges were sent
         self._put_global()

@@ -122,6 +122,11 @@ class DeviceAgent(RoleService):
         self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
         self.config_digest = cfg.digest()
 
+    def joined_session(self) -> str | None:
+        """The session of the last round this device was announced (restored state does not
+        count: it may be a finished run's)."""
+        return self.current[0] if self.current is not None else None
+
     def start(self) -> None:
         """Read the saved state (``--state-dir``), subscribe to round announcements and
         publish the retained registration."""

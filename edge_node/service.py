@@ -140,6 +140,10 @@ class EdgeServer(RoleService):
         names = self.algorithm.part_names
         return dict.fromkeys(names, 0) if names else None
 
+    def joined_session(self) -> str | None:
+        """The session of the last round this edge opened."""
+        return self.session
+
     def start(self) -> None:
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")

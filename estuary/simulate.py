@@ -30,6 +30,7 @@ from shared.config import RunConfig, model_kind
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
 from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
+from shared.errors import EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import headline, plot_report
 from shared.models.init import initial_model
@@ -199,7 +200,9 @@ def simulate(
     bar_args = {"total": cfg.run.rounds, "desc": cfg.run.name, "unit": "round"}
     with progress_bar(**bar_args, disable=not progress) as bar:
         recorder.bar = bar
-        bus.run(lambda: cloud.done)
+        bus.run(lambda: cloud.done or cloud.failed is not None)
+    if cloud.failed is not None:
+        raise EstuaryError(f"the simulated cloud stopped: {cloud.failed}")
     if not cloud.done:
         raise RuntimeError("simulation stopped before the cloud finished (no events left)")
     plot_report(

@@ -36,6 +36,7 @@ from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
 from shared.models.presets import build_unet
+from shared.runtime.service import REJECT_LOG_BURST, LogLimiter
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import diff_counts
@@ -264,6 +265,7 @@ def check_rejected(
     """Open a round, run ``attack``, and check the rejection and that the round completes
     (``after_reject`` runs once the rejection is counted, before the good update)."""
     caplog.set_level(logging.WARNING)
+    fed.edge.reject_log = LogLimiter()  # each test sees its own lines (the edge lives on)
     r = fed.open_round()
     before = fed.rejected()
     caplog.clear()
@@ -361,6 +363,34 @@ def test_oversized_message_is_rejected(fed: Harness, caplog: pytest.LogCaptureFi
     """A message above MAX_MESSAGE_BYTES is refused before it is parsed."""
     padding = "x" * (MAX_MESSAGE_BYTES + 1)
     check_rejected(fed, caplog, "too_large", lambda r: fed.evil_raw(_with(pad=padding)(r)))
+
+
+def test_a_flood_of_bad_messages_is_counted_whole_and_logged_in_a_few_lines(
+    fed: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """2,000 malformed messages from one device: every one counted, a handful of log lines
+    (the last one saying that further ones are counted only), and the round completes."""
+    caplog.set_level(logging.WARNING)
+    fed.edge.reject_log = LogLimiter()
+    r = fed.open_round()
+    before = fed.rejected()
+    caplog.clear()
+    flood = 2000
+    infos = [fed.raw.publish(fed.topics.device_up(EVIL), b"{not json", qos=1) for _ in range(flood)]
+    for info in infos:
+        info.wait_for_publish(WAIT_S)
+    wait_for(lambda: fed.rejected().get("edge:bad_json", 0) - before.get("edge:bad_json", 0)
+             >= flood, "every flooded message counted", timeout_s=60)  # fmt: skip
+    report, _ = fed.finish_round(r)
+    assert diff_counts(fed.rejected(), before) == {"edge:bad_json": flood}
+    lines = [
+        rec.getMessage()
+        for rec in caplog.records
+        if "rejected input (bad_json)" in rec.getMessage()
+    ]
+    assert len(lines) == REJECT_LOG_BURST, len(lines)
+    assert "are counted, not logged" in lines[-1]
+    assert report.devices == [GOOD]
 
 
 # -- well-formed updates that fail the edge's own checks ----------------------------------------

@@ -155,13 +155,44 @@ def connect_bus(
 
 
 def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
-    """Call ``on_done`` once the cloud's retained state says the run is over."""
+    """Call ``on_done`` (once) when the cloud says the run of this config is over.
 
-    def handler(msg: CloudState) -> None:
-        if msg.done_for(service.cfg.digest()):
+    A "done" counts when this process took part in that session (a round of it reached
+    it: :meth:`~shared.runtime.service.RoleService.joined_session`) or while the cloud is
+    online (its retained presence). A finished run's retained "done", with its cloud gone,
+    is stale: a process started to run the config again waits for the new cloud, which
+    replaces that state with its own before it says it is online, instead of leaving at
+    once (and leaving the new cloud to run every round with no one)."""
+    digest = service.cfg.digest()
+    seen: dict[str, CloudState | bool | None] = {"state": None, "online": False, "ended": False}
+    told: set[str] = set()  # the stale sessions already logged
+
+    def check() -> None:
+        msg = seen["state"]
+        if seen["ended"] or not isinstance(msg, CloudState) or not msg.done_for(digest):
+            return
+        if seen["online"] or msg.session == service.joined_session():
+            seen["ended"] = True
             on_done()
+        elif msg.session not in told and len(told) < 16:
+            told.add(msg.session)
+            log.info(
+                "%s: the broker holds a finished run's state (session %s) and no cloud is "
+                "online: waiting for this run's cloud", service.name, msg.session,
+            )  # fmt: skip
 
-    service.on(service.topics.cloud_state, CloudState, handler, "msg_cloud_state")
+    def on_state(msg: CloudState) -> None:
+        seen["state"] = msg
+        check()
+
+    def on_presence(msg: Presence) -> None:
+        if msg.role == "cloud":
+            seen["online"] = msg.online
+            check()
+
+    service.on(service.topics.cloud_state, CloudState, on_state, "msg_cloud_state")
+    service.on(service.topics.status(home_of("cloud", "cloud")), Presence, on_presence,
+               "msg_presence")  # fmt: skip
 
 
 def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:

@@ -7,6 +7,8 @@ Role services subclass :class:`RoleService`; their handlers receive validated me
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -30,6 +32,51 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M")
 
+#: rejections logged per reason and window; the rest are counted (as every rejection is, in
+#: ``estuary_rejected_total``) and summed up in the next line logged for that reason
+REJECT_LOG_BURST, REJECT_LOG_WINDOW_S = 5, 60.0
+
+
+class LogLimiter:
+    """At most ``burst`` log lines per key in each ``window_s``: a flood of one bad message
+    (10,000 copies) writes a handful of lines, not 10,000. Keys are bounded (``max_keys``,
+    least recently used dropped)."""
+
+    def __init__(
+        self,
+        burst: int = REJECT_LOG_BURST,
+        window_s: float = REJECT_LOG_WINDOW_S,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 256,
+    ) -> None:
+        self.burst, self.window_s, self.clock, self.max_keys = burst, window_s, clock, max_keys
+        #: key -> [window start, lines logged in it, lines suppressed since the last one]
+        self._keys: OrderedDict[str, list[float]] = OrderedDict()
+
+    def admit(self, key: str) -> int | None:
+        """None: do not log this one (counted as suppressed). Else the number suppressed
+        since the last line logged for ``key`` (to say so in this one)."""
+        now = self.clock()
+        entry = self._keys.pop(key, None)
+        if entry is None or now - entry[0] >= self.window_s:
+            entry = [now, 0.0, entry[2] if entry is not None else 0.0]
+        self._keys[key] = entry
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        if entry[1] >= self.burst:
+            entry[2] += 1
+            return None
+        entry[1] += 1
+        suppressed, entry[2] = int(entry[2]), 0.0
+        return suppressed
+
+    def exhausted(self, key: str) -> bool:
+        """Whether ``key`` has used its lines of the current window (the line just admitted
+        was the last one)."""
+        entry = self._keys.get(key)
+        return entry is not None and entry[1] >= self.burst
+
 
 class RoleService:
     """Base of the cloud, edge and device services: one endpoint, one name, one config."""
@@ -44,6 +91,7 @@ class RoleService:
         self.topics = Topics(cfg.run.name)
         self.traffic: Traffic = bus.traffic
         self.metrics = RoleMetrics(self.role, name, bus.traffic)
+        self.reject_log = LogLimiter()
 
     def presence(self, online: bool) -> Presence:
         """This instance's presence message (the offline one is the MQTT last will)."""
@@ -57,14 +105,31 @@ class RoleService:
         """Subscribe to what this role handles and announce it (each role implements it)."""
         raise NotImplementedError
 
+    def joined_session(self) -> str | None:
+        """The cloud session whose rounds this process has taken part in (None: none yet)."""
+        return None
+
     def stop(self) -> None:
         """Say goodbye (retained ``online: false``) before a clean shutdown."""
         self.announce_presence(False)
 
     def reject(self, reason: str, detail: str = "") -> None:
-        """Count and log a rejected input; the service carries on."""
+        """Count and log a rejected input; the service carries on. Every rejection is
+        counted; the log gets :data:`REJECT_LOG_BURST` lines per reason a minute, the next
+        line saying how many it left out."""
         self.traffic.reject(self.role, reason)
-        log.warning("%s rejected input (%s): %s", self.name, reason, detail)
+        suppressed = self.reject_log.admit(reason)
+        if suppressed is None:
+            return
+        notes = []
+        if suppressed:
+            notes.append(f"{suppressed} more not logged before this one")
+        if self.reject_log.exhausted(reason):
+            window = self.reject_log.window_s
+            notes.append(f"further '{reason}' rejections in the next {window:.0f} s at most "
+                         "are counted, not logged")  # fmt: skip
+        more = f" [{'; '.join(notes)}]" if notes else ""
+        log.warning("%s rejected input (%s): %s%s", self.name, reason, detail, more)
 
     def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.

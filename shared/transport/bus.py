@@ -202,7 +202,7 @@ class Endpoint:
         if len(data) != size:
             raise CodecError(
                 f"blob {sha256[:12]}… has {len(data)} bytes, expected {size}",
-                reason="blob_hash_mismatch",
+                reason="blob_size_mismatch",
             )
         self.bus.traffic.count("received", kind, len(data))
         return data
