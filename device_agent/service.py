@@ -328,6 +328,9 @@ class DeviceAgent(RoleService):
             return None, ("other-config", (
                 f"saved under config {saved.config_digest}, this run is {self.config_digest}"
             ))  # fmt: skip
+        if saved.round >= self.cfg.run.rounds:  # no real round of this run can be that late
+            return None, ("bad-round", f"round {saved.round + 1} of a "
+                          f"{self.cfg.run.rounds}-round run")  # fmt: skip
         try:
             plan = parse_plan(self.cfg.model.preset, saved.plan)
         except ConfigError as err:
@@ -389,8 +392,19 @@ class DeviceAgent(RoleService):
 
     # -- training ------------------------------------------------------------------------
     def on_edge_round(self, msg: EdgeRound) -> None:
-        """Train on the announced model if this device is assigned to (or chose) it."""
+        """Train on the announced model if this device is assigned to (or chose) it: under a
+        static assignment only its home edge's, under selection only the chosen edge's, and
+        never a round past the run's last (a forged far-future round would otherwise make
+        every real round look late, also after a restart from the state it saved)."""
         if self.name not in msg.devices:
+            return
+        if msg.round >= self.cfg.run.rounds:
+            self.reject("round_out_of_range", f"{msg.edge} announced round {msg.round + 1} of "
+                        f"a {self.cfg.run.rounds}-round run")  # fmt: skip
+            return
+        if not msg.select and msg.edge != self.home_edge:
+            self.reject("not_my_edge", f"{msg.edge} announced round {msg.round + 1}; this "
+                        f"device's edge is {self.home_edge}")  # fmt: skip
             return
         if msg.select:
             if self.choices.get((msg.session, msg.round)) != msg.edge:

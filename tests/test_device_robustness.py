@@ -31,7 +31,7 @@ OTHER_SESSION = "fedcba9876543210"
 COUNTS = [1] * 10
 
 #: settings under which a few local SGD steps blow up to NaN
-DIVERGING = {"lr": 10.0, "local_steps": 6, "optimizer": "sgd", "grad_clip": 0}
+DIVERGING: dict[str, Any] = {"lr": 10.0, "local_steps": 6, "optimizer": "sgd", "grad_clip": 0}
 
 
 def rejected(bus: MemoryBus) -> dict[str, int]:
@@ -61,7 +61,9 @@ class Edge(RoleService):
 
     role = "edge"
 
-    def announce(self, round_: int, *, upload: bool, ref: Any = None) -> Any:
+    def announce(
+        self, round_: int, *, upload: bool, ref: Any = None, select: bool = False
+    ) -> Any:
         """Send an EdgeRound for ``round_`` (a fresh model blob unless ``ref``); the ref."""
         if ref is None:
             ref = put_model(self, "edge_model")
@@ -73,14 +75,18 @@ class Edge(RoleService):
             model_ref=ref,
             upload=upload,
             deadline_s=60.0,
+            select=select,
         )
         self.send(self.topics.edge_round(self.name), msg)
         return ref
 
 
-def edge_setup(**train: Any) -> tuple[MemoryBus, DeviceAgent, Edge, list[DeviceUpdate]]:
+def edge_setup(
+    *, federation: dict[str, Any] | None = None, **train: Any
+) -> tuple[MemoryBus, DeviceAgent, Edge, list[DeviceUpdate]]:
     """A device and a hand-made edge; the list collects what the device reports."""
-    cfg = tiny_config(federation={"num_devices": 1, "num_edges": 1}, train=train)
+    fed = {"num_devices": 1, "num_edges": 1, **(federation or {})}
+    cfg = tiny_config(federation=fed, train=train)
     bus = MemoryBus(raise_errors=False)  # like MqttBus: handler errors are logged + counted
     dev = make_device(cfg, bus)
     edge = Edge("edge0", cfg, bus)
@@ -125,17 +131,35 @@ def test_local_model_is_continued_only_at_the_same_edge() -> None:
     """r_e > 1: the next round continues the device's own model only when the same edge
     announces the same model; at another edge (which counts only its own devices' rounds)
     with the same global model it starts again from that edge's model."""
-    bus, dev, edge, ups = edge_setup()
+    fed = {"num_devices": 2, "num_edges": 2, "assignment": "random"}
+    bus, dev, edge, ups = edge_setup(federation=fed)
     other = Edge("edge1", dev.cfg, bus)
     fetches = count_fetches(dev)
-    ref = edge.announce(0, upload=False)
+    dev.choices.update({(SESSION, 0): "edge0", (SESSION, 1): "edge0", (SESSION, 2): "edge1"})
+    ref = edge.announce(0, upload=False, select=True)
     bus.run(lambda: False)
-    edge.announce(1, upload=False, ref=ref)
+    edge.announce(1, upload=False, ref=ref, select=True)
     bus.run(lambda: False)
     assert len(fetches) == 1 and dev.kept_local is not None  # continued at edge0
-    other.announce(2, upload=True, ref=ref)
+    other.announce(2, upload=True, ref=ref, select=True)
     bus.run(lambda: False)
     assert len(fetches) == 2 and [u.round for u in ups] == [0, 1, 2]
+
+
+def test_a_forged_round_from_another_edge_or_past_the_run_is_refused() -> None:
+    """Under a static assignment a device trains only its home edge's rounds, and never a
+    round past the run's last: a far-future round would make every real round "late" (and
+    reach the state file). Both are counted; the real round then trains as usual."""
+    bus, dev, edge, ups = edge_setup()
+    rogue = Edge("edge7", dev.cfg, bus)
+    rogue.announce(0, upload=True)
+    edge.announce(10**6, upload=True)
+    bus.run(lambda: False)
+    assert rejected(bus) == {"device:not_my_edge": 1, "device:round_out_of_range": 1}
+    assert ups == [] and dev.last_update is None
+    edge.announce(0, upload=True)
+    bus.run(lambda: False)
+    assert [u.round for u in ups] == [0]
 
 
 def test_diverged_local_round_is_not_continued_next_round() -> None:
