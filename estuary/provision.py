@@ -5,6 +5,8 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
 
     mosquitto/passwd              one PBKDF2-SHA512 ($7$) entry per role instance
     mosquitto/acl                 per-user topic rules (below)
+    mosquitto/mosquitto.conf      a broker config that uses both and binds each client's id
+                                  to its user name (``mosquitto -c`` it; below)
     credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*, and
                                   observer (read-only account of `estuary status`)
     keys/deploy_ed25519.pem       deployment signing key (cloud only)
@@ -25,6 +27,16 @@ and deployment reports, and requests for its own blobs. Only the cloud writes ``
 written only by the cloud and read only by the cloud and that device: no edge reads it. The
 ``observer`` account writes nothing and reads only the retained state and presence
 ``estuary status`` shows (:func:`estuary.status.observer_topics`).
+
+The ACL is per user name, and the client id would be a second identity beside it: a broker
+keys connections and persistent sessions by client id, and the roles' ids are predictable
+(``<run>-<name>``), so one device's credentials presenting the edge's id would disconnect the
+edge and receive what its session queued. :func:`mosquitto_conf` therefore binds each
+client's id to its user name (``use_username_as_clientid``, on every listener it writes), as
+do the shipped compose and Kubernetes configs and the local broker with a password file
+(:class:`~shared.transport.local_broker.LocalBroker`). Each instance has its own account, so
+its session is its own; a second connection with the same account replaces the first (and
+takes its session).
 """
 
 from __future__ import annotations
@@ -46,11 +58,15 @@ from shared.config import RunConfig
 from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
+from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits
 from shared.wire.messages import ROOT, Topics
 
 log = logging.getLogger(__name__)
 
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for the $7$ (PBKDF2-SHA512) format
+BROKER_CONF = "mosquitto.conf"  # in DIR/mosquitto/, beside passwd and acl
+MQTT_PORT = 1883
+MQTTS_PORT = 8883  # the one listener with --tls-host
 
 
 def mosquitto_hash(password: str, *, salt: bytes | None = None) -> str:
@@ -121,6 +137,45 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
             lines.append(f"topic read {base}/edge/{e}/blob/#")
         lines.append("")
     return "\n".join(lines)
+
+
+def mosquitto_conf(run: str, out: Path, *, tls: bool = False) -> str:
+    """The Mosquitto 2 config for a provisioning in ``out`` (paths as they will be there):
+    no anonymous clients, the password file and ACL, each client's id bound to its user name,
+    the roles' packet and queue limits; with ``tls``, one listener on 8883 with the
+    provisioned server certificate instead of plain MQTT on 1883."""
+    mq, certs = out.resolve() / "mosquitto", out.resolve() / "tls"
+    listener = [
+        f"listener {MQTTS_PORT if tls else MQTT_PORT}",
+        BIND_CLIENT_ID,  # a listener option: right after its listener line
+    ]
+    if tls:
+        listener += [
+            f"cafile {certs / 'ca.pem'}",
+            f"certfile {certs / 'server.pem'}",
+            f"keyfile {certs / 'server.key'}",
+        ]
+    lines = [
+        f"# Mosquitto 2 for Estuary run {run!r}, written by `estuary provision`; start it with",
+        f"#   mosquitto -c {mq / BROKER_CONF}",
+        "# Only the provisioned accounts log in, the ACL keeps each to its own topics, and each",
+        "# client's id is its user name: a client cannot take over another account's connection",
+        "# or session by claiming its id. Give every process its own account: a second",
+        "# connection with an account replaces the first and takes its session.",
+        *listener,
+        "allow_anonymous false",
+        f"password_file {mq / 'passwd'}",
+        f"acl_file {mq / 'acl'}",
+        "",
+        *mosquitto_limits(),
+        "",
+        "# to keep sessions and retained state across broker restarts:",
+        "#persistence true",
+        "#persistence_location /var/lib/mosquitto/",
+        "connection_messages true",
+        "log_timestamp true",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _write_secret(path: Path, data: bytes) -> None:
@@ -257,7 +312,12 @@ def provision(
                         "provisioning it again", out)  # fmt: skip
             unfinished = True
         elif keep:
-            return _kept(out, cfg.run.name, names)
+            kept = _kept(out, cfg.run.name, names)
+            conf_path = out / "mosquitto" / BROKER_CONF
+            if not conf_path.exists():  # made by an older estuary: the rest still holds
+                conf_path.write_text(mosquitto_conf(cfg.run.name, out, tls="tls" in kept))
+                log.info("wrote %s, which this provisioning did not have yet", conf_path)
+            return {**kept, "broker_conf": str(conf_path)}
         else:
             raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
     if not force and not unfinished:
@@ -280,12 +340,15 @@ def provision(
         _write_secret(stage / "mosquitto" / "passwd", ("\n".join(entries) + "\n").encode())
         acl = acl_text(cfg, devices=devices, edges=edges)
         (stage / "mosquitto" / "acl").write_text(acl + "\n")
+        conf = mosquitto_conf(cfg.run.name, out, tls=bool(tls_hosts))
+        (stage / "mosquitto" / BROKER_CONF).write_text(conf)
         generate_keys(stage / "keys")
         info: dict[str, Any] = {
             "run": cfg.run.name,
             "users": names,
             "passwd": str(out / "mosquitto" / "passwd"),
             "acl": str(out / "mosquitto" / "acl"),
+            "broker_conf": str(out / "mosquitto" / BROKER_CONF),
             "signing_key": str(out / "keys" / PRIVATE_KEY_FILE),
             "verify_key": str(out / "keys" / PUBLIC_KEY_FILE),
         }

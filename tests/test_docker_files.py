@@ -6,6 +6,7 @@ properties the docs promise (BASE_IMAGE, air-gapped pip arguments, non-root, hea
 from __future__ import annotations
 
 import importlib.metadata as md
+import itertools
 import re
 import shutil
 import subprocess
@@ -174,3 +175,38 @@ def test_mosquitto_configs_share_the_local_brokers_limits(tmp_path: Path) -> Non
         deployed = _conf_settings(path.read_text())
         for key in keys:
             assert deployed.get(key) == local[key], f"{path.relative_to(ROOT)}: {key}"
+
+
+def listener_blocks(text: str) -> tuple[list[str], list[list[str]]]:
+    """A mosquitto.conf's settings before its first ``listener`` line, and each listener's
+    block (its ``listener`` line and the settings up to the next one), comments skipped."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    starts = [i for i, ln in enumerate(lines) if ln.split()[0] == "listener"]
+    bounds = [*starts, len(lines)]
+    head = lines[: starts[0]] if starts else lines
+    return head, [lines[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def test_mosquitto_configs_bind_client_ids_to_user_names() -> None:
+    """The compose and Kubernetes brokers make every client's id its user name on every
+    listener, so one account's credentials cannot take over another's connection or session
+    by claiming its client id. Mosquitto 2 reads ``use_username_as_clientid`` per listener:
+    before the first ``listener`` line it would configure a default listener instead."""
+    for path in (DOCKER / "mosquitto.conf", ROOT / "k8s" / "base" / "broker" / "mosquitto.conf"):
+        head, blocks = listener_blocks(path.read_text())
+        name = path.relative_to(ROOT)
+        assert blocks, f"{name}: no listener"
+        assert not any(ln.startswith("use_username_as_clientid") for ln in head), name
+        for block in blocks:
+            assert "use_username_as_clientid true" in block, f"{name}: {block[0]} is unbound"
+        assert "allow_anonymous false" in (ln for b in blocks for ln in b), name
+
+
+def test_listener_blocks_sees_an_unbound_listener() -> None:
+    """The check above fails on a config where only the first listener is bound."""
+    head, blocks = listener_blocks(
+        "# c\nuse_username_as_clientid true\nlistener 1883\nuse_username_as_clientid true\n"
+        "listener 8883\ncafile /ca.pem\n"
+    )
+    assert head == ["use_username_as_clientid true"]
+    assert ["use_username_as_clientid true" in b for b in blocks] == [True, False]

@@ -865,6 +865,7 @@ def test_broker_config_and_auth_secret(rendered: dict[str, list[Obj]]) -> None:
     lines = {ln.strip() for ln in conf.splitlines()}
     for required in (
         f"listener {MQTT_PORT}",
+        "use_username_as_clientid true",  # a client's id is its user name: no id takeover
         "allow_anonymous false",
         "password_file /mosquitto/auth/passwd",
         "acl_file /mosquitto/auth/acl",
@@ -872,6 +873,11 @@ def test_broker_config_and_auth_secret(rendered: dict[str, list[Obj]]) -> None:
         "set_tcp_nodelay true",
     ):
         assert required in lines, f"mosquitto.conf lacks {required!r}"
+    # the binding is a listener option: it must follow the (one) listener line
+    settings = [ln.strip() for ln in conf.splitlines() if ln.strip() and ln[0] != "#"]
+    listeners = [i for i, ln in enumerate(settings) if ln.startswith("listener ")]
+    assert listeners == [settings.index(f"listener {MQTT_PORT}")]
+    assert settings.index("use_username_as_clientid true") > listeners[0]
     c = main_container(broker)
     assert c["image"].startswith("estuary/broker:")
     assert c["command"] == ["mosquitto", "-c", "/mosquitto/config/mosquitto.conf"]

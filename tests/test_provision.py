@@ -25,13 +25,20 @@ BASE = "estuary/v1/acl"
 
 @pytest.fixture
 def secured(tmp_path: Path) -> Iterator[tuple[LocalBroker, Path]]:
-    """A mosquitto that requires the provisioned passwords and enforces the ACL."""
+    """A mosquitto that requires the provisioned passwords and enforces the ACL.
+
+    Its client ids are not bound to user names: the ACL tests (here and in
+    test_private_downlink.py) log in spies with a role's own account beside that role, which
+    a bound broker would not allow (the second connection would replace the first). The
+    binding itself is tested in test_client_id_binding.py; the federations below run with it.
+    """
     cfg = tiny_config(run={"name": "acl"}, federation={"num_devices": 3, "num_edges": 2})
     out = tmp_path / "prov"
     provision(cfg, out)
     broker = LocalBroker(
         kind="mosquitto", workdir=tmp_path / "broker",
         password_file=out / "mosquitto" / "passwd", acl_file=out / "mosquitto" / "acl",
+        bind_client_ids=False,
     ).start()  # fmt: skip
     yield broker, out
     broker.stop()
@@ -168,6 +175,33 @@ def test_federation_runs_with_per_role_credentials(
     finally:
         hier.stop_all(timeout_s=10)
         broker.stop()
+
+
+def test_provision_writes_a_broker_config_that_binds_client_ids(tmp_path: Path) -> None:
+    """mosquitto/mosquitto.conf uses the provisioned password file and ACL, refuses anonymous
+    clients and binds the client id to the user name on its one listener (plain, or TLS with
+    the provisioned certificate); a kept provisioning made before it gets one."""
+    cfg = tiny_config(run={"name": "conf"}, federation={"num_devices": 2, "num_edges": 1})
+    for tls, out in ((None, tmp_path / "plain"), (["broker.example"], tmp_path / "tls")):
+        info = provision(cfg, out, tls_hosts=tls)
+        conf = out / "mosquitto" / "mosquitto.conf"
+        assert info["broker_conf"] == str(conf)
+        lines = [ln for ln in conf.read_text().splitlines() if ln and not ln.startswith("#")]
+        listeners = [i for i, ln in enumerate(lines) if ln.startswith("listener ")]
+        assert [lines[i] for i in listeners] == ["listener 8883" if tls else "listener 1883"]
+        assert all(lines[i + 1] == "use_username_as_clientid true" for i in listeners)
+        mq = out.resolve() / "mosquitto"
+        for line in ("allow_anonymous false", f"password_file {mq / 'passwd'}",
+                     f"acl_file {mq / 'acl'}", "max_packet_size 68157440"):  # fmt: skip
+            assert line in lines, line
+        certs = {f"cafile {out.resolve() / 'tls' / 'ca.pem'}",
+                 f"certfile {out.resolve() / 'tls' / 'server.pem'}",
+                 f"keyfile {out.resolve() / 'tls' / 'server.key'}"}  # fmt: skip
+        assert certs <= set(lines) if tls else not certs & set(lines)
+    conf = tmp_path / "plain" / "mosquitto" / "mosquitto.conf"
+    conf.unlink()  # what an older estuary left
+    kept = provision(cfg, tmp_path / "plain", keep=True)
+    assert kept["kept"] and "use_username_as_clientid true" in conf.read_text()
 
 
 def test_provision_keep_reuses_matching_and_refuses_other_federations(tmp_path: Path) -> None:

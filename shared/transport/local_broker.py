@@ -9,6 +9,11 @@
 
 ``kind="auto"`` picks mosquitto when :func:`find_mosquitto` finds it, else amqtt.
 
+With a password file or an ACL the mosquitto config binds every client's id to its user name
+(``use_username_as_clientid``): the broker ignores the id a client asks for and uses its user
+name, so one account cannot disconnect another's connection or take over its session by
+claiming its client id. An open broker (neither file) admits anyone under any id.
+
 Caveats of the amqtt fallback: it speaks **MQTT 3.1.1 only** (a v5 CONNECT is refused with
 "unsupported protocol version", or its socket is simply closed), so clients must use v3.1.1;
 it keeps nothing (retained messages, sessions) across restarts; and it has no password or
@@ -63,6 +68,26 @@ _MAX_INFLIGHT_MESSAGES = 100
 _AUTOSAVE_INTERVAL_S = 5
 _LOG_TAIL_LINES = 30
 _probe_ids = itertools.count()
+
+BIND_CLIENT_ID = "use_username_as_clientid true"
+"""The mosquitto.conf line, per listener (after its ``listener`` line: mosquitto 2 applies
+it to that listener only), that makes a client's id its user name: no client can claim
+another account's id. A client without a user name is refused."""
+
+
+def mosquitto_limits() -> list[str]:
+    """The mosquitto.conf lines (with comments) that bound packet size, per-client queues and
+    in-flight messages and turn Nagle off: what the local broker, the config ``estuary
+    provision`` writes and the shipped compose and Kubernetes configs all use."""
+    return [
+        f"max_queued_messages {_MAX_QUEUED_MESSAGES}",
+        f"max_queued_bytes {_MAX_QUEUED_BYTES}",
+        "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
+        f"max_packet_size {_MAX_PACKET_BYTES}",
+        f"max_inflight_messages {_MAX_INFLIGHT_MESSAGES}",
+        "# small packets (SUBACK, PUBACK, blob requests) leave at once, no delayed-ACK wait",
+        "set_tcp_nodelay true",
+    ]
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -143,6 +168,10 @@ class LocalBroker:
             and every few seconds, and reloads them on start.
         password_file: mosquitto password file; anonymous clients are refused when set.
         acl_file: mosquitto ACL file; anonymous clients are refused when set.
+        bind_client_ids: with ``password_file`` or ``acl_file``, make each client's id its
+            user name (:data:`BIND_CLIENT_ID`), so no account can take over another's
+            connection or session. False only for tests that log in beside a running role
+            with that role's own credentials to watch what it may read.
 
     Use as a context manager (``with LocalBroker() as broker:``) to start and stop it.
 
@@ -160,6 +189,7 @@ class LocalBroker:
         persistence: bool = False,
         password_file: Path | None = None,
         acl_file: Path | None = None,
+        bind_client_ids: bool = True,
     ) -> None:
         if kind not in BROKER_KINDS:
             raise ConfigError(f"broker kind {kind!r} is unknown; use one of {BROKER_KINDS}")
@@ -185,6 +215,7 @@ class LocalBroker:
         self._persistence = persistence
         self._password_file = password_file
         self._acl_file = acl_file
+        self._bind_client_ids = bind_client_ids
         self._workdir: Path | None = None
         self._owns_workdir = False
         self._proc: subprocess.Popen[bytes] | None = None
@@ -373,20 +404,16 @@ class LocalBroker:
         lines = [
             "# Written by estuary shared/transport/local_broker.py on every start; edits are lost.",
             f"listener {self._port} {self._host}",
-            f"allow_anonymous {'false' if secured else 'true'}",
         ]
+        if secured and self._bind_client_ids:
+            lines.append(BIND_CLIENT_ID)  # after its listener line: it is a listener option
+        lines.append(f"allow_anonymous {'false' if secured else 'true'}")
         if self._password_file is not None:
             lines.append(f"password_file {self._password_file.resolve()}")
         if self._acl_file is not None:
             lines.append(f"acl_file {self._acl_file.resolve()}")
         lines += [
-            f"max_queued_messages {_MAX_QUEUED_MESSAGES}",
-            f"max_queued_bytes {_MAX_QUEUED_BYTES}",
-            "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
-            f"max_packet_size {_MAX_PACKET_BYTES}",
-            f"max_inflight_messages {_MAX_INFLIGHT_MESSAGES}",
-            "# small packets (SUBACK, PUBACK, blob requests) leave at once, no delayed-ACK wait",
-            "set_tcp_nodelay true",
+            *mosquitto_limits(),
             f"persistence {'true' if self._persistence else 'false'}",
             f"persistence_location {workdir}/",
             "persistence_file mosquitto.db",
