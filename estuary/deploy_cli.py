@@ -125,17 +125,32 @@ def _progress(total: int, *, quiet: bool) -> Any:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    """Publish an exported model to the devices of a running federation, as the cloud."""
+    """Publish an exported model to the devices of a running federation, under the cloud's
+    subtree (where devices fetch deployments from).
+
+    On a provisioned broker it logs in as the ``deployer`` account (``estuary provision``),
+    never as the cloud: the broker binds each client id to its account, so a second login
+    with the cloud's account would disconnect a running cloud (and the two would keep
+    replacing each other). The cloud's account is refused before connecting."""
     from cloud.deploy import DeploymentPublisher, PublisherService
+    from estuary.provision import DEPLOYER
     from shared.deploy.signing import load_private_key
     from shared.runtime.process import connect_bus, load_role_config
     from shared.wire.messages import Presence
 
     cfg = load_role_config(args)
+    if cfg.broker.username == "cloud":
+        raise EstuaryError(
+            "deploy refuses the cloud's broker account: a second login with it disconnects a "
+            f"running cloud; log in as the {DEPLOYER!r} account `estuary provision` makes "
+            f"(ESTUARY__BROKER__USERNAME={DEPLOYER} ESTUARY__BROKER__PASSWORD_FILE="
+            f"<provision dir>/credentials/{DEPLOYER}.password)"
+        )
     key_path = args.key or cfg.deploy.signing_key
     if not key_path:
         raise EstuaryError("no signing key: pass --key or set deploy.signing_key")
-    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=False)  # the cloud may be up
+    # under the cloud's subtree, without its presence or last will: the cloud may be up
+    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=False)
     try:
         service = PublisherService("cloud", cfg, bus)
         online: set[str] = set()
@@ -248,7 +263,8 @@ def add_parsers(sub: Any) -> None:
 
     d = sub.add_parser("deploy", help="publish an exported model to a running federation")
     d.add_argument("export_dir", help="directory written by `estuary export`")
-    d.add_argument("config", help="run config (broker address and credentials)")
+    d.add_argument("config", help="run config (broker address and credentials: on a "
+                   "provisioned broker the deployer account, never the cloud's)")  # fmt: skip
     d.add_argument("--broker", help="HOST:PORT (overrides broker.host/port)")
     d.add_argument("--key", help="signing key (default deploy.signing_key)")
     d.add_argument("--devices", help="comma-separated device ids to wait for (default: online)")

@@ -7,8 +7,9 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
     mosquitto/acl                 per-user topic rules (below)
     mosquitto/mosquitto.conf      a broker config that uses both and binds each client's id
                                   to its user name (``mosquitto -c`` it; below)
-    credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*, and
-                                  observer (read-only account of `estuary status`)
+    credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*,
+                                  observer (read-only account of `estuary status`) and
+                                  deployer (account of `estuary deploy`)
     keys/deploy_ed25519.pem       deployment signing key (cloud only)
     keys/deploy_ed25519.pub.pem   verification key (devices)
     tls/ca.pem, tls/server.pem, tls/server.key     with --tls
@@ -26,7 +27,11 @@ and deployment reports, and requests for its own blobs. Only the cloud writes ``
 (its personal model and the blob chunks of it, :func:`shared.wire.messages.private_home`) is
 written only by the cloud and read only by the cloud and that device: no edge reads it. The
 ``observer`` account writes nothing and reads only the retained state and presence
-``estuary status`` shows (:func:`estuary.status.observer_topics`).
+``estuary status`` shows (:func:`estuary.status.observer_topics`). The ``deployer`` account
+(:func:`deployer_topics`) is ``estuary deploy``'s: it publishes deployments and sample requests
+and serves the deployed model's blobs under the cloud's subtree, and reads the devices'
+presence and deployment reports and the requests for the cloud's blobs; it writes no round,
+state or presence of the cloud's and reads no update, blob or downlink.
 
 The ACL is per user name, and the client id would be a second identity beside it: a broker
 keys connections and persistent sessions by client id, and the roles' ids are predictable
@@ -36,7 +41,8 @@ client's id to its user name (``use_username_as_clientid``, on every listener it
 do the shipped compose and Kubernetes configs and the local broker with a password file
 (:class:`~shared.transport.local_broker.LocalBroker`). Each instance has its own account, so
 its session is its own; a second connection with the same account replaces the first (and
-takes its session).
+takes its session). That is why ``estuary deploy`` has an account of its own: logged in as
+the cloud, it would disconnect a running cloud, and the two would keep replacing each other.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_ke
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits
-from shared.wire.messages import ROOT, Topics
+from shared.wire.messages import ROOT, Topics, home_of
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,15 @@ PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for the $7$ (PBKDF2-SHA512
 BROKER_CONF = "mosquitto.conf"  # in DIR/mosquitto/, beside passwd and acl
 MQTT_PORT = 1883
 MQTTS_PORT = 8883  # the one listener with --tls-host
+#: the account ``estuary provision`` makes for ``estuary deploy`` (:func:`deployer_topics`)
+DEPLOYER = "deployer"
+#: accounts of the operator's tools, which a provisioning made by an older estuary may lack,
+#: and what is missing without each
+TOOL_ACCOUNTS = {
+    OBSERVER: "`estuary status` cannot log in on its own account",
+    DEPLOYER: "`estuary deploy` cannot log in on a provisioned broker (it refuses the cloud's "
+    "account, which would disconnect the cloud)",
+}
 
 
 def mosquitto_hash(password: str, *, salt: bytes | None = None) -> str:
@@ -79,7 +94,7 @@ def mosquitto_hash(password: str, *, salt: bytes | None = None) -> str:
 
 def edge_reads(base: str, edge: str) -> list[str]:
     """What edge ``edge`` reads beside its own subtree: what its service subscribes to and
-    fetches, and what ``estuary status`` reads (it may run with an edge's credentials).
+    fetches, and the retained state and presence ``estuary status`` shows.
     Never a device's private downlink ``device/<d>/down/#``: none of these matches it."""
     return [
         f"{base}/cloud/#",  # rounds, state, deployments, global-model blobs
@@ -93,6 +108,29 @@ def edge_reads(base: str, edge: str) -> list[str]:
         f"{base}/device/+/blob/#",  # update blobs
         f"{base}/+/+/want/edge/{edge}",  # requests for this edge's blobs
     ]
+
+
+def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
+    """What ``estuary deploy`` publishes and subscribes to, as (writes, reads): the ACL of
+    the deployer account.
+
+    It speaks under the cloud's subtree (devices fetch a deployment's files from there), but
+    only as a deployment publisher (:class:`cloud.deploy.DeploymentPublisher`): the retained
+    deployment, sample requests and the chunks of the blobs it serves; it reads the devices'
+    presence (whom to wait for), their deployment reports, and the requests for the cloud's
+    blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its bus subscribes
+    to). Not the cloud's rounds, state or presence; no update, blob or downlink of anyone."""
+    writes = [
+        topics.cloud_deploy,
+        topics.cloud_sample,
+        f"{topics.base}/cloud/blob/+/+/+",  # blob_chunk("cloud", sha, chunk_bytes, index)
+    ]
+    reads = [
+        topics.all_device_status,
+        topics.all_device_deploy,
+        *topics.blob_want_patterns(home_of("cloud", "cloud")),
+    ]
+    return writes, reads
 
 
 def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
@@ -116,6 +154,14 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
     lines += [
         f"user {OBSERVER}",
         *(f"topic read {t}" for t in observer_topics(Topics(cfg.run.name))),
+        "",
+    ]
+    # `estuary deploy`: deployments and their blobs under the cloud's subtree, and reports
+    writes, reads = deployer_topics(Topics(cfg.run.name))
+    lines += [
+        f"user {DEPLOYER}",
+        *(f"topic write {t}" for t in writes),
+        *(f"topic read {t}" for t in reads),
         "",
     ]
     picks = cfg.federation.assignment != "static"
@@ -243,13 +289,14 @@ def _kept(out: Path, run: str, names: list[str]) -> dict[str, Any]:
         raise EstuaryError(
             f"{out} holds a password file but no readable provision.json: {err}"
         ) from None
-    if info.get("users") == [n for n in names if n != OBSERVER]:
-        # made before the observer account: everything else still holds
-        log.warning(
-            "%s has no %s account (made by an older estuary); `estuary status` needs another "
-            "role's credentials, or provision --force", out, OBSERVER,
-        )  # fmt: skip
-        names = info["users"]
+    users = info.get("users")
+    lacking = [n for n in TOOL_ACCOUNTS if isinstance(users, list) and n not in users]
+    if lacking and users == [n for n in names if n not in lacking]:
+        # made before these tool accounts: everything else still holds
+        for name in lacking:
+            log.warning("%s has no %s account (made by an older estuary): %s; provision "
+                        "--force makes it", out, name, TOOL_ACCOUNTS[name])  # fmt: skip
+        names = users
     if info.get("run") != run or info.get("users") != names:
         raise EstuaryError(
             f"{out} is provisioned for run {info.get('run')!r} with users "
@@ -302,7 +349,7 @@ def provision(
     """
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
-    names = ["cloud", *edges, *devices, OBSERVER]
+    names = ["cloud", *edges, *devices, OBSERVER, DEPLOYER]
     unfinished = False
     if (out / "mosquitto" / "passwd").exists() and not force:
         if keep and not (out / "provision.json").exists():

@@ -11,9 +11,10 @@ will, and it listens under a home of its own (``observer/...``), so it never ans
 blob requests. Every message is validated like the roles do; one that does not parse or
 comes from the wrong sender is counted and named, and the rest are shown.
 
-It needs read access to those topics (:func:`observer_topics`): on a provisioned broker the
-``observer`` account, which may read them and nothing else (no updates, no model blobs), or
-the cloud's or an edge's credentials; a device may not read other devices' topics.
+It needs read access to those topics (:func:`observer_topics`): on a provisioned broker run it
+as the ``observer`` account, which may read them and nothing else (no updates, no model
+blobs), never with a role's credentials: the broker binds each client id to its
+account, so a second login with a running role's account would disconnect that role.
 """
 
 from __future__ import annotations

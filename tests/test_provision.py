@@ -1,25 +1,42 @@
 """``estuary provision`` on a real mosquitto: per-role passwords and ACLs are enforced by the
 broker (a device cannot publish to the cloud's topics or read another device's updates), and
-a whole federation, deployment included, runs with each process logged in as itself."""
+a whole federation, deployment included, runs with each process logged in as itself, and
+`estuary deploy` runs as its own account beside the cloud."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 
+from cloud.deploy import DeploymentPublisher, PublisherService
 from estuary.cli import main as cli_main
 from estuary.launcher import Hierarchy
-from estuary.provision import mosquitto_hash, provision
+from estuary.provision import DEPLOYER, mosquitto_hash, provision
+from shared.config import RunConfig
+from shared.deploy.signing import (
+    MODEL_BLOB_KIND,
+    key_id,
+    load_private_key,
+    make_manifest,
+    sign_manifest,
+    write_signed,
+)
 from shared.errors import EstuaryError
+from shared.runtime.process import connect_bus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.transport.mqtt import MqttBus
+from shared.wire.messages import Deployment, DeploymentReport, Presence, Topics, decode, encode
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect, inbox, login, received
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 BASE = "estuary/v1/acl"
 
 
@@ -55,6 +72,7 @@ def test_mosquitto_hash_format() -> None:
     assert (kind, iters, salt) == ("7", "101", "MDEyMzQ1Njc4OWFi") and len(digest) == 88
 
 
+@needs_mosquitto
 def test_broker_refuses_anonymous_and_wrong_passwords(secured: tuple[LocalBroker, Path]) -> None:
     broker, _ = secured
     for user, password in ((None, None), ("dev000", "wrong"), ("nobody", "x")):
@@ -63,6 +81,7 @@ def test_broker_refuses_anonymous_and_wrong_passwords(secured: tuple[LocalBroker
         assert code != 0, f"{user} logged in with {password!r}"
 
 
+@needs_mosquitto
 def test_acl_device_cannot_write_cloud_or_read_other_devices(
     secured: tuple[LocalBroker, Path],
 ) -> None:
@@ -96,6 +115,7 @@ def test_acl_device_cannot_write_cloud_or_read_other_devices(
     close(cloud, edge0, dev0, dev1)
 
 
+@needs_mosquitto
 def test_acl_observer_reads_only_the_state_and_writes_nothing(
     secured: tuple[LocalBroker, Path],
 ) -> None:
@@ -123,6 +143,185 @@ def test_acl_observer_reads_only_the_state_and_writes_nothing(
     close(cloud, edge0, dev0, observer)
 
 
+SHA = "ab" * 32  # a blob hash, for topics
+
+
+def _export(out: Path, key: Path, size: int = 50_000) -> bytes:
+    """A signed export as `estuary export` leaves it (random model bytes: nothing here loads
+    the model); returns the model's bytes."""
+    out.mkdir(parents=True)
+    data = secrets.token_bytes(size)
+    (out / "model.onnx").write_bytes(data)
+    private = load_private_key(key)
+    manifest = make_manifest(hashlib.sha256(data).hexdigest(), len(data),
+                             {"name": "fake", "source": {"run": "acl"}})  # fmt: skip
+    text, signature = sign_manifest(manifest, private)
+    write_signed(out, text, signature, key_id(private.public_key()))
+    return data
+
+
+def _as(cfg: RunConfig, broker: LocalBroker, out: Path, user: str) -> RunConfig:
+    """``cfg`` logging in to ``broker`` as ``user`` with its provisioned password (small
+    chunks: a blob moves in several)."""
+    settings = cfg.broker.model_copy(update={
+        "host": broker.host, "port": broker.port, "username": user,
+        "password_file": str(out / "credentials" / f"{user}.password"), "chunk_bytes": 4096,
+    })  # fmt: skip
+    return cfg.model_copy(update={"broker": settings})
+
+
+@needs_mosquitto
+def test_acl_deployer_publishes_deployments_and_nothing_else(
+    secured: tuple[LocalBroker, Path], tmp_path: Path
+) -> None:
+    """The account of `estuary deploy` writes the deployment, sample requests and the chunks
+    of the blobs it serves under the cloud's subtree, and reads the devices' presence and
+    reports and the requests for the cloud's blobs: no other cloud topic, no device's or
+    edge's topic, no update, blob or private downlink. A device receives its deployment and
+    fetches the model from it through the broker."""
+    broker, out = secured
+    cloud, edge0 = _login(broker, out, "cloud"), _login(broker, out, "edge0")
+    dev0, deployer = _login(broker, out, "dev000"), _login(broker, out, DEPLOYER)
+    at_cloud, at_dev0 = inbox(cloud, f"{BASE}/#"), inbox(dev0, f"{BASE}/cloud/#")
+    at_deployer = inbox(deployer, f"{BASE}/#", f"{BASE}/device/dev000/down/#")
+    may_write = {f"{BASE}/cloud/deploy", f"{BASE}/cloud/sample", f"{BASE}/cloud/blob/{SHA}/4096/0"}
+    may_not = {f"{BASE}/cloud/state", f"{BASE}/cloud/round", f"{BASE}/cloud/status",
+               f"{BASE}/cloud/want/cloud", f"{BASE}/cloud/deploy/x",
+               f"{BASE}/device/dev000/up", f"{BASE}/device/dev000/status",
+               f"{BASE}/device/dev000/deploy", f"{BASE}/device/dev000/want/cloud",
+               f"{BASE}/device/dev000/down", f"{BASE}/device/dev000/down/blob/{SHA}/4096/0",
+               f"{BASE}/edge/edge0/round", f"{BASE}/edge/edge0/state",
+               f"{BASE}/edge/edge0/want/cloud"}  # fmt: skip
+    for topic in sorted(may_write | may_not):
+        deployer.publish(topic, b"{}", qos=1)
+    assert received(at_cloud) == may_write  # the cloud reads everything
+    assert received(at_dev0, 0.3) == may_write
+    assert received(at_deployer, 0.1) == set()  # it reads none of what it writes
+    sent = {
+        cloud: ["cloud/state", "cloud/round", "cloud/want/cloud", "device/dev000/down",
+                f"device/dev000/down/blob/{SHA}/4096/0"],
+        dev0: ["device/dev000/hello", "device/dev000/up", "device/dev000/join",
+               "device/dev000/status", "device/dev000/deploy", f"device/dev000/blob/{SHA}/4096/0",
+               "device/dev000/want/cloud", "device/dev000/want/device/dev000/down"],
+        edge0: ["edge/edge0/state", "edge/edge0/up", f"edge/edge0/blob/{SHA}/4096/0",
+                "edge/edge0/want/cloud", "edge/edge0/want/device/dev000"],
+    }  # fmt: skip
+    for sender, topics in sent.items():
+        for topic in topics:
+            sender.publish(f"{BASE}/{topic}", b"{}", qos=1)
+    assert received(at_deployer) == {
+        f"{BASE}/device/dev000/status", f"{BASE}/device/dev000/deploy",
+        f"{BASE}/cloud/want/cloud", f"{BASE}/device/dev000/want/cloud",
+        f"{BASE}/edge/edge0/want/cloud",
+    }  # fmt: skip
+    close(cloud, edge0, dev0, deployer)
+
+    # a deployment as `estuary deploy` publishes it, and the device fetching its model
+    cfg = tiny_config(run={"name": "acl"}, federation={"num_devices": 3, "num_edges": 2})
+    model = _export(tmp_path / "export", out / "keys" / "deploy_ed25519.pem")
+    buses: list[MqttBus] = []
+    try:
+        buses.append(connect_bus(_as(cfg, broker, out, DEPLOYER), "cloud", "cloud-deploy", None,
+                                 will=False))  # fmt: skip
+        buses.append(connect_bus(_as(cfg, broker, out, "dev000"), "device", "dev000", None))
+        device = buses[1].endpoint("dev000", "device/dev000")
+        got: list[Deployment] = []
+        device.subscribe(f"{BASE}/cloud/deploy", lambda _t, p: got.append(decode(p, Deployment)),
+                         kind="msg_deployment")  # fmt: skip
+        key = load_private_key(out / "keys" / "deploy_ed25519.pem")
+        publisher = DeploymentPublisher(PublisherService("cloud", cfg, buses[0]), key)
+        sent_msg = publisher.publish(tmp_path / "export")
+        assert buses[1].run(lambda: bool(got), timeout_s=10)
+        ref = got[0].model_ref
+        assert ref.sha256 == sent_msg.model_ref.sha256 and ref.size == len(model)
+        data = device.get_blob(ref.sha256, ref.size, kind=MODEL_BLOB_KIND, src="cloud",
+                               timeout_s=20)  # fmt: skip
+        assert data == model
+    finally:
+        for bus in buses:
+            bus.close()
+
+
+def test_deploy_refuses_the_clouds_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Logged in as the cloud, `estuary deploy` would disconnect a running cloud (one account,
+    one connection): it refuses before connecting, naming the deployer account."""
+    cfg = tiny_config(run={"name": "acl"})
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    monkeypatch.setenv("ESTUARY__BROKER__USERNAME", "cloud")
+    monkeypatch.setenv("ESTUARY__BROKER__CONNECT_TIMEOUT_S", "1")  # nothing listens there
+    capsys.readouterr()
+    argv = ["deploy", str(tmp_path / "export"), str(path), "--broker", "127.0.0.1:1",
+            "--key", str(tmp_path / "none.pem"), "--wait-s", "0"]  # fmt: skip
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("estuary: error: ")
+    assert "ESTUARY__BROKER__USERNAME=deployer" in err and "deployer.password" in err
+
+
+@needs_mosquitto
+def test_deploy_as_deployer_leaves_a_running_cloud_connected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With client ids bound to accounts, `estuary deploy` logged in as the deployer account
+    publishes its deployment while the cloud (its own account and id, presence and last
+    will) stays connected, and exits 0 once the online device reported on it."""
+    cfg = tiny_config(run={"name": "acl"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+    provision(cfg, out)
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    key = out / "keys" / "deploy_ed25519.pem"
+    _export(tmp_path / "export", key)
+    broker = LocalBroker(kind="mosquitto", workdir=tmp_path / "broker",
+                         password_file=out / "mosquitto" / "passwd",
+                         acl_file=out / "mosquitto" / "acl").start()  # binds ids  # fmt: skip
+    buses: list[MqttBus] = []
+    stop = threading.Event()
+    worker: threading.Thread | None = None
+    try:
+        buses.append(connect_bus(_as(cfg, broker, out, "cloud"), "cloud", "cloud", None))
+        cloud = buses[0]
+        buses.append(connect_bus(_as(cfg, broker, out, "dev000"), "device", "dev000", None))
+        device, topics = buses[1].endpoint("dev000", "device/dev000"), Topics("acl")
+        device.publish(topics.status("device/dev000"),
+                       encode(Presence(name="dev000", role="device", online=True)),
+                       kind="msg_presence", retain=True)  # fmt: skip
+
+        def on_deploy(_topic: str, payload: bytes) -> None:
+            # the model's transfer through this ACL is tested above; here the report only
+            msg = decode(payload, Deployment)
+            report = DeploymentReport(device="dev000", event="sampled", n=4, images_per_s=1.0,
+                                      model_sha256=msg.model_ref.sha256)  # fmt: skip
+            device.publish(topics.device_deploy("dev000"), encode(report),
+                           kind="msg_deploy_report", retain=True)  # fmt: skip
+
+        device.subscribe(topics.cloud_deploy, on_deploy, kind="msg_deployment")
+        worker = threading.Thread(target=buses[1].run, args=(stop.is_set,),
+                                  kwargs={"timeout_s": 90}, daemon=True)  # fmt: skip
+        worker.start()
+        monkeypatch.setenv("ESTUARY__BROKER__USERNAME", DEPLOYER)
+        monkeypatch.setenv("ESTUARY__BROKER__PASSWORD_FILE",
+                           str(out / "credentials" / f"{DEPLOYER}.password"))  # fmt: skip
+        capsys.readouterr()
+        argv = ["deploy", str(tmp_path / "export"), str(path), "--broker",
+                f"{broker.host}:{broker.port}", "--key", str(key), "--wait-s", "30"]  # fmt: skip
+        assert cli_main(argv) == 0, capsys.readouterr()
+        assert "dev000:  sampled" in capsys.readouterr().out
+        cloud.pump(0.5)
+        assert cloud.connected and cloud.traffic.transport().get("disconnects", 0) == 0
+    finally:
+        stop.set()
+        if worker is not None:
+            worker.join(10)
+        for bus in buses:
+            bus.close()
+        broker.stop()
+
+
+@needs_mosquitto
 @pytest.mark.parametrize("assignment", ["static", "select"])
 def test_federation_runs_with_per_role_credentials(
     tmp_path: Path,
@@ -241,6 +440,29 @@ def test_provision_keep_accepts_one_made_before_the_observer_account(
     (out / "provision.json").write_text(json.dumps(record))
     with pytest.raises(EstuaryError, match="pass --force"):
         provision(cfg, out, keep=True)
+
+
+@pytest.mark.parametrize("lacking", [["deployer"], ["observer", "deployer"]])
+def test_provision_keep_accepts_one_made_before_the_deployer_account(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, lacking: list[str]
+) -> None:
+    """A provisioning made before the deployer account (or before both tool accounts) is
+    kept as it is, with a warning naming each missing account and what it is for."""
+    cfg = tiny_config(run={"name": "old"}, federation={"num_devices": 2, "num_edges": 1})
+    out = tmp_path / "prov"
+    provision(cfg, out)
+    record = json.loads((out / "provision.json").read_text())
+    record["users"] = [u for u in record["users"] if u not in lacking]
+    (out / "provision.json").write_text(json.dumps(record))
+    for name in lacking:
+        (out / "credentials" / f"{name}.password").unlink()
+    with caplog.at_level("WARNING", logger="estuary.provision"):
+        kept = provision(cfg, out, keep=True)
+    assert kept["kept"] and kept["users"] == record["users"]
+    for name in lacking:
+        assert f"has no {name} account" in caplog.text
+    assert "`estuary deploy`" in caplog.text
+    assert ("`estuary status`" in caplog.text) == ("observer" in lacking)
 
 
 def test_provision_keep_finishes_a_provisioning_killed_before_its_record(
