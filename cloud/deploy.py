@@ -20,9 +20,11 @@ from shared.deploy.signing import (
     SHARED_BLOB_KIND,
     check_model_bytes,
     key_id,
+    new_version,
     read_signed,
     sign_manifest,
     verify_manifest,
+    version_of,
 )
 from shared.errors import EstuaryError, ExportError
 from shared.runtime.service import RoleService
@@ -70,14 +72,21 @@ class DeploymentPublisher:
         msg = self.prepare(export_dir)
         self.service.send(self.service.topics.cloud_deploy, msg, retain=True)
         self.current = msg
-        log.info(
-            "published deployment %s (%d bytes)", msg.model_ref.sha256[:12], msg.model_ref.size
-        )
+        version = version_of(json.loads(msg.manifest))
+        log.info("published deployment %s (%d bytes), version %d of run %s",
+                 msg.model_ref.sha256[:12], msg.model_ref.size, version.serial,
+                 version.run)  # fmt: skip
         return msg
 
     def prepare(self, export_dir: Path) -> Deployment:
         """Sign ``export_dir``'s manifest (re-using a signature that verifies with our key)
-        and upload its model as a blob; the deployment message, not yet sent."""
+        and upload its model as a blob; the deployment message, not yet sent.
+
+        A manifest exported before manifests carried a version gets one now (a new serial
+        of its card's source run) and is signed again: devices refuse deployments of a run
+        that are not newer than the one they served. The version of a manifest that has one
+        is kept: publishing an older export again is refused by devices serving a newer one
+        (export it again to make it the newest)."""
         text, signature = read_signed(export_dir)
         manifest = json.loads(text)
         pub = self.key.public_key()
@@ -86,6 +95,11 @@ class DeploymentPublisher:
                 verify_manifest(text, signature, pub)
             except EstuaryError:
                 signature = None  # signed by another key: sign again with ours
+        if "version" not in manifest:
+            manifest["version"] = new_version(version_of(manifest).run).to_dict()
+            signature = None
+            log.info("%s has no deployment version; publishing it as %s", export_dir,
+                     manifest["version"])  # fmt: skip
         if signature is None:
             text, signature = sign_manifest(manifest, self.key)
         refs = {}
@@ -95,6 +109,7 @@ class DeploymentPublisher:
             data = (export_dir / manifest[entry]["file"]).read_bytes()
             check_model_bytes(data, manifest, entry)
             sha = self.service.ep.put_blob(data, kind=kind)
+            # devices fetch from the cloud's subtree whatever src says (it is not signed)
             refs[entry] = BlobRef(sha256=sha, size=len(data), kind=kind, src=self.service.home)
         return Deployment(
             manifest=text, signature=signature, key_id=key_id(pub), model_ref=refs["model"],

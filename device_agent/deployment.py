@@ -4,8 +4,24 @@ cloud deploys, and sample from it on each new deployment and on request.
 A deployment is refused, counted (``estuary_deployments_total{outcome="refused"}`` and
 ``estuary_rejected_messages_total{reason=...}``), logged and reported back when its
 signature does not verify with the device's key, its manifest is malformed or disagrees
-with the blob reference, the model's bytes do not match the manifest's hash, or ONNX
-Runtime cannot load it; the model in service stays in service.
+with the blob reference, it is not newer than the deployment of its run the device served
+last (``deployment_not_newer``), its files cannot be fetched in ``deploy.fetch_timeout_s``,
+the model's bytes do not match the manifest's hash, or ONNX Runtime cannot load it; the
+model in service stays in service.
+
+Versions: every manifest carries the run it was exported from and a serial inside the signed
+bytes (:func:`shared.deploy.signing.new_version`). A device serves a deployment of a run
+only if its serial is greater than that of the run's deployment it served last, or if it is
+that very deployment again (:func:`shared.deploy.signing.refuse_older`). What it served last
+of each run is read back at start from its verified copies under ``out_dir/models``, so a
+replayed older deployment is refused after a restart too. A deployment of another run is
+judged against that run's own history.
+
+Fetching: a deployment's files are fetched from the cloud's subtree (a blob reference's
+``src`` is not signed and is ignored) in a worker thread, within ``deploy.fetch_timeout_s``,
+while the device goes on handling its messages (training rounds, sample requests); the role
+thread polls the worker and loads the result (:class:`FetchJob`). One deployment is fetched
+at a time; up to :data:`MAX_WAITING` more wait their turn and are checked again when it comes.
 
 When devices keep local model parts (FedDiffuse ULATDEC/UDEC), the deployment also
 carries the global model's federated tensors; a training device then serves its own model
@@ -22,6 +38,10 @@ import hashlib
 import json
 import logging
 import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,10 +54,16 @@ from shared.config import RunConfig
 from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
 from shared.deploy.signing import (
     MODEL_BLOB_KIND,
+    NOT_NEWER,
     SHARED_BLOB_KIND,
+    DeploymentVersion,
     check_model_bytes,
     load_public_key,
+    manifest_digest,
+    read_signed,
+    refuse_older,
     verify_manifest,
+    version_of,
     write_signed,
 )
 from shared.errors import (
@@ -49,11 +75,29 @@ from shared.errors import (
 )
 from shared.runtime.service import RoleService
 from shared.transport.bus import Bus
-from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
+from shared.wire.messages import (
+    BlobRef,
+    Deployment,
+    DeploymentReport,
+    SampleRequest,
+    home_of,
+)
 
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+#: where a device fetches a deployment's files: the subtree of the cloud, which publishes
+#: deployments (the ``src`` of a blob reference is not covered by the signature)
+DEPLOY_SOURCE = home_of("cloud", "cloud")
+#: seconds (bus clock) between two looks at a fetch under way; the longest the first look
+#: and the later ones wait for it on the role thread (a blob already here, or on an in-process
+#: bus, is handed over at the first look, as if fetched on the role thread)
+POLL_S = 0.25
+FIRST_JOIN_S = 0.1
+JOIN_S = 0.02
+#: deployments that may wait while another one is fetched (beyond: the oldest is refused)
+MAX_WAITING = 4
 
 
 def grid_seed(seed: int, device: str) -> int:
@@ -86,13 +130,90 @@ class Personalize(Protocol):
 @dataclass
 class Served:
     """The model in service: the deployment ``sha256``, and ``personal`` (the sha256 of the
-    device's own ONNX model) when the generator is the device's own."""
+    device's own ONNX model) when the generator is the device's own; ``version``: the
+    deployment's version (None: not known)."""
 
     sha256: str
     generator: OnnxGenerator
     manifest: dict[str, Any]
     path: Path
     personal: str | None = None
+    version: DeploymentVersion | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A deployment that passed the checks made before its files are fetched: signature,
+    manifest, version and blob references; ``shared``: whether the shared tensors are
+    fetched too (the device builds its own model from them)."""
+
+    msg: Deployment
+    manifest: dict[str, Any]
+    version: DeploymentVersion
+    digest: str
+    shared: bool
+
+    @property
+    def sha256(self) -> str:
+        """The signed model's sha256."""
+        return str(self.manifest["model"]["sha256"])
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A deployment's files, checked against its manifest."""
+
+    model: bytes
+    shared: bytes | None
+
+
+class FetchJob:
+    """``work`` (fetching a deployment's files) in a daemon thread, off the role's message
+    thread; :meth:`poll`, on the role thread, calls ``done(result, error)`` once the worker
+    is done, where ``error`` is what it raised (the pattern of the cloud's
+    :class:`~cloud.personal.PersonalizeJob`). Every wait in ``work`` has its own timeout."""
+
+    def __init__(
+        self,
+        item: Admitted,
+        work: Callable[[], Fetched],
+        call_later: Callable[[float, Callable[[], None]], Any],
+        done: Callable[[Fetched | None, BaseException | None], None],
+    ) -> None:
+        self.item = item
+        self._done = done
+        self._call_later = call_later
+        self._result: Fetched | None = None
+        self._error: BaseException | None = None
+        self.started = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._work, args=(work,), name=f"deploy-{item.sha256[:12]}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start the worker and the polling."""
+        self._thread.start()
+        self.poll(FIRST_JOIN_S)
+
+    def _work(self, work: Callable[[], Fetched]) -> None:
+        try:
+            self._result = work()
+        except BaseException as err:  # handed to the role thread, never lost in the worker
+            self._error = err
+
+    def poll(self, join_s: float = JOIN_S) -> None:
+        """Hand the result over when the worker is done (waiting ``join_s`` at most), else
+        look again in :data:`POLL_S`."""
+        self._thread.join(timeout=join_s)
+        if self._thread.is_alive():
+            self._call_later(POLL_S, self.poll)
+            return
+        log.debug("deployment %s fetched in %.2fs", self.item.sha256[:12],
+                  time.perf_counter() - self.started)  # fmt: skip
+        error = self._error
+        if error is None and self._result is None:
+            error = EstuaryError("the fetch ended without a result")
+        self._done(self._result, error)
 
 
 class DeploymentReceiver:
@@ -109,6 +230,12 @@ class DeploymentReceiver:
         self.key = load_public_key(self.cfg.verify_key) if self.cfg.verify_key else None
         self.last_stats: SampleStats | None = None
         self.grids: list[Path] = []
+        #: the deployment being fetched, and those waiting for their turn
+        self.job: FetchJob | None = None
+        self.waiting: deque[Admitted] = deque()
+        #: per run name, (version serial, manifest digest) of the run's deployment served
+        #: last: read back from the verified copies under ``out_dir/models``
+        self.last_served: dict[str, tuple[int, str]] = self._read_last_served()
 
     def start(self) -> None:
         """Subscribe to the retained deployment and to sample requests."""
@@ -119,106 +246,246 @@ class DeploymentReceiver:
             log.warning("%s: deploy.verify_key is not set; every deployment will be refused",
                         self.service.name)  # fmt: skip
 
+    def _read_last_served(self) -> dict[str, tuple[int, str]]:
+        """The newest version of each run among this device's verified copies of the
+        deployments it served (``out_dir/models/*``); a copy that does not verify is
+        skipped."""
+        found: dict[str, tuple[int, str]] = {}
+        models = self.out_dir / "models"
+        if self.key is None or not models.is_dir():
+            return found
+        for path in sorted(models.iterdir()):
+            if not (path / "manifest.json").is_file():
+                continue
+            try:
+                text, signature = read_signed(path)
+                if signature is None:
+                    continue
+                manifest = verify_manifest(text, signature, self.key)
+            except SignatureError as err:
+                log.warning("%s: %s is not a verified deployment (%s: %s); ignored",
+                            self.service.name, path, err.reason, err.detail)  # fmt: skip
+                continue
+            version = version_of(manifest)
+            best = found.get(version.run)
+            if best is None or version.serial > best[0]:
+                found[version.run] = (version.serial, manifest_digest(manifest))
+        for run, (serial, _) in sorted(found.items()):
+            log.info("%s: served version %d of run %s before; older deployments of it will "
+                     "be refused", self.service.name, serial, run)  # fmt: skip
+        return found
+
     # -- deployments ---------------------------------------------------------------------
     def on_deployment(self, msg: Deployment) -> None:
-        """Verify, fetch, check and load a deployment; then sample a grid from it."""
+        """Check a deployment (signature, manifest, version, references), then fetch its
+        files off this thread (:class:`FetchJob`); it is loaded and sampled from when they
+        are here."""
         sha = msg.model_ref.sha256
         if self.served is not None and self.served.sha256 == sha:
             return  # already serving it (retained replay after a reconnect)
         try:
-            served = self._load(msg)
+            item = self._admit(msg)
         except SignatureError as err:
             self._refuse(sha, err.reason, err.detail)
             return
-        except (CodecError, TransportError) as err:
-            self._refuse(sha, err.reason, str(err))
+        under_way = [self.job.item] if self.job is not None else []
+        if any(i.digest == item.digest for i in [*under_way, *self.waiting]):
+            return  # the same deployment again (a retained copy) while it is on its way
+        if self.job is None:
+            self._start(item)
             return
-        except PersonalizeError as err:
-            self._refuse(sha, "personalize_failed", str(err))
-            return
-        except EstuaryError as err:
-            self._refuse(sha, "bad_model", str(err))
-            return
-        except Exception as err:  # whatever a signed but broken model raises: refuse, report
-            log.exception("%s: deployment %s failed to load", self.service.name, sha[:12])
-            self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}")
-            return
-        old = self.served
-        self.served = served
-        m = self.service.metrics
-        m.deployments.labels(outcome="loaded").inc()
-        if old is not None:
-            m.deployed.remove(old.sha256[:16])
-        m.deployed.labels(sha256=sha[:16]).set(1)
-        card = served.manifest["card"]
-        m.model_params.set(card.get("params", 0))
-        m.model_bytes.set(served.manifest["model"]["size"])
-        log.info("%s: serving %s%s (%s, %s params) on %s", self.service.name, sha[:12],
-                 " as its own model" if served.personal else "", card.get("name"),
-                 card.get("params"), served.generator.providers[0])  # fmt: skip
-        self._report("loaded", sha)
-        steps = self.cfg.sample_steps
-        seed = grid_seed(self.service.cfg.run.seed, self.service.name)
-        self._sample(self.cfg.grid_size, steps, seed, f"deploy-{sha[:12]}")
+        if len(self.waiting) >= MAX_WAITING:
+            dropped = self.waiting.popleft()
+            self._refuse(dropped.msg.model_ref.sha256, "deployment_queue_full",
+                         f"{MAX_WAITING} deployments waited for the one being fetched")  # fmt: skip
+        self.waiting.append(item)
+        log.info("%s: deployment %s waits for %s to be fetched", self.service.name,
+                 item.sha256[:12], self.job.item.sha256[:12])  # fmt: skip
 
-    def _load(self, msg: Deployment) -> Served:
+    def _admit(self, msg: Deployment) -> Admitted:
+        """The checks made before fetching anything: the signature, the manifest, the
+        version (against the run's deployment served last) and the blob references."""
         if self.key is None:
             raise SignatureError("no_verify_key", "deploy.verify_key is not configured")
         manifest = verify_manifest(msg.manifest, msg.signature, self.key)
         want = manifest["model"]
         if want["file"] in (OWN_MODEL_FILE, OWN_RECORD_FILE):
             raise SignatureError("bad_manifest", f"model.file {want['file']!r} is reserved")
-        data = self._fetch(manifest, "model", msg.model_ref, MODEL_BLOB_KIND)
-        card = manifest["card"]
-        generator = OnnxGenerator(data, card, provider=self.cfg.provider, threads=self.cfg.threads)
-        own = self._own_model(msg, manifest)
-        path = self.out_dir / "models" / want["sha256"][:16]
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / want["file"], data)
-        write_signed(path, msg.manifest, msg.signature, msg.key_id)
-        if own is None:  # an own model of an earlier load (before a restart) is not served
-            for name in (OWN_MODEL_FILE, OWN_RECORD_FILE):
-                (path / name).unlink(missing_ok=True)
-            return Served(want["sha256"], generator, manifest, path)
-        own_sha = hashlib.sha256(own.onnx).hexdigest()
-        atomic_write(path / OWN_MODEL_FILE, own.onnx)
-        record = {"sha256": own_sha, "size": len(own.onnx), "deployment": want["sha256"],
-                  "shared": manifest["shared"]["sha256"], "parity": own.parity}  # fmt: skip
-        atomic_write(path / OWN_RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
-        generator = OnnxGenerator(
-            own.onnx, card, provider=self.cfg.provider, threads=self.cfg.threads
-        )
-        return Served(want["sha256"], generator, manifest, path, personal=own_sha)
+        version = version_of(manifest)
+        digest = manifest_digest(manifest)
+        self._check_newer(version, digest)
+        self._check_ref(manifest, "model", msg.model_ref)
+        shared = self._wants_shared(manifest, want["sha256"])
+        if shared:
+            self._check_ref(manifest, "shared", msg.shared_ref)
+        return Admitted(msg, manifest, version, digest, shared)
 
-    def _fetch(self, manifest: dict[str, Any], entry: str, ref: BlobRef | None, kind: str) -> bytes:
-        """The manifest's ``entry`` file through the blob layer, from the reference ``ref``
-        (which must name the signed file), checked against the manifest."""
+    def _check_newer(self, version: DeploymentVersion, digest: str) -> None:
+        """Raise ``SignatureError("deployment_not_newer")`` unless a deployment of
+        ``version`` may replace the deployment of its run served last."""
+        why = refuse_older(version, digest, self.last_served.get(version.run))
+        if why is not None:
+            raise SignatureError(NOT_NEWER, why)
+
+    def _check_ref(self, manifest: dict[str, Any], entry: str, ref: BlobRef | None) -> None:
+        """The reference ``ref`` must name the manifest's ``entry`` file, within the size
+        limit; its ``src`` is not signed, so the file is fetched from the cloud whatever it
+        says (a different one is counted as ``deploy_source_ignored``)."""
         want = manifest[entry]
         if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
             raise SignatureError("bad_manifest", f"the {entry} blob reference is not the "
                                  "signed file")  # fmt: skip
-        broker = self.service.cfg.broker
-        if want["size"] > broker.max_blob_bytes:
+        if want["size"] > self.service.cfg.broker.max_blob_bytes:
             raise SignatureError("too_large", f"{entry} of {want['size']} bytes")
-        data = self.service.ep.get_blob(
-            want["sha256"], want["size"], kind=kind, src=ref.src, timeout_s=broker.fetch_timeout_s
-        )
-        check_model_bytes(data, manifest, entry)  # the blob layer checked; the file is what runs
-        return data
+        if ref.src not in (None, DEPLOY_SOURCE):
+            self.service.traffic.note("deploy_source_ignored")
+            log.warning("%s: the %s blob reference names %r as its source; fetching it from %r",
+                        self.service.name, entry, ref.src, DEPLOY_SOURCE)  # fmt: skip
 
-    def _own_model(self, msg: Deployment, manifest: dict[str, Any]) -> PersonalModel | None:
-        """The device's own model when the deployment carries shared tensors and this
-        device holds local parts (see the module docstring); None: serve the deployed one.
-        A device without local parts never fetches the shared tensors."""
+    def _wants_shared(self, manifest: dict[str, Any], sha: str) -> bool:
+        """Whether the deployment's shared tensors are fetched: it carries them and this
+        device holds local parts to build its own model with (see the module docstring).
+        A device without local parts never fetches them."""
         if "shared" not in manifest:
-            return None
+            return False
         if self.personalize is None or not self.personalize.holds_local_parts():
             log.warning("%s: deployment %s keeps parts on the training devices and this device "
                         "holds none: serving the global model, whose local parts are at their "
-                        "initialization", self.service.name, msg.model_ref.sha256[:12])  # fmt: skip
-            return None
-        data = self._fetch(manifest, "shared", msg.shared_ref, SHARED_BLOB_KIND)
-        return self.personalize(data, manifest["card"])
+                        "initialization", self.service.name, sha[:12])  # fmt: skip
+            return False
+        return True
+
+    def _start(self, item: Admitted) -> None:
+        """Fetch ``item``'s files in a worker; :meth:`_fetched` takes over when they are in."""
+        self.job = FetchJob(
+            item,
+            lambda: self._fetch_files(item),
+            self.service.ep.call_later,
+            lambda result, error: self._fetched(item, result, error),
+        )
+        self.job.start()
+
+    def _fetch_files(self, item: Admitted) -> Fetched:
+        """The worker: fetch the model (and the shared tensors) and check them against the
+        manifest. Touches nothing of the device."""
+        model = self._fetch(item.manifest, "model", MODEL_BLOB_KIND)
+        shared = self._fetch(item.manifest, "shared", SHARED_BLOB_KIND) if item.shared else None
+        return Fetched(model, shared)
+
+    def _fetch(self, manifest: dict[str, Any], entry: str, kind: str) -> bytes:
+        """The manifest's ``entry`` file from the cloud, within ``deploy.fetch_timeout_s``,
+        checked against the manifest."""
+        want = manifest[entry]
+        data = self.service.ep.get_blob(
+            want["sha256"], want["size"], kind=kind, src=DEPLOY_SOURCE,
+            timeout_s=self.cfg.fetch_timeout_s,
+        )  # fmt: skip
+        check_model_bytes(data, manifest, entry)  # the blob layer checked; the file is what runs
+        return data
+
+    def _fetched(self, item: Admitted, result: Fetched | None, error: BaseException | None) -> None:
+        """On the role thread: serve the fetched deployment (or refuse it), then start the
+        next one waiting."""
+        self.job = None
+        try:
+            served = None
+            if error is None and result is not None:
+                try:
+                    served = self._install(item, result)
+                except Exception as err:  # refused below like an error of the fetch
+                    error = err
+            if served is None:
+                self._refuse_error(item.msg.model_ref.sha256, error or EstuaryError("no result"))
+            else:
+                self._in_service(item, served)
+        finally:
+            self._next()
+
+    def _next(self) -> None:
+        """Start the next waiting deployment that may still replace the one in service."""
+        while self.job is None and self.waiting:
+            item = self.waiting.popleft()
+            if self.served is not None and self.served.sha256 == item.msg.model_ref.sha256:
+                continue
+            try:
+                self._check_newer(item.version, item.digest)
+            except SignatureError as err:
+                self._refuse(item.msg.model_ref.sha256, err.reason, err.detail)
+                continue
+            self._start(item)
+
+    def _refuse_error(self, sha: str, err: BaseException) -> None:
+        """Refuse deployment ``sha`` for what fetching or loading it raised."""
+        if isinstance(err, SignatureError):
+            self._refuse(sha, err.reason, err.detail)
+        elif isinstance(err, (CodecError, TransportError)):
+            self._refuse(sha, err.reason, str(err))
+        elif isinstance(err, PersonalizeError):
+            self._refuse(sha, "personalize_failed", str(err))
+        elif isinstance(err, EstuaryError):
+            self._refuse(sha, "bad_model", str(err))
+        else:  # whatever a signed but broken model raises: refuse, report
+            log.error("%s: deployment %s failed to load", self.service.name, sha[:12],
+                      exc_info=err)  # fmt: skip
+            self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}")
+
+    def _install(self, item: Admitted, fetched: Fetched) -> Served:
+        """Load the model into ONNX Runtime, build the device's own model when the shared
+        tensors came, and keep a verified copy of the deployment under
+        ``out_dir/models/<sha16>``; the model to serve."""
+        msg, manifest, want = item.msg, item.manifest, item.manifest["model"]
+        card = manifest["card"]
+        generator = OnnxGenerator(
+            fetched.model, card, provider=self.cfg.provider, threads=self.cfg.threads
+        )
+        own, own_sha = None, None
+        if fetched.shared is not None and self.personalize is not None:
+            own = self.personalize(fetched.shared, card)
+            own_sha = hashlib.sha256(own.onnx).hexdigest()
+            generator = OnnxGenerator(
+                own.onnx, card, provider=self.cfg.provider, threads=self.cfg.threads
+            )
+        path = self.out_dir / "models" / want["sha256"][:16]
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write(path / want["file"], fetched.model)
+        if own is None:  # an own model of an earlier load (before a restart) is not served
+            for name in (OWN_MODEL_FILE, OWN_RECORD_FILE):
+                (path / name).unlink(missing_ok=True)
+        else:
+            atomic_write(path / OWN_MODEL_FILE, own.onnx)
+            record = {"sha256": own_sha, "size": len(own.onnx), "deployment": want["sha256"],
+                      "shared": manifest["shared"]["sha256"], "parity": own.parity}  # fmt: skip
+            atomic_write(path / OWN_RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
+        # the signed manifest last: the copy that says which version was served (read back
+        # after a restart) is complete once it is there
+        write_signed(path, msg.manifest, msg.signature, msg.key_id)
+        return Served(
+            want["sha256"], generator, manifest, path, personal=own_sha, version=item.version
+        )
+
+    def _in_service(self, item: Admitted, served: Served) -> None:
+        """Put ``served`` in service: remember its version, update the metrics, report it
+        and sample a grid from it."""
+        self.last_served[item.version.run] = (item.version.serial, item.digest)
+        old = self.served
+        self.served = served
+        sha, card = served.sha256, served.manifest["card"]
+        m = self.service.metrics
+        m.deployments.labels(outcome="loaded").inc()
+        if old is not None:
+            m.deployed.remove(old.sha256[:16])
+        m.deployed.labels(sha256=sha[:16]).set(1)
+        m.deployment_version.set(item.version.serial)
+        m.model_params.set(card.get("params", 0))
+        m.model_bytes.set(served.manifest["model"]["size"])
+        log.info("%s: serving %s%s (%s, %s params, version %d of run %s) on %s",
+                 self.service.name, sha[:12], " as its own model" if served.personal else "",
+                 card.get("name"), card.get("params"), item.version.serial, item.version.run,
+                 served.generator.providers[0])  # fmt: skip
+        self._report("loaded", sha)
+        steps = self.cfg.sample_steps
+        seed = grid_seed(self.service.cfg.run.seed, self.service.name)
+        self._sample(self.cfg.grid_size, steps, seed, f"deploy-{sha[:12]}")
 
     def _refuse(self, sha: str, reason: str, detail: str) -> None:
         self.service.reject(reason, f"deployment {sha[:12]}: {detail}")

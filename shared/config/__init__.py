@@ -419,6 +419,13 @@ class DeploySection(Section):
     wait_s: float = Field(
         120.0, ge=0.0, le=86_400.0, description="cloud: serve the deployment this long for reports"
     )
+    fetch_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=86_400.0,
+        description="devices: give up fetching a deployment's files after this long (the fetch "
+        "runs beside training and sampling; capped by broker.fetch_timeout_s)",
+    )
 
 
 DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")

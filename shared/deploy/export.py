@@ -34,7 +34,14 @@ from shared.atomic import atomic_write
 from shared.config import DiffusionSection, RunConfig
 from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
 from shared.deploy.onnx_sampler import ddim_sample as numpy_ddim_sample
-from shared.deploy.signing import key_id, make_manifest, sign_manifest, write_signed
+from shared.deploy.signing import (
+    key_id,
+    make_manifest,
+    new_version,
+    read_version,
+    sign_manifest,
+    write_signed,
+)
 from shared.diffusion.schedule import ddim_sample
 from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
@@ -123,6 +130,7 @@ class ExportResult:
             "seconds": round(self.seconds, 2),
             "parity": self.parity.to_dict(),
             "card": self.card,
+            **self.extra,
         }
 
 
@@ -439,7 +447,12 @@ def export_module(
 ) -> ExportResult:
     """:func:`export_generator` for a module in hand (the cloud after training, which
     passes its ``algorithm``; else the one ``cfg`` names). ``round_``: the model's last
-    round, counted from 1 (None: not from a run)."""
+    round, counted from 1 (None: not from a run).
+
+    The manifest's version is a new serial of ``cfg.run.name``
+    (:func:`~shared.deploy.signing.new_version`), above the serial of the manifest already in
+    ``out_dir``: the cloud exports into its run directory, so a cloud resumed from its
+    checkpoints numbers its next deployment after the last one it made."""
     start = time.perf_counter() if start is None else start
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise ExportError(f"parity threshold must be a finite number >= 0, got {threshold}")
@@ -469,9 +482,12 @@ def export_module(
     model_path = out_dir / "model.onnx"
     atomic_write(model_path, onnx_bytes)
     atomic_write(out_dir / "card.json", (json.dumps(card, indent=2) + "\n").encode())
+    previous = read_version(out_dir)  # read before anything of this export replaces it
+    version = new_version(cfg.run.name, previous.serial if previous is not None else 0)
     manifest = make_manifest(
-        hashlib.sha256(onnx_bytes).hexdigest(), len(onnx_bytes), card, shared=shared
-    )
+        hashlib.sha256(onnx_bytes).hexdigest(), len(onnx_bytes), card, shared=shared,
+        version=version,
+    )  # fmt: skip
     signed = signing_key is not None
     if signed:
         text, signature = sign_manifest(manifest, signing_key)
@@ -483,5 +499,6 @@ def export_module(
         )
         (out_dir / "manifest.sig").unlink(missing_ok=True)
     return ExportResult(
-        out_dir, model_path, card, parity, manifest_path, signed, time.perf_counter() - start
-    )
+        out_dir, model_path, card, parity, manifest_path, signed, time.perf_counter() - start,
+        extra={"version": version.to_dict()},
+    )  # fmt: skip

@@ -7,6 +7,14 @@ so the same manifest verifies whether it arrived as text over MQTT or was re-rea
 ``manifest.json`` on disk. Devices verify the signature *before* parsing anything else, then
 the model's hash and size against the manifest, and load nothing that fails.
 
+Every manifest carries a ``version`` inside the signed bytes: the run it was exported from
+and a ``serial``, the export's time in milliseconds since the epoch, raised above the serial
+of the manifest the export replaces in the same directory (so a cloud resuming from its
+checkpoints, whose export directory sits beside them, numbers on even if its clock went
+back). Devices serve a deployment of a run only if its serial is greater than that of the
+run's deployment they served last (:func:`refuse_older`): a replayed older deployment, validly
+signed as it is, is refused. Manifests exported before versions existed read as serial 0.
+
 Torch-free on purpose: the device agent's sampling path imports this.
 """
 
@@ -17,6 +25,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from shared.atomic import atomic_write
 from shared.errors import EstuaryError, SignatureError
 
 MANIFEST_FORMAT = "estuary-deployment-v1"
@@ -39,6 +49,12 @@ SHARED_BLOB_KIND = "shared_weights"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _FILE_SUFFIX = {"model": ".onnx", "shared": ".safetensors"}
 _SIGNATURE = re.compile(r"^[0-9a-f]{128}$")
+#: largest version serial (milliseconds since the epoch fit many times over; exact in a float
+#: up to 2**53, which the served-version gauge shows)
+MAX_SERIAL = 2**53 - 1
+_MAX_RUN_CHARS = 128
+#: the reason a device refuses a deployment that is not newer than the one it served
+NOT_NEWER = "deployment_not_newer"
 
 
 # -- keys ---------------------------------------------------------------------------------
@@ -104,6 +120,68 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+@dataclass(frozen=True)
+class DeploymentVersion:
+    """Where a deployment stands among its run's deployments: ``run`` (the run name it was
+    exported from) and ``serial`` (greater: exported later; 0: exported before manifests
+    carried versions)."""
+
+    run: str
+    serial: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``version`` entry."""
+        return {"run": self.run, "serial": self.serial}
+
+
+def new_version(run: str, after: int = 0) -> DeploymentVersion:
+    """A version of ``run`` for an export made now: the time in milliseconds since the
+    epoch, or ``after + 1`` when that is greater (a clock that went back, two exports within
+    a millisecond)."""
+    now_ms = time.time_ns() // 1_000_000
+    return DeploymentVersion(run, min(MAX_SERIAL, max(now_ms, after + 1)))
+
+
+def version_of(manifest: dict[str, Any]) -> DeploymentVersion:
+    """The version of a manifest (devices read it from checked ones only:
+    :func:`check_manifest`); one without a well-formed ``version`` entry is serial 0 of the
+    run its card names as its source."""
+    version = manifest.get("version")
+    if isinstance(version, dict):
+        run, serial = version.get("run"), version.get("serial")
+        if isinstance(run, str) and type(serial) is int:
+            return DeploymentVersion(run, serial)
+    card = manifest.get("card")
+    source = card.get("source") if isinstance(card, dict) else None
+    run = source.get("run") if isinstance(source, dict) else None
+    return DeploymentVersion(run if isinstance(run, str) else "", 0)
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of a manifest's canonical bytes: the identity of a deployment (its signed
+    content, whatever the unsigned fields of the message that carried it)."""
+    return hashlib.sha256(canonical_json(manifest)).hexdigest()
+
+
+def refuse_older(
+    version: DeploymentVersion, digest: str, served: tuple[int, str] | None
+) -> str | None:
+    """Why a deployment of ``version`` (manifest digest ``digest``) must not replace the
+    deployment of its run served last, ``served`` as (serial, manifest digest); None when it
+    may. A deployment is newer when its serial is greater; the same deployment again (same
+    digest) may be loaded again (a restart, another run served in between). A run whose last
+    deployment had no version (serial 0) accepts any of its deployments, as before versions."""
+    if served is None or served[0] == 0:
+        return None
+    serial, served_digest = served
+    if version.serial > serial or (version.serial == serial and digest == served_digest):
+        return None
+    return (
+        f"version {version.serial} of run {version.run!r:.80} is not newer than version "
+        f"{serial}, the run's deployment served last"
+    )
+
+
 def make_manifest(
     model_sha256: str,
     model_size: int,
@@ -111,16 +189,23 @@ def make_manifest(
     *,
     file: str = "model.onnx",
     shared: dict[str, Any] | None = None,
+    version: DeploymentVersion | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a model file: its hash, size, card and creation time; with ``shared``
-    (``{"file", "sha256", "size"}``), also the safetensors file of the global model's
-    federated tensors that devices holding their own local parts build their model from
-    (FedDiffuse ULATDEC/UDEC)."""
+    """The manifest of a model file: its hash, size, card, creation time and ``version``
+    (default: :func:`new_version` of the card's source run); with ``shared`` (``{"file",
+    "sha256", "size"}``), also the safetensors file of the global model's federated tensors
+    that devices holding their own local parts build their model from (FedDiffuse
+    ULATDEC/UDEC)."""
+    if version is None:
+        source = card.get("source")
+        run = source.get("run") if isinstance(source, dict) else None
+        version = new_version(run if isinstance(run, str) else "")
     manifest = {
         "format": MANIFEST_FORMAT,
         "model": {"file": file, "sha256": model_sha256, "size": int(model_size)},
         "card": card,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "version": version.to_dict(),
     }
     if shared is not None:
         manifest["shared"] = dict(shared)
@@ -168,6 +253,18 @@ def check_manifest(manifest: Any) -> None:
             _check_file_entry(entry, manifest[entry], suffix)
     if not isinstance(manifest.get("card"), dict):
         raise SignatureError("bad_manifest", "manifest has no model card")
+    if "version" in manifest:
+        _check_version(manifest["version"])
+
+
+def _check_version(value: Any) -> None:
+    if not isinstance(value, dict) or set(value) != {"run", "serial"}:
+        raise SignatureError("bad_manifest", "manifest's version is not {run, serial}")
+    run, serial = value["run"], value["serial"]
+    if not isinstance(run, str) or len(run) > _MAX_RUN_CHARS:
+        raise SignatureError("bad_manifest", f"version.run is not a run name: {run!r:.80}")
+    if type(serial) is not int or not 0 < serial <= MAX_SERIAL:
+        raise SignatureError("bad_manifest", f"version.serial is not in 1..{MAX_SERIAL}")
 
 
 def _check_file_entry(entry: str, value: Any, suffix: str) -> None:
@@ -200,11 +297,13 @@ def check_model_bytes(data: bytes, manifest: dict[str, Any], entry: str = "model
 
 
 def write_signed(out_dir: Path, text: str, signature: str, signer: str) -> Path:
-    """Write ``manifest.json`` (readable) and ``manifest.sig`` (hex) into ``out_dir``."""
+    """Write ``manifest.json`` (readable) and ``manifest.sig`` (hex) into ``out_dir``, each
+    atomically (a reader sees the old file or the new one, never a torn one)."""
     manifest = json.loads(text)
     path = out_dir / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    (out_dir / "manifest.sig").write_text(json.dumps({"signature": signature, "key_id": signer}))
+    atomic_write(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    sig = json.dumps({"signature": signature, "key_id": signer})
+    atomic_write(out_dir / "manifest.sig", sig.encode())
     return path
 
 
@@ -224,3 +323,14 @@ def read_signed(model_dir: Path) -> tuple[str, str | None]:
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
             raise SignatureError("bad_signature", f"cannot read {sig_path}: {err}") from None
     return canonical_json(manifest).decode(), signature
+
+
+def read_version(model_dir: Path) -> DeploymentVersion | None:
+    """The version of the manifest in ``model_dir`` (unverified: what an exporter numbers
+    its next export after), or None when there is none or it is unreadable."""
+    try:
+        manifest = json.loads((model_dir / "manifest.json").read_text())
+        check_manifest(manifest)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, SignatureError):
+        return None
+    return version_of(manifest)

@@ -142,7 +142,8 @@ class RoleMetrics:
     ``skipped_image_files`` and ``device_state`` (label ``event``, :data:`STATE_EVENTS`)
     (devices only), ``images_generated``,
     ``sampling_seconds``, ``images_per_second``, ``deployments`` (label ``outcome``,
-    :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``) and ``updates`` (label
+    :data:`DEPLOY_OUTCOMES`), ``deployed`` (label ``sha256``), ``deployment_version`` (the
+    served deployment's version serial) and ``updates`` (label
     ``outcome``, one of :data:`UPDATE_OUTCOMES`). The registry also carries the traffic
     counters (:class:`TrafficCollector`) and the process's CPU time, memory, open files and
     start time (prometheus_client's ``process_*`` metrics).
@@ -264,6 +265,12 @@ class RoleMetrics:
             "estuary_deployed_model",
             "The model in service (1 for its sha256 prefix).",
             ("sha256",),
+            registry=reg,
+        )
+        self.deployment_version = Gauge(
+            "estuary_deployment_version",
+            "Version (export serial, milliseconds since the epoch) of the deployment in "
+            "service; 0: none, or one exported before deployments had versions.",
             registry=reg,
         )
         self.updates = Counter(
