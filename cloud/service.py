@@ -32,7 +32,7 @@ from shared.evaluation.evaluator import model_from_state
 from shared.models.checkpoint import model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
-from shared.naming import device_name, edge_ids
+from shared.naming import device_index, device_name, edge_ids
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import spec_of
@@ -263,8 +263,23 @@ class CloudServer(RoleService):
         self.send(self.topics.cloud_state, state, retain=True)
 
     # -- registration ------------------------------------------------------------------
+    def _configured_device(self, name: str) -> bool:
+        """Whether ``name`` is one of the federation's devices (``dev000`` up to
+        ``federation.num_devices``): registrations, and the offline set, hold no others."""
+        try:
+            device_index(name, self.cfg)
+        except ConfigError:
+            return False
+        return True
+
     def on_hello(self, msg: DeviceHello) -> None:
         """Record a device; start the first round once every configured device is in."""
+        if not self._configured_device(msg.device):
+            # thousands of made-up ids would otherwise grow every round announcement past
+            # the message limit (and the cloud with it)
+            self.reject("unknown_device", f"{msg.device} is not among the federation's "
+                        f"{self.cfg.federation.num_devices} devices")  # fmt: skip
+            return
         if msg.home_edge not in self.edges:
             self.reject("unknown_edge", f"{msg.device} names edge {msg.home_edge!r}")
             return
@@ -281,6 +296,8 @@ class CloudServer(RoleService):
         if msg.online:
             self.offline.discard(msg.name)
             return
+        if msg.name not in self.edges and not self._configured_device(msg.name):
+            return  # bounded: only the federation's own instances are tracked
         self.offline.add(msg.name)
         if msg.role == "edge" and self.started and not self.done and self.timer is not None:
             log.warning("edge %s went offline during round %d", msg.name, self.round + 1)

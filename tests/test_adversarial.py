@@ -6,6 +6,9 @@
   first run.
 - A run in which no round received a single device's update fails (exit 2, no deployment)
   instead of deploying its untrained model as a success.
+- Registrations (and the presence the cloud tracks) are bounded by the configured
+  federation: thousands of made-up device ids are refused and counted, and the round
+  announcement stays the federation's size.
 
 The bad-message classes (malformed, oversize, pickle, NaN, wrong shapes, hash and size
 mismatch, replay, impersonation) are in ``test_mqtt_bad_input.py`` and
@@ -134,3 +137,29 @@ def test_a_rerun_on_a_broker_holding_a_finished_run_trains_to_the_same_model(
             assert [r["updates"] for r in rows] == [2, 2], rows
             summaries.append(json.loads((hier.run_dir / "summary.json").read_text()))
     assert summaries[0]["final_model_sha256"] == summaries[1]["final_model_sha256"]
+
+
+def test_made_up_device_ids_are_refused_and_the_registrations_stay_bounded() -> None:
+    """5,000 hellos (and offline presences) under made-up ids and ids past
+    ``federation.num_devices``: each refused and counted, none stored; the configured
+    devices then register and the first round is announced to them alone."""
+    cfg = tiny_config(federation={"num_devices": 2, "num_edges": 1})
+    bus = MemoryBus(raise_errors=False)
+    state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
+    cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
+    cloud.start()
+    topics, ep = Topics(cfg.run.name), bus.endpoint("tester")
+    fakes = [f"x{i}" for i in range(4000)] + [f"dev{i:03d}" for i in range(2, 1002)]
+    for name in fakes:
+        hello = DeviceHello(device=name, home_edge="edge0", n_samples=10, label_counts=[1] * 10)
+        ep.publish(topics.device_hello(name), encode(hello), kind="m")
+        gone = Presence(name=name, role="device", online=False)
+        ep.publish(topics.status(f"device/{name}"), encode(gone), kind="m")
+    bus.run(lambda: False)
+    assert bus.traffic.snapshot()["rejected"] == {"cloud:unknown_device": len(fakes)}
+    assert cloud.devices == {} and cloud.offline == set() and not cloud.started
+    for name in ("dev000", "dev001"):
+        hello = DeviceHello(device=name, home_edge="edge0", n_samples=10, label_counts=[1] * 10)
+        ep.publish(topics.device_hello(name), encode(hello), kind="m")
+    assert bus.run(lambda: cloud.started)
+    assert cloud.participants == ["dev000", "dev001"]

@@ -95,11 +95,12 @@ def test_resume_after_a_torn_last_row(tiny_cfg: RunConfig, tmp_path: Path) -> No
     rec.on_round_end(summary(1))
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(path.read_bytes()[:-40])  # the second row cut short
-    assert [r["round"] for r in read_metrics(path)] == [0]
+    assert [r["round"] for r in read_metrics(path)] == [1]  # rows count rounds from 1
+    # resume after the round of index 0: the first row is kept
     again = RunRecorder(tiny_cfg, tmp_path, Traffic(), evaluate=False, resume_after=0)
-    assert [r["round"] for r in again.rows] == [0]
+    assert [r["round"] for r in again.rows] == [1]
     again.on_round_end(summary(1))
-    assert [r["round"] for r in read_metrics(path)] == [0, 1]
+    assert [r["round"] for r in read_metrics(path)] == [1, 2]
     path.write_text("{not json\n" + path.read_text())
     with pytest.raises(EstuaryError, match="line 1 is not JSON"):
         read_metrics(path)
