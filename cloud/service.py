@@ -50,6 +50,10 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+#: seconds after subscribing before the cloud judges who has registered (retained
+#: registrations and presence arrive within it)
+SETTLE_S = 1.0
+
 #: :class:`CloudServer`'s default ``init``: fingerprint the config's ``model.init`` file
 INIT_FROM_CONFIG = "from model.init"
 
@@ -202,6 +206,8 @@ class CloudServer(RoleService):
         self.personal = False  # the next round start says devices have personal models
         self.timer: Timer | None = None
         self.started = False
+        #: whether the retained registrations and presence have had time to arrive
+        self.settled = False
         self.done = False
         #: why a round transition failed; the process then stops (exit 2) instead of waiting
         #: with no deadline armed, and a restart resumes from the last checkpoint
@@ -232,6 +238,10 @@ class CloudServer(RoleService):
         self._publish_state("waiting")
         self.announce_presence(True)
         self.ep.call_later(self.cfg.federation.registration_timeout_s, self._registration_timeout)
+        # the broker hands over retained registrations before retained presence: judge who is
+        # here only once both had time to arrive, so that the registrations a finished run
+        # left behind (their devices offline) cannot start a round before this run's devices
+        self.ep.call_later(SETTLE_S, self._settled)
 
     def global_module(self) -> nn.Module:
         """The current global model as a module in eval mode (its architecture rebuilt from
@@ -288,13 +298,27 @@ class CloudServer(RoleService):
             return
         self.devices[msg.device] = msg
         self.offline.discard(msg.device)
-        if not self.started and len(self.devices) >= self.cfg.federation.num_devices:
-            self._begin()
+        self._maybe_begin()
+
+    def _present(self) -> list[str]:
+        """The registered devices not known to be offline."""
+        return [d for d in self.devices if d not in self.offline]
+
+    def _settled(self) -> None:
+        self.settled = True
+        self._maybe_begin()
+
+    def _maybe_begin(self) -> None:
+        """Start the first round once every configured device is registered and present."""
+        if self.settled and not self.started:
+            if len(self._present()) >= self.cfg.federation.num_devices:
+                self._begin()
 
     def on_presence(self, msg: Presence) -> None:
         """Track who is online; an edge going offline no longer holds up the round."""
         if msg.online:
             self.offline.discard(msg.name)
+            self._maybe_begin()
             return
         if msg.name not in self.edges and not self._configured_device(msg.name):
             return  # bounded: only the federation's own instances are tracked
@@ -304,9 +328,9 @@ class CloudServer(RoleService):
             self._maybe_close()
 
     def _registration_timeout(self) -> None:
-        if not self.started and self.devices:
+        if not self.started and self._present():
             log.warning(
-                "starting with %d/%d devices", len(self.devices), self.cfg.federation.num_devices
+                "starting with %d/%d devices", len(self._present()), self.cfg.federation.num_devices
             )
             self._begin()
         elif not self.started:

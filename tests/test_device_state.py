@@ -109,9 +109,9 @@ def _state(**over: Any) -> DeviceState:
             "optimizer.state": (shapes, opt_state),
             "scaffold.c_i": {"w": torch.ones(2)},
         },
-        "round": 4,
+        "round": 2,  # the third round of the 4-round runs below
         "session": "s" * 16,
-        "choices": [("s" * 16, 4, "edge1")],
+        "choices": [("s" * 16, 2, "edge1")],
     }
     base.update(over)
     return DeviceState(**base)
@@ -128,7 +128,7 @@ def test_a_saved_state_reads_back_and_loads_into_an_optimizer(tmp_path: Path) ->
     state.algo_state.pop("fedphd.penalty")
     assert _same(back.algo_state, state.algo_state)
     assert (back.device, back.round, back.session, back.choices) == (
-        "dev001", 4, "s" * 16, [("s" * 16, 4, "edge1")],
+        "dev001", 2, "s" * 16, [("s" * 16, 2, "edge1")],
     )  # fmt: skip
     _, _, model = _adam_state()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -307,6 +307,16 @@ def test_an_unusable_state_file_is_moved_aside_and_the_device_starts_afresh(
     (aside,) = tmp_path.glob(f"dev001.safetensors.{reason}-*")
     assert aside.read_bytes() == before  # moved, never deleted
     assert agent.metrics.device_state.labels(event="set_aside")._value.get() == 1
+
+
+def test_a_state_past_the_runs_last_round_is_moved_aside(tmp_path: Path) -> None:
+    """A saved round no real round of the run can reach (a forged far-future round would
+    otherwise make every real round look late after a restart)."""
+    cfg = _cfg({"name": "scaffold"})
+    agent = _agent(cfg, tmp_path)
+    save_state(agent.state_file, _state(config_digest=agent.config_digest, round=10**6))  # type: ignore[arg-type]
+    assert not agent.restore_state()
+    assert list(tmp_path.glob("dev001.safetensors.bad-round-*"))
 
 
 def test_a_state_for_a_plan_the_preset_refuses_is_moved_aside(tmp_path: Path) -> None:
