@@ -328,10 +328,10 @@ class CloudServer(RoleService):
             self._maybe_close()
 
     def _registration_timeout(self) -> None:
-        if not self.started and self._present():
-            log.warning(
-                "starting with %d/%d devices", len(self._present()), self.cfg.federation.num_devices
-            )
+        present = self._present()
+        if not self.started and present:
+            wanted = self.cfg.federation.num_devices
+            log.warning("starting with %d/%d devices", len(present), wanted)
             self._begin()
         elif not self.started:
             log.error("no device registered within the registration timeout; stopping")

@@ -38,8 +38,6 @@ import hashlib
 import json
 import logging
 import re
-import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +71,7 @@ from shared.errors import (
     SignatureError,
     TransportError,
 )
+from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import RoleService
 from shared.transport.bus import Bus
 from shared.wire.messages import (
@@ -167,11 +166,9 @@ class Fetched:
     shared: bytes | None
 
 
-class FetchJob:
-    """``work`` (fetching a deployment's files) in a daemon thread, off the role's message
-    thread; :meth:`poll`, on the role thread, calls ``done(result, error)`` once the worker
-    is done, where ``error`` is what it raised (the pattern of the cloud's
-    :class:`~cloud.personal.PersonalizeJob`). Every wait in ``work`` has its own timeout."""
+class FetchJob(WorkerJob[Fetched]):
+    """Fetching ``item``'s files (``work``) in a worker thread, off the role's message
+    thread; ``done(result, error)`` runs on the role thread once it is over."""
 
     def __init__(
         self,
@@ -181,39 +178,10 @@ class FetchJob:
         done: Callable[[Fetched | None, BaseException | None], None],
     ) -> None:
         self.item = item
-        self._done = done
-        self._call_later = call_later
-        self._result: Fetched | None = None
-        self._error: BaseException | None = None
-        self.started = time.perf_counter()
-        self._thread = threading.Thread(
-            target=self._work, args=(work,), name=f"deploy-{item.sha256[:12]}", daemon=True
-        )
-
-    def start(self) -> None:
-        """Start the worker and the polling."""
-        self._thread.start()
-        self.poll(FIRST_JOIN_S)
-
-    def _work(self, work: Callable[[], Fetched]) -> None:
-        try:
-            self._result = work()
-        except BaseException as err:  # handed to the role thread, never lost in the worker
-            self._error = err
-
-    def poll(self, join_s: float = JOIN_S) -> None:
-        """Hand the result over when the worker is done (waiting ``join_s`` at most), else
-        look again in :data:`POLL_S`."""
-        self._thread.join(timeout=join_s)
-        if self._thread.is_alive():
-            self._call_later(POLL_S, self.poll)
-            return
-        log.debug("deployment %s fetched in %.2fs", self.item.sha256[:12],
-                  time.perf_counter() - self.started)  # fmt: skip
-        error = self._error
-        if error is None and self._result is None:
-            error = EstuaryError("the fetch ended without a result")
-        self._done(self._result, error)
+        super().__init__(
+            work, call_later, done, name=f"deploy-{item.sha256[:12]}", poll_s=POLL_S,
+            join_s=JOIN_S, first_join_s=FIRST_JOIN_S,
+        )  # fmt: skip
 
 
 class DeploymentReceiver:

@@ -7,9 +7,14 @@ from typing import Any
 
 import torch
 
+from cloud import CloudServer
+from shared.algorithms import make_algorithm
+from shared.config import RunConfig
+from shared.models.init import initial_model
 from shared.models.presets import build_unet
 from shared.runtime.service import RoleService
-from shared.wire.messages import BlobRef, RoundStart
+from shared.transport.bus import Endpoint, MemoryBus
+from shared.wire.messages import BlobRef, DeviceHello, RoundStart, Topics, encode
 
 SESSION = "0123456789abcdef"
 
@@ -17,6 +22,23 @@ SESSION = "0123456789abcdef"
 @functools.cache
 def _model_state(preset: str, seed: int) -> dict[str, torch.Tensor]:
     return dict(build_unet(preset, seed=seed).state_dict())
+
+
+def registered_cloud(cfg: RunConfig) -> tuple[MemoryBus, CloudServer, Endpoint, Topics]:
+    """A cloud of ``cfg`` on a MemoryBus that counts handler errors (as MqttBus does), with
+    device ``dev00i`` registered at edge ``i`` for each edge, its first round open; the bus,
+    the cloud, an endpoint to speak to it from, and the run's topics."""
+    bus = MemoryBus(raise_errors=False)
+    state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
+    cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
+    cloud.start()
+    topics, ep = Topics(cfg.run.name), bus.endpoint("tester")
+    for i in range(cfg.federation.num_edges):
+        hello = DeviceHello(device=f"dev00{i}", home_edge=f"edge{i}", n_samples=10,
+                            label_counts=[1] * 10)  # fmt: skip
+        ep.publish(topics.device_hello(f"dev00{i}"), encode(hello), kind="m")
+    assert bus.run(lambda: cloud.started)
+    return bus, cloud, ep, topics
 
 
 def put_model(service: RoleService, kind: str, *, seed: int = 0) -> BlobRef:

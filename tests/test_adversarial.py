@@ -35,6 +35,7 @@ from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.wire.messages import CloudState, DeviceHello, EdgeUpdate, Presence, Topics, encode
 from tests.conftest import tiny_config
+from tests.hand_roles import registered_cloud
 
 OLD, NEW = "01d5e55101d5e551", "fe55e551fe55e551"
 
@@ -84,17 +85,9 @@ def test_a_run_no_device_ever_contributed_to_fails_instead_of_deploying() -> Non
     """Every round closes with edge reports that list no device: the cloud does not call
     the deployment or publish "done"; it records why it failed (the process exits 2)."""
     cfg = tiny_config(federation={"num_devices": 2, "num_edges": 2})
-    bus = MemoryBus(raise_errors=False)
-    state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
-    cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
+    bus, cloud, ep, topics = registered_cloud(cfg)
     deployed: list[bool] = []
     cloud.on_trained = lambda: deployed.append(True)
-    cloud.start()
-    topics, ep = Topics(cfg.run.name), bus.endpoint("tester")
-    for i, edge in enumerate(["edge0", "edge1"]):
-        hello = DeviceHello(device=f"dev00{i}", home_edge=edge, n_samples=10, label_counts=[1] * 10)
-        ep.publish(topics.device_hello(f"dev00{i}"), encode(hello), kind="m")
-    assert bus.run(lambda: cloud.started)
     for _ in range(cfg.run.rounds):
         r = cloud.round
         for edge in ("edge0", "edge1"):

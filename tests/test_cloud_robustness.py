@@ -17,14 +17,13 @@ import pytest
 
 from cloud import CloudServer
 from cloud.service import check_round_start_fits, largest_round_start
-from shared.algorithms import make_algorithm
 from shared.errors import ConfigError
 from shared.metrics.prometheus import parse_exposition
-from shared.models.init import initial_model
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.wire.messages import DeviceHello, EdgeUpdate, Topics, encode
+from shared.wire.messages import EdgeUpdate, Topics, encode
 from tests.conftest import tiny_config
+from tests.hand_roles import registered_cloud
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,16 +33,7 @@ def _cloud(**algorithm: Any) -> tuple[MemoryBus, CloudServer, Any, Topics]:
     cfg = tiny_config(
         algorithm={"name": "fedphd", **algorithm}, federation={"num_devices": 2, "num_edges": 2}
     )
-    bus = MemoryBus(raise_errors=False)
-    state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
-    cloud = CloudServer(cfg, bus, make_algorithm(cfg), initial_model=state)
-    cloud.start()
-    topics, ep = Topics(cfg.run.name), bus.endpoint("tester")
-    for i, edge in enumerate(["edge0", "edge1"]):
-        hello = DeviceHello(device=f"dev00{i}", home_edge=edge, n_samples=10, label_counts=[1] * 10)
-        ep.publish(topics.device_hello(f"dev00{i}"), encode(hello), kind="m")
-    assert bus.run(lambda: cloud.started)
-    return bus, cloud, ep, topics
+    return registered_cloud(cfg)
 
 
 def _report(

@@ -197,9 +197,7 @@ def make_manifest(
     that devices holding their own local parts build their model from (FedDiffuse
     ULATDEC/UDEC)."""
     if version is None:
-        source = card.get("source")
-        run = source.get("run") if isinstance(source, dict) else None
-        version = new_version(run if isinstance(run, str) else "")
+        version = new_version(version_of({"card": card}).run)
     manifest = {
         "format": MANIFEST_FORMAT,
         "model": {"file": file, "sha256": model_sha256, "size": int(model_size)},

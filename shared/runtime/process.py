@@ -164,30 +164,33 @@ def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
     replaces that state with its own before it says it is online, instead of leaving at
     once (and leaving the new cloud to run every round with no one)."""
     digest = service.cfg.digest()
-    seen: dict[str, CloudState | bool | None] = {"state": None, "online": False, "ended": False}
+    state: CloudState | None = None  # the cloud's latest
+    online = ended = False
     told: set[str] = set()  # the stale sessions already logged
 
     def check() -> None:
-        msg = seen["state"]
-        if seen["ended"] or not isinstance(msg, CloudState) or not msg.done_for(digest):
+        nonlocal ended
+        if ended or state is None or not state.done_for(digest):
             return
-        if seen["online"] or msg.session == service.joined_session():
-            seen["ended"] = True
+        if online or state.session == service.joined_session():
+            ended = True
             on_done()
-        elif msg.session not in told and len(told) < 16:
-            told.add(msg.session)
+        elif state.session not in told and len(told) < 16:
+            told.add(state.session)
             log.info(
                 "%s: the broker holds a finished run's state (session %s) and no cloud is "
-                "online: waiting for this run's cloud", service.name, msg.session,
+                "online: waiting for this run's cloud", service.name, state.session,
             )  # fmt: skip
 
     def on_state(msg: CloudState) -> None:
-        seen["state"] = msg
+        nonlocal state
+        state = msg
         check()
 
     def on_presence(msg: Presence) -> None:
+        nonlocal online
         if msg.role == "cloud":
-            seen["online"] = msg.online
+            online = msg.online
             check()
 
     service.on(service.topics.cloud_state, CloudState, on_state, "msg_cloud_state")

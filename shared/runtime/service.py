@@ -10,6 +10,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.config import RunConfig
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 #: rejections logged per reason and window; the rest are counted (as every rejection is, in
-#: ``estuary_rejected_total``) and summed up in the next line logged for that reason
+#: ``estuary_rejected_messages_total``) and summed up in the next line logged for that reason
 REJECT_LOG_BURST, REJECT_LOG_WINDOW_S = 5, 60.0
 
 
@@ -51,31 +52,40 @@ class LogLimiter:
         max_keys: int = 256,
     ) -> None:
         self.burst, self.window_s, self.clock, self.max_keys = burst, window_s, clock, max_keys
-        #: key -> [window start, lines logged in it, lines suppressed since the last one]
-        self._keys: OrderedDict[str, list[float]] = OrderedDict()
+        self._keys: OrderedDict[str, _Window] = OrderedDict()
 
     def admit(self, key: str) -> int | None:
         """None: do not log this one (counted as suppressed). Else the number suppressed
         since the last line logged for ``key`` (to say so in this one)."""
         now = self.clock()
-        entry = self._keys.pop(key, None)
-        if entry is None or now - entry[0] >= self.window_s:
-            entry = [now, 0.0, entry[2] if entry is not None else 0.0]
-        self._keys[key] = entry
+        window = self._keys.pop(key, None)
+        if window is None or now - window.start >= self.window_s:
+            window = _Window(now, suppressed=window.suppressed if window is not None else 0)
+        self._keys[key] = window
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
-        if entry[1] >= self.burst:
-            entry[2] += 1
+        if window.logged >= self.burst:
+            window.suppressed += 1
             return None
-        entry[1] += 1
-        suppressed, entry[2] = int(entry[2]), 0.0
+        window.logged += 1
+        suppressed, window.suppressed = window.suppressed, 0
         return suppressed
 
     def exhausted(self, key: str) -> bool:
         """Whether ``key`` has used its lines of the current window (the line just admitted
         was the last one)."""
-        entry = self._keys.get(key)
-        return entry is not None and entry[1] >= self.burst
+        window = self._keys.get(key)
+        return window is not None and window.logged >= self.burst
+
+
+@dataclass
+class _Window:
+    """One key's current window: when it started, the lines logged in it, and the lines
+    left out since the last one logged."""
+
+    start: float
+    logged: int = 0
+    suppressed: int = 0
 
 
 class RoleService:
