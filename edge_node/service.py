@@ -25,8 +25,10 @@ from typing import NamedTuple
 from shared.algorithms import Algorithm, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
-from shared.errors import ConfigError
+from shared.errors import CodecError, ConfigError, TransportError
 from shared.models.plan import ChannelPlan, model_spec, parse_plan, plan_digest, plan_doc
+from shared.naming import is_device_of
+from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import TensorSpec, encode_tensors, sha256_hex
@@ -43,11 +45,13 @@ from shared.wire.messages import (
     Forwarded,
     Presence,
     RoundStart,
+    home_of,
 )
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
+FETCH_POLL_S = 0.01  # how often the role thread looks for update downloads that finished
 
 #: a device's work not yet in the edge model: (samples, label counts) summed over rounds
 Pending = tuple[int, list[int]]
@@ -108,6 +112,9 @@ class EdgeServer(RoleService):
         self.upload = True
         self.updates: dict[str, Update] = {}
         self.reported: dict[str, DeviceUpdate] = {}
+        #: the open round's update downloads under way, by device (worker threads: the
+        #: message thread keeps handling everyone else while a blob source is slow or silent)
+        self.fetching: dict[str, WorkerJob[TensorDict]] = {}
         self.dropped: set[str] = set()
         self.offline: set[str] = set()
         self.my_devices: set[str] = set()
@@ -158,7 +165,12 @@ class EdgeServer(RoleService):
 
     def on_hello(self, msg: DeviceHello) -> None:
         """Record the label counts a device registered with; count the devices whose home is
-        this edge (for the connected-devices gauge)."""
+        this edge (for the connected-devices gauge). Only the federation's own devices
+        count: made-up ids are refused and counted."""
+        if not is_device_of(msg.device, self.cfg):
+            self.reject("unknown_device", f"{msg.device} is not among the federation's "
+                        f"{self.cfg.federation.num_devices} devices")  # fmt: skip
+            return
         room = msg.device in self.registered or (
             len(self.registered) < self.cfg.federation.num_devices
         )
@@ -171,6 +183,8 @@ class EdgeServer(RoleService):
 
     def on_presence(self, msg: Presence) -> None:
         """A device that goes offline mid-round (LWT) no longer holds the round open."""
+        if not is_device_of(msg.name, self.cfg):
+            return  # not a device of this federation: never assigned, nothing to track
         if msg.online:
             self.offline.discard(msg.name)
         else:
@@ -301,6 +315,7 @@ class EdgeServer(RoleService):
         self.joined, self.elsewhere = set(), set()
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
+        self.fetching = {}  # downloads of an earlier round finish and are dropped
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
         if self.dropped:
@@ -341,38 +356,108 @@ class EdgeServer(RoleService):
 
     # -- device updates ----------------------------------------------------------------
     def on_device_update(self, msg: DeviceUpdate) -> None:
-        """Accept one update per assigned device for the open round."""
+        """Accept one update per assigned device for the open round.
+
+        The update's blob is downloaded off the message thread (inline on an in-process
+        bus) and only from the sender's own subtree, within the round's deadline: one
+        device whose blob source is slow or silent holds up nobody else's update."""
         if msg.edge != self.name:
             return  # addressed to another edge
         reason = self._check_update(msg)
         if reason:
-            self.rejected_this_round += 1
-            self.reject(reason, f"{msg.device} round {msg.round + 1}")
-            self.metrics.updates.labels(
-                outcome=reason if reason in ("late", "duplicate") else "rejected"
-            ).inc()
+            self._refuse(msg, reason, f"{msg.device} round {msg.round + 1}")
             return
-        if self.upload and self.algorithm.uploads:
-            if msg.update_ref is None:
-                self.rejected_this_round += 1
-                self.reject("missing_update", f"{msg.device} round {msg.round + 1}")
-                self.metrics.updates.labels(outcome="rejected").inc()
-                return
-            # never wait on one device's blob past the round's own deadline
-            left = max(1.0, self.deadline_at - self.ep.now())
-            tensors = self.fetch_tensors(
-                msg.update_ref,
-                self.update_spec,
-                timeout_s=left,
-                partial=self.algorithm.partial_uploads,
+        if not (self.upload and self.algorithm.uploads):
+            self._accept(msg, None)
+            return
+        ref = msg.update_ref
+        if ref is None:
+            self._refuse(msg, "missing_update", f"{msg.device} round {msg.round + 1}")
+            return
+        if ref.src != home_of("device", msg.device):
+            self._refuse(
+                msg,
+                "foreign_source",
+                f"{msg.device} round {msg.round + 1}: its update is served by "
+                f"{ref.src!r}, not by the device itself",
             )
-            if tensors is None:
-                self.rejected_this_round += 1
-                self.metrics.updates.labels(outcome="rejected").inc()
+            return
+        # never wait on one device's blob past the round's own deadline
+        left = max(1.0, self.deadline_at - self.ep.now())
+        spec, partial = self.update_spec, self.algorithm.partial_uploads
+
+        def fetch() -> TensorDict:
+            return self.load_tensors(ref, spec, timeout_s=left, partial=partial)
+
+        if self.ep.bus.blobs_local:
+            try:
+                tensors = fetch()
+            except (CodecError, TransportError) as err:
+                self._update_fetched(msg, None, err)
                 return
-            self.updates[msg.device] = Update(
-                msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
-            )
+            self._update_fetched(msg, tensors, None)
+            return
+        job = WorkerJob(
+            fetch,
+            self.ep.call_later,
+            lambda tensors, err: self._update_fetched(msg, tensors, err, job),
+            name=f"{self.name}-fetch-{msg.device}",
+            poll_s=FETCH_POLL_S,
+            join_s=0.0,
+            first_join_s=0.0,
+        )
+        self.fetching[msg.device] = job
+        job.start()
+
+    def _refuse(
+        self, msg: DeviceUpdate, reason: str, detail: str, *, this_round: bool = True
+    ) -> None:
+        """Reject a device's update, counted by its outcome and (``this_round``) in the
+        report of the round now open or last closed."""
+        if this_round:
+            self.rejected_this_round += 1
+        self.reject(reason, detail)
+        self.metrics.updates.labels(
+            outcome=reason if reason in ("late", "duplicate") else "rejected"
+        ).inc()
+
+    def _update_fetched(
+        self,
+        msg: DeviceUpdate,
+        tensors: TensorDict | None,
+        error: BaseException | None,
+        job: WorkerJob[TensorDict] | None = None,
+    ) -> None:
+        """An update's blob arrived, validated (``tensors``), or could not be had
+        (``error``): take the update into the round it came for, if that is still open."""
+        if job is not None and self.fetching.get(msg.device) is job:
+            del self.fetching[msg.device]
+        where = f"{msg.device} round {msg.round + 1}"
+        current = msg.session == self.session and msg.round == self.round
+        if error is not None or tensors is None:
+            if isinstance(error, (CodecError, TransportError)):
+                self._refuse(msg, error.reason, f"{where}: {error}", this_round=current)
+            else:  # a bug, not the device's input: say so, and the edge carries on
+                log.error("%s: fetching the update of %s failed", self.name, where,
+                          exc_info=error)  # fmt: skip
+                self._refuse(msg, "fetch_failed", f"{where}: {type(error).__name__}: {error}",
+                             this_round=current)  # fmt: skip
+            return
+        if not current or self.closed:
+            self._refuse(msg, "late", f"{where}: its blob arrived after the round closed",
+                         this_round=current)  # fmt: skip
+            return
+        reason = self._check_update(msg)  # again: the round's sums moved while it downloaded
+        if reason:
+            self._refuse(msg, reason, where)
+            return
+        self.updates[msg.device] = Update(
+            msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
+        )
+        self._accept(msg, tensors)
+
+    def _accept(self, msg: DeviceUpdate, tensors: TensorDict | None) -> None:
+        """Count a device's update (its blob, if any, already in :attr:`updates`)."""
         self.reported[msg.device] = msg
         self.reported_n += msg.n_samples
         self.reported_loss += msg.train_loss
@@ -409,7 +494,7 @@ class EdgeServer(RoleService):
     def _check_update(self, msg: DeviceUpdate) -> str:
         if msg.session != self.session:
             return "stale_session"
-        if msg.round == self.round and msg.device in self.reported:
+        if msg.round == self.round and (msg.device in self.reported or msg.device in self.fetching):
             return "duplicate"
         if self.round is None or msg.round != self.round or self.closed:
             return (

@@ -26,11 +26,23 @@ def device_index(name: str, cfg: RunConfig) -> int:
     if m is None:
         raise ConfigError(f"device id {name!r} must look like dev000, dev001, ...")
     index = int(m.group(1))
+    if name != device_name(index):  # one name per device: dev0007 is not dev007
+        raise ConfigError(f"device id {name!r} must be written {device_name(index)!r}")
     if index >= cfg.federation.num_devices:
         raise ConfigError(
             f"device {name} is outside federation.num_devices = {cfg.federation.num_devices}"
         )
     return index
+
+
+def is_device_of(name: str, cfg: RunConfig) -> bool:
+    """Whether ``name`` is one of the federation's devices (``dev000`` up to
+    ``federation.num_devices``): what registrations and presence are kept for."""
+    try:
+        device_index(name, cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 def home_edge(index: int, cfg: RunConfig) -> str:

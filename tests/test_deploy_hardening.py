@@ -284,7 +284,14 @@ class StallingBus(MemoryBus):
         self.fetch_threads: set[str] = set()
 
     def _get_blob(
-        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+        self,
+        sha256: str,
+        size: int,
+        timeout_s: float,
+        src: str | None,
+        requester: str,
+        *,
+        cache: bool = True,
     ) -> bytes:
         self.sources.append(src)
         if sha256 in self.stalled:
@@ -292,7 +299,7 @@ class StallingBus(MemoryBus):
             time.sleep(timeout_s)
             raise TransportError(f"blob {sha256[:12]}… from {src}: no chunk before the "
                                  "fetch timeout", reason="timeout")  # fmt: skip
-        return super()._get_blob(sha256, size, timeout_s, src, requester)
+        return super()._get_blob(sha256, size, timeout_s, src, requester, cache=cache)
 
 
 def test_a_stalled_blob_source_does_not_stop_the_device(

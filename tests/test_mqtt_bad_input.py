@@ -35,12 +35,14 @@ from cloud import CloudServer
 from edge_node import EdgeServer
 from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
+from shared.errors import TransportError
 from shared.models.presets import build_unet
 from shared.runtime.service import REJECT_LOG_BURST, LogLimiter
+from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import diff_counts
-from shared.wire.codec import encode_tensors, sha256_hex
+from shared.wire.codec import encode_tensors, encoded_size_limit, sha256_hex
 from shared.wire.messages import (
     MAX_MESSAGE_BYTES,
     BlobRef,
@@ -85,6 +87,11 @@ def wait_for(pred: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> 
         if time.monotonic() > end:
             pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
         time.sleep(0.01)
+
+
+def fed_state(cfg: RunConfig) -> TensorDict:
+    """The model state of ``cfg``'s preset (seed 0)."""
+    return dict(build_unet(cfg.model.preset, seed=0).state_dict())
 
 
 def perturbed(state: TensorDict, delta: float) -> TensorDict:
@@ -261,23 +268,28 @@ def check_rejected(
     attack: Callable[[int], None],
     *,
     after_reject: Callable[[], None] | None = None,
+    role: str = "edge",
+    logged_as: str | None = None,
 ) -> EdgeUpdate:
-    """Open a round, run ``attack``, and check the rejection and that the round completes
-    (``after_reject`` runs once the rejection is counted, before the good update)."""
+    """Open a round, run ``attack``, and check the rejection (counted under ``role``, logged
+    with ``logged_as`` in the line, by default the edge's "rejected input (reason)") and
+    that the round completes (``after_reject`` runs once the rejection is counted, before
+    the good update)."""
     caplog.set_level(logging.WARNING)
     fed.edge.reject_log = LogLimiter()  # each test sees its own lines (the edge lives on)
     r = fed.open_round()
     before = fed.rejected()
     caplog.clear()
     attack(r)
-    key = f"edge:{reason}"
+    key = f"{role}:{reason}"
     wait_for(lambda: fed.rejected().get(key, 0) > before.get(key, 0), f"rejection {key}")
     if after_reject is not None:
         after_reject()
     report, good_sha = fed.finish_round(r)
     assert diff_counts(fed.rejected(), before) == {key: 1}
     logged = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
-    assert any(f"{EDGE} rejected input ({reason})" in m for m in logged), logged
+    text = logged_as or f"{EDGE} rejected input ({reason})"
+    assert any(text in m for m in logged), logged
     # the edge kept serving: the good update alone was aggregated and reported
     assert report.devices == [GOOD]
     assert report.mean_loss == 0.25
@@ -360,9 +372,17 @@ def test_malformed_update_message_is_rejected(
 
 
 def test_oversized_message_is_rejected(fed: Harness, caplog: pytest.LogCaptureFixture) -> None:
-    """A message above MAX_MESSAGE_BYTES is refused before it is parsed."""
+    """A message above MAX_MESSAGE_BYTES is dropped in the network thread, before it is
+    queued for the role (counted under the bus)."""
     padding = "x" * (MAX_MESSAGE_BYTES + 1)
-    check_rejected(fed, caplog, "too_large", lambda r: fed.evil_raw(_with(pad=padding)(r)))
+    check_rejected(
+        fed,
+        caplog,
+        "too_large",
+        lambda r: fed.evil_raw(_with(pad=padding)(r)),
+        role="bus",
+        logged_as="dropped a message of",
+    )
 
 
 def test_a_flood_of_bad_messages_is_counted_whole_and_logged_in_a_few_lines(
@@ -487,7 +507,8 @@ TENSOR_CASES: dict[str, Callable[[TensorDict], TensorDict]] = {
 def test_update_with_bad_tensors_is_rejected(
     fed: Harness, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
-    """Wrong names, shapes, dtypes or non-finite values in an uploaded blob: bad_tensors."""
+    """Wrong names, shapes, dtypes or non-finite values in an uploaded blob: bad_tensors.
+    The blob, downloaded and refused, is kept in none of the edge's caches."""
     data = encode_tensors(TENSOR_CASES[case](fed.state))
     report = check_rejected(
         fed,
@@ -496,6 +517,7 @@ def test_update_with_bad_tensors_is_rejected(
         lambda r: fed.evil_send(fed.update(r, EVIL, fed.serve(data))),
     )
     assert report.rejected == 1
+    assert not fed.edge_bus.store.has(sha256_hex(data))
 
 
 def _pickled() -> bytes:
@@ -597,6 +619,117 @@ def test_blob_of_another_size_than_advertised_is_rejected(
     assert fed.edge_bus.traffic.transport().get("chunks_invalid", 0) > invalid
     assert not fed.edge_bus.store.has(sha256_hex(data))
     assert time.monotonic() - started < fed.edge_bus.settings.fetch_timeout_s
+
+
+def test_an_update_served_from_another_subtree_is_refused_without_a_download(
+    fed: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An update whose blob source is not the sender's own subtree (another device's, the
+    cloud's, a silent client's) is refused before anything is asked of that source."""
+    data = encode_tensors(perturbed(fed.state, 5.0))
+    asked = fed.good_bus.traffic.transport().get("blob_requests_missing", 0)
+
+    def attack(r: int) -> None:
+        ref = fed.serve(data).model_copy(update={"src": f"device/{GOOD}"})
+        fed.evil_send(fed.update(r, EVIL, ref))
+
+    report = check_rejected(fed, caplog, "foreign_source", attack)
+    assert report.rejected == 1
+    assert fed.good_bus.traffic.transport().get("blob_requests_missing", 0) == asked
+
+
+def test_a_silent_blob_source_holds_up_no_one_else(
+    fed: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacker reports an update and never answers the edge's requests for its blob.
+    The edge downloads it off its message thread: the honest update that comes after it is
+    fetched and accepted at once, the round closes as soon as the attacker is gone, and
+    nothing honest is counted late."""
+    server = fed.evil_bus._blob_server
+    monkeypatch.setattr(
+        server, "handle_want", lambda payload, device=None: server.release_want(payload)
+    )
+    before = fed.rejected()
+    r = fed.open_round()
+    data = encode_tensors(perturbed(fed.state, 6.0))
+    fed.evil_send(fed.update(r, EVIL, fed.serve(data)))
+    wait_for(lambda: EVIL in fed.edge.fetching, "the edge to start fetching the silent blob")
+    started = time.monotonic()
+    report, good_sha = fed.finish_round(r)  # GOOD uploads, then EVIL says it is offline
+    assert time.monotonic() - started < fed.edge_bus.settings.chunk_timeout_s + 5
+    assert report.devices == [GOOD]
+    assert report.model_ref is not None and report.model_ref.sha256 == good_sha
+    rejected = diff_counts(fed.rejected(), before)
+    assert "edge:late" not in rejected, rejected
+    wait_for(lambda: EVIL not in fed.edge.fetching, "the silent fetch to end")
+
+
+def test_a_blob_declared_larger_than_its_tensors_can_encode_is_refused_unfetched() -> None:
+    """The declared size is checked against the upload spec before a byte is downloaded."""
+    cfg = tiny_config()
+    bus = MemoryBus()
+    edge = EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=EDGE)
+    data = encode_tensors(fed_state(cfg))
+    sha = bus.endpoint(GOOD, f"device/{GOOD}").put_blob(data, kind="device_update")
+    limit = encoded_size_limit(edge.update_spec)
+    assert len(data) <= limit
+    ok = BlobRef(sha256=sha, size=len(data), kind="device_update", src=f"device/{GOOD}")
+    assert set(edge.load_tensors(ok, edge.update_spec)) == set(edge.update_spec)
+    fetched = bus.traffic.snapshot()
+    with pytest.raises(TransportError) as err:
+        edge.load_tensors(ok.model_copy(update={"size": limit + 1}), edge.update_spec)
+    assert err.value.reason == "blob_too_large"
+    assert bus.traffic.snapshot() == fetched  # nothing was asked for
+
+
+def test_a_message_over_the_packet_size_the_role_announced_never_reaches_it(
+    fed: Harness,
+) -> None:
+    """Each role announces an MQTT 5 Maximum Packet Size (a chunk or a message, plus
+    headers): the broker drops a bigger publish instead of sending it, so a flood of 10 MiB
+    messages costs the role nothing to read."""
+    received = fed.edge_bus.traffic.transport().get("wire_bytes_received", 0)
+    for _ in range(5):
+        fed.evil_raw(b"x" * (10 << 20))
+    probe = encode(fed.update(10_000, EVIL, None))
+    fed.evil_raw(probe)  # in order behind the big ones: once it is counted, they are past
+    key = "edge:unexpected_round"
+    before = fed.rejected().get(key, 0)
+    fed.evil_raw(probe)
+    wait_for(lambda: fed.rejected().get(key, 0) > before, "the probe after the flood")
+    grown = fed.edge_bus.traffic.transport().get("wire_bytes_received", 0) - received
+    assert grown < 1 << 20, grown
+
+
+def test_the_inbound_queue_is_bounded_in_bytes_as_well_as_messages() -> None:
+    """Messages waiting for the role's thread hold at most ``max_queue_bytes``; more are
+    dropped and counted (``bus:queue_full``), and taking one out frees its bytes."""
+    settings = BrokerSection(max_queue_bytes=1 << 20)
+    bus = MqttBus(settings, run="q", client_id="q-edge-edge0", home="edge/edge0")
+    payload = b"x" * (300 << 10)
+    for _ in range(4):
+        bus._enqueue_inbound("estuary/v1/q/device/dev000/up", payload)
+    assert bus._inbound.qsize() == 3
+    assert bus.traffic.snapshot()["rejected"] == {"bus:queue_full": 1}
+    assert bus._next_inbound(0) is not None
+    bus._enqueue_inbound("estuary/v1/q/device/dev000/up", payload)
+    assert bus._inbound.qsize() == 3
+
+
+def test_messages_that_arrived_before_a_deadline_are_handled_before_it_fires() -> None:
+    """A due timer waits while a message that arrived before its due time is queued: a
+    round's deadline never turns updates that reached the edge in time into late ones."""
+    bus = MqttBus(BrokerSection(), run="q", client_id="q-edge-edge0", home="edge/edge0")
+    order: list[str] = []
+    topic = "estuary/v1/q/device/dev000/up"
+    bus.endpoint("edge0", "edge/edge0").subscribe(topic, lambda _t, p: order.append(p.decode()))
+    bus._enqueue_inbound(topic, b"first")
+    bus._enqueue_inbound(topic, b"second")
+    time.sleep(0.01)
+    bus.call_later(0.0, lambda: order.append("deadline"))
+    bus._enqueue_inbound(topic, b"after")  # arrived after the timer was due
+    bus.run(lambda: len(order) == 4, timeout_s=2.0)
+    assert order == ["first", "second", "deadline", "after"]
 
 
 def test_blob_the_source_does_not_have_is_rejected(

@@ -291,13 +291,15 @@ def test_exception_in_message_callback_is_counted_and_paho_keeps_running(net: Ne
     real = bus._inbound
     calls = itertools.count()
 
-    class Flaky(queue.Queue[tuple[str, bytes]]):
-        def put_nowait(self, item: tuple[str, bytes]) -> None:
+    class Flaky(queue.Queue[tuple[str, bytes, float]]):
+        def put_nowait(self, item: tuple[str, bytes, float]) -> None:
             if next(calls) == 0:
                 raise RuntimeError("boom")
             real.put_nowait(item)
 
-        def get(self, block: bool = True, timeout: float | None = None) -> tuple[str, bytes]:
+        def get(
+            self, block: bool = True, timeout: float | None = None
+        ) -> tuple[str, bytes, float]:
             return real.get(block, timeout)
 
     bus._inbound = Flaky()

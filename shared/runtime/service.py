@@ -7,18 +7,22 @@ Role services subclass :class:`RoleService`; their handlers receive validated me
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
+from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter
 from shared.metrics.prometheus import RoleMetrics
 from shared.transport.bus import Bus, Endpoint
 from shared.transport.telemetry import Traffic
-from shared.wire.codec import TensorDict, TensorSpec, decode_tensors, encode_tensors
+from shared.wire.codec import (
+    TensorDict,
+    TensorSpec,
+    decode_tensors,
+    encode_tensors,
+    encoded_size_limit,
+)
 from shared.wire.messages import (
     BlobRef,
     Presence,
@@ -31,62 +35,9 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+__all__ = ["REJECT_LOG_BURST", "REJECT_LOG_WINDOW_S", "LogLimiter", "RoleService"]
+
 M = TypeVar("M")
-
-#: rejections logged per reason and window; the rest are counted (as every rejection is, in
-#: ``estuary_rejected_messages_total``) and summed up in the next line logged for that reason
-REJECT_LOG_BURST, REJECT_LOG_WINDOW_S = 5, 60.0
-
-
-class LogLimiter:
-    """At most ``burst`` log lines per key in each ``window_s``: a flood of one bad message
-    (10,000 copies) writes a handful of lines, not 10,000. Keys are bounded (``max_keys``,
-    least recently used dropped)."""
-
-    def __init__(
-        self,
-        burst: int = REJECT_LOG_BURST,
-        window_s: float = REJECT_LOG_WINDOW_S,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        max_keys: int = 256,
-    ) -> None:
-        self.burst, self.window_s, self.clock, self.max_keys = burst, window_s, clock, max_keys
-        self._keys: OrderedDict[str, _Window] = OrderedDict()
-
-    def admit(self, key: str) -> int | None:
-        """None: do not log this one (counted as suppressed). Else the number suppressed
-        since the last line logged for ``key`` (to say so in this one)."""
-        now = self.clock()
-        window = self._keys.pop(key, None)
-        if window is None or now - window.start >= self.window_s:
-            window = _Window(now, suppressed=window.suppressed if window is not None else 0)
-        self._keys[key] = window
-        while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
-        if window.logged >= self.burst:
-            window.suppressed += 1
-            return None
-        window.logged += 1
-        suppressed, window.suppressed = window.suppressed, 0
-        return suppressed
-
-    def exhausted(self, key: str) -> bool:
-        """Whether ``key`` has used its lines of the current window (the line just admitted
-        was the last one)."""
-        window = self._keys.get(key)
-        return window is not None and window.logged >= self.burst
-
-
-@dataclass
-class _Window:
-    """One key's current window: when it started, the lines logged in it, and the lines
-    left out since the last one logged."""
-
-    start: float
-    logged: int = 0
-    suppressed: int = 0
-
 
 class RoleService:
     """Base of the cloud, edge and device services: one endpoint, one name, one config."""
@@ -128,18 +79,7 @@ class RoleService:
         counted; the log gets :data:`REJECT_LOG_BURST` lines per reason a minute, the next
         line saying how many it left out."""
         self.traffic.reject(self.role, reason)
-        suppressed = self.reject_log.admit(reason)
-        if suppressed is None:
-            return
-        notes = []
-        if suppressed:
-            notes.append(f"{suppressed} more not logged before this one")
-        if self.reject_log.exhausted(reason):
-            window = self.reject_log.window_s
-            notes.append(f"further '{reason}' rejections in the next {window:.0f} s at most "
-                         "are counted, not logged")  # fmt: skip
-        more = f" [{'; '.join(notes)}]" if notes else ""
-        log.warning("%s rejected input (%s): %s%s", self.name, reason, detail, more)
+        self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {detail}", log)
 
     def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
@@ -202,10 +142,34 @@ class RoleService:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad.
         With ``partial`` a non-empty subset of ``spec`` is accepted."""
         try:
-            data = self.ep.get_blob(
-                ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s
-            )
-            return decode_tensors(data, sha256=ref.sha256, expected=spec, partial=partial)
+            return self.load_tensors(ref, spec, timeout_s=timeout_s, partial=partial)
         except (CodecError, TransportError) as err:
             self.reject(err.reason, str(err))
         return None
+
+    def load_tensors(
+        self,
+        ref: BlobRef,
+        spec: Mapping[str, TensorSpec] | None,
+        *,
+        timeout_s: float = 600.0,
+        partial: bool = False,
+    ) -> TensorDict:
+        """:meth:`fetch_tensors` that raises CodecError or TransportError instead of
+        rejecting (safe to call from a worker thread: it touches no state of the role).
+
+        A blob declared larger than ``spec`` can encode to is refused before any download
+        (``blob_too_large``); a downloaded blob is kept in the blob store only once it has
+        passed validation, so nothing refused stays in a cache."""
+        if spec is not None and ref.size > encoded_size_limit(spec):
+            raise TransportError(
+                f"blob {ref.sha256[:12]}… from {ref.src}: declared {ref.size} bytes, more than "
+                f"its tensors can take ({encoded_size_limit(spec)})",
+                reason="blob_too_large",
+            )
+        data = self.ep.get_blob(
+            ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s, cache=False
+        )
+        tensors = decode_tensors(data, sha256=ref.sha256, expected=spec, partial=partial)
+        self.ep.keep_blob(data, ref.sha256)
+        return tensors

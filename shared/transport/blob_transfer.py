@@ -134,6 +134,9 @@ class _Fetch:
     hasher: Any = field(default_factory=hashlib.sha256)
     out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
     done: threading.Event = field(default_factory=threading.Event)
+    #: the verified bytes, for fetches of the same blob that waited on this one (set
+    #: before ``done``; the fetch of an uncached blob leaves no copy in the store)
+    result: bytes | None = None
 
     def expected_len(self, index: int) -> int:
         start = index * self.chunk_bytes
@@ -418,6 +421,9 @@ class BlobFetcher:
         if fetch is None or parts[3] != str(fetch.chunk_bytes):
             self.ctx.traffic.note("chunks_unsolicited")
             return
+        if len(payload) > fetch.chunk_bytes:  # never queue more than a chunk's worth
+            self.ctx.traffic.note("chunks_invalid")
+            return
         try:
             fetch.chunks.put_nowait((_parse_index(parts[4]), payload))
         except queue.Full:
@@ -426,8 +432,12 @@ class BlobFetcher:
     def _chunk_pattern(self, f: _Fetch) -> str:
         return self.ctx.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
 
-    def get(self, sha256: str, size: int, timeout_s: float, src: str | None) -> bytes:
-        """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored.
+    def get(
+        self, sha256: str, size: int, timeout_s: float, src: str | None, *, cache: bool = True
+    ) -> bytes:
+        """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored
+        (with ``cache`` False not stored: the caller validates it first and stores it only
+        if it passes, so a refused blob stays in no cache).
 
         Raises TransportError when it cannot be had in time or within limits, CodecError
         when what arrives is not the blob asked for."""
@@ -442,27 +452,30 @@ class BlobFetcher:
             existing = self._fetches.get(sha256)
         if existing is not None:  # someone on another thread is already fetching it
             existing.done.wait(max(0.0, deadline - time.monotonic()))
-            data = self.ctx.store.get(sha256)
+            data = existing.result if existing.result is not None else self.ctx.store.get(sha256)
             if data is None:
                 raise TransportError(f"blob {sha256[:12]}… could not be fetched", reason="timeout")
             return data
         fetch = self._start_fetch(sha256, size, src)
         try:
             self._receive(fetch, deadline)
+            if fetch.hasher.hexdigest() != sha256:
+                raise CodecError(
+                    f"blob {sha256[:12]}… from {src}: received bytes hash to "
+                    f"{fetch.hasher.hexdigest()[:12]}…",
+                    reason="blob_hash_mismatch",
+                )
+            data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
+            fetch.out = io.BytesIO()
+            if cache:
+                self.ctx.store.put(data, sha256)
+            fetch.result = data
         finally:
             with self._fetch_lock:
                 self._fetches.pop(sha256, None)
                 self._fetch_bytes -= size
             self._unsubscribe(self._chunk_pattern(fetch))
             fetch.done.set()
-        if fetch.hasher.hexdigest() != sha256:
-            raise CodecError(
-                f"blob {sha256[:12]}… from {src}: received bytes hash to "
-                f"{fetch.hasher.hexdigest()[:12]}…",
-                reason="blob_hash_mismatch",
-            )
-        data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
-        self.ctx.store.put(data, sha256)
         self.ctx.traffic.note("blobs_fetched")
         return data
 

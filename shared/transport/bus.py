@@ -70,6 +70,9 @@ class Bus(ABC):
     traffic: Traffic
     max_blob_bytes: int
     raise_errors: bool
+    #: blobs are in this process, got at once (MemoryBus): a role fetches them inline, in
+    #: the bus's deterministic order, rather than in a worker thread
+    blobs_local: ClassVar[bool] = False
     _log: ClassVar[logging.Logger] = log  # where handler failures are logged
     _log_prefix = ""  # put before those log lines (the client id, on a real bus)
     _unserved: OrderedDict[str, tuple[str, int]] | None = None
@@ -119,10 +122,21 @@ class Bus(ABC):
 
     @abstractmethod
     def _get_blob(
-        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+        self,
+        sha256: str,
+        size: int,
+        timeout_s: float,
+        src: str | None,
+        requester: str,
+        *,
+        cache: bool = True,
     ) -> bytes:
         """Bytes of blob ``sha256`` for the role at home ``requester``, verified against the
-        hash (raise CodecError if not)."""
+        hash (raise CodecError if not). With ``cache`` False a fetched blob is not kept in
+        the role's blob store (its caller validates it first, then :meth:`Endpoint.keep_blob`)."""
+
+    def _keep_blob(self, data: bytes, sha256: str) -> None:  # noqa: B027 - optional hook
+        """Store a validated blob fetched uncached (no-op where blobs live on the bus)."""
 
     @abstractmethod
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -190,13 +204,16 @@ class Endpoint:
         kind: str,
         src: str | None = None,
         timeout_s: float = 600.0,
+        cache: bool = True,
     ) -> bytes:
-        """Download a blob served by ``src`` and verify its hash and size."""
+        """Download a blob served by ``src`` and verify its hash and size. With ``cache``
+        False a downloaded blob is not stored: the caller validates it and keeps it
+        (:meth:`keep_blob`) only if it passes, so nothing refused stays in a cache."""
         if size > self.bus.max_blob_bytes:
             raise TransportError(
                 f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
             )
-        data = self.bus._get_blob(sha256, size, timeout_s, src, self.home)
+        data = self.bus._get_blob(sha256, size, timeout_s, src, self.home, cache=cache)
         # _get_blob returns verified bytes (MemoryBus keys by the hash it computed, MqttBus
         # hashes while receiving, BlobStore re-hashes disk reads); the size is checked here.
         if len(data) != size:
@@ -206,6 +223,11 @@ class Endpoint:
             )
         self.bus.traffic.count("received", kind, len(data))
         return data
+
+    def keep_blob(self, data: bytes, sha256: str) -> None:
+        """Keep a blob fetched with ``cache=False`` (and then validated) in the blob store,
+        where this role serves it from and finds it again."""
+        self.bus._keep_blob(data, sha256)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
         """Schedule ``fn`` on the bus thread."""
@@ -238,6 +260,8 @@ class MemoryBus(Bus):
     There is no ACL in-process, but a private blob is refused, as if never put, to every
     endpoint but its recipient's and its owner's.
     """
+
+    blobs_local = True
 
     def __init__(
         self,
@@ -313,7 +337,14 @@ class MemoryBus(Bus):
         return digest
 
     def _get_blob(
-        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+        self,
+        sha256: str,
+        size: int,
+        timeout_s: float,
+        src: str | None,
+        requester: str,
+        *,
+        cache: bool = True,
     ) -> bytes:
         data = self._blobs.get(sha256)
         readers = self._readers.get(sha256)

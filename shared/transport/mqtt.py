@@ -34,6 +34,7 @@ messages sent to a role during a short disconnect are queued by the broker.
 from __future__ import annotations
 
 import heapq
+import ipaddress
 import itertools
 import logging
 import math
@@ -53,6 +54,7 @@ from paho.mqtt.properties import Properties
 
 from shared.config import BrokerSection
 from shared.errors import TransportError
+from shared.logs import LogLimiter
 from shared.transport.blob_transfer import BlobContext, BlobFetcher, BlobServer
 from shared.transport.blobs import BlobStore
 from shared.transport.bus import Bus, Handler, HeapTimer, Timer, topic_matches
@@ -70,6 +72,17 @@ PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
 
 _CONTROL_QUEUE: Final = 100_000
 _CONTROL_PUT_TIMEOUT_S: Final = 5.0
+#: what an MQTT 5 packet may add to its payload (fixed header, topic of up to 64 KiB,
+#: packet id, properties) in the Maximum Packet Size this client announces
+_PACKET_OVERHEAD: Final = 70 << 10
+_WANT_MAX_BYTES: Final = 256 << 10  # a blob request asks for at most 4,096 runs of chunks
+
+
+def max_packet_bytes(settings: BrokerSection) -> int:
+    """The largest packet an MQTT 5 client of ours accepts (announced on CONNECT as its
+    Maximum Packet Size, so the broker drops bigger ones instead of sending them): a blob
+    chunk or the largest message, plus headers."""
+    return max(settings.chunk_bytes, MAX_MESSAGE_BYTES) + _PACKET_OVERHEAD
 
 
 def read_password(settings: BrokerSection) -> str | None:
@@ -93,6 +106,23 @@ def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (OSError, AttributeError):
         pass
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (a name is resolved)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+        return bool(infos) and all(
+            ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos
+        )
+    except (OSError, ValueError):
+        return False
 
 
 class MqttBus(Bus):
@@ -128,7 +158,13 @@ class MqttBus(Bus):
         self._status_topic = self.topics.status(home)
         self._subs: list[tuple[str, Handler]] = []
         self._subs_lock = threading.Lock()
-        self._inbound: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=settings.max_queue)
+        # (topic, payload, arrival time): bounded in count and, with _inbound_bytes, in bytes
+        self._inbound: queue.Queue[tuple[str, bytes, float]] = queue.Queue(
+            maxsize=settings.max_queue
+        )
+        self._inbound_bytes = 0
+        self._inbound_lock = threading.Lock()
+        self._drop_log = LogLimiter()  # paho's thread only
         self._control: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=_CONTROL_QUEUE)
         self._retained: dict[str, bytes] = {}
         self._timers: list[HeapTimer] = []
@@ -201,6 +237,9 @@ class MqttBus(Bus):
         if s.protocol == "5":
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = s.session_expiry_s
+            # the broker drops what we would refuse anyway instead of sending it: an oversize
+            # message costs us nothing, not a read of megabytes into memory
+            props.MaximumPacketSize = max_packet_bytes(s)
             clean = mqtt.MQTT_CLEAN_START_FIRST_ONLY
         self.client.connect_async(
             s.host, s.port, keepalive=s.keepalive_s, clean_start=clean, properties=props
@@ -215,6 +254,13 @@ class MqttBus(Bus):
                 f"{s.connect_timeout_s:g}s{detail}",
                 reason="timeout",
             )
+        if not s.username and not _is_loopback(s.host):
+            log.warning(
+                "%s: connected to %s:%d without an account. On an open broker anyone who "
+                "reaches it can publish as any role, end the run or take a role's session; "
+                "across machines use the broker `estuary provision` configures "
+                "(docs/reliability.md#open-broker)", self.client_id, s.host, s.port,
+            )  # fmt: skip
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -298,15 +344,52 @@ class MqttBus(Bus):
         verb = rel[depth] if len(rel) > depth else ""
         if verb == "blob" and ours:
             self._blob_fetcher.route_chunk(topic, payload)
+        elif verb == "want" and len(payload) > _WANT_MAX_BYTES:
+            self.traffic.reject("blob_server", "too_large")
         elif verb == "want" and ours and topic.endswith(self._want_suffix):
             self._enqueue_want(payload)
         elif verb == "want" and ours and rel[0] == "device" and topic.endswith("/down"):
             self._enqueue_private_want(topic, rel[1], payload)
+        elif len(payload) > MAX_MESSAGE_BYTES:
+            # refused here, before it is queued: a flood of them cannot fill memory (the
+            # broker already drops what exceeds our Maximum Packet Size)
+            self.traffic.reject("bus", "too_large")
+            self._drop_log.warn(
+                "too_large",
+                f"{self.client_id}: dropped a message of {len(payload)} bytes on {topic[:200]!r}"
+                f" (the limit is {MAX_MESSAGE_BYTES})",
+                log,
+            )
         else:
+            self._enqueue_inbound(topic, payload)
+
+    def _enqueue_inbound(self, topic: str, payload: bytes) -> None:
+        """Queue an application message for the role's thread, within ``max_queue`` messages
+        and ``max_queue_bytes`` bytes; beyond either it is dropped and counted."""
+        with self._inbound_lock:
+            full = self._inbound_bytes + len(payload) > self.settings.max_queue_bytes
+            if not full:
+                self._inbound_bytes += len(payload)
+        queued = False
+        if not full:
             try:
-                self._inbound.put_nowait((topic, payload))
+                self._inbound.put_nowait((topic, payload, time.monotonic()))
+                queued = True
             except queue.Full:
-                self.traffic.reject("bus", "queue_full")
+                pass
+            finally:
+                if not queued:  # not queued (full, or raised): its bytes are not held
+                    with self._inbound_lock:
+                        self._inbound_bytes -= len(payload)
+        if queued:
+            return
+        self.traffic.reject("bus", "queue_full")
+        self._drop_log.warn(
+            "queue_full",
+            f"{self.client_id}: inbound queue full ({self.settings.max_queue} messages, "
+            f"{self.settings.max_queue_bytes} bytes); dropped a message on {topic[:200]!r}",
+            log,
+        )
 
     def _enqueue_want(self, payload: bytes, device: str | None = None) -> None:
         """Hand a blob request (with ``device``: one on that device's private downlink) to
@@ -451,13 +534,23 @@ class MqttBus(Bus):
         return sha
 
     def _get_blob(
-        self, sha256: str, size: int, timeout_s: float, src: str | None, requester: str
+        self,
+        sha256: str,
+        size: int,
+        timeout_s: float,
+        src: str | None,
+        requester: str,
+        *,
+        cache: bool = True,
     ) -> bytes:
         if self._serves_private:  # a private blob this role put itself
             own = self._blob_server.private_store.get(sha256)
             if own is not None:
                 return own
-        return self._blob_fetcher.get(sha256, size, timeout_s, src)
+        return self._blob_fetcher.get(sha256, size, timeout_s, src, cache=cache)
+
+    def _keep_blob(self, data: bytes, sha256: str) -> None:
+        self.store.put(data, sha256)
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -470,16 +563,36 @@ class MqttBus(Bus):
         return time.monotonic()
 
     def _due_timer(self) -> tuple[HeapTimer | None, float]:
-        """Pop a due timer, or return the seconds until the next one."""
+        """Pop a due timer, or return the seconds until the next one. A timer is not due
+        while a message that arrived before its due time is still queued: what reached us
+        before a deadline is handled before the deadline fires."""
         with self._timer_lock:
             while self._timers and self._timers[0].cancelled:
                 heapq.heappop(self._timers)
             if not self._timers:
                 return None, math.inf
-            wait = self._timers[0].due - time.monotonic()
-            if wait <= 0:
-                return heapq.heappop(self._timers), 0.0
-            return None, wait
+            due = self._timers[0].due
+            wait = due - time.monotonic()
+            if wait > 0:
+                return None, wait
+            if self._oldest_arrival() <= due:
+                return None, 0.0
+            return heapq.heappop(self._timers), 0.0
+
+    def _oldest_arrival(self) -> float:
+        """When the oldest queued inbound message arrived (inf: none queued)."""
+        with self._inbound.mutex:
+            return self._inbound.queue[0][2] if self._inbound.queue else math.inf
+
+    def _next_inbound(self, timeout_s: float) -> tuple[str, bytes] | None:
+        """The next queued message, waiting at most ``timeout_s`` (None: none came)."""
+        try:
+            topic, payload, _ = self._inbound.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            return None
+        with self._inbound_lock:
+            self._inbound_bytes -= len(payload)
+        return topic, payload
 
     def _dispatch(self, topic: str, payload: bytes) -> None:
         with self._subs_lock:
@@ -507,11 +620,9 @@ class MqttBus(Bus):
             left = end - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                topic, payload = self._inbound.get(timeout=min(wait, left, 0.25))
-            except queue.Empty:
-                continue
-            self._dispatch(topic, payload)
+            item = self._next_inbound(min(wait, left, 0.25))
+            if item is not None:
+                self._dispatch(*item)
         return True
 
     def pump(self, seconds: float) -> None:

@@ -94,6 +94,20 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return out[:bits]
 
 
+def encoded_size_limit(spec: Mapping[str, TensorSpec]) -> int:
+    """The most bytes :func:`encode_tensors` can produce for tensors of ``spec``: their data,
+    a generous header per tensor (name, dtype, shape, offsets) and the metadata limit. A blob
+    declared larger than this cannot be a valid encoding of ``spec``: refuse it before
+    downloading a byte of it."""
+    total = 8 + MAX_METADATA_BYTES + 64  # header length, metadata, alignment padding
+    for name, t in spec.items():
+        numel = 1
+        for dim in t.shape:
+            numel *= dim
+        total += numel * t.dtype.itemsize + 2 * len(name) + 128 + 24 * len(t.shape)
+    return total
+
+
 def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     """The spec a decoder should enforce for tensors shaped like ``tensors``."""
     return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in tensors.items()}

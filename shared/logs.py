@@ -1,0 +1,84 @@
+"""Rate-limited logging: a flood of one bad input writes a handful of lines, not thousands.
+
+Every rejection is still counted (``estuary_rejected_messages_total``); the log gets
+:data:`REJECT_LOG_BURST` lines per reason a minute, the next line saying how many it left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: rejections logged per reason and window; the rest are counted (as every rejection is, in
+#: ``estuary_rejected_messages_total``) and summed up in the next line logged for that reason
+REJECT_LOG_BURST, REJECT_LOG_WINDOW_S = 5, 60.0
+
+
+class LogLimiter:
+    """At most ``burst`` log lines per key in each ``window_s``: a flood of one bad message
+    (10,000 copies) writes a handful of lines, not 10,000. Keys are bounded (``max_keys``,
+    least recently used dropped)."""
+
+    def __init__(
+        self,
+        burst: int = REJECT_LOG_BURST,
+        window_s: float = REJECT_LOG_WINDOW_S,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 256,
+    ) -> None:
+        self.burst, self.window_s, self.clock, self.max_keys = burst, window_s, clock, max_keys
+        self._keys: OrderedDict[str, _Window] = OrderedDict()
+
+    def admit(self, key: str) -> int | None:
+        """None: do not log this one (counted as suppressed). Else the number suppressed
+        since the last line logged for ``key`` (to say so in this one)."""
+        now = self.clock()
+        window = self._keys.pop(key, None)
+        if window is None or now - window.start >= self.window_s:
+            window = _Window(now, suppressed=window.suppressed if window is not None else 0)
+        self._keys[key] = window
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        if window.logged >= self.burst:
+            window.suppressed += 1
+            return None
+        window.logged += 1
+        suppressed, window.suppressed = window.suppressed, 0
+        return suppressed
+
+    def warn(self, key: str, message: str, logger: logging.Logger | None = None) -> None:
+        """Log ``message`` as a warning when :meth:`admit` lets ``key`` through, saying how
+        many lines of ``key`` were left out before it and when the window is used up."""
+        suppressed = self.admit(key)
+        if suppressed is None:
+            return
+        notes = []
+        if suppressed:
+            notes.append(f"{suppressed} more not logged before this one")
+        if self.exhausted(key):
+            notes.append(f"further '{key}' lines in the next {self.window_s:.0f} s at most "
+                         "are counted, not logged")  # fmt: skip
+        more = f" [{'; '.join(notes)}]" if notes else ""
+        (logger or log).warning("%s%s", message, more)
+
+    def exhausted(self, key: str) -> bool:
+        """Whether ``key`` has used its lines of the current window (the line just admitted
+        was the last one)."""
+        window = self._keys.get(key)
+        return window is not None and window.logged >= self.burst
+
+
+@dataclass
+class _Window:
+    """One key's current window: when it started, the lines logged in it, and the lines
+    left out since the last one logged."""
+
+    start: float
+    logged: int = 0
+    suppressed: int = 0
