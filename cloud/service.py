@@ -32,7 +32,7 @@ from shared.evaluation.evaluator import model_from_state
 from shared.models.checkpoint import model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
-from shared.naming import device_index, device_name, edge_ids
+from shared.naming import device_name, edge_ids, is_device_of
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import spec_of
@@ -276,11 +276,7 @@ class CloudServer(RoleService):
     def _configured_device(self, name: str) -> bool:
         """Whether ``name`` is one of the federation's devices (``dev000`` up to
         ``federation.num_devices``): registrations, and the offline set, hold no others."""
-        try:
-            device_index(name, self.cfg)
-        except ConfigError:
-            return False
-        return True
+        return is_device_of(name, self.cfg)
 
     def on_hello(self, msg: DeviceHello) -> None:
         """Record a device; start the first round once every configured device is in."""
@@ -311,7 +307,9 @@ class CloudServer(RoleService):
     def _maybe_begin(self) -> None:
         """Start the first round once every configured device is registered and present."""
         if self.settled and not self.started:
-            if len(self._present()) >= self.cfg.federation.num_devices:
+            # cheap checks first: this runs on every registration and presence message
+            n = self.cfg.federation.num_devices
+            if len(self.devices) >= n and self.offline.isdisjoint(self.devices):
                 self._begin()
 
     def on_presence(self, msg: Presence) -> None:

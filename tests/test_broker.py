@@ -174,7 +174,7 @@ def test_start_and_stop_leave_nothing_behind() -> None:
         assert log_path is not None and "listen socket on port" in log_path.read_text()
         conf = (log_path.parent / "mosquitto.conf").read_text()
         assert f"listener {broker.port} 127.0.0.1" in conf
-        assert "max_queued_messages 10000" in conf and "persistence false" in conf
+        assert "max_queued_messages 50000" in conf and "persistence false" in conf
     finally:
         broker.stop()
     assert not broker.running

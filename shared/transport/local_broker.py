@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import random
+import resource
 import shutil
 import socket
 import subprocess
@@ -58,7 +59,12 @@ BrokerKind = Literal["auto", "mosquitto", "amqtt"]
 BROKER_KINDS: tuple[BrokerKind, ...] = ("auto", "mosquitto", "amqtt")
 
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")
-_MAX_QUEUED_MESSAGES = 10_000
+# Per client. A cloud or edge that (re)subscribes gets every device's retained hello and
+# presence at once, 2 per device; beyond this many queued (plus those in flight) mosquitto
+# drops the rest. 50,000 holds ~24,900 devices (max_queued_bytes still bounds the bytes);
+# mosquitto's default 1,000 only ~500 (a cloud then registers ~1,020 of 2,000). See
+# docs/operations.md, "Large federations".
+_MAX_QUEUED_MESSAGES = 50_000
 _MAX_QUEUED_BYTES = 512 << 20  # per client: bounds chunks queued for an offline subscriber
 _MAX_PACKET_BYTES = 65 << 20  # the largest allowed chunk (64 MiB) plus headers
 # Outgoing QoS 1/2 messages in flight per client; 20 (mosquitto's default) throttles bursts of
@@ -80,6 +86,8 @@ def mosquitto_limits() -> list[str]:
     in-flight messages and turn Nagle off: what the local broker, the config ``estuary
     provision`` writes and the shipped compose and Kubernetes configs all use."""
     return [
+        "# a (re)subscribing cloud or edge is sent 2 retained messages per device at once: at",
+        "# least 2 x devices + 200 (docs/operations.md, Large federations)",
         f"max_queued_messages {_MAX_QUEUED_MESSAGES}",
         f"max_queued_bytes {_MAX_QUEUED_BYTES}",
         "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
@@ -88,6 +96,21 @@ def mosquitto_limits() -> list[str]:
         "# small packets (SUBACK, PUBACK, blob requests) leave at once, no delayed-ACK wait",
         "set_tcp_nodelay true",
     ]
+
+
+def _broker_preexec(then: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn`` that raises the broker's open-file limit to its hard limit (one
+    descriptor per client: at the usual soft limit of 1,024 mosquitto refuses the 1,017th
+    device), then runs ``then``."""
+
+    def preexec() -> None:
+        with contextlib.suppress(Exception):
+            _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if then is not None:
+            then()
+
+    return preexec
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -375,7 +398,7 @@ class LocalBroker:
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
                 start_new_session=False,
-                preexec_fn=die_with_parent_preexec(),
+                preexec_fn=_broker_preexec(die_with_parent_preexec()),
             )
         proc = self._proc
         log.debug("mosquitto pid %d starting with %s", proc.pid, conf)
