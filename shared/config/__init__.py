@@ -25,6 +25,8 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -330,6 +332,28 @@ class EvalSection(Section):
     )
 
 
+#: a byte limit sized from the run's model (``cache_limit_bytes``, ``memory_limit_bytes``)
+AUTO = "auto"
+
+
+class AutoBytes(int):
+    """A blob-store limit left ``"auto"``: sized from the run's model where the run is known
+    (:meth:`BrokerSection.with_blob_limits`, which every role process applies when it
+    connects). The int itself is the fallback a bus built from these settings alone uses
+    (tests, benchmarks): the fixed limits of earlier versions."""
+
+    def __repr__(self) -> str:
+        return f"AutoBytes({int(self)})"
+
+
+#: "auto" blob limits: memory holds BLOB_MEMORY_BLOBS of the run's largest blob (the global
+#: state or an upload), plus one per device for a role that holds a blob for each device,
+#: and at least BLOB_MEMORY_FLOOR; the disk cache BLOB_DISK_FACTOR times that, at least
+#: BLOB_DISK_FLOOR
+BLOB_MEMORY_BLOBS, BLOB_MEMORY_FLOOR = 8, 64 << 20
+BLOB_DISK_FACTOR, BLOB_DISK_FLOOR = 4, 256 << 20
+
+
 class BrokerSection(Section):
     """MQTT broker connection and blob-transfer limits (deployment settings, not in the digest).
 
@@ -358,9 +382,16 @@ class BrokerSection(Section):
     chunk_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="re-ask after silence")
     fetch_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     cache_dir: str = Field("", description="on-disk blob cache; empty = memory only")
-    cache_limit_bytes: int = Field(8 << 30, ge=0)
-    memory_limit_bytes: int = Field(2 << 30, ge=0, description="blobs kept in memory")
-    max_queue: int = Field(10_000, ge=10, le=10_000_000, description="inbound messages queued")
+    cache_limit_bytes: int = Field(
+        AutoBytes(8 << 30), ge=0, description='on-disk blob cache; "auto": sized from the model'
+    )
+    memory_limit_bytes: int = Field(
+        AutoBytes(2 << 30), ge=0, description='blobs kept in memory; "auto": sized from the model'
+    )
+    max_queue: int = Field(100_000, ge=10, le=10_000_000, description="inbound messages queued")
+    max_queue_bytes: int = Field(
+        64 << 20, ge=1 << 20, le=1 << 40, description="inbound message bytes queued"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BrokerSection:
@@ -369,6 +400,52 @@ class BrokerSection(Section):
         if self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("max_inflight_bytes must hold at least one chunk")
         return self
+
+    @field_validator("cache_limit_bytes", "memory_limit_bytes", mode="wrap")
+    @classmethod
+    def _auto_limit(
+        cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> int:
+        """``"auto"`` (or a limit still auto) stays auto; anything else is a byte count."""
+        if value == AUTO or isinstance(value, AutoBytes):
+            default = cls.model_fields[str(info.field_name)].default
+            return AutoBytes(default)
+        limit: int = handler(value)
+        return limit
+
+    @field_serializer("cache_limit_bytes", "memory_limit_bytes")
+    def _dump_limit(self, value: int) -> int | str:
+        """An auto limit is written as ``"auto"`` (config.json keeps it auto)."""
+        return AUTO if isinstance(value, AutoBytes) else int(value)
+
+    def with_blob_limits(self, blob_bytes: int, per_device_blobs: int = 0) -> BrokerSection:
+        """These settings with each limit left ``"auto"`` sized for a run whose largest blob
+        is ``blob_bytes`` and where this role holds ``per_device_blobs`` blobs, one per
+        device, at once (pFedGPA's personal models on the cloud, the per-device uploads an
+        edge forwards); an explicit limit is kept.
+
+        Memory: ``max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) *
+        blob_bytes)``: room for the global state and its shared part, the previous
+        round's (a device that asks late), this role's own upload, the uploads it fetches
+        and a deployment's ONNX files; evicted blobs are the least recently used ones, and
+        every request served refreshes the blob asked for. Disk: ``BLOB_DISK_FACTOR`` times
+        that, at least ``BLOB_DISK_FLOOR``."""
+        if blob_bytes < 0 or per_device_blobs < 0:
+            raise ValueError("blob_bytes and per_device_blobs must be >= 0")
+        memory = max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) * blob_bytes)
+        update: dict[str, int] = {}
+        if isinstance(self.memory_limit_bytes, AutoBytes):
+            update["memory_limit_bytes"] = memory
+        if isinstance(self.cache_limit_bytes, AutoBytes):
+            update["cache_limit_bytes"] = max(BLOB_DISK_FLOOR, BLOB_DISK_FACTOR * memory)
+        return self.model_copy(update=update) if update else self
+
+    @property
+    def blob_limits_auto(self) -> bool:
+        """Whether a blob-store limit is still ``"auto"`` (not sized for a run yet)."""
+        return isinstance(self.memory_limit_bytes, AutoBytes) or isinstance(
+            self.cache_limit_bytes, AutoBytes
+        )
 
 
 class MetricsSection(Section):

@@ -12,11 +12,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _nothing() -> None:
+    """The work of a job whose work has run."""
+
+
+def _ignore(_result: object, _error: BaseException | None) -> None:
+    """The callback of a job whose result has been handed over."""
 
 
 class WorkerJob(Generic[T]):
@@ -38,7 +46,8 @@ class WorkerJob(Generic[T]):
         first_join_s: float | None = None,
     ) -> None:
         self.name = name
-        self._work, self._done, self._call_later = work, done, call_later
+        self._work: Callable[[], object] = work
+        self._done, self._call_later = done, call_later
         self.poll_s, self.join_s = poll_s, join_s
         self.first_join_s = join_s if first_join_s is None else first_join_s
         self._result: T | None = None
@@ -53,9 +62,11 @@ class WorkerJob(Generic[T]):
 
     def _run(self) -> None:
         try:
-            self._result = self._work()
+            self._result = cast(T, self._work())
         except BaseException as err:  # handed to the role's thread, never lost in the worker
             self._error = err
+        finally:
+            self._work = _nothing  # its closure (often the job's own) is not kept alive
 
     def poll(self, join_s: float | None = None) -> None:
         """Hand the result over when the worker is done, else look again in ``poll_s``."""
@@ -64,4 +75,9 @@ class WorkerJob(Generic[T]):
             self._call_later(self.poll_s, self.poll)
             return
         log.debug("%s took %.2fs", self.name, time.perf_counter() - self.started)
-        self._done(self._result, self._error)
+        # handed over once, and then no longer held: a callback that refers back to its job
+        # (a reference cycle) must not keep a model's worth of tensors alive until the
+        # garbage collector's next full pass
+        result, error, done = self._result, self._error, self._done
+        self._result, self._error, self._done = None, None, _ignore
+        done(result, error)

@@ -13,19 +13,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
-from shared.config import RunConfig, load_config, with_overrides
+from shared.config import BrokerSection, RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
+from shared.wire.codec import TensorSpec
 from shared.wire.messages import CloudState, Presence, encode, home_of
 
 log = logging.getLogger(__name__)
@@ -133,15 +135,58 @@ def interrupts_as_keyboard() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def blob_bytes(cfg: RunConfig) -> tuple[int, bool]:
+    """The largest blob a round of ``cfg`` moves (bytes of the algorithm's global state or
+    of a device's upload, for the dense model), and whether the algorithm keeps one blob
+    per device (``per_device_updates``). Falls back to the dense model's bytes when the
+    algorithm cannot be made here (a tool on a machine without the run's GPU)."""
+    from shared.algorithms import make_algorithm
+    from shared.models.plan import model_spec
+
+    def nbytes(spec: Mapping[str, TensorSpec]) -> int:
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in spec.values())
+
+    dense = model_spec(cfg.model.preset, None)
+    try:
+        algorithm = make_algorithm(cfg)
+        state = algorithm.global_spec(dense)
+        upload = algorithm.upload_spec(state)
+    except EstuaryError as err:
+        log.debug("blob limits from the model alone (%s)", err)
+        return nbytes(dense), False
+    return max(nbytes(dense), nbytes(state), nbytes(upload)), algorithm.per_device_updates
+
+
+def role_broker_settings(
+    cfg: RunConfig, service_role: str, cache_dir: Path | None = None
+) -> BrokerSection:
+    """``cfg.broker`` as a ``service_role`` process uses it: the blob-store limits left
+    ``"auto"`` sized from the run's model (:meth:`~shared.config.BrokerSection.with_blob_limits`;
+    the cloud and the edges of an algorithm with a blob per device, pFedGPA's personal
+    models and the uploads an edge forwards, get room for one per device of the federation
+    besides) and ``cache_dir`` as the disk cache unless the config names one."""
+    settings = cfg.broker
+    if settings.blob_limits_auto:
+        unit, per_device = blob_bytes(cfg)
+        holds_per_device = per_device and service_role in ("cloud", "edge")
+        settings = settings.with_blob_limits(
+            unit, cfg.federation.num_devices if holds_per_device else 0
+        )
+    if cache_dir is not None and not settings.cache_dir:
+        settings = settings.model_copy(update={"cache_dir": str(cache_dir)})
+    return settings
+
+
 def connect_bus(
     cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None, *, will: bool = True
 ) -> MqttBus:
     """The MQTT connection of one role instance, with its presence as the last will (unless
     ``will`` is False: a tool speaking for a role, like ``estuary deploy``, must not mark
-    that role offline when the tool itself drops)."""
-    settings = cfg.broker
-    if cache_dir is not None and not settings.cache_dir:
-        settings = settings.model_copy(update={"cache_dir": str(cache_dir)})
+    that role offline when the tool itself drops); its settings are
+    :func:`role_broker_settings`."""
+    settings = role_broker_settings(cfg, service_role, cache_dir)
+    log.debug("%s: blob store limits %d bytes in memory, %d on disk", name,
+              settings.memory_limit_bytes, settings.cache_limit_bytes)  # fmt: skip
     home = home_of(service_role, name)
     last_will = (
         encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
