@@ -390,12 +390,12 @@ class EdgeServer(RoleService):
             return self.load_tensors(ref, spec, timeout_s=left, partial=partial)
 
         if self.ep.bus.blobs_local:
+            tensors, error = None, None
             try:
                 tensors = fetch()
             except (CodecError, TransportError) as err:
-                self._update_fetched(msg, None, err)
-                return
-            self._update_fetched(msg, tensors, None)
+                error = err
+            self._update_fetched(msg, tensors, error)
             return
         job = WorkerJob(
             fetch,

@@ -59,7 +59,7 @@ from shared.config import FederationSection, RunConfig
 from shared.config.algorithms import FedDiffuseConfig
 from shared.errors import ConfigError
 from shared.models.plan import ChannelPlan, model_spec
-from shared.wire.codec import TensorSpec, encode_tensors
+from shared.wire.codec import TensorSpec, encode_tensors, spec_bytes
 
 MIB = 2**20
 FP32_BYTES = 4
@@ -257,7 +257,7 @@ def payloads(cfg: RunConfig, plan: ChannelPlan | None = None) -> Payloads:
     g, u = encoded_bytes(gspec), encoded_bytes(uspec)
     params = sum(math.prod(s.shape) for s in mspec.values())
     # in fp32 parameters' worth of bytes: a packed bit vector (PRISM) is 1/32 of its weights
-    up_params = sum(math.prod(s.shape) * s.dtype.itemsize for s in uspec.values()) / FP32_BYTES
+    up_params = spec_bytes(uspec) / FP32_BYTES
     if algo.partial_uploads and cfg.algorithm.name == "feddiffuse":
         c, e = participants_per_round(cfg.federation), cfg.federation.num_edges
         groups = [c // e + (1 if i < c % e else 0) for i in range(e)]

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -27,7 +26,7 @@ from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
-from shared.wire.codec import TensorSpec
+from shared.wire.codec import spec_bytes
 from shared.wire.messages import CloudState, Presence, encode, home_of
 
 log = logging.getLogger(__name__)
@@ -143,9 +142,6 @@ def blob_bytes(cfg: RunConfig) -> tuple[int, bool]:
     from shared.algorithms import make_algorithm
     from shared.models.plan import model_spec
 
-    def nbytes(spec: Mapping[str, TensorSpec]) -> int:
-        return sum(math.prod(s.shape) * s.dtype.itemsize for s in spec.values())
-
     dense = model_spec(cfg.model.preset, None)
     try:
         algorithm = make_algorithm(cfg)
@@ -153,8 +149,9 @@ def blob_bytes(cfg: RunConfig) -> tuple[int, bool]:
         upload = algorithm.upload_spec(state)
     except EstuaryError as err:
         log.debug("blob limits from the model alone (%s)", err)
-        return nbytes(dense), False
-    return max(nbytes(dense), nbytes(state), nbytes(upload)), algorithm.per_device_updates
+        return spec_bytes(dense), False
+    largest = max(spec_bytes(dense), spec_bytes(state), spec_bytes(upload))
+    return largest, algorithm.per_device_updates
 
 
 def role_broker_settings(

@@ -161,10 +161,11 @@ class RoleService:
         A blob declared larger than ``spec`` can encode to is refused before any download
         (``blob_too_large``); a downloaded blob is kept in the blob store only once it has
         passed validation, so nothing refused stays in a cache."""
-        if spec is not None and ref.size > encoded_size_limit(spec):
+        limit = None if spec is None else encoded_size_limit(spec)
+        if limit is not None and ref.size > limit:
             raise TransportError(
                 f"blob {ref.sha256[:12]}… from {ref.src}: declared {ref.size} bytes, more than "
-                f"its tensors can take ({encoded_size_limit(spec)})",
+                f"its tensors can take ({limit})",
                 reason="blob_too_large",
             )
         data = self.ep.get_blob(

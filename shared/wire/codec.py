@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,18 +95,18 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return out[:bits]
 
 
+def spec_bytes(spec: Mapping[str, TensorSpec]) -> int:
+    """Bytes of the tensor data of ``spec`` (no header)."""
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in spec.values())
+
+
 def encoded_size_limit(spec: Mapping[str, TensorSpec]) -> int:
     """The most bytes :func:`encode_tensors` can produce for tensors of ``spec``: their data,
     a generous header per tensor (name, dtype, shape, offsets) and the metadata limit. A blob
     declared larger than this cannot be a valid encoding of ``spec``: refuse it before
     downloading a byte of it."""
-    total = 8 + MAX_METADATA_BYTES + 64  # header length, metadata, alignment padding
-    for name, t in spec.items():
-        numel = 1
-        for dim in t.shape:
-            numel *= dim
-        total += numel * t.dtype.itemsize + 2 * len(name) + 128 + 24 * len(t.shape)
-    return total
+    header = sum(2 * len(name) + 128 + 24 * len(t.shape) for name, t in spec.items())
+    return spec_bytes(spec) + header + 8 + MAX_METADATA_BYTES + 64  # + length, padding
 
 
 def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
