@@ -49,7 +49,8 @@ def plain_loop(cfg: RunConfig) -> float:
     start = time.perf_counter()
     data = load_dataset(cfg.data.dataset, cfg.data.path)
     parts = make_partition(data.labels, cfg.federation.num_devices, cfg.data, cfg.run.seed)
-    pooled = torch.cat([to_model_input(data.images[p]) for p in parts])
+    channels = cfg.data.input_channels
+    pooled = torch.cat([to_model_input(data.images[p], channels) for p in parts])
     model = build_unet(cfg.model.preset, seed=cfg.run.seed)
     total = cfg.run.rounds * cfg.federation.num_devices * cfg.train.local_steps
     gen = torch.Generator().manual_seed(cfg.run.seed)

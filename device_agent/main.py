@@ -112,6 +112,7 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     data = device_data(cfg, index)
     test = device_test_data(cfg, index)
     bus = connect_bus(cfg, "device", args.id, cache)
+    channels = cfg.data.input_channels
     device = DeviceAgent(
         cfg,
         bus,
@@ -119,10 +120,10 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
         device_id=args.id,
         index=index,
         home_edge=home_edge(index, cfg),
-        data=to_model_input(data.images),
+        data=to_model_input(data.images, channels),
         labels=torch.from_numpy(data.labels),
         state_dir=Path(args.state_dir) if args.state_dir else None,
-        test_data=None if test is None else to_model_input(test.images),
+        test_data=None if test is None else to_model_input(test.images, channels),
         test_labels=None if test is None else torch.from_numpy(test.labels),
     )
     log.info("%s has %d samples from %s (home %s)", args.id, len(data), data.name, device.home_edge)

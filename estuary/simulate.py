@@ -31,6 +31,7 @@ from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
 from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
 from shared.errors import EstuaryError
+from shared.evaluation.evaluator import check_evaluable
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import headline, plot_report
 from shared.models.init import initial_model
@@ -89,6 +90,7 @@ def build_federation(
     Every service gets its own algorithm instance; nothing is shared but the bus.
     """
     initial = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
+    channels = cfg.data.input_channels
     cloud = CloudServer(
         cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
         checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,
@@ -102,9 +104,11 @@ def build_federation(
             device_id=device_name(i),
             index=i,
             home_edge=home_edge(i, cfg),
-            data=to_model_input(data.images[p]),
+            data=to_model_input(data.images[p], channels),
             labels=torch.from_numpy(data.labels[p]),
-            test_data=None if test is None else to_model_input(test[0].images[test[1][i]]),
+            test_data=(
+                None if test is None else to_model_input(test[0].images[test[1][i]], channels)
+            ),
             test_labels=None if test is None else torch.from_numpy(test[0].labels[test[1][i]]),
         )
         for i, p in enumerate(parts)
@@ -169,7 +173,9 @@ def simulate(
     started = time.monotonic()
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
-    # first: a refused split leaves no run directory
+    # first: a refused split or evaluation leaves no run directory
+    if evaluate and cfg.eval.every and model_kind(cfg.model.preset) != "classifier":
+        check_evaluable(cfg)
     data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)
     if cfg.algorithm.name == "prism":

@@ -79,7 +79,7 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     """Train from ``--seed``; return the weight average (eval mode) and the last 100 steps'
     mean loss."""
     cfg = config_from_dict({"model": {"preset": args.preset}, "run": {"seed": args.seed}})
-    data = to_model_input(load_fashion_mnist("test", args.data).images)
+    data = to_model_input(load_fashion_mnist("test", args.data).images, cfg.data.input_channels)
     model = build_unet(args.preset, seed=args.seed)
     ema = WeightAverage(model, args.ema)  # decay min(ema, (1 + t) / (10 + t)): a short warm-up
     scheduler = make_train_scheduler(cfg.diffusion)

@@ -109,7 +109,7 @@ def accuracy(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch: in
     model.eval()
     correct = 0
     for s in range(0, len(labels), batch):
-        pred = model(to_model_input(images[s : s + batch])).argmax(dim=1).numpy()
+        pred = model(to_model_input(images[s : s + batch], 1)).argmax(dim=1).numpy()
         correct += int((pred == labels[s : s + batch]).sum())
     return correct / len(labels)
 
@@ -135,7 +135,7 @@ def train(args: argparse.Namespace) -> tuple[FeatureNet | MatchNet, float]:
         loss_sum, correct = 0.0, 0
         for s in range(0, n, args.batch_size):
             idx = perm[s : s + args.batch_size]
-            x = to_model_input(train_set.images[idx.numpy()])
+            x = to_model_input(train_set.images[idx.numpy()], 1)
             y = labels_all[idx]
             if not args.no_augment:
                 flip = torch.rand(len(idx), generator=gen) < 0.5

@@ -38,7 +38,7 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
-from shared.evaluation.evaluator import Evaluator
+from shared.evaluation.evaluator import Evaluator, check_evaluable
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
 from shared.models.checkpoint import save_checkpoint
@@ -77,7 +77,7 @@ def run_centralized(
     set_deterministic(cfg.compute.deterministic)
     prepare_run_dir(cfg, run_dir)
     data, parts = split_dataset(cfg, progress=progress)
-    pooled = to_model_input(data.images[np.unique(np.concatenate(parts))])
+    pooled = to_model_input(data.images[np.unique(np.concatenate(parts))], cfg.data.input_channels)
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     plan: ChannelPlan | None = None
@@ -189,7 +189,9 @@ def run_compare(
     if jobs > 1 and spec.source is None:
         raise ConfigError("jobs > 1 needs a comparison read from a file (load_compare)")
     for m in spec.methods:  # refused now, not after the methods before it have trained
-        check_trainable(m.cfg.model.preset)
+        check_trainable(m.cfg)
+        if evaluate and m.cfg.eval.every:
+            check_evaluable(m.cfg)
     out.mkdir(parents=True, exist_ok=True)
     if any(m.cfg.algorithm.name == "prism" for m in spec.methods):
         from estuary.simulate import announce_prism_key

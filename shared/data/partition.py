@@ -238,8 +238,9 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
     or with ``data.dataset = "folder"`` and no path the devices' own folders
     ``data.local_dir/<device id>`` one after another (the layout
     ``estuary split-data`` writes; ``progress``: a bar over the folders). Refused for a preset
-    no dataset here can train (:func:`shared.models.presets.check_trainable`)."""
-    check_trainable(cfg.model.preset)
+    the configured data cannot train (:func:`shared.models.presets.check_trainable`). The
+    split draws on the labels only, whatever the images' channels."""
+    check_trainable(cfg)
     d = cfg.data
     if d.own_folders:
         if not d.local_dir:
@@ -288,7 +289,7 @@ def device_folder(
 ) -> ImageDataset:
     """Device ``index``'s own images from ``folder`` (at most
     ``data.max_samples_per_device``, drawn with the run's seed and the index)."""
-    check_trainable(cfg.model.preset)
+    check_trainable(cfg)
     return load_image_folder(
         folder,
         class_names=cfg.data.class_names,

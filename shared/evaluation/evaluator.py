@@ -7,6 +7,12 @@ caller passes (``compute.device`` for the cloud, ``estuary simulate`` and ``estu
 compare``, ``--device`` for ``estuary eval``; the CPU by default); the sampled model is back
 where it was afterwards, and features are extracted on the CPU (a small CNN: cheap, and the
 metrics stay comparable with the reference numbers).
+
+The extractor is a Fashion-MNIST classifier on 1-channel images: a 3-channel model trained
+on the gray view of a grayscale dataset (``data.gray_to_rgb``) is scored on the mean of its
+samples' channels (exactly the gray image when the channels are equal), against the real
+images in 1 channel; a model trained on CIFAR-10 is not scored at all
+(:func:`check_evaluable`), its sample grids are in colour.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
 from shared.diffusion.training import placed
-from shared.errors import DataError
+from shared.errors import ConfigError, DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
 from shared.models.classifier import refuse_classifier
@@ -115,10 +121,24 @@ def write_grid(
     return save_grid(from_model_output(images), path)
 
 
+def check_evaluable(cfg: RunConfig) -> None:
+    """Refuse quality metrics where the Fashion-MNIST feature extractor means nothing: on a
+    colour dataset (CIFAR-10)."""
+    if cfg.data.channels != 1:
+        raise ConfigError(
+            f"quality metrics (FID, IS, precision/recall) use {quality.EXTRACTOR_NAME}, the "
+            f"features of a Fashion-MNIST classifier, which mean nothing on data.dataset = "
+            f"{cfg.data.dataset!r}: set eval.every = 0 (or pass --no-eval); sample grids "
+            "(eval.sample_every) still show the model's images"
+        )
+
+
 def reference_images(cfg: RunConfig, split: str = "train", n: int | None = None) -> torch.Tensor:
-    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed.
+    """``n`` (default ``eval.num_reference``) real images of ``split``, drawn with a fixed seed,
+    in 1 channel (the feature extractor's input, also for a model on the gray view).
     ``eval.reference_dir``, when set, holds them instead (an image folder; this process's
     own, and the only source when devices train on folders of their own)."""
+    check_evaluable(cfg)
     if cfg.eval.reference_dir or cfg.data.own_folders:
         if not cfg.eval.reference_dir:
             raise DataError(
@@ -159,6 +179,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: RunConfig, device: torch.device | None = None) -> None:
+        check_evaluable(cfg)
         self.cfg = cfg
         self.device = device if device is not None else torch.device("cpu")
         self.reference = quality.reference_stats(reference_images(cfg))
@@ -169,6 +190,6 @@ class Evaluator:
             self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps,
             salt=2, device=self.device,
         )  # fmt: skip
-        out = dict(quality.evaluate(fake, self.reference))
+        out = dict(quality.evaluate(quality.one_channel(fake), self.reference))
         out["sample_steps"] = 1 if is_oneshot(model) else self.cfg.eval.sample_steps
         return out

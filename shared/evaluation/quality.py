@@ -9,7 +9,9 @@ that use the same extractor (:data:`EXTRACTOR_NAME` plus :data:`FEATURE_WEIGHTS_
 **not** with FIDs published for Inception features.
 
 Input images are float tensors ``(N, 1, 32, 32)`` in [-1, 1], the space of
-:func:`shared.data.datasets.to_model_input` and of the diffusion models' samples.
+:func:`shared.data.datasets.to_model_input` and of the diffusion models' samples. Samples of a
+3-channel model trained on the gray view of a grayscale dataset (``data.gray_to_rgb``) are
+brought to one channel by :func:`one_channel` (the mean of the channels) first.
 
 Typical use, evaluating every few rounds against a reference computed once::
 
@@ -135,6 +137,16 @@ def _check_images(images: torch.Tensor) -> None:
         )
     if not images.is_floating_point():
         raise DataError(f"images must be floating point in [-1, 1], got {images.dtype}")
+
+
+def one_channel(images: torch.Tensor) -> torch.Tensor:
+    """Images ``(N, 3, H, W)`` of the gray view as float32 ``(N, 1, H, W)``: the mean of the
+    three channels, taken in float64 so that three equal float32 channels (the view
+    replicates the gray image) give that image exactly; 1-channel images are returned as
+    they are."""
+    if images.ndim == 4 and images.shape[1] == 3:
+        return images.double().mean(dim=1, keepdim=True).float()
+    return images
 
 
 def extract(

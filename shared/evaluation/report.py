@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
-    """Tile uint8 images ``(N, H, W)`` into a square-ish grid PNG."""
-    n, h, w = images.shape
+    """Tile uint8 images, grayscale ``(N, H, W)`` or colour ``(N, H, W, 3)``, into a
+    square-ish grid PNG (RGB for colour images)."""
+    n, h, w = images.shape[:3]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad), 255, dtype=np.uint8)
+    shape = (rows * (h + pad) + pad, cols * (w + pad) + pad, *images.shape[3:])
+    canvas = np.full(shape, 255, dtype=np.uint8)
     for i, img in enumerate(images):
         r, c = divmod(i, cols)
         y, x = pad + r * (h + pad), pad + c * (w + pad)

@@ -7,8 +7,9 @@ generator, one forward pass from a latent ``z``), and one kind of classifier, ``
 :func:`build_net` builds any.
 
 ``ddpm-cifar10`` is the DDPM U-Net of Ho et al. (2020) as used by FedPhD's Tables III-IV:
-35.7 M parameters and 6.06 GMACs for one 32x32 forward pass. The Fashion-MNIST presets are
-one-channel 32x32 models (28x28 images padded by two pixels).
+35.7 M parameters and 6.06 GMACs for one 32x32 forward pass; it trains on CIFAR-10 or on a
+grayscale dataset viewed in 3 channels (:func:`check_trainable`). The Fashion-MNIST presets
+are one-channel 32x32 models (28x28 images padded by two pixels).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import UNet2DModel
@@ -28,6 +29,9 @@ from shared.errors import ConfigError, did_you_mean
 from shared.models.classifier import CLASSIFIER_PRESETS, build_classifier, is_classifier
 from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     "fmnist-tiny": {
@@ -144,17 +148,41 @@ def image_shape(preset: str) -> tuple[int, int, int]:
     return (cfg["in_channels"], cfg["sample_size"], cfg["sample_size"])
 
 
-def check_trainable(preset: str) -> None:
-    """Refuse to train ``preset`` when no dataset here has images of its shape: every one
-    (Fashion-MNIST, synthetic, image folders) is read as grayscale."""
+def check_trainable(cfg: RunConfig) -> None:
+    """Refuse to train ``model.preset`` on data that cannot become its input.
+
+    The data gives ``data.input_channels`` channels: 1 for the grayscale datasets
+    (Fashion-MNIST, synthetic, image folders), 3 for CIFAR-10 and for a grayscale dataset
+    viewed in 3 channels (``data.gray_to_rgb``). A 3-channel one-shot generator is refused
+    on any data: PRISM's feature-matching loss runs a 1-channel network."""
+    preset, data = cfg.model.preset, cfg.data
     channels = image_shape(preset)[0]
-    if channels != 1:
+    if channels != 1 and kind_of(preset) == "oneshot":
         raise ConfigError(
-            f"model.preset = {preset!r} takes {channels}-channel images, and the datasets "
-            "Estuary trains on are grayscale (1 channel): the preset is for `estuary "
-            "model-info`, the accounting of FedPhD's Tables III-IV and ONNX export and "
-            "sampling; train 'fmnist-small' or 'fmnist-tiny'"
+            f"model.preset = {preset!r} takes {channels}-channel images, and a one-shot "
+            "generator trains with a feature-matching loss on a 1-channel Fashion-MNIST "
+            "network (fmnist-match-v1): train a 'resnetg-fmnist-*' preset"
         )
+    if channels == data.input_channels:
+        return
+    if data.gray_to_rgb:
+        raise ConfigError(
+            f"data.gray_to_rgb = true views the grayscale images in 3 channels, and "
+            f"model.preset = {preset!r} takes {channels}-channel images: nothing to view; "
+            "remove data.gray_to_rgb, or train a 3-channel preset ('ddpm-cifar10')"
+        )
+    if data.channels == 1:
+        raise ConfigError(
+            f"model.preset = {preset!r} takes {channels}-channel images, and data.dataset = "
+            f"{data.dataset!r} is grayscale (1 channel): set data.gray_to_rgb = true to train "
+            "it on each image replicated into 3 identical channels, or data.dataset = "
+            "'cifar10' with data.path = CIFAR-10's binary version (docs/configuration.md)"
+        )
+    raise ConfigError(
+        f"data.dataset = {data.dataset!r} holds {data.channels}-channel colour images, and "
+        f"model.preset = {preset!r} takes {channels}-channel images (no colour-to-gray "
+        "conversion is defined): train 'ddpm-cifar10' on it"
+    )
 
 
 @dataclass(frozen=True)
