@@ -30,6 +30,7 @@ from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_model
 from shared.models.plan import ChannelPlan, model_spec, plan_doc
 from shared.runtime.cpu import set_torch_threads
+from shared.runtime.memory import tune_allocator
 from shared.runtime.process import (
     EXIT_ERROR,
     Serve,
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
     """Check the config, prepare ``--out`` (resuming its latest checkpoint unless
     ``--fresh``) and connect; returns the serving body."""
+    tune_allocator()  # model-sized buffers every round: keep RSS near what is held
     set_torch_threads(0)  # evaluation: torch's default, within this process's CPU limit
     set_deterministic(cfg.compute.deterministic)  # sampling for evaluation and grids
     check_round_start_fits(cfg)

@@ -24,15 +24,16 @@ import torch
 from torch import nn
 
 from cloud.personal import PersonalizeJob
-from shared.algorithms import Algorithm, Update
+from shared.algorithms import Algorithm, Fold, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import model_from_state
-from shared.models.checkpoint import model_digest, save_checkpoint
+from shared.models.checkpoint import CheckpointWriter, model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
 from shared.naming import device_name, edge_ids, is_device_of
+from shared.runtime.memory import release_memory
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import spec_of
@@ -199,7 +200,15 @@ class CloudServer(RoleService):
         self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
         self.participants: list[str] = []
-        self.reports: dict[str, tuple[EdgeUpdate, TensorDict | None]] = {}
+        #: the open round's edge reports, each with whether it carried a model
+        self.reports: dict[str, tuple[EdgeUpdate, bool]] = {}
+        #: the open round's aggregation, fed each edge's model as it arrives (None in a
+        #: round without a cloud aggregation)
+        self.fold: Fold | None = None
+        #: the global state's blob is :attr:`global_ref` (False: put it before announcing)
+        self.global_put = False
+        #: writes each checkpoint while the next round runs (inline on an in-process bus)
+        self.checkpoints = CheckpointWriter(background=not bus.blobs_local)
         #: the devices' own uploads of the open round (per-device algorithms), by device
         self.uploads: dict[str, TensorDict] = {}
         self.personal_job: PersonalizeJob | None = None
@@ -388,11 +397,14 @@ class CloudServer(RoleService):
         self.personal = False
         self.fresh_global = False
         self.reports = {}
+        aggregates = (r + 1) % self.cfg.federation.cloud_every == 0
+        self.fold = self.algorithm.cloud_fold(self.model) if aggregates else None
         self.opened_at = time.perf_counter()
         opened = time.time()
         self.opened_wall = int(opened)
         # retained: an edge that (re)starts mid-round learns the round from the broker
         self.send(self.topics.cloud_round, msg, retain=True)
+        self.trace.event("announce", r)
         self._publish_state("training")
         self.metrics.round_started.set(opened)
         self.metrics.round_deadline.set(self.cloud_deadline_s)
@@ -406,6 +418,7 @@ class CloudServer(RoleService):
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""
+        self.trace.event("edge_report", msg.round, edge=msg.edge)
         if msg.session != self.session:
             self.reject("stale_session", f"{msg.edge} round {msg.round + 1}")
             return
@@ -431,13 +444,26 @@ class CloudServer(RoleService):
             return
         tensors = None
         if msg.model_ref is not None:
-            # an edge sends the shared tensors only, where the algorithm has them
+            # an edge sends the shared tensors only, where the algorithm has them; folded
+            # into the round's aggregation and dropped (not kept in the blob store)
             tensors = self.fetch_tensors(
-                msg.model_ref, self.algorithm.shared_spec(self.spec) or self.spec
+                msg.model_ref, self.algorithm.shared_spec(self.spec) or self.spec, keep=False,
+                views=self.fold is not None and self.fold.streams,
             )
             if tensors is None:
                 return
-        self.reports[msg.edge] = (msg, tensors)
+            self.trace.event("edge_fetched", msg.round, edge=msg.edge, bytes=msg.model_ref.size)
+            if self.fold is not None and msg.n_samples > 0:
+                update = Update(msg.edge, tensors, msg.n_samples, tuple(msg.label_counts),
+                                msg.part_samples)  # fmt: skip
+                try:
+                    self.fold.add(update)
+                except Exception as err:  # the spec was checked: a bug, or the algorithm's
+                    log.exception("folding the model of %s failed", msg.edge)
+                    self.reject("bad_update", f"{msg.edge} round {msg.round + 1}: "
+                                f"{type(err).__name__}: {err}")  # fmt: skip
+                    return
+        self.reports[msg.edge] = (msg, tensors is not None)
         self.uploads.update(forwarded)
         self._maybe_close()
 
@@ -497,20 +523,18 @@ class CloudServer(RoleService):
         agg_seconds = 0.0
         aggregated = False
         trained_arch = plan_digest(self.plan)  # before pruning at this aggregation
-        for edge, (m, _t) in self.reports.items():
+        for edge, (m, _) in self.reports.items():
             if edge in self.edge_counts and len(m.label_counts) == NUM_CLASSES:
                 self.edge_counts[edge] = list(m.label_counts)
             self.contributions += len(m.devices)
-        if (r + 1) % self.cfg.federation.cloud_every == 0:
-            updates = [  # sorted: the same float summation order on every bus
-                Update(m.edge, t, m.n_samples, tuple(m.label_counts), m.part_samples)
-                for _, (m, t) in sorted(self.reports.items())
-                if t is not None and m.n_samples > 0
-            ]
-            if updates:
+        fold, self.fold = self.fold, None
+        if fold is not None:
+            if len(fold):
                 self.metrics.phase.state("aggregating")
                 t0 = time.perf_counter()
-                self.model = self.algorithm.cloud_aggregate(updates, self.model)
+                self.checkpoints.wait()  # the last checkpoint precedes any state after it
+                self.model = fold.result()  # independent of the order the edges reported in
+                del fold
                 self.model, plan = self.algorithm.after_cloud_aggregate(r, self.model, self.plan)
                 if plan_digest(plan) != plan_digest(self.plan):
                     self.plan, self.spec = plan, spec_of(self.model)
@@ -518,16 +542,23 @@ class CloudServer(RoleService):
                     log.info("global architecture is now %s", plan_digest(plan))
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
-                self.model_sha = model_digest(self.model)
+                self.global_put = False
+                self._put_global()  # the blob's hash is the model's digest
+                assert self.global_ref is not None
+                self.model_sha = self.global_ref.sha256
+                self.trace.event("aggregated", r)
                 self.fresh_global, aggregated = True, True
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
                 self._checkpoint(r)
+                self.trace.event("checkpointed", r)
         summary = self._summarize(r, aggregated, agg_seconds, trained_arch)
         if aggregated:
             for figure, value in summary.algorithm.items():
                 self.metrics.algorithm_figure.labels(figure=figure).set(value)
         self.metrics.round_seconds.observe(summary.round_seconds)
+        self.trace.event("closed", r)
+        release_memory()  # the round's buffers are freed: give their pages back
         self.round = r + 1
         if self.on_round_end is not None:
             self.on_round_end(summary)
@@ -576,9 +607,18 @@ class CloudServer(RoleService):
         every = self.cfg.eval.checkpoint_every
         last = r + 1 >= self.rounds
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
-            save_checkpoint(
-                self.checkpoint_dir, r, self.model, self.cfg, plan=self.plan, init=self.init
+            directory, model, plan, init, sha = (
+                self.checkpoint_dir, self.model, self.plan, self.init, self.model_sha
             )
+            own_state = type(self.algorithm).save_cloud_state is not Algorithm.save_cloud_state
+
+            def write() -> None:
+                save_checkpoint(directory, r, model, self.cfg, plan=plan, init=init,
+                                model_sha256=sha)  # fmt: skip
+
+            # inline where the algorithm writes files of its own beside it (they must match)
+            # and at the end of the run (what follows reads it)
+            self.checkpoints.write(write, inline=own_state or last)
             self.algorithm.save_cloud_state(self.checkpoint_dir, r)
 
     def _summarize(
@@ -611,13 +651,18 @@ class CloudServer(RoleService):
 
     def _put_global(self) -> None:
         """Put the global model as a blob (:attr:`global_ref`) when it changed since."""
-        if self.fresh_global or self.global_ref is None:
+        if not self.global_put or self.global_ref is None:
+            old = self.global_ref
             self.global_ref, self.shared_ref = self.put_state(
                 self.model, self.algorithm.shared_spec(self.spec), "global_model"
             )
+            self.global_put = True
+            if old is not None and old.sha256 != self.global_ref.sha256:
+                self.ep.release_blob(old.sha256)  # a late asker reads it from disk
             self.metrics.model_bytes.set(self.global_ref.size)
 
     def _finish(self) -> None:
+        self.checkpoints.wait()  # the run's last checkpoint is on disk before anything ends
         ran = self.round - self.start_round
         if ran > 0 and self.contributions == 0:
             # every round closed without a single device's work: the model is the one this

@@ -398,6 +398,7 @@ class DeviceAgent(RoleService):
         every real round look late, also after a restart from the state it saved)."""
         if self.name not in msg.devices:
             return
+        self.trace.event("round_seen", msg.round)
         if msg.round >= self.cfg.run.rounds:
             self.reject("round_out_of_range", f"{msg.edge} announced round {msg.round + 1} of "
                         f"a {self.cfg.run.rounds}-round run")  # fmt: skip
@@ -554,7 +555,9 @@ class DeviceAgent(RoleService):
         if not continuing and not self._load_round_model(ctx, msg):
             return
         self.kept_local = None  # set again below once this round's training is known good
+        self.trace.event("downloaded", msg.round, bytes=0 if continuing else msg.model_ref.size)
         result = self.algorithm.device_round(ctx, self.model, msg.round, upload=msg.upload)
+        self.trace.event("trained", msg.round, train_s=result.train.seconds)
         reason = self._divergence(result)
         if reason:
             # Nothing is uploaded or reported (the edge's deadline covers the missing
@@ -589,6 +592,7 @@ class DeviceAgent(RoleService):
         self.metrics.training_seconds.observe(result.train.seconds)
         self.save_state(msg.round, msg.session)  # before the report: a restart resends it
         self.send(self.topics.device_up(self.name), update)
+        self.trace.event("uploaded", msg.round)
         log.info(
             "%s: round %d/%d at %s: %d steps in %.1f s, loss %.4f%s", self.name, msg.round + 1,
             self.cfg.run.rounds, msg.edge, result.train.steps, result.train.seconds,

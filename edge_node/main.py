@@ -16,6 +16,7 @@ from shared.config import RunConfig
 from shared.errors import ConfigError
 from shared.naming import edge_ids
 from shared.runtime.cpu import set_torch_threads
+from shared.runtime.memory import tune_allocator
 from shared.runtime.process import (
     Serve,
     add_common_args,
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
     """Check edge ``--id`` against the config and connect it; returns its serving body."""
+    tune_allocator()  # model-sized buffers every round: keep RSS near what is held
     set_torch_threads(0)  # aggregation: torch's default, within this process's CPU limit
     if args.id not in edge_ids(cfg):
         raise ConfigError(f"edge id {args.id!r} is not one of {edge_ids(cfg)}")

@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
-from shared.algorithms import Algorithm, Update
+from shared.algorithms import Algorithm, Fold, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, TransportError
 from shared.models.plan import ChannelPlan, model_spec, parse_plan, plan_digest, plan_doc
 from shared.naming import is_device_of
 from shared.runtime.jobs import WorkerJob
+from shared.runtime.memory import release_memory
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import TensorSpec, encode_tensors, sha256_hex
@@ -75,7 +78,7 @@ def _shown(round_: int | None) -> str:
 class _Closed(NamedTuple):
     """What closing a round computes; the edge takes it on only once all of it is known."""
 
-    model: TensorDict
+    model: TensorDict | None
     model_ref: BlobRef | None
     report: EdgeUpdate
     acc_n: int
@@ -110,11 +113,22 @@ class EdgeServer(RoleService):
         self.closed = True
         self.candidates: list[str] = []
         self.upload = True
+        #: the open round's aggregation, fed each update as it is accepted (None in a round
+        #: without uploads); a streaming fold keeps a running sum, not the updates
+        self.fold: Fold | None = None
+        #: each accepted upload of the round: its Update, whose tensors are kept only where
+        #: the edge still needs them (forwarding to the cloud); the parts it covers
         self.updates: dict[str, Update] = {}
+        self.upload_parts: dict[str, frozenset[str]] = {}
         self.reported: dict[str, DeviceUpdate] = {}
         #: the open round's update downloads under way, by device (worker threads: the
         #: message thread keeps handling everyone else while a blob source is slow or silent)
         self.fetching: dict[str, WorkerJob[TensorDict]] = {}
+        #: turns to download an upload: each download holds one until its update is folded
+        #: (or refused), so at most this many uploads are in memory at once
+        self.fetch_slots = threading.BoundedSemaphore(cfg.broker.max_update_fetches)
+        #: a download silent this long gives up its turn
+        self.stall_s = 3 * cfg.broker.chunk_timeout_s
         self.dropped: set[str] = set()
         self.offline: set[str] = set()
         self.my_devices: set[str] = set()
@@ -122,6 +136,8 @@ class EdgeServer(RoleService):
         #: entry per configured device; its updates must carry the same counts
         self.registered: dict[str, tuple[int, ...]] = {}
         self.timer: Timer | None = None
+        #: the blob of the last report's model (the cloud has it once the next round opens)
+        self.report_sha: str | None = None
         self.deadline_at = 0.0
         self.rejected_this_round = 0
         # running sums over ``reported``, checked against what the EdgeUpdate may carry
@@ -262,6 +278,7 @@ class EdgeServer(RoleService):
         A round from a new cloud session (the cloud restarted) is opened even if this edge
         already saw that round number; a replay within the session is a duplicate.
         """
+        self.trace.event("round_seen", msg.round)
         same_session = msg.session == self.session
         if same_session and self.round is not None and msg.round <= self.round:
             self.reject("duplicate", f"round {msg.round + 1} already opened")
@@ -277,19 +294,43 @@ class EdgeServer(RoleService):
             spec = self._global_spec(plan)
         model = self.model
         kept = not (new_arch or msg.new_global or msg.global_ref.sha256 != self.global_sha)
-        if model is None or not kept:  # a new architecture's state replaces the old one's
+        # the devices need the global model as it is: announce at once, naming the cloud's
+        # copy; the edge downloads its own only if a round closes without an update
+        early = (
+            (model is None or not kept)
+            and not new_arch
+            and self.algorithm.edge_fold_stateless
+            and self.algorithm.shared_spec(self.spec) is None
+        )
+        if early:
+            self.model, model = None, None
+            self.model_ref, self.shared_ref = msg.global_ref, None
+            if not kept:  # a new global: as when it is downloaded below
+                self.global_sha = msg.global_ref.sha256
+                if msg.new_global:
+                    self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g
+                    self.acc_parts = self._zero_parts()
+                    self.carried = _no_work()
+                self.pending = {}  # devices start again from the new state
+        elif model is None or not kept:  # a new architecture's state replaces the old one's
             # fetched before anything changes: a failed fetch leaves the open round intact
-            state, fetched = None, True
+            state, fetched, whole = None, True, False
             if not new_arch:
                 state, fetched = self._merge_shared(msg)
             if fetched and state is None:
-                state = self.fetch_tensors(msg.global_ref, spec)
+                state, whole = self.fetch_tensors(msg.global_ref, spec), True
             if state is None:
                 return
             if new_arch:
                 self._set_arch(plan, spec)
             model = state
             self.model, self.model_ref, self.global_sha = model, None, msg.global_ref.sha256
+            if whole and self.algorithm.shared_spec(self.spec) is None:
+                # the edge serves the global's own bytes (kept in its store by the fetch)
+                # instead of encoding the same tensors again
+                self.model_ref = msg.global_ref.model_copy(
+                    update={"kind": "edge_model", "src": self.home}
+                )
             if msg.new_global:
                 self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g (eq. 19)
                 self.acc_parts = self._zero_parts()
@@ -307,6 +348,9 @@ class EdgeServer(RoleService):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.report_sha is not None:  # the cloud took it: only disk keeps it now
+            self.ep.release_blob(self.report_sha)
+            self.report_sha = None
         self.session, self.round, self.closed = msg.session, msg.round, False
         if self.selecting:
             self.candidates = list(msg.participants)
@@ -315,6 +359,8 @@ class EdgeServer(RoleService):
         self.joined, self.elsewhere = set(), set()
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
+        self.upload_parts = {}
+        self.fold = self.algorithm.edge_fold(model or {}) if self.upload else None
         self.fetching = {}  # downloads of an earlier round finish and are dropped
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
@@ -324,10 +370,11 @@ class EdgeServer(RoleService):
         if not self.candidates:
             self._close()
             return
-        if self.model_ref is None:
+        if self.model_ref is None and model is not None:
             self.model_ref, self.shared_ref = self.put_state(
                 model, self.algorithm.shared_spec(self.spec), "edge_model"
             )
+        assert self.model_ref is not None
         announce = EdgeRound(
             round=msg.round,
             session=msg.session,
@@ -343,6 +390,7 @@ class EdgeServer(RoleService):
         )
         # retained: a device that (re)starts mid-round still learns what to train
         self.send(self.topics.edge_round(self.name), announce, retain=True)
+        self.trace.event("announce", msg.round)
         self.deadline_at = self.ep.now() + self.cfg.federation.round_deadline_s
         self.timer = self.ep.call_later(self.cfg.federation.round_deadline_s, self._on_deadline)
         if self.selecting:
@@ -354,6 +402,20 @@ class EdgeServer(RoleService):
                 del self.early_joins[key]
         self._maybe_close()
 
+    def _global_model(self) -> TensorDict:
+        """The global model the edge announced without downloading it (a round that closes
+        without an update keeps it): downloaded now, read in place from the blob its store
+        keeps (the edge never writes to its model). Raises when it cannot be had (the
+        round's close then fails cleanly, rejected and counted)."""
+        if self.model_ref is None:
+            raise RuntimeError("the edge announced no model")
+        state = self.fetch_tensors(self.model_ref, self.spec, views=True)
+        if state is None:
+            raise RuntimeError(f"round {_shown(self.round)}: no update, and the global model "
+                               "could not be downloaded: nothing to report")  # fmt: skip
+        self.model = state
+        return state
+
     # -- device updates ----------------------------------------------------------------
     def on_device_update(self, msg: DeviceUpdate) -> None:
         """Accept one update per assigned device for the open round.
@@ -363,6 +425,7 @@ class EdgeServer(RoleService):
         device whose blob source is slow or silent holds up nobody else's update."""
         if msg.edge != self.name:
             return  # addressed to another edge
+        self.trace.event("update_seen", msg.round, device=msg.device)
         reason = self._check_update(msg)
         if reason:
             self._refuse(msg, reason, f"{msg.device} round {msg.round + 1}")
@@ -386,13 +449,33 @@ class EdgeServer(RoleService):
         left = max(1.0, self.deadline_at - self.ep.now())
         spec, partial = self.update_spec, self.algorithm.partial_uploads
 
-        def fetch() -> TensorDict:
-            return self.load_tensors(ref, spec, timeout_s=left, partial=partial)
+        # folded and dropped: the blob is not kept, and a streaming fold reads it in place
+        views = self.fold is not None and self.fold.streams
+        slot = [False]  # whether this download holds a turn (given back once it is handled)
 
-        if self.ep.bus.blobs_local:
+        def fetch() -> TensorDict:
+            start = time.monotonic()
+            if not self.fetch_slots.acquire(timeout=left):
+                raise TransportError(f"no download turn within {left:.0f} s", reason="timeout")
+            slot[0] = True
+            return self.load_tensors(
+                ref, spec, timeout_s=max(1.0, left - (time.monotonic() - start)),
+                partial=partial, keep=False, views=views, stall_s=self.stall_s,
+            )  # fmt: skip
+
+        def fetched(tensors: TensorDict | None, err: BaseException | None) -> None:
+            try:
+                self._update_fetched(msg, tensors, err, job)
+            finally:
+                if slot[0]:
+                    slot[0] = False
+                    self.fetch_slots.release()
+
+        if self.ep.bus.blobs_local:  # in-process: no download to wait for, no turn taken
             tensors, error = None, None
             try:
-                tensors = fetch()
+                tensors = self.load_tensors(ref, spec, timeout_s=left, partial=partial,
+                                            keep=False, views=views)  # fmt: skip
             except (CodecError, TransportError) as err:
                 error = err
             self._update_fetched(msg, tensors, error)
@@ -400,7 +483,7 @@ class EdgeServer(RoleService):
         job = WorkerJob(
             fetch,
             self.ep.call_later,
-            lambda tensors, err: self._update_fetched(msg, tensors, err, job),
+            fetched,
             name=f"{self.name}-fetch-{msg.device}",
             poll_s=FETCH_POLL_S,
             join_s=0.0,
@@ -451,9 +534,19 @@ class EdgeServer(RoleService):
         if reason:
             self._refuse(msg, reason, where)
             return
-        self.updates[msg.device] = Update(
-            msg.device, tensors, msg.n_samples, tuple(msg.label_counts)
-        )
+        size = msg.update_ref.size if msg.update_ref is not None else 0
+        self.trace.event("update_fetched", msg.round, device=msg.device, bytes=size)
+        update = Update(msg.device, tensors, msg.n_samples, tuple(msg.label_counts))
+        if self.fold is not None:
+            try:
+                self.fold.add(update)
+            except Exception as err:  # the spec was checked: a bug, or an algorithm's refusal
+                log.exception("%s: folding the update of %s failed", self.name, where)
+                self._refuse(msg, "bad_update", f"{where}: {type(err).__name__}: {err}")
+                return
+        keep = self.algorithm.per_device_updates  # forwarded to the cloud at the close
+        self.updates[msg.device] = update if keep else replace(update, tensors={})
+        self.upload_parts[msg.device] = self.algorithm.upload_parts(tensors)
         self._accept(msg, tensors)
 
     def _accept(self, msg: DeviceUpdate, tensors: TensorDict | None) -> None:
@@ -556,8 +649,13 @@ class EdgeServer(RoleService):
         if closed.cloud_round:
             self.carried = _no_work()  # the period it was served in has ended
         self.send(self.topics.edge_up(self.name), closed.report)
+        self.trace.event("reported", closed.report.round)
+        if closed.report.model_ref is not None:
+            self.report_sha = closed.report.model_ref.sha256
         self.metrics.round.set(closed.report.round + 1)  # rounds completed
         self._publish_state()
+        del closed
+        release_memory()  # the round's buffers are freed: give their pages back
 
     def _close_report(self) -> _Closed:
         """The round's edge model, its blob ref, the EdgeUpdate to send, the accumulated
@@ -576,17 +674,18 @@ class EdgeServer(RoleService):
         counts: the load edge selection (eq. 25) sees. At a cloud round, which is an
         aggregation round (r_e divides r_g), nothing is pending and nothing carried is
         added: the counts are then eq. 22's n_e and q_e, the work the edge model holds."""
-        if self.round is None or self.model is None or self.session is None:
+        if self.round is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
         model, model_ref = self.model, self.model_ref
         enough = len(self.reported) >= min(self.cfg.federation.min_updates, len(self.assigned))
         contributors = self.reported
         discarded = 0
-        if self.upload and self.updates and enough:
-            ordered = [self.updates[d] for d in sorted(self.updates)]  # bus-independent order
-            model = self.algorithm.edge_aggregate(ordered, model)
+        if self.upload and self.fold is not None and len(self.fold) and enough:
+            model = self.fold.result()  # independent of the order the updates came in
+            self.fold = None  # its running sum is not needed past the result
             model_ref = None
+            self.trace.event("aggregated", self.round)
             self.metrics.aggregation_seconds.observe(time.perf_counter() - agg_start)
         elif self.upload and not enough and self.reported:
             # their updates are discarded, so neither are their samples counted nor are
@@ -610,13 +709,15 @@ class EdgeServer(RoleService):
         if self.upload:
             for device, (n, counts) in work.items():
                 acc = _plus(acc, n, counts)
-                update = self.updates.get(device)
-                if acc_parts is not None and update is not None:
-                    for part in self.algorithm.upload_parts(update.tensors):
+                parts = self.upload_parts.get(device)
+                if acc_parts is not None and parts is not None:
+                    for part in parts:
                         acc_parts[part] += n
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
         if cloud_round and acc[0] and self.algorithm.uploads:
+            if model is None:  # announced as the cloud's copy, not downloaded (yet)
+                model = self._global_model()
             shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
             ref = self.put_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"

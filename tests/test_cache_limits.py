@@ -63,7 +63,7 @@ def test_the_rule_floor_multiple_and_disk_factor() -> None:
     assert tiny.memory_limit_bytes == BLOB_MEMORY_FLOOR == 64 << 20  # 8 x 2.7 MB is less
     assert tiny.cache_limit_bytes == BLOB_DISK_FLOOR == 256 << 20
     big = BrokerSection().with_blob_limits(CIFAR_BYTES)
-    assert big.memory_limit_bytes == BLOB_MEMORY_BLOBS * CIFAR_BYTES  # 1.07 GiB
+    assert big.memory_limit_bytes == BLOB_MEMORY_BLOBS * CIFAR_BYTES  # 273 MiB
     assert big.cache_limit_bytes == BLOB_DISK_FACTOR * BLOB_MEMORY_BLOBS * CIFAR_BYTES
     per_device = BrokerSection().with_blob_limits(CIFAR_BYTES, per_device_blobs=10)
     assert per_device.memory_limit_bytes == (BLOB_MEMORY_BLOBS + 10) * CIFAR_BYTES

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +71,60 @@ def test_unknown_header_dtypes_are_codec_errors(dtype: str, shape: list[int], nb
     payload = struct.pack("<Q", len(header)) + header.encode() + b"\0" * nbytes
     with pytest.raises(CodecError):
         decode_tensors(payload)
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    """Every dtype the direct writer lays out, names in and out of order, empty tensors."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "b.weight": torch.randn(3, 4, generator=g),
+        "a": torch.randn(2, generator=g).double(),
+        "steps": torch.arange(3),
+        "c": torch.arange(4, dtype=torch.int32),
+        "h": torch.randn(3, generator=g).half(),
+        "bf": torch.randn(3, generator=g).bfloat16(),
+        "i16": torch.arange(3, dtype=torch.int16),
+        "i8": torch.arange(3, dtype=torch.int8),
+        "mask": torch.arange(5, dtype=torch.uint8),
+        "flag": torch.tensor(True),
+        "empty": torch.empty(0, 3),
+        "aa": torch.randn(1, generator=g),
+    }
+
+
+def test_direct_writer_gives_the_libraries_bytes() -> None:
+    """encode_tensors writes what safetensors.torch.save writes, byte for byte (hashes and
+    checkpoints of earlier runs stay valid), for every dtype it lays out itself."""
+    from safetensors.torch import save
+
+    from shared.wire.codec import _encode_direct
+
+    for tensors in (_mixed(), {"x": torch.randn(4, 5, 6)}, {}, {"only_empty": torch.empty(0)}):
+        ordered = {k: tensors[k].contiguous() for k in sorted(tensors)}
+        assert _encode_direct(ordered) == save(ordered)
+        assert encode_tensors(tensors) == save(ordered)
+    # what it does not lay out goes to the library
+    assert _encode_direct({'say "hi"': torch.ones(1)}) is None
+    assert _encode_direct({"c64": torch.ones(1, dtype=torch.complex64)}) is None
+
+
+def test_views_decode_what_copies_decode_and_refuse_what_they_refuse() -> None:
+    data = encode_tensors(_mixed())
+    copied, viewed = decode_tensors(data), decode_tensors(data, copy=False)
+    assert list(sorted(copied)) == list(sorted(viewed))
+    for k, t in copied.items():
+        assert viewed[k].dtype == t.dtype and torch.equal(viewed[k], t), k
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    bad_offsets = dict(header, aa={**header["aa"], "data_offsets": [0, 4]})  # overlaps
+    for broken in (data[:-1], data[:8] + b"[" + data[9:], _with_header(data, bad_offsets)):
+        with pytest.raises(CodecError):
+            decode_tensors(broken, copy=False)
+
+
+def _with_header(data: bytes, header: dict[str, Any]) -> bytes:
+    """``data`` with its safetensors header replaced by ``header`` (padded to 8 bytes)."""
+    n = int.from_bytes(data[:8], "little")
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]

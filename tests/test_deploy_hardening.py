@@ -292,6 +292,7 @@ class StallingBus(MemoryBus):
         requester: str,
         *,
         cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         self.sources.append(src)
         if sha256 in self.stalled:
@@ -299,7 +300,9 @@ class StallingBus(MemoryBus):
             time.sleep(timeout_s)
             raise TransportError(f"blob {sha256[:12]}… from {src}: no chunk before the "
                                  "fetch timeout", reason="timeout")  # fmt: skip
-        return super()._get_blob(sha256, size, timeout_s, src, requester, cache=cache)
+        return super()._get_blob(
+            sha256, size, timeout_s, src, requester, cache=cache, stall_s=stall_s
+        )
 
 
 def test_a_stalled_blob_source_does_not_stop_the_device(

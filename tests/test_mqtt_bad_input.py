@@ -821,3 +821,19 @@ def test_cloud_rejects_bad_edge_reports_and_keeps_serving(
     finally:
         for bus in buses:
             bus.close(timeout_s=2.0)
+
+
+def test_a_download_silent_for_its_stall_time_gives_up_early(broker: LocalBroker) -> None:
+    """An edge's upload download gives up its turn after ``stall_s`` of silence, long before
+    the round's deadline: a device that never answers holds no turn for long."""
+    bus = connect(broker, "stall", f"edge/{EDGE}")
+    try:
+        ep = bus.endpoint(EDGE, f"edge/{EDGE}")
+        started = time.monotonic()
+        with pytest.raises(TransportError) as err:
+            ep.get_blob("ab" * 32, 1000, kind="device_update", src="device/dev009",
+                        timeout_s=30, stall_s=1.5)  # fmt: skip
+        assert err.value.reason == "timeout" and "nothing for" in str(err.value)
+        assert 1.4 <= time.monotonic() - started < 6
+    finally:
+        bus.close()

@@ -1,12 +1,18 @@
-"""Aggregation maths as pure functions over tensor dicts (no messaging, no state).
+"""Aggregation maths over tensor dicts (no messaging).
 
-FedAvg (McMahan et al. 2017): theta = sum_k (n_k / sum n) theta_k. Weighted averages are
-computed in float64 and cast back so the result does not depend on summation order beyond
-float64 rounding.
+FedAvg (McMahan et al. 2017): theta = sum_k (n_k / sum n) theta_k. Aggregators fold each
+update into a :class:`WeightedSum` as it arrives and drop it, so a role holds one running
+sum, not every update. The sum is kept as an unevaluated pair (hi + lo, Knuth's TwoSum):
+``hi`` a float64 tensor, ``lo`` the float32 sum of hi's rounding errors. Each product
+``n_k * theta_k`` of a float32 tensor and an integer weight below 2**29 is exact in float64,
+and the pair carries the sum to about 77 bits, so the mean rounded back to float32 is the
+same whatever order the updates arrive in (two orders could differ only where the exact mean
+lies within about 2**-70 of a float32 rounding boundary). 12 bytes per element.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -54,5 +60,102 @@ def weighted_average(
 
 
 def fedavg(states: Sequence[Mapping[str, torch.Tensor]], n_samples: Sequence[int]) -> TensorDict:
-    """FedAvg: average weighted by local sample counts."""
-    return weighted_average(states, [float(n) for n in n_samples])
+    """FedAvg: average weighted by local sample counts (a :class:`WeightedSum` of the
+    states: the same result in any order, the result of the streaming aggregators)."""
+    acc = WeightedSum()
+    for i, (state, n) in enumerate(zip(states, n_samples, strict=True)):
+        acc.add(state, float(n), key=f"{i:012d}")
+    return acc.mean()
+
+
+class WeightedSum:
+    """``sum_k w_k * state_k`` (and the mean, divided by ``sum_k w_k``) folded one state at
+    a time, independent of the order the states come in (see the module docstring).
+
+    Floating-point tensors are summed; any other tensor (an integer counter) is taken from
+    the state added with the smallest ``key`` (the first in sorted order, as a batch
+    aggregation over sorted updates takes it). Holds 12 bytes per summed element."""
+
+    def __init__(self) -> None:
+        self._hi: TensorDict = {}
+        self._lo: TensorDict = {}
+        self._fixed: dict[str, tuple[str, torch.Tensor]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.total = 0.0
+        self.count = 0
+
+    @property
+    def names(self) -> list[str]:
+        """The tensor names, in the order of the first state added."""
+        return list(self._dtypes)
+
+    def add(self, state: Mapping[str, torch.Tensor], weight: float, key: str = "") -> None:
+        """Fold ``weight * state`` into the sum; every state must have the same names."""
+        if not math.isfinite(weight) or weight < 0:
+            raise EstuaryError(f"aggregation weight {weight} is not a finite number >= 0")
+        if self.count and set(state) != set(self._dtypes):
+            raise EstuaryError("states to average have different tensor names")
+        for k, t in state.items():
+            if not t.is_floating_point():
+                held = self._fixed.get(k)
+                if held is None or key < held[0]:
+                    self._fixed[k] = (key, t.detach().clone())
+                self._dtypes.setdefault(k, t.dtype)
+                continue
+            hi = self._hi.get(k)
+            if hi is None:
+                self._dtypes[k], self._shapes[k] = t.dtype, tuple(t.shape)
+                self._hi[k] = t.detach().reshape(-1).to(torch.float64, copy=True).mul_(weight)
+                self._lo[k] = torch.zeros(t.numel(), dtype=torch.float32)
+                continue
+            if tuple(t.shape) != self._shapes[k]:
+                raise EstuaryError(
+                    f"tensor {k!r}: shape {list(t.shape)}, expected {list(self._shapes[k])}"
+                )
+            _two_sum_into(hi, self._lo[k], t.detach().reshape(-1), weight)
+        self.total += weight
+        self.count += 1
+
+    def sum(self) -> TensorDict:
+        """``sum_k w_k * state_k`` in float64 (non-float tensors as taken)."""
+        return {
+            k: self._fixed[k][1] if k in self._fixed
+            else (self._hi[k] + self._lo[k].double()).view(self._shapes[k])
+            for k in self._dtypes
+        }
+
+    def mean(self) -> TensorDict:
+        """The weighted mean, each tensor in its own dtype."""
+        if not self.count:
+            raise EstuaryError("cannot aggregate zero updates")
+        if self.total <= 0:
+            raise EstuaryError("aggregation weights sum to zero")
+        out: TensorDict = {}
+        for k, dtype in self._dtypes.items():
+            if k in self._fixed:
+                out[k] = self._fixed[k][1]
+            else:
+                mean = (self._hi[k] + self._lo[k].double()).div_(self.total)
+                out[k] = mean.to(dtype).view(self._shapes[k])
+        return out
+
+
+#: elements per step of :func:`_two_sum_into`: its temporaries stay in the CPU's cache
+FOLD_CHUNK = 1 << 14
+
+
+def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, weight: float) -> None:
+    """``hi + lo += weight * x`` (flat tensors), keeping ``hi + lo`` exact to ~77 bits:
+    Knuth's TwoSum ``s = hi + p``, ``err = (hi - (s - bb)) + (p - bb)`` with ``bb = s - hi``,
+    then ``hi = s`` and ``lo += err``; in chunks, so it costs what a plain float64 add does."""
+    for i in range(0, hi.numel(), FOLD_CHUNK):
+        h = hi[i : i + FOLD_CHUNK]
+        p = x[i : i + FOLD_CHUNK].to(torch.float64).mul_(weight)
+        s = h + p
+        bb = s - h
+        p.sub_(bb)  # p - bb
+        bb.neg_().add_(s)  # s - bb
+        h.sub_(bb).add_(p)  # the rounding error of s, written over this chunk of hi
+        lo[i : i + FOLD_CHUNK].add_(h)
+        h.copy_(s)

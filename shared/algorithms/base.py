@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import TensorDict
+from shared.algorithms.aggregation import TensorDict, WeightedSum
 from shared.config import RunConfig, TrainSection
 from shared.config.algorithms import AlgorithmConfig, algorithm_names, config_class
 from shared.diffusion.schedule import make_train_scheduler
@@ -62,6 +62,74 @@ class Update:
     #: samples behind each model part (:meth:`Algorithm.upload_parts`); None: ``n_samples``
     #: for every part
     part_samples: Mapping[str, int] | None = None
+
+
+class Fold(ABC):
+    """One aggregation fed an update at a time (:meth:`Algorithm.edge_fold`,
+    :meth:`Algorithm.cloud_fold`): an aggregator adds each verified update as it arrives
+    and asks for the result when its round closes. The result must not depend on the order
+    of the updates (the same seed gives the same model on every bus)."""
+
+    #: updates are folded as they come and dropped; False: every update is held until
+    #: :meth:`result` (an aggregation that cannot stream)
+    streams: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.sources: list[str] = []
+
+    def add(self, update: Update) -> None:
+        """Fold ``update`` in."""
+        self._add(update)
+        self.sources.append(update.source)
+
+    @abstractmethod
+    def _add(self, update: Update) -> None: ...
+
+    @abstractmethod
+    def result(self) -> TensorDict:
+        """The aggregate of the updates added (at least one)."""
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+class HeldFold(Fold):
+    """An aggregation that cannot stream: it holds every update and hands them, sorted by
+    source (an order independent of arrival), to ``combine``."""
+
+    streams = False
+
+    def __init__(self, combine: Callable[[Sequence[Update]], TensorDict]) -> None:
+        super().__init__()
+        self.combine = combine
+        self.updates: list[Update] = []
+
+    def _add(self, update: Update) -> None:
+        self.updates.append(update)
+
+    def result(self) -> TensorDict:
+        return self.combine(sorted(self.updates, key=lambda u: u.source))
+
+
+class MeanFold(Fold):
+    """FedAvg's aggregation streamed: the sample-weighted mean of the updates' tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sum = WeightedSum()
+
+    def _add(self, update: Update) -> None:
+        self.sum.add(update.tensors, float(update.n_samples), key=update.source)
+
+    def result(self) -> TensorDict:
+        return self.sum.mean()
+
+
+def fold_all(fold: Fold, updates: Sequence[Update]) -> TensorDict:
+    """``fold`` fed every update of ``updates``: its result."""
+    for u in updates:
+        fold.add(u)
+    return fold.result()
 
 
 @dataclass
@@ -351,6 +419,21 @@ class Algorithm(ABC):
     @abstractmethod
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
         """Combine edge states into the global state."""
+
+    #: :meth:`edge_fold` does not read the edge's state (a plain weighted mean): an edge
+    #: then announces a new global model to its devices at once, pointing them at the
+    #: cloud's copy, and downloads its own copy while they do
+    edge_fold_stateless: ClassVar[bool] = False
+
+    def edge_fold(self, current: TensorDict) -> Fold:
+        """The edge's aggregation of one round, fed an update at a time (``current`` is the
+        edge's state). By default it holds every update for :meth:`edge_aggregate`; an
+        algorithm whose aggregation streams returns a fold that keeps a running sum."""
+        return HeldFold(lambda updates: self.edge_aggregate(updates, current))
+
+    def cloud_fold(self, current: TensorDict) -> Fold:
+        """:meth:`edge_fold` for the cloud's aggregation of the edges' states."""
+        return HeldFold(lambda updates: self.cloud_aggregate(updates, current))
 
     def materialize(self, state: TensorDict) -> TensorDict:
         """The model's tensors a state stands for, as the roles and export build a module

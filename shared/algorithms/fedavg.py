@@ -15,13 +15,15 @@ from typing import ClassVar
 
 from torch import nn
 
-from shared.algorithms.aggregation import fedavg
 from shared.algorithms.base import (
     Algorithm,
     DeviceContext,
+    Fold,
     LocalResult,
+    MeanFold,
     TensorDict,
     Update,
+    fold_all,
     register,
 )
 from shared.config.algorithms import AlgorithmConfig, FedAvgConfig
@@ -45,7 +47,17 @@ class FedAvg(Algorithm):
         return LocalResult(tensors, result)
 
     def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
+        return fold_all(self.edge_fold(current), updates)
 
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        return fedavg([u.tensors for u in updates], [u.n_samples for u in updates])
+        return fold_all(self.cloud_fold(current), updates)
+
+    edge_fold_stateless = True
+
+    def edge_fold(self, current: TensorDict) -> Fold:
+        """The sample-weighted mean, folded as the updates arrive."""
+        return MeanFold()
+
+    def cloud_fold(self, current: TensorDict) -> Fold:
+        """The sample-weighted mean of the edges' states, folded as they arrive."""
+        return MeanFold()

@@ -57,13 +57,15 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import fedavg
+from shared.algorithms.aggregation import WeightedSum
 from shared.algorithms.base import (
     Algorithm,
     DeviceContext,
+    Fold,
     LocalResult,
     TensorDict,
     Update,
+    fold_all,
     model_state,
     register,
 )
@@ -149,6 +151,40 @@ def _prefixed(prefix: str, items: Mapping[str, V]) -> dict[str, V]:
     return {prefix + k: v for k, v in items.items()}
 
 
+class _ScaffoldFold(Fold):
+    """SCAFFOLD's aggregation streamed: a :class:`WeightedSum` of the models (by samples)
+    and one of the control increments (each weight 1): at an edge the devices' ``delta_i``
+    (:func:`edge_control`), at the cloud the edges' ``c_e - c`` (:func:`cloud_control`);
+    the new control variate is ``c + increments / divisor``."""
+
+    def __init__(self, c: Mapping[str, torch.Tensor], divisor: int, *, edge: bool) -> None:
+        super().__init__()
+        self.c, self.divisor, self.edge = c, divisor, edge
+        self.models, self.increments = WeightedSum(), WeightedSum()
+
+    def _add(self, update: Update) -> None:
+        if self.edge:
+            y = {k: v for k, v in update.tensors.items() if not k.startswith(DC_PREFIX)}
+            inc = {k[len(DC_PREFIX) :]: v for k, v in update.tensors.items()
+                   if k.startswith(DC_PREFIX)}  # fmt: skip
+        else:
+            y, ce = split_state(update.tensors)
+            inc = {k: ce[k].to(torch.float64) - v.to(torch.float64) for k, v in self.c.items()}
+        if set(inc) != set(self.c):
+            raise EstuaryError(f"{update.source}: control variates do not match the state's")
+        self.models.add(y, float(update.n_samples), key=update.source)
+        self.increments.add(inc, 1.0, key=update.source)
+
+    def result(self) -> TensorDict:
+        x = self.models.mean()
+        total = self.increments.sum()
+        c_new = {
+            k: (ck.to(torch.float64) + total[k] / self.divisor).to(ck.dtype)
+            for k, ck in self.c.items()
+        }
+        return {**x, **_prefixed(C_PREFIX, c_new)}
+
+
 @register
 class Scaffold(Algorithm):
     """SCAFFOLD with control variates on both sides; see the module docstring for the
@@ -214,18 +250,15 @@ class Scaffold(Algorithm):
 
     # -- edge and cloud -----------------------------------------------------------------------
     def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        _, c = split_state(current)
-        ys = [{k: v for k, v in u.tensors.items() if not k.startswith(DC_PREFIX)} for u in updates]
-        deltas = [
-            {k[len(DC_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(DC_PREFIX)}
-            for u in updates
-        ]
-        x = fedavg(ys, [u.n_samples for u in updates])
-        c_e = edge_control(c, deltas, self.cfg.federation.num_devices)
-        return {**x, **_prefixed(C_PREFIX, c_e)}
+        return fold_all(self.edge_fold(current), updates)
 
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        _, c = split_state(current)
-        parts = [split_state(u.tensors) for u in updates]
-        x = fedavg([m for m, _ in parts], [u.n_samples for u in updates])
-        return {**x, **_prefixed(C_PREFIX, cloud_control(c, [ce for _, ce in parts]))}
+        return fold_all(self.cloud_fold(current), updates)
+
+    def edge_fold(self, current: TensorDict) -> Fold:
+        """The models' sample-weighted mean and ``c + (1/N) * sum_i delta_i``, both streamed."""
+        return _ScaffoldFold(split_state(current)[1], self.cfg.federation.num_devices, edge=True)
+
+    def cloud_fold(self, current: TensorDict) -> Fold:
+        """The edges' sample-weighted mean and ``c + sum_e (c_e - c)``, both streamed."""
+        return _ScaffoldFold(split_state(current)[1], 1, edge=False)

@@ -98,11 +98,19 @@ FEDPAC_GROUPS = ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (8, 9, 0))
 class DataSection(Section):
     """Dataset and how it is split across devices (DESIGN section 3)."""
 
-    dataset: Literal["fashion-mnist", "synthetic", "folder"] = "fashion-mnist"
+    dataset: Literal["fashion-mnist", "synthetic", "folder", "cifar10"] = "fashion-mnist"
     path: str = Field(
         "",
         description="fashion-mnist: directory with the IDX .gz files (empty = search); "
-        "folder: one image folder DIR/<class>/<files> split across the devices",
+        "folder: one image folder DIR/<class>/<files> split across the devices; cifar10: "
+        "the directory of CIFAR-10's binary version (data_batch_1.bin ... data_batch_5.bin, "
+        "test_batch.bin), required",
+    )
+    gray_to_rgb: bool = Field(
+        False,
+        description="a grayscale dataset (fashion-mnist, synthetic, folder) as 3-channel "
+        "model input: each image replicated into 3 identical channels, for a 3-channel "
+        "model.preset (ddpm-cifar10); false: such a preset is refused on grayscale data",
     )
     local_dir: str = Field(
         "",
@@ -145,6 +153,28 @@ class DataSection(Section):
     quantity_sigma: float = Field(1.0, gt=0.0)
     max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
     synthetic_size: int = Field(512, ge=10, le=1_000_000)
+
+    @property
+    def channels(self) -> int:
+        """Channels of the dataset's images as stored: 3 for CIFAR-10's colour images, 1 for
+        the grayscale datasets (Fashion-MNIST, synthetic, image folders)."""
+        return 3 if self.dataset == "cifar10" else 1
+
+    @property
+    def input_channels(self) -> int:
+        """Channels of the model input the images become
+        (:func:`shared.data.datasets.to_model_input`): 3 for a grayscale dataset viewed in
+        3 channels (``gray_to_rgb``), else :attr:`channels`."""
+        return 3 if self.gray_to_rgb else self.channels
+
+    @model_validator(mode="after")
+    def _check_gray_view(self) -> DataSection:
+        if self.gray_to_rgb and self.channels != 1:
+            raise ValueError(
+                f"data.gray_to_rgb views a grayscale dataset in 3 channels, and data.dataset = "
+                f"{self.dataset!r} is colour already: remove data.gray_to_rgb"
+            )
+        return self
 
     @property
     def own_folders(self) -> bool:
@@ -346,11 +376,12 @@ class AutoBytes(int):
         return f"AutoBytes({int(self)})"
 
 
-#: "auto" blob limits: memory holds BLOB_MEMORY_BLOBS of the run's largest blob (the global
-#: state or an upload), plus one per device for a role that holds a blob for each device,
-#: and at least BLOB_MEMORY_FLOOR; the disk cache BLOB_DISK_FACTOR times that, at least
-#: BLOB_DISK_FLOOR
-BLOB_MEMORY_BLOBS, BLOB_MEMORY_FLOOR = 8, 64 << 20
+#: "auto" blob limits: memory holds BLOB_MEMORY_BLOBS of the run's largest blob (what a role
+#: serves: the global state and its shared part, an edge's model, a device's upload), plus
+#: one per device for a role that holds a blob for each device, and at least
+#: BLOB_MEMORY_FLOOR; the disk cache BLOB_DISK_FACTOR times that, at least BLOB_DISK_FLOOR.
+#: Uploads an aggregator fetches are folded and dropped, never stored
+BLOB_MEMORY_BLOBS, BLOB_MEMORY_FLOOR = 2, 64 << 20
 BLOB_DISK_FACTOR, BLOB_DISK_FLOOR = 4, 256 << 20
 
 
@@ -380,6 +411,14 @@ class BrokerSection(Section):
     max_inflight_bytes: int = Field(128 << 20, ge=4096, description="sent, not yet acknowledged")
     max_fetch_bytes: int = Field(2 << 30, ge=4096, description="partial blobs being received")
     chunk_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="re-ask after silence")
+    max_update_fetches: int = Field(
+        2,
+        ge=1,
+        le=1024,
+        description="uploads an edge downloads at once; each holds one upload's bytes until "
+        "it is folded into the round's sum, the others wait their turn. A download silent "
+        "for 3 x chunk_timeout_s gives up, so a silent device holds a turn no longer",
+    )
     fetch_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     cache_dir: str = Field("", description="on-disk blob cache; empty = memory only")
     cache_limit_bytes: int = Field(
@@ -425,11 +464,13 @@ class BrokerSection(Section):
         edge forwards); an explicit limit is kept.
 
         Memory: ``max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) *
-        blob_bytes)``: room for the global state and its shared part, the previous
-        round's (a device that asks late), this role's own upload, the uploads it fetches
-        and a deployment's ONNX files; evicted blobs are the least recently used ones, and
-        every request served refreshes the blob asked for. Disk: ``BLOB_DISK_FACTOR`` times
-        that, at least ``BLOB_DISK_FLOOR``."""
+        blob_bytes)``: room for what the role serves at once (the global state and its
+        shared part, an edge's model and its report to the cloud, a device's upload and
+        the model it trained); the uploads an aggregator fetches are never stored, and an
+        older blob (the previous round's model, for a device that asks late) is read back
+        from disk. Evicted blobs are the least recently used ones (still on
+        disk), and every request served refreshes the blob asked for. Disk:
+        ``BLOB_DISK_FACTOR`` times that, at least ``BLOB_DISK_FLOOR``."""
         if blob_bytes < 0 or per_device_blobs < 0:
             raise ValueError("blob_bytes and per_device_blobs must be >= 0")
         memory = max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) * blob_bytes)
@@ -524,6 +565,7 @@ LATER_KEYS = (
     ("train", "cuda_graph_reuse"),
     ("data", "local_dir"),
     ("data", "class_names"),
+    ("data", "gray_to_rgb"),
     ("eval", "reference_dir"),
 )
 

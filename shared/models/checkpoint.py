@@ -11,7 +11,8 @@ what a resume continues after.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_m
 
 __all__ = [
     "Checkpoint",
+    "CheckpointWriter",
     "atomic_write",
     "checkpoint_name",
     "decode_checkpoint",
@@ -76,19 +78,21 @@ def save_checkpoint(
     algo_state: dict[str, torch.Tensor] | None = None,
     plan: ChannelPlan | None = None,
     init: str | None = None,
+    model_sha256: str | None = None,
 ) -> Path:
     """Write :func:`checkpoint_name` of ``round_`` (the 0-based index of the round just
     finished) and update ``latest.json``; returns the file path.
 
     ``init`` is the :func:`~shared.models.init.init_fingerprint` of ``cfg.model.init`` (what the
     run started from, by content), recorded so that a resume can tell a moved init file from
-    another one."""
+    another one. ``model_sha256``: the model's :func:`model_digest` when the caller has it
+    (the hash of the global blob it put), else computed here."""
     tensors = {MODEL_PREFIX + k: v for k, v in model.items()}
     tensors.update({STATE_PREFIX + k: v for k, v in (algo_state or {}).items()})
     meta = {
         "round": str(round_),
         "config": cfg.to_json(),
-        "model_sha256": model_digest(model),
+        "model_sha256": model_sha256 or model_digest(model),
         "format": CHECKPOINT_FORMAT,
     }
     if plan is not None:
@@ -100,6 +104,48 @@ def save_checkpoint(
     pointer = {"round": round_ + 1, "file": path.name, "model_sha256": meta["model_sha256"]}
     atomic_write(directory / "latest.json", json.dumps(pointer, indent=2).encode())
     return path
+
+
+class CheckpointWriter:
+    """Writes checkpoints one at a time, in order, on a thread of its own (``background``)
+    or inline: a role announces its next round while the last checkpoint is written, and
+    :meth:`wait` (before anything that depends on that checkpoint) joins it. A write that
+    fails raises from :meth:`wait` or the next :meth:`write`, in the caller's thread."""
+
+    def __init__(self, *, background: bool = True) -> None:
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def write(self, fn: Callable[[], object], *, inline: bool = False) -> None:
+        """Run ``fn`` (a checkpoint write) after the previous one finished: on the writer's
+        thread, or here with ``inline`` (or without ``background``)."""
+        self.wait()
+        if inline or not self.background:
+            fn()
+            return
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # handed to the role's thread by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float = 600.0) -> None:
+        """Until the write under way (if any) is on disk; re-raises its error. A write that
+        takes longer than ``timeout_s`` is an EstuaryError (a disk that stopped)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                self._thread = thread
+                raise EstuaryError(f"a checkpoint write took longer than {timeout_s:.0f} s")
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def latest_checkpoint_path(directory: Path) -> Path | None:

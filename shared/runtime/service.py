@@ -14,6 +14,7 @@ from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
 from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter
 from shared.metrics.prometheus import RoleMetrics
+from shared.runtime.trace import Trace
 from shared.transport.bus import Bus, Endpoint
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import (
@@ -53,6 +54,8 @@ class RoleService:
         self.traffic: Traffic = bus.traffic
         self.metrics = RoleMetrics(self.role, name, bus.traffic)
         self.reject_log = LogLimiter()
+        #: the round timeline (``ESTUARY_TRACE_DIR``; off by default)
+        self.trace = Trace(name)
 
     def presence(self, online: bool) -> Presence:
         """This instance's presence message (the offline one is the MQTT last will)."""
@@ -138,11 +141,15 @@ class RoleService:
         *,
         timeout_s: float = 600.0,
         partial: bool = False,
+        keep: bool = True,
+        views: bool = False,
     ) -> TensorDict | None:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad.
         With ``partial`` a non-empty subset of ``spec`` is accepted."""
         try:
-            return self.load_tensors(ref, spec, timeout_s=timeout_s, partial=partial)
+            return self.load_tensors(
+                ref, spec, timeout_s=timeout_s, partial=partial, keep=keep, views=views
+            )
         except (CodecError, TransportError) as err:
             self.reject(err.reason, str(err))
         return None
@@ -154,13 +161,21 @@ class RoleService:
         *,
         timeout_s: float = 600.0,
         partial: bool = False,
+        keep: bool = True,
+        views: bool = False,
+        stall_s: float | None = None,
     ) -> TensorDict:
         """:meth:`fetch_tensors` that raises CodecError or TransportError instead of
         rejecting (safe to call from a worker thread: it touches no state of the role).
 
         A blob declared larger than ``spec`` can encode to is refused before any download
         (``blob_too_large``); a downloaded blob is kept in the blob store only once it has
-        passed validation, so nothing refused stays in a cache."""
+        passed validation, so nothing refused stays in a cache; with ``keep`` False not even
+        then (an upload an aggregator folds into its sum and drops). The bytes are verified
+        against the sha256 as they arrive (or were put here), so decoding hashes nothing
+        again. With ``views`` the tensors are read-only views of the downloaded bytes (no
+        second copy; for a caller that only reads them, such as a streaming fold). With
+        ``stall_s`` a download that receives nothing for that long gives up early."""
         limit = None if spec is None else encoded_size_limit(spec)
         if limit is not None and ref.size > limit:
             raise TransportError(
@@ -169,8 +184,10 @@ class RoleService:
                 reason="blob_too_large",
             )
         data = self.ep.get_blob(
-            ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s, cache=False
+            ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s, cache=False,
+            stall_s=stall_s,
         )
-        tensors = decode_tensors(data, sha256=ref.sha256, expected=spec, partial=partial)
-        self.ep.keep_blob(data, ref.sha256)
+        tensors = decode_tensors(data, expected=spec, partial=partial, copy=not views)
+        if keep:
+            self.ep.keep_blob(data, ref.sha256)
         return tensors

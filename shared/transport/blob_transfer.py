@@ -433,14 +433,22 @@ class BlobFetcher:
         return self.ctx.topics.blob_chunk(f.src, f.sha256, f.chunk_bytes, "+")
 
     def get(
-        self, sha256: str, size: int, timeout_s: float, src: str | None, *, cache: bool = True
+        self,
+        sha256: str,
+        size: int,
+        timeout_s: float,
+        src: str | None,
+        *,
+        cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored
         (with ``cache`` False not stored: the caller validates it first and stores it only
         if it passes, so a refused blob stays in no cache).
 
         Raises TransportError when it cannot be had in time or within limits, CodecError
-        when what arrives is not the blob asked for."""
+        when what arrives is not the blob asked for. With ``stall_s`` a fetch that
+        receives no chunk for that long gives up (``timeout``) before ``timeout_s``."""
         data = self.ctx.store.get(sha256)
         if data is not None:
             self.ctx.traffic.note("blob_cache_hits")
@@ -458,7 +466,7 @@ class BlobFetcher:
             return data
         fetch = self._start_fetch(sha256, size, src)
         try:
-            self._receive(fetch, deadline)
+            self._receive(fetch, deadline, stall_s)
             if fetch.hasher.hexdigest() != sha256:
                 raise CodecError(
                     f"blob {sha256[:12]}… from {src}: received bytes hash to "
@@ -508,11 +516,21 @@ class BlobFetcher:
             )
             self.ctx.publish(self.ctx.topics.blob_want(self.ctx.home, fetch.src), encode(want))
 
-    def _receive(self, fetch: _Fetch, deadline: float) -> None:
+    def _receive(self, fetch: _Fetch, deadline: float, stall_s: float | None = None) -> None:
         self._ask(fetch, list(range(fetch.n)))
         silence = self.ctx.settings.chunk_timeout_s
+        heard = time.monotonic()
         while fetch.received < fetch.n:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if stall_s is not None and now - heard >= stall_s:
+                raise TransportError(
+                    f"blob {fetch.sha256[:12]}… from {fetch.src}: nothing for {stall_s:.0f} s "
+                    f"({fetch.received}/{fetch.n} chunks)",
+                    reason="timeout",
+                )
+            left = deadline - now
+            if stall_s is not None:
+                left = min(left, heard + stall_s - now)
             if left <= 0 or self._closing.is_set():
                 raise TransportError(
                     f"blob {fetch.sha256[:12]}… from {fetch.src}: {fetch.received}/{fetch.n} "
@@ -540,6 +558,7 @@ class BlobFetcher:
             if fetch.have[index]:
                 self.ctx.traffic.note("chunks_duplicate")
                 continue
+            heard = time.monotonic()
             fetch.have[index] = 1
             fetch.received += 1
             fetch.parked[index] = payload

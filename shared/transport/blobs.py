@@ -1,9 +1,12 @@
 """Content-addressed blob store: a bounded in-memory LRU in front of an optional disk cache.
 
 Blobs are keyed by their sha256. ``put`` keeps the bytes in memory and, when a directory is
-configured, writes them atomically to ``<dir>/<sha[:2]>/<sha>``; ``get`` reads memory first,
-then disk, and verifies the hash of anything read back from disk (a corrupt cache file is
-deleted, never served). Both tiers evict least-recently-used blobs above their byte limits.
+configured, writes them atomically to ``<dir>/<sha[:2]>/<sha>`` on a writer thread (a role
+serves a blob from memory while its disk copy is written; at most
+:data:`MAX_PENDING_WRITE_BYTES` wait to be written, beyond that ``put`` writes itself);
+``get`` reads memory first, then disk, and verifies the hash of anything read back from
+disk (a corrupt cache file is deleted, never served). Both tiers evict least-recently-used
+blobs above their byte limits.
 Thread-safe: the bus's I/O thread serves chunks while a role thread stores new blobs.
 """
 
@@ -13,12 +16,16 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 from shared.wire.codec import sha256_hex
 
 log = logging.getLogger(__name__)
+
+#: bytes of blobs put but not yet on disk; a put beyond this writes its copy itself
+MAX_PENDING_WRITE_BYTES = 1 << 30
 
 
 class BlobStore:
@@ -37,6 +44,11 @@ class BlobStore:
         self._mem: OrderedDict[str, bytes] = OrderedDict()
         self._mem_bytes = 0
         self._lock = threading.RLock()
+        #: blobs whose disk copy the writer thread has yet to write, by sha256
+        self._pending: OrderedDict[str, bytes] = OrderedDict()
+        self._pending_bytes = 0
+        self._wake = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
@@ -49,12 +61,56 @@ class BlobStore:
     def put(self, data: bytes, sha256: str | None = None) -> str:
         """Store ``data`` (hashing it unless the verified ``sha256`` is given); returns the hash."""
         digest = sha256 or sha256_hex(data)
+        data = bytes(data)
         with self._lock:
-            self._remember(digest, bytes(data))
+            self._remember(digest, data)
         path = self._path(digest)
-        if path is not None and not path.exists():
+        if path is None or digest in self._pending or path.exists():
+            return digest
+        with self._lock:
+            queued = self._pending_bytes + len(data) <= MAX_PENDING_WRITE_BYTES
+            if queued:
+                self._pending[digest] = data
+                self._pending_bytes += len(data)
+                self._start_writer()
+                self._wake.notify()
+        if not queued:
             self._write(path, data)
         return digest
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every blob put so far is on disk; whether that happened in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(min(left, 0.5))
+        return True
+
+    def _start_writer(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_loop, name="blob-writer",
+                                            daemon=True)  # fmt: skip
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        """Write pending disk copies, oldest first; ends when none is left."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._writer = None
+                    self._wake.notify_all()
+                    return
+                digest, data = next(iter(self._pending.items()))
+            path = self._path(digest)
+            if path is not None and not path.exists():
+                self._write(path, data)
+            with self._lock:
+                self._pending.pop(digest, None)
+                self._pending_bytes -= len(data)
+                self._wake.notify_all()
 
     def get(self, sha256: str) -> bytes | None:
         """The blob's bytes, or None when neither tier holds a valid copy."""
@@ -62,6 +118,10 @@ class BlobStore:
             data = self._mem.get(sha256)
             if data is not None:
                 self._mem.move_to_end(sha256)
+                return data
+            data = self._pending.get(sha256)
+            if data is not None:  # evicted from memory before its disk copy was written
+                self._remember(sha256, data)
                 return data
         path = self._path(sha256)
         if path is None:
@@ -88,7 +148,7 @@ class BlobStore:
     def has(self, sha256: str) -> bool:
         """Whether the blob is in memory or on disk (not verified)."""
         with self._lock:
-            if sha256 in self._mem:
+            if sha256 in self._mem or sha256 in self._pending:
                 return True
         path = self._path(sha256)
         return path is not None and path.is_file()
@@ -96,7 +156,7 @@ class BlobStore:
     def size(self, sha256: str) -> int | None:
         """Length in bytes of the blob held in memory or on disk (not verified), else None."""
         with self._lock:
-            data = self._mem.get(sha256)
+            data = self._mem.get(sha256) or self._pending.get(sha256)
             if data is not None:
                 return len(data)
         path = self._path(sha256)
@@ -115,6 +175,19 @@ class BlobStore:
             return None
         start = index * chunk_bytes
         return data[start : start + chunk_bytes] if start < max(1, len(data)) else None
+
+    def release(self, sha256: str) -> bool:
+        """Drop the blob from memory where a disk copy keeps it (written, or queued to be):
+        a blob no one is expected to ask for again, read back from disk if someone does.
+        Whether it was dropped (never without a disk copy)."""
+        path = self._path(sha256)
+        with self._lock:
+            if sha256 not in self._mem or path is None:
+                return False
+            if sha256 not in self._pending and not path.is_file():
+                return False
+            self._mem_bytes -= len(self._mem.pop(sha256))
+        return True
 
     def _remember(self, digest: str, data: bytes) -> None:
         if digest in self._mem:

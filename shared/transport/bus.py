@@ -130,13 +130,19 @@ class Bus(ABC):
         requester: str,
         *,
         cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         """Bytes of blob ``sha256`` for the role at home ``requester``, verified against the
         hash (raise CodecError if not). With ``cache`` False a fetched blob is not kept in
-        the role's blob store (its caller validates it first, then :meth:`Endpoint.keep_blob`)."""
+        the role's blob store (its caller validates it first, then :meth:`Endpoint.keep_blob`).
+        With ``stall_s`` a download that receives nothing for that long gives up (a
+        ``timeout``) before ``timeout_s``."""
 
     def _keep_blob(self, data: bytes, sha256: str) -> None:  # noqa: B027 - optional hook
         """Store a validated blob fetched uncached (no-op where blobs live on the bus)."""
+
+    def _release_blob(self, sha256: str) -> None:  # noqa: B027 - optional hook
+        """Drop a blob from memory where a disk copy keeps it (no-op on an in-process bus)."""
 
     @abstractmethod
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -205,15 +211,19 @@ class Endpoint:
         src: str | None = None,
         timeout_s: float = 600.0,
         cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         """Download a blob served by ``src`` and verify its hash and size. With ``cache``
         False a downloaded blob is not stored: the caller validates it and keeps it
-        (:meth:`keep_blob`) only if it passes, so nothing refused stays in a cache."""
+        (:meth:`keep_blob`) only if it passes, so nothing refused stays in a cache. With
+        ``stall_s`` a download silent for that long gives up early (``timeout``)."""
         if size > self.bus.max_blob_bytes:
             raise TransportError(
                 f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
             )
-        data = self.bus._get_blob(sha256, size, timeout_s, src, self.home, cache=cache)
+        data = self.bus._get_blob(
+            sha256, size, timeout_s, src, self.home, cache=cache, stall_s=stall_s
+        )
         # _get_blob returns verified bytes (MemoryBus keys by the hash it computed, MqttBus
         # hashes while receiving, BlobStore re-hashes disk reads); the size is checked here.
         if len(data) != size:
@@ -228,6 +238,11 @@ class Endpoint:
         """Keep a blob fetched with ``cache=False`` (and then validated) in the blob store,
         where this role serves it from and finds it again."""
         self.bus._keep_blob(data, sha256)
+
+    def release_blob(self, sha256: str) -> None:
+        """Free the memory of a blob this role put or kept and expects no one to ask for
+        again (the previous round's model): its disk copy, if any, still serves it."""
+        self.bus._release_blob(sha256)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
         """Schedule ``fn`` on the bus thread."""
@@ -345,6 +360,7 @@ class MemoryBus(Bus):
         requester: str,
         *,
         cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         data = self._blobs.get(sha256)
         readers = self._readers.get(sha256)

@@ -542,15 +542,19 @@ class MqttBus(Bus):
         requester: str,
         *,
         cache: bool = True,
+        stall_s: float | None = None,
     ) -> bytes:
         if self._serves_private:  # a private blob this role put itself
             own = self._blob_server.private_store.get(sha256)
             if own is not None:
                 return own
-        return self._blob_fetcher.get(sha256, size, timeout_s, src, cache=cache)
+        return self._blob_fetcher.get(sha256, size, timeout_s, src, cache=cache, stall_s=stall_s)
 
     def _keep_blob(self, data: bytes, sha256: str) -> None:
         self.store.put(data, sha256)
+
+    def _release_blob(self, sha256: str) -> None:
+        self.store.release(sha256)
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:

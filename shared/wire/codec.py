@@ -9,9 +9,11 @@ or dtypes. Every failure is a :class:`~shared.errors.CodecError`.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +126,67 @@ def encode_tensors(
     meta = dict(metadata or {})
     if len(json.dumps(meta)) > MAX_METADATA_BYTES:
         raise CodecError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
+    fast = _encode_direct(ordered, meta)
+    if fast is not None:
+        return fast
     return st_save(ordered, metadata=meta or None)
+
+
+#: the dtypes :func:`_encode_direct` writes, in the order the safetensors library lays them
+#: out (its ``Dtype`` enum, descending; a tensor's place is (that order, its name))
+_DIRECT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+_DIRECT_NAMES = {
+    "int64": "I64", "float64": "F64", "float32": "F32", "int32": "I32", "bfloat16": "BF16",
+    "float16": "F16", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+_PLAIN = re.compile(r"[ -!#-\[\]-~]*")  # printable ASCII without '"' and '\\'
+
+
+def _encode_direct(
+    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
+) -> bytes | None:
+    """The bytes ``safetensors.torch.save`` writes for ``tensors`` (contiguous, on the CPU),
+    written straight into one growing buffer that becomes the result: one copy of the data
+    where the library makes three. Metadata comes first, in sorted key order (the library
+    writes it in no fixed order; readers do not care). None (the caller uses the library)
+    for anything outside what this writer lays out exactly as the library does: a dtype not
+    in :data:`_DIRECT_ORDER`, a tensor name that JSON would escape. ``tests/test_codec.py``
+    holds the two equal."""
+    import torch
+
+    names: dict[str, str] = {}
+    for name, t in tensors.items():
+        dtype = _DIRECT_NAMES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None or not _PLAIN.fullmatch(name):
+            return None
+        names[name] = dtype
+    meta = dict(meta or {})
+    rank = {d: i for i, d in enumerate(_DIRECT_ORDER)}
+    order = sorted(tensors, key=lambda n: (rank[names[n]], n))
+    entries, offset = [], 0
+    if meta:
+        inner = ",".join(
+            f"{json.dumps(k, ensure_ascii=False)}:{json.dumps(v, ensure_ascii=False)}"
+            for k, v in sorted(meta.items())
+        )
+        entries.append(f'"__metadata__":{{{inner}}}')
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        shape = ",".join(str(d) for d in t.shape)
+        entries.append(f'"{name}":{{"dtype":"{names[name]}","shape":[{shape}],'
+                       f'"data_offsets":[{offset},{offset + size}]}}')  # fmt: skip
+        offset += size
+    header = ("{" + ",".join(entries) + "}").encode("utf-8")
+    header += b" " * (-len(header) % 8)
+    out = io.BytesIO()
+    out.write(len(header).to_bytes(8, "little"))
+    out.write(header)
+    for name in order:
+        t = tensors[name]
+        if t.numel():
+            out.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    return out.getvalue()  # written in order: CPython hands over its buffer, no copy
 
 
 def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
@@ -149,9 +211,14 @@ def decode_tensors(
     expected: Mapping[str, TensorSpec] | None = None,
     allow_nonfinite: bool = False,
     partial: bool = False,
+    copy: bool = True,
 ) -> TensorDict:
     """Parse safetensors bytes, verifying hash, finiteness and (optionally) the spec; with
-    ``partial`` a non-empty subset of the spec's names is accepted."""
+    ``partial`` a non-empty subset of the spec's names is accepted.
+
+    With ``copy`` False the tensors are read-only views of ``data`` (no second buffer): for
+    a caller that only reads them and drops them with the bytes (an aggregator folding an
+    upload into its sum). Writing to such a tensor writes into ``data``."""
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import load as st_load
@@ -159,7 +226,7 @@ def decode_tensors(
     if sha256 is not None and sha256_hex(data) != sha256:
         raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
     try:
-        tensors = st_load(data)
+        tensors = st_load(data) if copy else _views(data)
     except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError) as err:
         # KeyError: a header dtype this torch has no mapping for (F8_E8M0, F4, ...)
         raise CodecError(f"not a valid safetensors payload: {type(err).__name__}: {err}") from None
@@ -176,6 +243,71 @@ def decode_tensors(
             if not finite:
                 raise CodecError(f"tensor {name!r} holds NaN or Inf")
     return tensors
+
+
+#: safetensors dtype names -> torch dtype names (what :func:`_views` reads)
+_VIEW_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _views(data: bytes | bytearray | memoryview) -> TensorDict:
+    """The tensors of safetensors ``data`` as views of its bytes, with the checks the
+    safetensors library makes: a header in range, known dtypes, each tensor's byte range
+    matching its shape, the ranges covering the data exactly, in order, without overlap."""
+    import warnings
+
+    import torch
+
+    buf = memoryview(data).cast("B")
+    if len(buf) < 8:
+        raise ValueError("payload too short for safetensors")
+    n = int.from_bytes(buf[:8], "little")
+    if n > min(len(buf) - 8, 100 * 2**20):
+        raise ValueError("header length out of range")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    start, size = 8 + n, len(buf) - 8 - n
+    entries = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"entry {name!r} is not an object")
+        dtype_name, shape = entry.get("dtype"), entry.get("shape")
+        offsets = entry.get("data_offsets")
+        if dtype_name not in _VIEW_DTYPES:
+            raise KeyError(f"dtype {dtype_name!r} of {name!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"bad shape of {name!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):  # fmt: skip
+            raise ValueError(f"bad data_offsets of {name!r}")
+        dtype = getattr(torch, _VIEW_DTYPES[dtype_name])
+        numel = math.prod(shape)
+        if offsets[1] - offsets[0] != numel * dtype.itemsize:
+            raise ValueError(f"{name!r}: {offsets[1] - offsets[0]} bytes for {numel} elements")
+        entries.append((offsets[0], offsets[1], name, dtype, shape))
+    entries.sort()
+    end = 0
+    for begin, stop, name, _, _ in entries:
+        if begin != end:
+            raise ValueError(f"{name!r} starts at {begin}, not at {end}: gap or overlap")
+        end = stop
+    if end != size:
+        raise ValueError(f"tensors cover {end} of {size} data bytes")
+    out: TensorDict = {}
+    with warnings.catch_warnings():  # a bytes buffer is read-only: the views are read only
+        warnings.simplefilter("ignore", UserWarning)
+        for begin, stop, name, dtype, shape in entries:
+            if stop == begin:
+                out[name] = torch.empty(shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(buf, dtype=dtype, count=(stop - begin) // dtype.itemsize,
+                                    offset=start + begin)  # fmt: skip
+            out[name] = flat.view(shape)
+    return out
 
 
 def check_spec(

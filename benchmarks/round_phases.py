@@ -1,0 +1,359 @@
+"""Where a round's time and memory go at model scale: the phases of its critical path, every
+role's peak RSS and the bytes on the wire, for a deployed federation of ddpm-cifar10.
+
+A real federation, every role its own process over a real mosquitto (the launcher's
+:class:`~estuary.launcher.Hierarchy`, as ``estuary demo`` starts it): the ``ddpm-cifar10``
+preset (35.7 M parameters, 136 MiB fp32) on the 3-channel view of Fashion-MNIST, one edge,
+``--devices`` devices (4 and 8 by default, one federation each), one local step per round,
+a checkpoint after every round, no evaluation, grids or deployment. Every role writes its
+round timeline (``ESTUARY_TRACE_DIR``, :mod:`shared.runtime.trace`); per round ``r`` the
+benchmark cuts the time from the cloud's announcement of ``r`` to its announcement of
+``r + 1`` into consecutive phases of the critical path:
+
+- ``download``: announcement until the first device starts training (the edge fetches the
+  global model, announces, the devices fetch the edge's model);
+- ``training``: first device's training start until the last device's training end;
+- ``upload``: until the edge holds the last update (encode, serve, fetch, verify);
+- ``edge_aggregation``: until the edge's report is sent (aggregate, put the edge model);
+- ``edge_to_cloud``: until the cloud holds the edge's model;
+- ``cloud_aggregation``, ``checkpoint``, ``announce`` (close, put the new global, send).
+
+The figure judged is the **overhead**: the round's wall time minus the slowest device's
+training (its own ``train_s``). The first round (imports, first fetches) and the last (no
+next announcement) are not measured; the medians are over the rounds between. Peak RSS is
+each process's ``VmHWM``; bytes on the wire are the blobs the roles fetched per round
+(``bytes`` of the trace's fetch events) and the payload bytes each role counted
+(``estuary_bytes_total``, scraped every second)::
+
+    python benchmarks/round_phases.py --devices 4 8 \\
+        --out benchmarks/results/round_phases.json --plot benchmarks/results/round_phases.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from estuary.launcher import Hierarchy  # noqa: E402
+from shared.config import RunConfig, config_from_dict  # noqa: E402
+from shared.runtime.trace import ENV_DIR  # noqa: E402
+from shared.transport.local_broker import LocalBroker, find_mosquitto  # noqa: E402
+
+PHASES = (
+    "download",
+    "training",
+    "upload",
+    "edge_aggregation",
+    "edge_to_cloud",
+    "cloud_aggregation",
+    "checkpoint",
+    "announce",
+)
+
+
+def bench_config(
+    rounds: int, devices: int, preset: str, batch: int, samples: int, deadline_s: float
+) -> RunConfig:
+    """``preset`` on the 3-channel view of Fashion-MNIST, one edge, ``devices`` devices,
+    ``rounds`` rounds of one local step (batch ``batch``, one thread) on ``samples`` images
+    per device; a checkpoint every round; no evaluation, grids or deployment."""
+    return config_from_dict(
+        {
+            "run": {"name": "phases", "seed": 0, "rounds": rounds},
+            "federation": {
+                "num_devices": devices,
+                "num_edges": 1,
+                "round_deadline_s": deadline_s,
+            },
+            "data": {
+                "dataset": "fashion-mnist",
+                "partition": "iid",
+                "max_samples_per_device": samples,
+                "gray_to_rgb": True,
+            },
+            "model": {"preset": preset},
+            "train": {"local_steps": 1, "batch_size": batch, "threads": 1},
+            "eval": {"every": 0, "sample_every": 0, "checkpoint_every": 1},
+            "deploy": {"enabled": False},
+        }
+    )
+
+
+def proc_status(pid: int) -> dict[str, float]:
+    """``VmRSS`` and ``VmHWM`` (peak) of process ``pid`` in MiB; empty once it is gone."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line[:5]] = int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def read_traces(directory: Path) -> list[dict[str, Any]]:
+    """Every event of every role's trace file, in time order."""
+    events: list[dict[str, Any]] = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                events.append(json.loads(line))
+    return sorted(events, key=lambda e: e["t"])
+
+
+def phases_of(events: Sequence[Mapping[str, Any]], rounds: int) -> dict[int, dict[str, float]]:
+    """Per round with a next announcement: the phases (s), its wall time, the slowest
+    device's training, the overhead and the blob bytes fetched."""
+    at: dict[tuple[str, str, int], list[Mapping[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("round") is not None:
+            role = "cloud" if e["who"] == "cloud" else ("edge" if e["who"].startswith("edge")
+                                                        else "device")  # fmt: skip
+            at[(role, e["ev"], e["round"])].append(e)
+    out: dict[int, dict[str, float]] = {}
+    for r in range(rounds - 1):
+        try:
+            start = at[("cloud", "announce", r)][0]["t"]
+            nxt = at[("cloud", "announce", r + 1)][0]["t"]
+            trained = at[("device", "trained", r)]
+            train_starts = [e["t"] - e["train_s"] for e in trained]
+            train_ends = [e["t"] for e in trained]
+            fetched = at[("edge", "update_fetched", r)]
+            reported = at[("edge", "reported", r)]
+            edge_fetched = at[("cloud", "edge_fetched", r)]
+            aggregated = at[("cloud", "aggregated", r)][0]["t"]
+            checkpointed = at[("cloud", "checkpointed", r)][0]["t"]
+        except (KeyError, IndexError):
+            continue
+        if not trained or not fetched or not reported or not edge_fetched:
+            continue
+        marks = [
+            start,
+            min(train_starts),
+            max(train_ends),
+            max(e["t"] for e in fetched),
+            max(e["t"] for e in reported),
+            max(e["t"] for e in edge_fetched),
+            aggregated,
+            checkpointed,
+            nxt,
+        ]
+        row = {p: marks[i + 1] - marks[i] for i, p in enumerate(PHASES)}
+        slowest = max(e["train_s"] for e in trained)
+        row["wall"] = nxt - start
+        row["slowest_training"] = slowest
+        row["overhead"] = row["wall"] - slowest
+        row["devices_trained"] = len(trained)
+        blobs = [("device", "downloaded"), ("edge", "update_fetched"), ("cloud", "edge_fetched")]
+        row["blob_bytes"] = sum(e.get("bytes", 0) for k in blobs for e in at[(k[0], k[1], r)])
+        out[r] = row
+    return out
+
+
+def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
+    """One federation of ``devices`` devices: its per-round phases, peak RSS and bytes."""
+    cfg = bench_config(args.rounds, devices, args.preset, args.batch, args.samples, args.deadline)
+    work = Path(tempfile.mkdtemp(prefix=f"phases{devices}-", dir=args.workdir))
+    config_path = work / "config.json"
+    config_path.write_text(cfg.to_json())
+    run_dir, trace_dir = work / "run", work / "trace"
+    path = os.environ.get("PYTHONPATH", "")
+    env = {
+        ENV_DIR: str(trace_dir),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+        **dict(kv.split("=", 1) for kv in args.env),
+    }
+    peak: dict[str, float] = {}
+    rss: list[tuple[float, dict[str, float]]] = []  # (unix time, VmRSS MiB by process)
+    wire: dict[str, dict[str, float]] = {}
+    started = time.monotonic()
+    code: int | None = None
+    failed: dict[str, int | None] = {}
+    tail = ""
+    try:
+        with LocalBroker(kind="mosquitto", workdir=work / "broker") as broker:
+            hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=False, env=env)
+            try:
+                hier.start_all()
+                pids = {n: p.popen.pid for n, p in hier.procs.items() if p.popen}
+                last_scrape = 0.0
+                while hier.procs["cloud"].alive:
+                    if time.monotonic() - started > args.timeout:
+                        print(f"timed out after {args.timeout:.0f} s", file=sys.stderr)
+                        break
+                    now_rss: dict[str, float] = {}
+                    for name, pid in pids.items():
+                        st = proc_status(pid)
+                        if "VmHWM" in st:
+                            peak[name] = max(peak.get(name, 0.0), st["VmHWM"])
+                            now_rss[name] = round(st["VmRSS"], 1)
+                    rss.append((round(time.time(), 2), now_rss))
+                    if time.monotonic() - last_scrape >= 1.0:
+                        last_scrape = time.monotonic()
+                        for name, m in hier.scrape_all(timeout_s=1.0).items():
+                            wire[name] = {
+                                d: sum(v for k, v in m.items()
+                                       if k.startswith(f'estuary_bytes_total{{direction="{d}"'))
+                                for d in ("in", "out")
+                            }  # fmt: skip
+                    time.sleep(args.interval)
+                code = hier.wait("cloud", 120)
+                failed = {p.name: p.returncode for p in hier.failed()}
+                tail = hier.procs["cloud"].log_tail(20)
+            finally:
+                hier.stop_all(timeout_s=15)
+        events = read_traces(trace_dir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    rows = phases_of(events, args.rounds)
+    measured = {r: row for r, row in rows.items() if r >= 1}
+    keys = (*PHASES, "wall", "slowest_training", "overhead", "blob_bytes")
+    medians = (
+        {k: round(statistics.median(row[k] for row in measured.values()), 3) for k in keys}
+        if measured
+        else {}
+    )
+    return {
+        "devices": devices,
+        "cloud_exit": code,
+        "failed": failed,
+        "cloud_log_tail": tail if code != 0 else "",
+        "wall_s": round(time.monotonic() - started, 1),
+        "rounds": {str(r): {k: round(v, 3) for k, v in row.items()} for r, row in rows.items()},
+        "median": medians,
+        "peak_rss_mib": {n: round(v, 1) for n, v in sorted(peak.items())},
+        "rss_mib_series": rss,
+        "round_starts": {
+            e["round"]: e["t"] for e in events if e["who"] == "cloud" and e["ev"] == "announce"
+        },
+        "payload_bytes_whole_run": wire,
+        "workdir": str(work) if args.keep else None,
+    }
+
+
+def plot(results: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    """Left: stacked median phases per device count; right: peak RSS per role."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.5))
+    labels = [f"{r['devices']} devices" for r in results]
+    bottom = [0.0] * len(results)
+    for phase in PHASES:
+        vals = [r["median"].get(phase, 0.0) for r in results]
+        ax.bar(labels, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, r in enumerate(results):
+        m = r["median"]
+        if m:
+            ax.text(i, bottom[i], f"wall {m['wall']:.1f} s\noverhead {m['overhead']:.1f} s",
+                    ha="center", va="bottom", fontsize=9)  # fmt: skip
+    ax.set_ylabel("seconds (median round)")
+    ax.set_title("critical path of a round")
+    ax.legend(fontsize=8)
+    roles = sorted({"cloud", "edge0", "device (max)"})
+    width = 0.8 / len(results)
+    for i, r in enumerate(results):
+        rss = r["peak_rss_mib"]
+        dev = max((v for n, v in rss.items() if n.startswith("dev")), default=0.0)
+        vals = [rss.get("cloud", 0.0), rss.get("edge0", 0.0), dev]
+        xs = [j + i * width for j in range(len(roles))]
+        bx.bar(xs, [v / 1024 for v in vals], width, label=labels[i])
+    bx.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(roles))],
+                  ["cloud", "edge0", "device (max)"])  # fmt: skip
+    bx.set_ylabel("peak RSS (GiB)")
+    bx.set_title("peak memory per role")
+    bx.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one federation per device count; print, write JSON and plot."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--devices", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--rounds", type=int, default=5, help="the first and last are not measured")
+    ap.add_argument("--preset", default="ddpm-cifar10")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=64, help="images per device")
+    ap.add_argument("--deadline", type=float, default=600.0, help="round deadline (s)")
+    ap.add_argument("--interval", type=float, default=0.1, help="seconds between RSS samples")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="give up a federation after")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--workdir", help="parent of the run directories (default: /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--out", type=Path, help="JSON of the figures")
+    ap.add_argument("--plot", type=Path, help="PNG plot")
+    args = ap.parse_args(argv)
+    if args.rounds < 3:
+        ap.error("--rounds must be at least 3 (the first and last are not measured)")
+    if find_mosquitto() is None:
+        print("mosquitto is not installed", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    results = []
+    for n in args.devices:
+        print(f"-- {n} devices", flush=True)
+        res = run_one(args, n)
+        results.append(res)
+        m = res["median"]
+        if m:
+            print("   " + "  ".join(f"{p} {m[p]:.2f}" for p in PHASES), flush=True)
+            print(f"   wall {m['wall']:.2f} s, slowest training {m['slowest_training']:.2f} s, "
+                  f"overhead {m['overhead']:.2f} s, blobs {m['blob_bytes'] / 2**20:.0f} MiB",
+                  flush=True)  # fmt: skip
+        print("   peak RSS MiB " + " ".join(f"{k}={v:.0f}" for k, v in res["peak_rss_mib"].items()),
+              flush=True)  # fmt: skip
+        if res["cloud_exit"] != 0:
+            print(f"   cloud exited {res['cloud_exit']}:\n{res['cloud_log_tail']}", flush=True)
+    record = {
+        "benchmark": "round_phases",
+        "date": time.strftime("%Y-%m-%d"),
+        "host_cpus": os.cpu_count(),
+        "preset": args.preset,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "env": args.env,
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot:
+        plot(results, args.plot, f"{args.preset}, 1 edge, one local step (batch {args.batch}), "
+             f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    ok = all(r["cloud_exit"] == 0 and r["median"] for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Streaming aggregation and the machinery that keeps a round's critical path short: the
+running weighted sum gives one result whatever order the updates arrive in (and today's batch
+FedAvg to float32 rounding), an edge keeps a running sum instead of its devices' updates,
+checkpoints are written in order off the role's thread, blob-store disk copies are written
+by a writer thread without losing a blob, and the round trace records a role's events."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shared.algorithms import Update, make_algorithm
+from shared.algorithms.aggregation import WeightedSum, fedavg, weighted_average
+from shared.algorithms.base import HeldFold, MeanFold
+from shared.errors import EstuaryError
+from shared.models.checkpoint import CheckpointWriter
+from shared.runtime.trace import ENV_DIR, Trace
+from shared.transport import blobs
+from shared.transport.blobs import BlobStore
+from shared.wire.codec import sha256_hex
+from tests.conftest import tiny_config
+from tests.hand_roles import put_model
+
+
+def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``n`` states with values over many magnitudes (where float sums depend on order)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        scale = 10.0 ** torch.randint(-9, 4, (4096,), generator=g).float()
+        sign = torch.randint(0, 2, (4096,), generator=g).float() * 2 - 1
+        out.append({
+            "w": torch.randn(4096, generator=g) * scale * sign,
+            "steps": torch.tensor([i], dtype=torch.int64),
+        })  # fmt: skip
+    return out
+
+
+def test_weighted_sum_is_the_same_in_every_order() -> None:
+    states, n = _states(5), [3, 700, 12, 5, 999]
+    results = set()
+    for perm in itertools.permutations(range(5)):
+        acc = WeightedSum()
+        for i in perm:
+            acc.add(states[i], float(n[i]), key=f"dev{i:03d}")
+        mean = acc.mean()
+        assert mean["steps"].item() == 0  # non-float tensors: the smallest key's
+        assert mean["w"].dtype == torch.float32
+        results.add(mean["w"].numpy().tobytes())
+    assert len(results) == 1
+    # the batch average (float64, normalized weights, one order) agrees to float32 rounding
+    batch = weighted_average(states, [float(x) for x in n])["w"]
+    streamed = fedavg(states, n)["w"]
+    assert torch.allclose(streamed, batch, rtol=2**-23, atol=0)
+
+
+def test_the_pair_gives_the_exact_mean_where_a_float64_sum_depends_on_the_order() -> None:
+    """Four float32 values, weight 1 each, whose exact mean 1 + 2**-24 + 2**-52 lies just
+    above a float32 rounding midpoint. A plain float64 running sum loses the two 2**-51
+    terms in one order (each is half an ulp of 4: ties to even) and keeps them in another,
+    so the float32 means differ; the pair gives the correctly rounded mean in every order."""
+    values = [4.0, 2.0**-51, 2.0**-51, 2.0**-22]
+    states = [{"w": torch.tensor([v], dtype=torch.float32)} for v in values]
+    plain = set()
+    for perm in itertools.permutations(range(4)):
+        acc = torch.zeros(1, dtype=torch.float64)
+        for i in perm:
+            acc += states[i]["w"].double()
+        plain.add(float((acc / 4).float()))
+    assert plain == {1.0, 1.0 + 2.0**-23}  # the order decides, without the pair
+    paired = set()
+    for perm in itertools.permutations(range(4)):
+        ws = WeightedSum()
+        for i in perm:
+            ws.add(states[i], 1.0, key=str(i))
+        paired.add(float(ws.mean()["w"]))
+    assert paired == {1.0 + 2.0**-23}
+
+
+def test_weighted_sum_refuses_what_cannot_be_averaged() -> None:
+    acc = WeightedSum()
+    with pytest.raises(EstuaryError, match="zero updates"):
+        acc.mean()
+    acc.add({"a": torch.ones(2)}, 0.0)
+    with pytest.raises(EstuaryError, match="sum to zero"):
+        acc.mean()
+    with pytest.raises(EstuaryError, match="different tensor names"):
+        acc.add({"b": torch.ones(2)}, 1.0)
+    with pytest.raises(EstuaryError, match="shape"):
+        acc.add({"a": torch.ones(3)}, 1.0)
+    with pytest.raises(EstuaryError, match="finite"):
+        acc.add({"a": torch.ones(2)}, float("nan"))
+
+
+@pytest.mark.parametrize("name", ["fedavg", "scaffold"])
+def test_streaming_folds_match_in_any_order(name: str) -> None:
+    """FedAvg's and SCAFFOLD's folds stream, and give one model in any order of arrival."""
+    cfg = tiny_config(algorithm={"name": name}, federation={"num_devices": 4, "num_edges": 1})
+    algo = make_algorithm(cfg)
+    spec_model = {k: v.clone() for k, v in _model(cfg).items()}
+    current = algo.init_global(spec_model)
+    g = torch.Generator().manual_seed(1)
+    base = _upload(algo, current)
+    updates = [
+        Update(f"dev{i:03d}", {k: v + torch.randn(v.shape, generator=g) * 1e-3
+                               if v.is_floating_point() else v for k, v in base.items()},
+               n_samples=10 + 7 * i, label_counts=(10 + 7 * i,) + (0,) * 9)
+        for i in range(4)
+    ]  # fmt: skip
+    fold = algo.edge_fold(current)
+    assert fold.streams
+    hashes = set()
+    for perm in itertools.permutations(range(4)):
+        fold = algo.edge_fold(current)
+        for i in perm:
+            fold.add(updates[i])
+        out = fold.result()
+        hashes.add(sha256_hex(b"".join(out[k].numpy().tobytes() for k in sorted(out))))
+    assert len(hashes) == 1
+    assert set(out) == set(current)
+
+
+def _model(cfg: Any) -> dict[str, torch.Tensor]:
+    from shared.models.plan import build_model
+
+    return dict(build_model(cfg.model.preset, None, seed=0).state_dict())
+
+
+def _upload(algo: Any, current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors of a device's upload of ``algo`` (every name its upload spec has)."""
+    from shared.wire.codec import spec_of
+
+    spec = algo.upload_spec(spec_of(current))
+    return {k: current[k].clone() if k in current else torch.zeros(s.shape, dtype=s.dtype)
+            for k, s in spec.items()}  # fmt: skip
+
+
+def test_held_fold_hands_sorted_updates() -> None:
+    got: list[str] = []
+
+    def combine(updates: Any) -> dict[str, torch.Tensor]:
+        got.extend(u.source for u in updates)
+        return {}
+
+    fold = HeldFold(combine)
+    for name in ("dev002", "dev000", "dev001"):
+        fold.add(Update(name, {}, 1, (1,) + (0,) * 9))
+    fold.result()
+    assert not fold.streams and got == ["dev000", "dev001", "dev002"] and len(fold) == 3
+    assert MeanFold.streams
+
+
+def test_an_edge_keeps_a_running_sum_not_the_updates() -> None:
+    """Over a MemoryBus: after every update of a FedAvg round arrived, the edge holds no
+    update's tensors, and its model is the weighted mean of what the devices sent."""
+    from tests.test_edge_robustness import _hierarchy, _open
+
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 0)
+    for dev in devs:
+        dev.report(0)
+    bus.run(lambda: False)
+    assert [r.round for r in sent] == [0]
+    assert set(edge.updates) == {"dev000", "dev001"}
+    assert all(u.tensors == {} for u in edge.updates.values())
+
+
+def test_checkpoint_writes_run_in_order_and_errors_reach_the_caller(tmp_path: Path) -> None:
+    writer = CheckpointWriter(background=True)
+    order: list[int] = []
+    for i in range(5):
+        writer.write(functools.partial(order.append, i))
+    writer.wait()
+    assert order == [0, 1, 2, 3, 4]
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    writer.write(fail)
+    with pytest.raises(OSError, match="disk full"):
+        writer.wait()
+    writer.wait()  # reported once
+
+
+def test_blob_disk_copies_are_written_by_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = BlobStore(tmp_path / "cache", memory_limit_bytes=100)
+    data = [bytes([i]) * 80 for i in range(4)]
+    shas = [store.put(d) for d in data]
+    for sha, d in zip(shas, data, strict=True):  # from memory, the pending queue or disk
+        assert store.get(sha) == d and store.has(sha) and store.size(sha) == len(d)
+    assert store.flush(10)
+    assert all((tmp_path / "cache" / s[:2] / s).read_bytes() == d
+               for s, d in zip(shas, data, strict=True))  # fmt: skip
+    # past the pending-bytes bound a put writes its copy itself
+    monkeypatch.setattr(blobs, "MAX_PENDING_WRITE_BYTES", 0)
+    sha = store.put(b"x" * 50)
+    assert (tmp_path / "cache" / sha[:2] / sha).is_file()
+
+
+def test_round_trace_writes_events_and_stops_at_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    assert not Trace("edge0").enabled  # off unless asked for
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    trace = Trace("edge0")
+    trace.event("announce", 3, devices=4)
+    lines = (tmp_path / "edge0.jsonl").read_text().splitlines()
+    event = json.loads(lines[0])
+    assert event["who"] == "edge0" and event["ev"] == "announce" and event["round"] == 3
+    assert event["devices"] == 4
+    from shared.runtime import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", len(lines[0]) + 10)
+    trace.event("reported", 3)
+    assert not trace.enabled
+    assert len((tmp_path / "edge0.jsonl").read_text().splitlines()) == 1
+
+
+def _announced(bus: Any, edge: Any) -> Any:
+    """The EdgeRound the edge left retained for its devices."""
+    from shared.wire.messages import EdgeRound, decode
+
+    got: list[Any] = []
+    bus.endpoint("probe", "device/probe").subscribe(
+        edge.topics.edge_round("edge0"), lambda _t, p: got.append(decode(p, EdgeRound)), kind="x"
+    )
+    bus.run(lambda: bool(got))
+    return got[-1]
+
+
+def test_an_edge_names_the_clouds_copy_of_a_new_global_and_fetches_none() -> None:
+    """FedAvg: the devices are pointed at the cloud's blob at once, and the edge, whose
+    model is the mean of its updates, downloads no copy of its own."""
+    from tests.test_edge_robustness import _hierarchy, _open
+
+    bus, edge, cloud, devs, sent = _hierarchy()
+    fetched = bus.traffic.snapshot()["bytes"]
+    _open(bus, edge, cloud, 0)
+    announced = _announced(bus, edge)
+    assert announced.model_ref.src == "cloud"
+    assert announced.model_ref.sha256 == edge.global_sha
+    assert edge.model is None and bus.traffic.snapshot()["bytes"].get(
+        "received:global_model", 0
+    ) == fetched.get("received:global_model", 0)
+    for dev in devs:
+        dev.report(0)
+    bus.run(lambda: False)
+    assert [r.round for r in sent] == [0] and edge.model is not None
+
+
+def test_a_stateful_fold_waits_for_the_edges_copy() -> None:
+    """SCAFFOLD's fold reads the edge's control variate: the edge announces its own copy."""
+    from tests.test_edge_robustness import _hierarchy, _open
+
+    bus, edge, cloud, _, _ = _hierarchy()
+    edge.algorithm = make_algorithm(tiny_config(algorithm={"name": "scaffold"}))
+    assert not edge.algorithm.edge_fold_stateless
+    edge._set_arch(None)
+    ref = cloud.put_tensors(edge.algorithm.init_global(_model(edge.cfg)), "global_model")
+    _open(bus, edge, cloud, 0, ref=ref)
+    assert _announced(bus, edge).model_ref.src == "edge/edge0"
+
+
+def test_a_round_without_updates_downloads_the_global_only_to_report_it() -> None:
+    """An edge that announced the cloud's copy and got no update reports no model (and
+    downloads nothing) when it has no work to report; when its report must carry a model
+    (work aggregated earlier in the cloud period), it downloads the global then, and a
+    failed download fails the close cleanly."""
+    from shared.wire.messages import BlobRef
+    from tests.test_edge_robustness import _hierarchy, _open, _rejected
+
+    bus, edge, cloud, devs, sent = _hierarchy()
+    _open(bus, edge, cloud, 0)
+    bus.run(lambda: False)  # no update: the deadline closes it
+    assert [(r.round, r.model_ref) for r in sent] == [(0, None)] and edge.model is None
+
+    for missing in (False, True):
+        bus, edge, cloud, devs, sent = _hierarchy(cloud_every=2)
+        _open(bus, edge, cloud, 0)
+        for dev in devs:
+            dev.report(0)
+        bus.run(lambda: False)
+        assert edge.acc_n == 64 and sent[0].model_ref is None  # not a cloud round
+        other = put_model(cloud, "global_model", seed=5)
+        if missing:
+            other = BlobRef(sha256="cd" * 32, size=other.size, kind="global_model", src="cloud")
+        _open(bus, edge, cloud, 1, ref=other, new_global=False)
+        assert edge.model is None
+        bus.run(lambda: False)  # no update; the report carries the global
+        if missing:
+            assert [r.round for r in sent] == [0]
+            assert _rejected(bus).get("edge:close_failed") == 1
+        else:
+            assert sent[1].model_ref is not None and sent[1].n_samples == 64
+            assert edge.model is not None
