@@ -36,7 +36,7 @@ from shared.naming import device_name, edge_ids, is_device_of
 from shared.runtime.memory import release_memory
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
-from shared.wire.codec import spec_of
+from shared.wire.codec import decode_tensors, encode_tensors, spec_of
 from shared.wire.messages import (
     MAX_MESSAGE_BYTES,
     BlobRef,
@@ -463,8 +463,10 @@ class CloudServer(RoleService):
                     self.reject("bad_update", f"{msg.edge} round {msg.round + 1}: "
                                 f"{type(err).__name__}: {err}")  # fmt: skip
                     return
+                del update
         self.reports[msg.edge] = (msg, tensors is not None)
         self.uploads.update(forwarded)
+        del tensors  # folded: its bytes are not kept through the close
         self._maybe_close()
 
     def _forwarded(self, msg: EdgeUpdate) -> dict[str, TensorDict] | None:
@@ -615,6 +617,7 @@ class CloudServer(RoleService):
             def write() -> None:
                 save_checkpoint(directory, r, model, self.cfg, plan=plan, init=init,
                                 model_sha256=sha)  # fmt: skip
+                release_memory()  # the writer's buffers: freed after the round's own trim
 
             # inline where the algorithm writes files of its own beside it (they must match)
             # and at the end of the run (what follows reads it)
@@ -653,9 +656,21 @@ class CloudServer(RoleService):
         """Put the global model as a blob (:attr:`global_ref`) when it changed since."""
         if not self.global_put or self.global_ref is None:
             old = self.global_ref
-            self.global_ref, self.shared_ref = self.put_state(
-                self.model, self.algorithm.shared_spec(self.spec), "global_model"
-            )
+            shared = self.algorithm.shared_spec(self.spec)
+            if shared is None and self.algorithm.edge_fold_stateless:
+                # a plain mean is never written to: the model is read in place from its
+                # blob (one copy of the global in memory, not two)
+                data = encode_tensors(self.model)
+                sha = self.ep.put_blob(data, kind="global_model")
+                self.global_ref = BlobRef(sha256=sha, size=len(data), kind="global_model",
+                                          src=self.home)  # fmt: skip
+                self.shared_ref = None
+                self.model = decode_tensors(data, copy=False)
+                del data
+            else:
+                self.global_ref, self.shared_ref = self.put_state(
+                    self.model, shared, "global_model"
+                )
             self.global_put = True
             if old is not None and old.sha256 != self.global_ref.sha256:
                 self.ep.release_blob(old.sha256)  # a late asker reads it from disk

@@ -78,7 +78,7 @@ def _shown(round_: int | None) -> str:
 class _Closed(NamedTuple):
     """What closing a round computes; the edge takes it on only once all of it is known."""
 
-    model: TensorDict | None
+    model: TensorDict
     model_ref: BlobRef | None
     report: EdgeUpdate
     acc_n: int
@@ -294,31 +294,16 @@ class EdgeServer(RoleService):
             spec = self._global_spec(plan)
         model = self.model
         kept = not (new_arch or msg.new_global or msg.global_ref.sha256 != self.global_sha)
-        # the devices need the global model as it is: announce at once, naming the cloud's
-        # copy; the edge downloads its own only if a round closes without an update
-        early = (
-            (model is None or not kept)
-            and not new_arch
-            and self.algorithm.edge_fold_stateless
-            and self.algorithm.shared_spec(self.spec) is None
-        )
-        if early:
-            self.model, model = None, None
-            self.model_ref, self.shared_ref = msg.global_ref, None
-            if not kept:  # a new global: as when it is downloaded below
-                self.global_sha = msg.global_ref.sha256
-                if msg.new_global:
-                    self.acc_counts, self.acc_n = [0] * NUM_CLASSES, 0  # reset every r_g
-                    self.acc_parts = self._zero_parts()
-                    self.carried = _no_work()
-                self.pending = {}  # devices start again from the new state
-        elif model is None or not kept:  # a new architecture's state replaces the old one's
+        if model is None or not kept:  # a new architecture's state replaces the old one's
             # fetched before anything changes: a failed fetch leaves the open round intact
             state, fetched, whole = None, True, False
             if not new_arch:
                 state, fetched = self._merge_shared(msg)
             if fetched and state is None:
-                state, whole = self.fetch_tensors(msg.global_ref, spec), True
+                # a plain mean never writes to the edge's model: it is read in place from
+                # the blob the store keeps (and serves), not copied
+                views = self.algorithm.edge_fold_stateless
+                state, whole = self.fetch_tensors(msg.global_ref, spec, views=views), True
             if state is None:
                 return
             if new_arch:
@@ -360,7 +345,7 @@ class EdgeServer(RoleService):
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
         self.upload_parts = {}
-        self.fold = self.algorithm.edge_fold(model or {}) if self.upload else None
+        self.fold = self.algorithm.edge_fold(model) if self.upload else None
         self.fetching = {}  # downloads of an earlier round finish and are dropped
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
@@ -370,11 +355,10 @@ class EdgeServer(RoleService):
         if not self.candidates:
             self._close()
             return
-        if self.model_ref is None and model is not None:
+        if self.model_ref is None:
             self.model_ref, self.shared_ref = self.put_state(
                 model, self.algorithm.shared_spec(self.spec), "edge_model"
             )
-        assert self.model_ref is not None
         announce = EdgeRound(
             round=msg.round,
             session=msg.session,
@@ -402,20 +386,6 @@ class EdgeServer(RoleService):
                 del self.early_joins[key]
         self._maybe_close()
 
-    def _global_model(self) -> TensorDict:
-        """The global model the edge announced without downloading it (a round that closes
-        without an update keeps it): downloaded now, read in place from the blob its store
-        keeps (the edge never writes to its model). Raises when it cannot be had (the
-        round's close then fails cleanly, rejected and counted)."""
-        if self.model_ref is None:
-            raise RuntimeError("the edge announced no model")
-        state = self.fetch_tensors(self.model_ref, self.spec, views=True)
-        if state is None:
-            raise RuntimeError(f"round {_shown(self.round)}: no update, and the global model "
-                               "could not be downloaded: nothing to report")  # fmt: skip
-        self.model = state
-        return state
-
     # -- device updates ----------------------------------------------------------------
     def on_device_update(self, msg: DeviceUpdate) -> None:
         """Accept one update per assigned device for the open round.
@@ -431,7 +401,7 @@ class EdgeServer(RoleService):
             self._refuse(msg, reason, f"{msg.device} round {msg.round + 1}")
             return
         if not (self.upload and self.algorithm.uploads):
-            self._accept(msg, None)
+            self._accept(msg)
             return
         ref = msg.update_ref
         if ref is None:
@@ -547,10 +517,13 @@ class EdgeServer(RoleService):
         keep = self.algorithm.per_device_updates  # forwarded to the cloud at the close
         self.updates[msg.device] = update if keep else replace(update, tensors={})
         self.upload_parts[msg.device] = self.algorithm.upload_parts(tensors)
-        self._accept(msg, tensors)
+        # from a worker, the close (which may follow) runs once this callback has returned:
+        # nothing up the stack then keeps the folded upload's bytes alive through it
+        self._accept(msg, defer_close=job is not None)
 
-    def _accept(self, msg: DeviceUpdate, tensors: TensorDict | None) -> None:
-        """Count a device's update (its blob, if any, already in :attr:`updates`)."""
+    def _accept(self, msg: DeviceUpdate, *, defer_close: bool = False) -> None:
+        """Count a device's update (its blob, if any, already folded); close the round if
+        it was the last one expected (on the next turn of the loop with ``defer_close``)."""
         self.reported[msg.device] = msg
         self.reported_n += msg.n_samples
         self.reported_loss += msg.train_loss
@@ -558,7 +531,10 @@ class EdgeServer(RoleService):
         self.dropped.discard(msg.device)
         self.metrics.updates.labels(outcome="accepted").inc()
         self.metrics.training_seconds.observe(msg.train_seconds)
-        self._maybe_close()
+        if defer_close:
+            self.ep.call_later(0.0, self._maybe_close)
+        else:
+            self._maybe_close()
 
     @property
     def assigned(self) -> list[str]:
@@ -674,7 +650,7 @@ class EdgeServer(RoleService):
         counts: the load edge selection (eq. 25) sees. At a cloud round, which is an
         aggregation round (r_e divides r_g), nothing is pending and nothing carried is
         added: the counts are then eq. 22's n_e and q_e, the work the edge model holds."""
-        if self.round is None or self.session is None:
+        if self.round is None or self.model is None or self.session is None:
             raise RuntimeError("edge closed a round it never opened")
         agg_start = time.perf_counter()
         model, model_ref = self.model, self.model_ref
@@ -716,8 +692,6 @@ class EdgeServer(RoleService):
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
         if cloud_round and acc[0] and self.algorithm.uploads:
-            if model is None:  # announced as the cloud's copy, not downloaded (yet)
-                model = self._global_model()
             shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
             ref = self.put_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"

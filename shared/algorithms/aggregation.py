@@ -13,6 +13,7 @@ lies within about 2**-70 of a float32 rounding boundary). 12 bytes per element.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -74,7 +75,9 @@ class WeightedSum:
 
     Floating-point tensors are summed; any other tensor (an integer counter) is taken from
     the state added with the smallest ``key`` (the first in sorted order, as a batch
-    aggregation over sorted updates takes it). Holds 12 bytes per summed element."""
+    aggregation over sorted updates takes it). Holds 12 bytes per summed element, in two
+    flat buffers (one allocation each: freed whole, they leave no fragments in the heap);
+    the mean of each dtype is one flat buffer too."""
 
     def __init__(self) -> None:
         self._hi: TensorDict = {}
@@ -82,6 +85,8 @@ class WeightedSum:
         self._fixed: dict[str, tuple[str, torch.Tensor]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        #: the two buffers every summed tensor's hi and lo are views of, in ``_shapes`` order
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
         self.total = 0.0
         self.count = 0
 
@@ -103,19 +108,41 @@ class WeightedSum:
                     self._fixed[k] = (key, t.detach().clone())
                 self._dtypes.setdefault(k, t.dtype)
                 continue
-            hi = self._hi.get(k)
-            if hi is None:
+            if not self.count:
                 self._dtypes[k], self._shapes[k] = t.dtype, tuple(t.shape)
-                self._hi[k] = t.detach().reshape(-1).to(torch.float64, copy=True).mul_(weight)
-                self._lo[k] = torch.zeros(t.numel(), dtype=torch.float32)
                 continue
-            if tuple(t.shape) != self._shapes[k]:
+            if tuple(t.shape) != self._shapes.get(k):
                 raise EstuaryError(
                     f"tensor {k!r}: shape {list(t.shape)}, expected {list(self._shapes[k])}"
                 )
-            _two_sum_into(hi, self._lo[k], t.detach().reshape(-1), weight)
+            _two_sum_into(self._hi[k], self._lo[k], t.detach().reshape(-1), weight)
+        if not self.count:  # the first state: the buffers, holding weight * state
+            self._allocate()
+            for k, t in state.items():
+                if k in self._shapes:
+                    self._hi[k].copy_(t.detach().reshape(-1)).mul_(weight)
         self.total += weight
         self.count += 1
+
+    def _allocate(self) -> None:
+        """One float64 and one float32 buffer for every summed tensor, as flat views."""
+        n = sum(math.prod(shape) for shape in self._shapes.values())
+        with _SPARE_LOCK:
+            spare = next((p for p in _SPARE if p[0].numel() == n), None)
+            if spare is not None:
+                _SPARE.remove(spare)
+        if spare is not None:  # the last sum's buffers: no fresh pages to fault in
+            hi, lo = spare
+            lo.zero_()
+        else:
+            hi = torch.empty(n, dtype=torch.float64)
+            lo = torch.zeros(n, dtype=torch.float32)
+        self._flat = (hi, lo)
+        at = 0
+        for k, shape in self._shapes.items():
+            size = math.prod(shape)
+            self._hi[k], self._lo[k] = hi[at : at + size], lo[at : at + size]
+            at += size
 
     def sum(self) -> TensorDict:
         """``sum_k w_k * state_k`` in float64 (non-float tensors as taken)."""
@@ -131,18 +158,52 @@ class WeightedSum:
             raise EstuaryError("cannot aggregate zero updates")
         if self.total <= 0:
             raise EstuaryError("aggregation weights sum to zero")
-        out: TensorDict = {}
-        for k, dtype in self._dtypes.items():
-            if k in self._fixed:
-                out[k] = self._fixed[k][1]
-            else:
-                mean = (self._hi[k] + self._lo[k].double()).div_(self.total)
-                out[k] = mean.to(dtype).view(self._shapes[k])
+        out: TensorDict = {k: held for k, (_, held) in self._fixed.items()}
+        dtypes = {self._dtypes[k] for k in self._shapes}
+        if len(dtypes) == 1 and self._flat is not None:  # the usual case: one flat result
+            flat = self._mean_into(*self._flat, dtypes.pop())
+            at = 0
+            for k, shape in self._shapes.items():
+                size = math.prod(shape)
+                out[k] = flat[at : at + size].view(shape)
+                at += size
+        else:
+            for k, shape in self._shapes.items():
+                out[k] = self._mean_into(self._hi[k], self._lo[k], self._dtypes[k]).view(shape)
+        return {k: out[k] for k in self._dtypes}  # in the first state's order
+
+    def recycle(self) -> None:
+        """Hand this sum's buffers to the next sum of the same size (one pair is kept, the
+        last one recycled: a role that aggregates every round reuses the same memory
+        instead of faulting in fresh pages); the sum is empty afterwards."""
+        if self._flat is not None:
+            with _SPARE_LOCK:
+                _SPARE[:] = [self._flat]
+        self._flat, self._hi, self._lo = None, {}, {}
+        self._shapes, self._dtypes, self._fixed = {}, {}, {}
+        self.total, self.count = 0.0, 0
+
+    def _mean_into(self, hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(hi + lo) / total`` as a new flat tensor of ``dtype``, through one reused
+        float64 buffer of :data:`MEAN_CHUNK` elements."""
+        out = torch.empty(hi.numel(), dtype=dtype)
+        tmp = torch.empty(min(MEAN_CHUNK, hi.numel()), dtype=torch.float64)
+        for i in range(0, hi.numel(), MEAN_CHUNK):
+            n = min(MEAN_CHUNK, hi.numel() - i)
+            part = tmp[:n]
+            torch.add(hi[i : i + n], lo[i : i + n], out=part)
+            out[i : i + n].copy_(part.div_(self.total))
         return out
 
 
+#: the buffers of the last :meth:`WeightedSum.recycle`d sum (one pair at most)
+_SPARE: list[tuple[torch.Tensor, torch.Tensor]] = []
+_SPARE_LOCK = threading.Lock()
+
 #: elements per step of :func:`_two_sum_into`: its temporaries stay in the CPU's cache
 FOLD_CHUNK = 1 << 14
+#: elements per step of :meth:`WeightedSum.mean` (a few MiB of temporaries, reused)
+MEAN_CHUNK = 1 << 19
 
 
 def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, weight: float) -> None:

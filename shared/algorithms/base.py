@@ -122,7 +122,9 @@ class MeanFold(Fold):
         self.sum.add(update.tensors, float(update.n_samples), key=update.source)
 
     def result(self) -> TensorDict:
-        return self.sum.mean()
+        out = self.sum.mean()
+        self.sum.recycle()  # its buffers serve the next round's sum
+        return out
 
 
 def fold_all(fold: Fold, updates: Sequence[Update]) -> TensorDict:
@@ -420,9 +422,9 @@ class Algorithm(ABC):
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
         """Combine edge states into the global state."""
 
-    #: :meth:`edge_fold` does not read the edge's state (a plain weighted mean): an edge
-    #: then announces a new global model to its devices at once, pointing them at the
-    #: cloud's copy, and downloads its own copy while they do
+    #: the aggregation is a plain weighted mean that never reads or writes the roles' own
+    #: state: the edge and the cloud then read their model in place from the blob they
+    #: serve it from (one copy of it in memory, not two)
     edge_fold_stateless: ClassVar[bool] = False
 
     def edge_fold(self, current: TensorDict) -> Fold:

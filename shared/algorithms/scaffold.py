@@ -177,6 +177,7 @@ class _ScaffoldFold(Fold):
 
     def result(self) -> TensorDict:
         x = self.models.mean()
+        self.models.recycle()
         total = self.increments.sum()
         c_new = {
             k: (ck.to(torch.float64) + total[k] / self.divisor).to(ck.dtype)
