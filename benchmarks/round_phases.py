@@ -160,7 +160,8 @@ def phases_of(events: Sequence[Mapping[str, Any]], rounds: int) -> dict[int, dic
         row["slowest_training"] = slowest
         row["overhead"] = row["wall"] - slowest
         row["devices_trained"] = len(trained)
-        blobs = [("device", "downloaded"), ("edge", "update_fetched"), ("cloud", "edge_fetched")]
+        blobs = [("device", "downloaded"), ("edge", "update_fetched"), ("cloud", "edge_fetched"),
+                 ("edge", "global_fetched")]  # fmt: skip
         row["blob_bytes"] = sum(e.get("bytes", 0) for k in blobs for e in at[(k[0], k[1], r)])
         out[r] = row
     return out
@@ -209,8 +210,9 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
                         for name, m in hier.scrape_all(timeout_s=1.0).items():
                             wire[name] = {
                                 d: sum(v for k, v in m.items()
-                                       if k.startswith(f'estuary_bytes_total{{direction="{d}"'))
-                                for d in ("in", "out")
+                                       if k.startswith("estuary_bytes_total{")
+                                       and f'direction="{d}"' in k)
+                                for d in ("sent", "received")
                             }  # fmt: skip
                     time.sleep(args.interval)
                 code = hier.wait("cloud", 120)

@@ -304,6 +304,8 @@ class EdgeServer(RoleService):
                 # the blob the store keeps (and serves), not copied
                 views = self.algorithm.edge_fold_stateless
                 state, whole = self.fetch_tensors(msg.global_ref, spec, views=views), True
+                if state is not None:
+                    self.trace.event("global_fetched", msg.round, bytes=msg.global_ref.size)
             if state is None:
                 return
             if new_arch:

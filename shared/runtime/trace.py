@@ -12,8 +12,9 @@ Events (``round`` is the federated round they belong to):
 - cloud: ``announce`` (RoundStart sent), ``edge_report`` (an EdgeUpdate arrived),
   ``edge_fetched`` (its model downloaded and verified), ``aggregated``, ``checkpointed``,
   ``closed``
-- edge: ``round_seen``, ``announce`` (EdgeRound sent), ``update_seen`` (a DeviceUpdate
-  arrived), ``update_fetched``, ``aggregated``, ``reported`` (EdgeUpdate sent)
+- edge: ``round_seen``, ``global_fetched``, ``announce`` (EdgeRound sent), ``update_seen``
+  (a DeviceUpdate arrived), ``update_fetched``, ``aggregated``, ``reported`` (EdgeUpdate
+  sent)
 - device: ``round_seen`` (EdgeRound arrived), ``downloaded``, ``trained`` (with
   ``train_s``), ``uploaded`` (DeviceUpdate sent)
 """
