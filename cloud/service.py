@@ -657,14 +657,11 @@ class CloudServer(RoleService):
         if not self.global_put or self.global_ref is None:
             old = self.global_ref
             shared = self.algorithm.shared_spec(self.spec)
-            if shared is None and self.algorithm.edge_fold_stateless:
+            if shared is None and self.algorithm.aggregation_stateless:
                 # a plain mean is never written to: the model is read in place from its
                 # blob (one copy of the global in memory, not two)
                 data = encode_tensors(self.model)
-                sha = self.ep.put_blob(data, kind="global_model")
-                self.global_ref = BlobRef(sha256=sha, size=len(data), kind="global_model",
-                                          src=self.home)  # fmt: skip
-                self.shared_ref = None
+                self.global_ref, self.shared_ref = self.put_encoded(data, "global_model"), None
                 self.model = decode_tensors(data, copy=False)
                 del data
             else:

@@ -302,7 +302,7 @@ class EdgeServer(RoleService):
             if fetched and state is None:
                 # a plain mean never writes to the edge's model: it is read in place from
                 # the blob the store keeps (and serves), not copied
-                views = self.algorithm.edge_fold_stateless
+                views = self.algorithm.aggregation_stateless
                 state, whole = self.fetch_tensors(msg.global_ref, spec, views=views), True
                 if state is not None:
                     self.trace.event("global_fetched", msg.round, bytes=msg.global_ref.size)

@@ -257,7 +257,7 @@ def test_a_stateful_fold_gets_the_edges_model() -> None:
 
     bus, edge, cloud, _, _ = _hierarchy()
     edge.algorithm = make_algorithm(tiny_config(algorithm={"name": "scaffold"}))
-    assert not edge.algorithm.edge_fold_stateless
+    assert not edge.algorithm.aggregation_stateless
     edge._set_arch(None)
     ref = cloud.put_tensors(edge.algorithm.init_global(_model(edge.cfg)), "global_model")
     _open(bus, edge, cloud, 0, ref=ref)

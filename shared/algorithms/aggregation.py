@@ -90,11 +90,6 @@ class WeightedSum:
         self.total = 0.0
         self.count = 0
 
-    @property
-    def names(self) -> list[str]:
-        """The tensor names, in the order of the first state added."""
-        return list(self._dtypes)
-
     def add(self, state: Mapping[str, torch.Tensor], weight: float, key: str = "") -> None:
         """Fold ``weight * state`` into the sum; every state must have the same names."""
         if not math.isfinite(weight) or weight < 0:

@@ -425,7 +425,7 @@ class Algorithm(ABC):
     #: the aggregation is a plain weighted mean that never reads or writes the roles' own
     #: state: the edge and the cloud then read their model in place from the blob they
     #: serve it from (one copy of it in memory, not two)
-    edge_fold_stateless: ClassVar[bool] = False
+    aggregation_stateless: ClassVar[bool] = False
 
     def edge_fold(self, current: TensorDict) -> Fold:
         """The edge's aggregation of one round, fed an update at a time (``current`` is the

@@ -52,7 +52,7 @@ class FedAvg(Algorithm):
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
         return fold_all(self.cloud_fold(current), updates)
 
-    edge_fold_stateless = True
+    aggregation_stateless = True
 
     def edge_fold(self, current: TensorDict) -> Fold:
         """The sample-weighted mean, folded as the updates arrive."""

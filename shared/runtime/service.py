@@ -112,7 +112,10 @@ class RoleService:
 
     def put_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
         """Encode tensors as safetensors and upload them as a blob."""
-        data = encode_tensors(tensors)
+        return self.put_encoded(encode_tensors(tensors), kind)
+
+    def put_encoded(self, data: bytes, kind: str) -> BlobRef:
+        """Upload tensors already encoded (:func:`~shared.wire.codec.encode_tensors`)."""
         sha = self.ep.put_blob(data, kind=kind)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
 

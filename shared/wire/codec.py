@@ -135,10 +135,6 @@ def encode_tensors(
 #: the dtypes :func:`_encode_direct` writes, in the order the safetensors library lays them
 #: out (its ``Dtype`` enum, descending; a tensor's place is (that order, its name))
 _DIRECT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
-_DIRECT_NAMES = {
-    "int64": "I64", "float64": "F64", "float32": "F32", "int32": "I32", "bfloat16": "BF16",
-    "float16": "F16", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}  # fmt: skip
 _PLAIN = re.compile(r"[ -!#-\[\]-~]*")  # printable ASCII without '"' and '\\'
 
 
@@ -156,7 +152,7 @@ def _encode_direct(
 
     names: dict[str, str] = {}
     for name, t in tensors.items():
-        dtype = _DIRECT_NAMES.get(str(t.dtype).removeprefix("torch."))
+        dtype = _SAFETENSORS_NAMES.get(str(t.dtype).removeprefix("torch."))
         if dtype is None or not _PLAIN.fullmatch(name):
             return None
         names[name] = dtype
@@ -245,11 +241,27 @@ def decode_tensors(
     return tensors
 
 
-#: safetensors dtype names -> torch dtype names (what :func:`_views` reads)
+#: safetensors dtype names -> torch dtype names (what :func:`_views` reads and
+#: :func:`_encode_direct` writes)
 _VIEW_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
+_SAFETENSORS_NAMES = {torch_name: name for name, torch_name in _VIEW_DTYPES.items()}
+
+
+def _header(data: bytes | bytearray | memoryview) -> tuple[int, Any]:
+    """``(n, header)``: the length and the parsed JSON of a safetensors payload's header
+    (CodecError when the payload is too short, the length out of range or the JSON bad)."""
+    if len(data) < 8:
+        raise CodecError("payload too short for safetensors")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, 100 * 2**20):
+        raise CodecError("safetensors header length out of range")
+    try:
+        return n, json.loads(bytes(data[8 : 8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CodecError(f"bad safetensors header: {err}") from None
 
 
 def _views(data: bytes | bytearray | memoryview) -> TensorDict:
@@ -261,12 +273,7 @@ def _views(data: bytes | bytearray | memoryview) -> TensorDict:
     import torch
 
     buf = memoryview(data).cast("B")
-    if len(buf) < 8:
-        raise ValueError("payload too short for safetensors")
-    n = int.from_bytes(buf[:8], "little")
-    if n > min(len(buf) - 8, 100 * 2**20):
-        raise ValueError("header length out of range")
-    header = json.loads(bytes(buf[8 : 8 + n]))
+    n, header = _header(buf)
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     header.pop("__metadata__", None)
@@ -337,15 +344,7 @@ def check_spec(
 
 def read_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors payload, without loading tensors."""
-    if len(data) < 8:
-        raise CodecError("payload too short for safetensors")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, 100 * 2**20):
-        raise CodecError("safetensors header length out of range")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CodecError(f"bad safetensors header: {err}") from None
+    _, header = _header(data)
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
     return {str(k): str(v) for k, v in meta.items()}
 
