@@ -251,6 +251,8 @@ def _serve(
             "traffic": bus.traffic.snapshot(),
             "transport": bus.traffic.transport(),
         }
+        if cloud.final is not None:  # a one-shot algorithm's product and its figures
+            summary["final"] = {"preset": cloud.final.preset, **cloud.final.report}
         atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("run complete: final global model %s; outputs in %s", cloud.model_sha, run_dir)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from cloud.personal import PersonalizeJob
 from shared.algorithms import Algorithm, Fold, Update
+from shared.algorithms.base import FinalResult
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
@@ -33,6 +34,7 @@ from shared.models.checkpoint import CheckpointWriter, model_digest, save_checkp
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
 from shared.naming import device_name, edge_ids, is_device_of
+from shared.runtime.jobs import WorkerJob
 from shared.runtime.memory import release_memory
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
@@ -233,6 +235,10 @@ class CloudServer(RoleService):
         #: called once the last round is aggregated; it deploys and then calls
         #: :meth:`complete` (the run is "deploying" until then). None: complete at once.
         self.on_trained: Callable[[], None] | None = None
+        #: a one-shot algorithm's product (FedDEO's classifier), made after the last round
+        #: by :meth:`~shared.algorithms.base.Algorithm.finalize` in :attr:`final_job`
+        self.final: FinalResult | None = None
+        self.final_job: WorkerJob[FinalResult | None] | None = None
 
     def start(self) -> None:
         """Subscribe to registrations and edge reports; wait for devices."""
@@ -691,6 +697,45 @@ class CloudServer(RoleService):
         # the retained state of a finished run names the final model (fetchable from a cloud
         # that stays), not the last one the edges were sent
         self._put_global()
+        if self.algorithm.one_shot and self.final is None:
+            self._finalize()
+            return
+        self._trained()
+
+    def _finalize(self) -> None:
+        """Run the algorithm's one-shot step (:meth:`Algorithm.finalize`) off the loop, then
+        deploy; a failure fails the run (nothing is deployed)."""
+        run_dir = self.checkpoint_dir.parent if self.checkpoint_dir is not None else None
+        last: dict[str, float] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:  # the worker's thread
+            share = done / max(1, total)
+            if share - last.get(phase, -1.0) >= 0.1 or done == total:
+                last[phase] = share
+                log.info("%s: %s %d/%d", self.algorithm.name, phase, done, total)
+
+        def done(result: FinalResult | None, error: BaseException | None) -> None:
+            self.final_job = None
+            if error is not None:
+                self.failed = (f"{self.algorithm.name}'s final step failed: "
+                               f"{type(error).__name__}: {error}")  # fmt: skip
+                log.error("%s", self.failed)
+                return
+            self.final = result
+            self._trained()
+
+        self.metrics.phase.state("aggregating")
+        log.info("%s: the round is in; generating and training the model to deploy",
+                 self.algorithm.name)  # fmt: skip
+        state = self.model
+        self.final_job = WorkerJob(
+            lambda: self.algorithm.finalize(state, run_dir, on_progress=progress),
+            self.ep.call_later, done, name="finalize", poll_s=1.0,
+        )  # fmt: skip
+        self.final_job.start()
+
+    def _trained(self) -> None:
+        """Deploy (when armed) or declare the run done."""
         if self.on_trained is not None:
             self._publish_state("deploying")
             self.on_trained()

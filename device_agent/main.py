@@ -133,12 +133,14 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 
 
 def device_test_data(cfg: RunConfig, index: int) -> ImageDataset | None:
-    """A classifier's own test split (the test set split by the training split's rule), on
-    which it reports its accuracy; None for a generator or a dataset without a test set."""
+    """A classifier's own test split (the test set split by the training split's rule, seen
+    in its domain as in simulate: :func:`~shared.data.partition.split_test`), on which it
+    reports its accuracy (FedDEO's devices: with the classifier the cloud deploys); None for
+    another generator run or a dataset without a test set."""
     from shared.config import model_kind
     from shared.data.partition import split_test
 
-    if model_kind(cfg.model.preset) != "classifier":
+    if model_kind(cfg.model.preset) != "classifier" and cfg.algorithm.name != "feddeo":
         return None
     test = split_test(cfg)
     return None if test is None else test[0].subset(test[1][index])
@@ -148,7 +150,8 @@ def device_data(cfg: RunConfig, index: int) -> ImageDataset:
     """Device ``index``'s training images: its own folder (``data.dataset = "folder"`` without
     ``data.path``: ``data.local_dir``, or ``data.local_dir/<device id>`` where that exists,
     the layout ``simulate`` reads; at most ``data.max_samples_per_device`` of them), or its
-    share of the config's dataset (the seeded split ``estuary simulate`` makes)."""
+    share of the config's dataset (the seeded split ``estuary simulate`` makes, without the
+    public share); either seen in its domain (``data.domains``), as simulate gives it."""
     from shared.data.partition import device_folder, split_dataset
     from shared.errors import ConfigError
     from shared.naming import device_name

@@ -8,6 +8,14 @@ as the original config trains on the dataset, and so do role processes started w
 ``--data DIR/<device id>`` (the cloud with ``--reference DIR/cloud``), each device reading only
 its own folder: the layout a device on a real fleet keeps its own images in, and the way to
 try it before there is a fleet.
+
+The public share (``data.public_size``) is left out of the devices' folders, as the split
+leaves it out. The folders hold the images as stored, *not* seen in the devices' domains
+(``data.domains``): the domain is applied where a device reads its data, here when a
+device reads its folder (:func:`shared.data.partition.device_folder`, with the config's
+domains, which the written config keeps), so a device of the folder layout trains on the
+images the original split gives it. Writing transformed images would have them transformed
+again on reading.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import numpy as np
 
 from shared.atomic import atomic_write
 from shared.config import RunConfig, with_overrides
-from shared.data.datasets import ImageDataset, write_image_folder
+from shared.data.datasets import ImageDataset, load_dataset, write_image_folder
 from shared.data.partition import split_dataset
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import reference_indices
@@ -56,7 +64,9 @@ def folder_config(cfg: RunConfig, out: Path) -> RunConfig:
 
 
 def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSummary:
-    """Write ``cfg``'s split of its dataset under ``out`` (which must be new or empty)."""
+    """Write ``cfg``'s split of its dataset under ``out`` (which must be new or empty): the
+    devices' images untransformed (their domains are applied when their folders are read),
+    the cloud's reference from the whole training split, as ``reference_images`` draws it."""
     if cfg.data.own_folders:
         raise ConfigError(
             "the config already reads the devices' own image folders (data.dataset = 'folder' "
@@ -64,8 +74,14 @@ def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSumm
         )
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} is not empty; split-data writes only into a new directory")
-    data, parts = split_dataset(cfg)
-    width = len(str(len(data) - 1))
+    data, parts = split_dataset(cfg, domains=False)
+    full = data
+    if cfg.data.public_size:  # the reference is drawn from the whole split, public share too
+        d = cfg.data
+        full = load_dataset(
+            d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed, class_names=d.class_names
+        )
+    width = len(str(len(full) - 1))
     fcfg = folder_config(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -76,8 +92,8 @@ def split_data(cfg: RunConfig, out: Path, *, progress: bool = True) -> SplitSumm
     sizes = []
     for i, idx in enumerate(progress_bar(parts, desc="devices", unit="dev", disable=not progress)):
         sizes.append(write(data.subset(idx), idx, out / device_name(i)))
-    ref = reference_indices(len(data), cfg.eval.num_reference)
-    n_ref = write(data.subset(ref), ref, out / "cloud")
+    ref = reference_indices(len(full), cfg.eval.num_reference)
+    n_ref = write(full.subset(ref), ref, out / "cloud")
     config_path = out / "config.json"
     atomic_write(config_path, fcfg.to_json().encode())
     atomic_write(

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -37,21 +38,80 @@ from tqdm import tqdm
 
 from shared.config import config_from_dict
 from shared.data.datasets import load_fashion_mnist, to_model_input
+from shared.data.domains import (
+    PUBLIC_SEED,
+    apply_mixture,
+    check_domains,
+    mixture_domains,
+    public_split,
+)
 from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
 from shared.diffusion.training import WeightAverage
-from shared.errors import EstuaryError
+from shared.errors import ConfigError, EstuaryError
 from shared.evaluation.evaluator import Evaluator, write_grid
 from shared.models.init import ASSETS, PRETRAINED
-from shared.models.presets import build_unet
+from shared.models.presets import CFG_NUM_EMBEDS, CFG_PRESETS, build_unet
 from shared.wire.codec import write_asset
 
 MAX_FID = 60.0
+#: the FID gate of a classifier-free-guidance preset: its samples are a mixture of domains,
+#: scored against plain train images, so the figure is far above a plain generator's
+MAX_FID_CFG = 200.0
+DEFAULT_PUBLIC_SIZE = 20_000
+DEFAULT_MIXTURE = (
+    "identity=0.5,rot90=0.1,invert=0.1,lowcontrast=0.1,noise=0.1,edges=0.1"
+)
+
+
+def parse_mixture(text: str) -> dict[str, float]:
+    """``domain=weight,...`` as a dict (unknown domains and bad weights refused)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, weight = item.partition("=")
+        out[name.strip()] = float(weight)
+    check_domains(list(out))
+    if not out or min(out.values()) < 0 or sum(out.values()) <= 0:
+        raise ValueError(f"weights must be >= 0 with a positive sum: {text!r}")
+    return out
+
+
+def training_images(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pretraining images as model input (and, for a classifier-free-guidance preset,
+    their labels): the test split, or the public share of the training split seen through
+    the domain mixture (one domain per image, drawn with ``--seed``)."""
+    cfg = config_from_dict({"model": {"preset": args.preset}})
+    if args.source == "test":
+        ds = load_fashion_mnist("test", args.data)
+        images = ds.images
+    else:
+        ds = load_fashion_mnist("train", args.data)
+        public, _ = public_split(len(ds), args.public_size)
+        ds = ds.subset(public)
+        rng = np.random.default_rng(np.random.SeedSequence([args.seed, 0x9B1C]))
+        which = mixture_domains(len(ds), args.mixture, rng)
+        images = apply_mixture(ds.images, which, rng)
+    x = to_model_input(images, cfg.data.input_channels)
+    labels = torch.from_numpy(ds.labels) if args.preset in CFG_PRESETS else None
+    return x, labels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="fmnist-tiny", choices=sorted(PRETRAINED))
+    p.add_argument("--source", choices=("test", "public"), default=None,
+                   help="test: the Fashion-MNIST test split (the unconditional fmnist-tiny's "
+                   "recipe; never use its weights where accuracy is measured on that split); "
+                   "public: the public share of the training split no device holds "
+                   "(--public-size images, shared.data.domains.public_split). Default: public "
+                   "for a classifier-free-guidance preset, test otherwise")
+    p.add_argument("--public-size", type=int, default=DEFAULT_PUBLIC_SIZE,
+                   help="images in the public share (runs must set data.public_size to it)")
+    p.add_argument("--p-uncond", type=float, default=0.1,
+                   help="classifier-free guidance presets: chance a label is dropped to null")
+    p.add_argument("--domain-mixture", default=DEFAULT_MIXTURE,
+                   help="classifier-free guidance presets: domain=weight,... each image is "
+                   "seen in a domain drawn from (the domain is never given to the model)")
     p.add_argument("--steps", type=int, default=3500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
@@ -62,12 +122,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="weights file (default: the asset)")
     p.add_argument("--grid", type=Path, default=None, help="sample grid (default: beside --out)")
     p.add_argument("--eval-samples", type=int, default=500, help="samples scored for the gate")
-    p.add_argument("--max-fid", type=float, default=MAX_FID, help="refuse to write above this")
+    p.add_argument("--max-fid", type=float, default=None,
+                   help=f"refuse to write above this (default {MAX_FID:g}; {MAX_FID_CFG:g} for "
+                   "a classifier-free-guidance preset)")
     args = p.parse_args(argv)
     if min(args.steps, args.batch_size, args.threads, args.eval_samples) < 1:
         p.error("--steps, --batch-size, --threads and --eval-samples must be >= 1")
     if not 0.0 <= args.ema < 1.0:
         p.error("--ema must be in [0, 1)")
+    if args.source is None:
+        args.source = "public" if args.preset in CFG_PRESETS else "test"
+    if not 0.0 <= args.p_uncond < 1.0:
+        p.error("--p-uncond must be in [0, 1)")
+    try:
+        args.mixture = parse_mixture(args.domain_mixture)
+    except (ValueError, ConfigError) as err:
+        p.error(f"--domain-mixture: {err}")
     if args.out is None:
         args.out = ASSETS / PRETRAINED[args.preset][0]
     if args.grid is None:
@@ -79,7 +149,7 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     """Train from ``--seed``; return the weight average (eval mode) and the last 100 steps'
     mean loss."""
     cfg = config_from_dict({"model": {"preset": args.preset}, "run": {"seed": args.seed}})
-    data = to_model_input(load_fashion_mnist("test", args.data).images, cfg.data.input_channels)
+    data, labels = training_images(args)
     model = build_unet(args.preset, seed=args.seed)
     ema = WeightAverage(model, args.ema)  # decay min(ema, (1 + t) / (10 + t)): a short warm-up
     scheduler = make_train_scheduler(cfg.diffusion)
@@ -92,9 +162,15 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     for step in bar:
         if cursor + args.batch_size > n:
             order, cursor = torch.randperm(n, generator=gen), 0
-        x = data[order[cursor : cursor + args.batch_size]]
+        idx = order[cursor : cursor + args.batch_size]
+        x = data[idx]
         cursor += args.batch_size
-        loss = ddpm_loss(model, x, scheduler, gen)
+        y = None
+        if labels is not None:  # label dropout to the null class (classifier-free guidance)
+            y = labels[idx].clone()
+            drop = torch.rand(len(y), generator=gen) < args.p_uncond
+            y[drop] = CFG_NUM_EMBEDS - 1
+        loss = ddpm_loss(model, x, scheduler, gen, class_labels=y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -133,16 +209,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{quality['is_mean']:.2f}")  # fmt: skip
     grid = write_grid(eval_cfg, model, args.grid)
     print(f"sample grid: {grid}")
-    if fid > args.max_fid:
+    max_fid = args.max_fid if args.max_fid is not None else (
+        MAX_FID_CFG if args.preset in CFG_PRESETS else MAX_FID
+    )
+    if fid > max_fid:
         print(
-            f"refusing to write {args.out}: FID {fid:.2f} > {args.max_fid:.1f}; train longer "
+            f"refusing to write {args.out}: FID {fid:.2f} > {max_fid:.1f}; train longer "
             "(--steps) or try another --seed",
             file=sys.stderr,
         )
         return 1
     info: dict[str, object] = {
         "preset": args.preset,
-        "data": "fashion-mnist/test",
+        "data": "fashion-mnist/test" if args.source == "test" else
+        f"fashion-mnist/train public share ({args.public_size} images, "
+        f"shared.data.domains.public_split, seed {PUBLIC_SEED})",
         "steps": args.steps,
         "batch_size": args.batch_size,
         "lr": args.lr,
@@ -154,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": round(seconds),
         "torch": torch.__version__,
     }
+    if args.preset in CFG_PRESETS:
+        info.update(public_size=args.public_size, p_uncond=args.p_uncond,
+                    domain_mixture=args.mixture, null_class=CFG_NUM_EMBEDS - 1)
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")

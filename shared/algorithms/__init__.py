@@ -6,6 +6,7 @@ Importing this package registers every built-in algorithm.
 """
 
 from shared.algorithms import fedavg as _fedavg  # noqa: F401  (registers "fedavg")
+from shared.algorithms import feddeo as _feddeo  # noqa: F401  (registers "feddeo")
 from shared.algorithms import feddiffuse as _feddiffuse  # noqa: F401  (registers "feddiffuse")
 from shared.algorithms import fedphd as _fedphd  # noqa: F401  (registers "fedphd")
 from shared.algorithms import fedprox as _fedprox  # noqa: F401  (registers "fedprox")

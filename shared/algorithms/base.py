@@ -172,6 +172,17 @@ class LocalResult:
     accuracy: Accuracy | None = None
 
 
+@dataclass
+class FinalResult:
+    """What a one-shot algorithm's cloud makes after its last round
+    (:meth:`Algorithm.finalize`): the model it deploys (a classifier's state for FedDEO),
+    that model's preset, and a report (accuracy per domain, ...)."""
+
+    model: TensorDict
+    preset: str
+    report: dict[str, Any] = field(default_factory=dict)
+
+
 def optimizer_state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state dict with every tensor copied to the CPU."""
     return {
@@ -491,6 +502,22 @@ class Algorithm(ABC):
     def device_personal(self, ctx: DeviceContext, model: nn.Module, tensors: TensorDict) -> None:
         """Load the personal model the cloud sent this device (instead of the edge's)."""
         model.load_state_dict(tensors)
+
+    #: the cloud calls :meth:`finalize` after the last round, before it deploys
+    one_shot: ClassVar[bool] = False
+
+    def finalize(
+        self,
+        state: TensorDict,
+        out_dir: Path | None,
+        *,
+        on_progress: Callable[[str, int, int], None] | None = None,
+    ) -> FinalResult | None:
+        """With :attr:`one_shot`: the model the run deploys, made on the cloud from the
+        final ``state`` (FedDEO: a classifier trained on images generated from the devices'
+        descriptions); files for people in ``out_dir``; ``on_progress(phase, done, total)``
+        as it goes. Runs in a worker thread, off the cloud's message loop. None by default."""
+        return None
 
     def after_cloud_aggregate(
         self, round_: int, state: TensorDict, plan: ChannelPlan | None

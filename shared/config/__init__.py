@@ -151,6 +151,21 @@ class DataSection(Section):
         "share of the test set"
     )
     quantity_sigma: float = Field(1.0, gt=0.0)
+    domains: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="feature skew: device i sees its images (training and test) in domain "
+        "domains[i % len(domains)], a fixed transform of the 8-bit images (identity, rot90, "
+        "invert, lowcontrast, noise, edges; shared/data/domains.py) applied on every path that "
+        "gives a device its data; empty = no transform",
+    )
+    public_size: int = Field(
+        0, ge=0, le=10_000_000,
+        description="images of the training split held out as the public share no device "
+        "holds (a seeded draw, the same in every run: shared.data.domains.public_split); the "
+        "generator FedDEO starts from is pretrained on it (20000 for the shipped "
+        "fmnist-tiny-cfg); 0 = none",
+    )  # fmt: skip
     max_samples_per_device: int = Field(0, ge=0, description="0 = keep all")
     synthetic_size: int = Field(512, ge=10, le=1_000_000)
 
@@ -169,6 +184,15 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _check_gray_view(self) -> DataSection:
+        from shared.data.domains import check_domains  # numpy only
+
+        try:
+            check_domains(self.domains)
+        except ConfigError as err:
+            raise ValueError(f"data.domains: {err}") from None
+        if self.domains and self.channels != 1:
+            raise ValueError("data.domains transform grayscale images; "
+                             f"data.dataset = {self.dataset!r} is colour")
         if self.gray_to_rgb and self.channels != 1:
             raise ValueError(
                 f"data.gray_to_rgb views a grayscale dataset in 3 channels, and data.dataset = "
@@ -231,7 +255,8 @@ class ModelSection(Section):
     first weights come from."""
 
     preset: Literal[
-        "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "ddpm-cifar10",
+        "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "fmnist-tiny-cfg",
+        "fmnist-small-cfg", "ddpm-cifar10",
         "resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64", "resnetg-cifar10-64",
         "fmnist-cnn",
     ] = "fmnist-tiny"  # fmt: skip
@@ -566,6 +591,8 @@ LATER_KEYS = (
     ("data", "local_dir"),
     ("data", "class_names"),
     ("data", "gray_to_rgb"),
+    ("data", "domains"),
+    ("data", "public_size"),
     ("eval", "reference_dir"),
 )
 

@@ -3,6 +3,12 @@
 Each function returns one sorted index array per device and draws only from the
 ``numpy.random.Generator`` it is given. ``label_count_matrix`` gives the (devices x classes)
 table every run prints and saves.
+
+:func:`split_dataset`, :func:`split_test` and :func:`device_folder` give the devices their
+images: without the public share (``data.public_size``) and each device's seen in its domain
+(``data.domains``, :mod:`shared.data.domains`): the domain is applied where a device reads its
+data, so every path (simulate, a device agent, a device's own folder) gives device ``i`` the
+same images.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import numpy as np
 
 from shared.config import DataSection, RunConfig
 from shared.data.datasets import ImageDataset, load_dataset, load_image_folder
+from shared.data.domains import DOMAINS, apply_domain, device_domain_images, public_split
 from shared.errors import ConfigError
 from shared.models.presets import check_trainable
 from shared.naming import device_name
@@ -232,14 +239,52 @@ def format_label_counts(matrix: np.ndarray, names: list[str] | None = None) -> s
     return "\n".join(lines)
 
 
-def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDataset, Parts]:
+def in_domains(
+    data: ImageDataset, parts: Parts, domains: Sequence[str], seed: int, *, test: bool = False
+) -> tuple[ImageDataset, Parts]:
+    """``data`` with device ``i``'s part seen in its domain
+    (:func:`~shared.data.domains.device_domain_images` of ``data.images[parts[i]]``; the
+    noise from the test split's stream with ``test``). Disjoint parts (every training split)
+    keep their indices: their rows are replaced in a copy, rows of no part stay as they are.
+    Overlapping parts (``dominant_groups``' test splits: an image may serve several devices,
+    each in its own domain) each become a copy of their own, concatenated in device order,
+    and the parts index into that. ``data`` and ``parts`` as they are for no domains."""
+    if not domains:
+        return data, parts
+    flat = np.concatenate(parts)
+    if len(np.unique(flat)) == len(flat):
+        images = data.images.copy()
+        for i, p in enumerate(parts):
+            images[p] = device_domain_images(data.images[p], domains, i, seed, test=test)
+        return ImageDataset(images, data.labels, data.name, data.skipped), parts
+    seen = [
+        device_domain_images(data.images[p], domains, i, seed, test=test)
+        for i, p in enumerate(parts)
+    ]
+    cuts = np.cumsum([0] + [len(p) for p in parts])
+    return (
+        ImageDataset(np.concatenate(seen), data.labels[flat], data.name, data.skipped),
+        [np.arange(a, b) for a, b in itertools.pairwise(cuts)],
+    )
+
+
+def split_dataset(
+    cfg: RunConfig, *, progress: bool = False, domains: bool = True
+) -> tuple[ImageDataset, Parts]:
     """``cfg``'s training images and which of them each of ``federation.num_devices`` devices
     holds: the seeded split of the config's dataset (an image folder at ``data.path`` too),
     or with ``data.dataset = "folder"`` and no path the devices' own folders
     ``data.local_dir/<device id>`` one after another (the layout
     ``estuary split-data`` writes; ``progress``: a bar over the folders). Refused for a preset
     the configured data cannot train (:func:`shared.models.presets.check_trainable`). The
-    split draws on the labels only, whatever the images' channels."""
+    split draws on the labels only, whatever the images' channels.
+
+    A loaded dataset loses its public share first (``data.public_size``,
+    :func:`~shared.data.domains.public_split`): the returned dataset is the rest, which the
+    parts index into, so no device holds a public image (own folders have no public share).
+    With ``data.domains`` and ``domains`` (False: the images as stored, what
+    ``estuary split-data`` writes), device ``i``'s images are seen in its domain
+    (:func:`in_domains`; the noise seeded by ``run.seed`` and ``i``)."""
     check_trainable(cfg)
     d = cfg.data
     if d.own_folders:
@@ -254,7 +299,10 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
             range(cfg.federation.num_devices), desc="reading device folders", unit="dev",
             disable=not progress,
         )  # fmt: skip
-        shares = [device_folder(cfg, i, Path(d.local_dir) / device_name(i)) for i in devices]
+        shares = [
+            device_folder(cfg, i, Path(d.local_dir) / device_name(i), domains=domains)
+            for i in devices
+        ]
         cuts = np.cumsum([0] + [len(s) for s in shares])
         data = ImageDataset(
             np.concatenate([s.images for s in shares]),
@@ -266,13 +314,19 @@ def split_dataset(cfg: RunConfig, *, progress: bool = False) -> tuple[ImageDatas
     data = load_dataset(
         d.dataset, d.path, size=d.synthetic_size, seed=cfg.run.seed, class_names=d.class_names
     )
-    return data, make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+    if d.public_size:
+        data = data.subset(public_split(len(data), d.public_size)[1])
+    parts = make_partition(data.labels, cfg.federation.num_devices, d, cfg.run.seed)
+    return in_domains(data, parts, d.domains if domains else [], cfg.run.seed)
 
 
 def split_test(cfg: RunConfig) -> tuple[ImageDataset, Parts] | None:
     """The devices' own test splits (classifiers report their accuracy on them): the
     dataset's test set split by the training split's rule (:func:`make_partition` with
-    ``test``). None for image folders, which have no test set."""
+    ``test``), each device's seen in its domain (:func:`in_domains` with ``test``: the noise
+    drawn from a stream of its own, not the training images'; the parts may then index into
+    per-device copies). The whole test set, whatever ``data.public_size``. None for image
+    folders, which have no test set."""
     d = cfg.data
     if d.dataset == "folder":
         return None
@@ -281,19 +335,49 @@ def split_test(cfg: RunConfig) -> tuple[ImageDataset, Parts] | None:
         class_names=d.class_names,
     )  # fmt: skip
     n = cfg.federation.num_devices
-    return data, make_partition(data.labels, n, d, cfg.run.seed, test=True)
+    parts = make_partition(data.labels, n, d, cfg.run.seed, test=True)
+    return in_domains(data, parts, d.domains, cfg.run.seed, test=True)
+
+
+def domain_test_sets(cfg: RunConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The whole test set seen in each domain of ``data.domains`` (in order of first
+    appearance; ``identity`` alone without domains): domain -> (uint8 images, int64 labels),
+    on which the cloud reports accuracy per domain. A domain's noise is drawn from a stream
+    of (``run.seed``, the domain), not a device's. Empty for image folders, which have no
+    test set."""
+    d = cfg.data
+    if d.dataset == "folder":
+        return {}
+    data = load_dataset(
+        d.dataset, d.path, split="test", size=d.synthetic_size, seed=cfg.run.seed,
+        class_names=d.class_names,
+    )  # fmt: skip
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name in dict.fromkeys(d.domains or ["identity"]):
+        rng = np.random.default_rng(
+            np.random.SeedSequence([cfg.run.seed, DOMAINS.index(name), 0xD0, 0xC10D])
+        )
+        out[name] = apply_domain(data.images, name, rng), data.labels
+    return out
 
 
 def device_folder(
-    cfg: RunConfig, index: int, folder: Path, *, progress: bool = False
+    cfg: RunConfig, index: int, folder: Path, *, progress: bool = False, domains: bool = True
 ) -> ImageDataset:
     """Device ``index``'s own images from ``folder`` (at most
-    ``data.max_samples_per_device``, drawn with the run's seed and the index)."""
+    ``data.max_samples_per_device``, drawn with the run's seed and the index), seen in its
+    domain (``data.domains`` and ``domains``; the noise seeded as :func:`split_dataset`
+    seeds device ``index``'s, so a folder ``estuary split-data`` wrote gives the images the
+    split gives)."""
     check_trainable(cfg)
-    return load_image_folder(
+    share = load_image_folder(
         folder,
         class_names=cfg.data.class_names,
         max_images=cfg.data.max_samples_per_device,
         seed=cfg.run.seed + index,
         progress=progress,
     )
+    if not (domains and cfg.data.domains):
+        return share
+    images = device_domain_images(share.images, cfg.data.domains, index, cfg.run.seed)
+    return ImageDataset(images, share.labels, share.name, share.skipped)

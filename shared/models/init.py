@@ -24,6 +24,10 @@ PRETRAINED: dict[str, tuple[str, str]] = {
         "fmnist_tiny_pretrained.safetensors",
         "cb94f6c712b4607bce09f5a43ade834d019068829b7c12552b6404fc18229109",
     ),
+    "fmnist-tiny-cfg": (
+        "fmnist_tiny_cfg_pretrained.safetensors",
+        "0000000000000000000000000000000000000000000000000000000000000000",
+    ),
 }
 #: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
 MAX_INIT_BYTES = 1 << 30

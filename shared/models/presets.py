@@ -74,6 +74,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 # (diffusers' ``num_class_embeds``); trained with each image's label, sampled per class.
 PRESETS["fmnist-tiny-cond"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 10}
 PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 10}
+# Classifier-free guidance variants (FedDEO): 10 classes plus a null class (index 10) that
+# training drops labels to, so that eps(x, t, null) is the unconditional prediction.
+PRESETS["fmnist-tiny-cfg"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 11}
+PRESETS["fmnist-small-cfg"] = {**PRESETS["fmnist-small"], "num_class_embeds": 11}
+#: presets whose last class embedding is the null class of classifier-free guidance
+CFG_PRESETS: frozenset[str] = frozenset({"fmnist-tiny-cfg", "fmnist-small-cfg"})
 
 
 #: every preset name: U-Nets, one-shot generators and classifiers
@@ -133,9 +139,23 @@ def module_device(model: nn.Module) -> torch.device | None:
 
 
 def num_classes_of(model: nn.Module) -> int:
-    """Number of classes a conditional U-Net embeds (0 for an unconditional one)."""
+    """Number of classes a conditional U-Net embeds (0 for an unconditional one; the null
+    class of a classifier-free-guidance preset is not one of them)."""
     cfg = getattr(model, "config", None)
-    return int(getattr(cfg, "num_class_embeds", None) or 0)
+    n = int(getattr(cfg, "num_class_embeds", None) or 0)
+    return n - 1 if null_class(model) is not None else n
+
+
+def null_class(model: nn.Module) -> int | None:
+    """The null class index of a classifier-free-guidance U-Net (its last class embedding,
+    :data:`CFG_PRESETS`), None for any other model."""
+    cfg = getattr(model, "config", None)
+    n = int(getattr(cfg, "num_class_embeds", None) or 0)
+    return n - 1 if n == CFG_NUM_EMBEDS else None
+
+
+#: class embeddings of a classifier-free-guidance preset: Fashion-MNIST's 10 plus the null one
+CFG_NUM_EMBEDS = 11
 
 
 def image_shape(preset: str) -> tuple[int, int, int]:

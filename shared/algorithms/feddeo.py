@@ -1,0 +1,494 @@
+"""FedDEO (Yang et al., ACM MM 2024; seed 003): one-shot federated learning with descriptions.
+
+One round. Every device trains one *description* per class it holds: a vector in the
+frozen class-conditional generator's class-embedding space, initialized from the class's own
+row (the paper's CLIP text features of the class name) and trained with the noise-prediction
+loss (eq. 4) while no weight of the generator changes. It uploads them once, a few hundred
+bytes per class. The edges and the cloud *slot* the descriptions by sender, never average
+them: the slot of device ``devNNN`` is filled only from ``devNNN``'s own upload at its edge,
+and the cloud takes each edge's slots for its own devices only.
+
+The cloud then (:meth:`FedDEO.finalize`, off its message loop) generates
+``feddeo_images_per_class`` images for every (device, described class) with eq. 5's
+compositional guidance (null class + w_t x class row + w_d x description, DDIM, one seed per
+image so that a smaller N is a prefix of a larger one), trains a fresh classifier on that
+synthetic set only, scores it on the real test split seen in every device's domain and
+writes a grid of each device's images. The classifier is the product: the cloud deploys it.
+
+Descriptions never leave the cloud: the state it publishes (the global blob, checkpoints)
+has every slot zeroed once the round is aggregated; the descriptions themselves stay in the
+algorithm's memory and in a file beside the checkpoint that is never published.
+
+Prompts-Only (``feddeo_use_descriptions = false``) is the same pipeline without the
+descriptions: devices upload only which classes they hold (their mask), and the cloud
+generates from the class rows alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.algorithms.base import (
+    Algorithm,
+    DeviceContext,
+    FinalResult,
+    LocalResult,
+    TensorDict,
+    Update,
+    register,
+)
+from shared.atomic import atomic_write
+from shared.config import RunConfig
+from shared.config.algorithms import AlgorithmConfig, FedDEOConfig
+from shared.data.datasets import NUM_CLASSES, from_model_output
+from shared.diffusion.guidance import class_table, eps_with_embedding, guided_ddim
+from shared.diffusion.schedule import draw_noise
+from shared.diffusion.training import TrainResult, placed, train_classifier
+from shared.errors import ConfigError
+from shared.models.classifier import accuracy, build_classifier
+from shared.models.plan import ChannelPlan
+from shared.naming import device_name, home_edge
+from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
+
+log = logging.getLogger(__name__)
+
+#: tensor-name prefixes of a device's descriptions (C, D) and of its mask (C,): 1 for each
+#: class it describes. A slot in the state is ``<prefix>.<device>``.
+DESC = "feddeo.desc"
+MASK = "feddeo.mask"
+#: the cloud's file of the descriptions, beside the checkpoint (never published)
+STATE_FILE = "feddeo_descriptions.safetensors"
+#: a description's entries must stay within this magnitude (anything larger is no
+#: description of an image but an attempt to blow up the cloud's guidance)
+MAX_DESC_ABS = 1e3
+
+
+def slot(prefix: str, device: str) -> str:
+    """The state's tensor name of ``device``'s slot under ``prefix``."""
+    return f"{prefix}.{device}"
+
+
+def image_seed(seed: int, device_index: int, cls: int, i: int) -> int:
+    """The seed of synthetic image ``i`` of (device, class): independent of N and of the
+    order of generation, so the first n images of N are the draw of n."""
+    return int(np.random.SeedSequence([seed, device_index, cls, i, 0xDE0]).generate_state(1)[0])
+
+
+def start_noise(seeds: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
+    """One start noise per seed (each from its own CPU generator)."""
+    return torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    )
+
+
+@dataclass
+class Synthetic:
+    """The cloud's synthetic training set: images in [-1, 1] (8-bit values), labels, the
+    device each image describes and its index i within its (device, class)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    devices: list[str]
+    index: torch.Tensor
+
+    def first(self, n: int) -> Synthetic:
+        """The first ``n`` images of every (device, class)."""
+        keep = self.index < n
+        devices = [d for d, k in zip(self.devices, keep.tolist(), strict=True) if k]
+        return Synthetic(self.images[keep], self.labels[keep], devices, self.index[keep])
+
+    def sha256(self) -> str:
+        """Digest of the 8-bit images and the labels."""
+        h = hashlib.sha256(from_model_output(self.images).tobytes())
+        h.update(self.labels.numpy().astype(np.int64).tobytes())
+        return h.hexdigest()
+
+
+def train_descriptions(
+    unet: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    s: FedDEOConfig,
+    scheduler: Any,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, TrainResult]:
+    """Eq. 4 on a device: one description per class it holds at least
+    ``feddeo_min_class_images`` of, started at the class's row of the frozen ``unet`` and
+    trained with Adam on ``images`` (every image conditions on its class's description) for
+    ``feddeo_desc_epochs`` passes. Returns (descriptions (C, D), mask (C,), the training
+    figures); rows of classes it does not describe stay the class rows, with mask 0."""
+    table = class_table(unet)
+    counts = torch.bincount(labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
+    mask = (counts >= s.feddeo_min_class_images).float()
+    desc = table[:NUM_CLASSES].clone().float()
+    keep = mask[labels.long()] > 0
+    x_all, y_all = images[keep], labels[keep].long()
+    if not len(x_all):
+        return desc, mask, TrainResult(0.0, 0, 0.0)
+    device = device or torch.device("cpu")
+    batch = min(s.feddeo_desc_batch, len(x_all))
+    steps = max(1, math.ceil(s.feddeo_desc_epochs * len(x_all) / batch))
+    param = nn.Parameter(desc.to(device))
+    opt = torch.optim.Adam([param], lr=s.feddeo_desc_lr)
+    flags = [p.requires_grad for p in unet.parameters()]
+    was_training = unet.training
+    unet.requires_grad_(False)
+    unet.eval()
+    total, start = 0.0, time.perf_counter()
+    order, at = torch.randperm(len(x_all), generator=generator), 0
+    try:
+        with placed(unet, device):
+            for _ in range(steps):
+                if at + batch > len(order):
+                    order, at = torch.randperm(len(x_all), generator=generator), 0
+                idx = order[at : at + batch]
+                at += batch
+                x0, y = x_all[idx].to(device), y_all[idx].to(device)
+                t, noise = draw_noise(x0.shape, x0.dtype, scheduler, generator)
+                t, noise = t.to(device), noise.to(device)
+                noisy = scheduler.add_noise(x0, noise, t)
+                loss = F.mse_loss(eps_with_embedding(unet, noisy, t, param[y]), noise)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+    finally:
+        for p, flag in zip(unet.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+        unet.train(was_training)
+    out = param.detach().cpu()
+    out[mask == 0] = desc[mask == 0]
+    return out, mask, TrainResult(total / steps, steps, time.perf_counter() - start)
+
+
+def synthesize(
+    unet: nn.Module,
+    slots: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    cfg: RunConfig,
+    *,
+    n: int,
+    use_descriptions: bool,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Synthetic:
+    """``n`` images for every (device, class) of ``slots`` (device -> (descriptions, mask);
+    the classes with mask 1) with eq. 5: null + w_t x class row (+ w_d x the device's
+    description when ``use_descriptions``), DDIM with ``feddeo_sample_steps``, the start
+    noise of each image from :func:`image_seed`. ``on_progress(done, total)`` counts
+    images after each batch."""
+    s = FedDEOConfig.of(cfg)
+    table = class_table(unet).float()
+    jobs: list[tuple[str, int, int, int]] = []  # (device, its index, class, i)
+    for dev in sorted(slots):
+        index = int(dev[3:]) if dev[3:].isdigit() else 0
+        mask = slots[dev][1]
+        for c in range(NUM_CLASSES):
+            if mask[c] > 0:
+                jobs.extend((dev, index, c, i) for i in range(n))
+    conf: Any = unet.config
+    shape = (int(conf.in_channels), int(conf.sample_size), int(conf.sample_size))
+    weights = [s.feddeo_w_t, s.feddeo_w_d] if use_descriptions else [s.feddeo_w_t]
+    out: list[torch.Tensor] = []
+    device = next(unet.parameters()).device
+    batch = s.feddeo_sample_batch
+    for lo in range(0, len(jobs), batch):
+        part = jobs[lo : lo + batch]
+        noise = start_noise([image_seed(cfg.run.seed, k, c, i) for _, k, c, i in part], shape)
+        cls = torch.tensor([c for _, _, c, _ in part])
+        conds = [table[cls]]
+        if use_descriptions:
+            conds.append(torch.stack([slots[d][0][c] for d, _, c, _ in part]).float())
+        x = guided_ddim(
+            unet, noise.to(device), conds, weights, cfg.diffusion, steps=s.feddeo_sample_steps
+        ).cpu()
+        out.append(((x + 1) * 127.5).round() / 127.5 - 1)  # 8-bit images, as a real set
+        if on_progress is not None:
+            on_progress(min(lo + batch, len(jobs)), len(jobs))
+    images = torch.cat(out) if out else torch.zeros((0, *shape))
+    return Synthetic(
+        images,
+        torch.tensor([c for _, _, c, _ in jobs], dtype=torch.long),
+        [d for d, _, _, _ in jobs],
+        torch.tensor([i for _, _, _, i in jobs], dtype=torch.long),
+    )
+
+
+def fit_classifier(
+    data: Synthetic, cfg: RunConfig, *, device: torch.device | None = None
+) -> tuple[nn.Module, float]:
+    """A fresh ``feddeo_classifier`` (init from the run's seed) trained with cross-entropy
+    on ``data`` only (SGD, momentum 0.9, the ``feddeo_clf_*`` settings); (model, last loss)."""
+    s = FedDEOConfig.of(cfg)
+    model = build_classifier(s.feddeo_classifier, seed=cfg.run.seed)
+    train = cfg.train.model_copy(
+        update={"optimizer": "sgd", "lr": s.feddeo_clf_lr, "momentum": 0.9,
+                "weight_decay": 5e-4, "batch_size": s.feddeo_clf_batch,
+                "local_epochs": s.feddeo_clf_epochs, "local_steps": 0, "grad_clip": 0.0}
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(cfg.run.seed + 0xC1F)
+    loss, _, _ = train_classifier(model, data.images, data.labels, train, gen, device=device)
+    return model.eval(), loss
+
+
+def accuracy_by_domain(
+    model: nn.Module, tests: Mapping[str, tuple[np.ndarray, np.ndarray]]
+) -> dict[str, float]:
+    """``model``'s top-1 accuracy on each domain's test set (uint8 images, labels), with
+    their unweighted ``mean``."""
+    from shared.data.datasets import to_model_input
+
+    out = {
+        name: round(accuracy(model, to_model_input(images, 1), torch.from_numpy(labels)), 4)
+        for name, (images, labels) in tests.items()
+    }
+    out["mean"] = round(sum(out.values()) / len(out), 4) if out else float("nan")
+    return out
+
+
+@register
+class FedDEO(Algorithm):
+    """Descriptions on the devices, slots on the aggregators, generation and a classifier
+    on the cloud (:meth:`finalize`)."""
+
+    name = "feddeo"
+    config_class: ClassVar[type[AlgorithmConfig]] = FedDEOConfig
+    settings: FedDEOConfig
+    #: the cloud runs :meth:`finalize` after the last round, before it deploys
+    one_shot: ClassVar[bool] = True
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.devices = [device_name(i) for i in range(cfg.federation.num_devices)]
+        #: the cloud's descriptions once aggregated: device -> (descriptions, mask)
+        self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- shapes -------------------------------------------------------------------------------
+    def _dims(self, model_spec: Mapping[str, TensorSpec]) -> tuple[int, int]:
+        spec = model_spec.get("class_embedding.weight")
+        if spec is None:
+            raise ConfigError("feddeo needs a class-conditional U-Net (class_embedding.weight)")
+        return NUM_CLASSES, int(spec.shape[1])
+
+    def global_spec(self, model_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        c, d = self._dims(model_spec)
+        out = dict(model_spec)
+        for dev in self.devices:
+            out[slot(DESC, dev)] = TensorSpec((c, d), torch.float32)
+            out[slot(MASK, dev)] = TensorSpec((c,), torch.float32)
+        return out
+
+    def init_global(self, model: TensorDict) -> TensorDict:
+        c, d = NUM_CLASSES, int(model["class_embedding.weight"].shape[1])
+        out = dict(model)
+        for dev in self.devices:
+            out[slot(DESC, dev)] = torch.zeros(c, d)
+            out[slot(MASK, dev)] = torch.zeros(c)
+        return out
+
+    def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        dev = self.devices[0]
+        out = {MASK: global_spec[slot(MASK, dev)]}
+        if self.settings.feddeo_use_descriptions:
+            out[DESC] = global_spec[slot(DESC, dev)]
+        return out
+
+    def materialize(self, state: TensorDict) -> TensorDict:
+        return {k: v for k, v in state.items() if not k.startswith("feddeo.")}
+
+    # -- device -------------------------------------------------------------------------------
+    def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
+        model.load_state_dict(self.materialize(state))
+
+    def device_round(
+        self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
+    ) -> LocalResult:
+        s = self.settings
+        if not s.feddeo_use_descriptions:  # Prompts-Only: which classes it holds, nothing else
+            counts = torch.bincount(ctx.labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
+            mask = (counts >= s.feddeo_min_class_images).float()
+            return LocalResult({MASK: mask} if upload else None, TrainResult(0.0, 0, 0.0))
+        desc, mask, result = train_descriptions(
+            model, ctx.data, ctx.labels, s, self.scheduler, ctx.generator,
+            device=self.training_device,
+        )  # fmt: skip
+        ctx.state[DESC] = desc.clone()  # the device's own, kept where it was made
+        return LocalResult({DESC: desc, MASK: mask} if upload else None, result)
+
+    # -- edge and cloud -----------------------------------------------------------------------
+    def _valid(self, source: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """Why ``source``'s upload cannot fill its slot (None: it can)."""
+        if source not in self.devices:
+            return "not a device of this federation"
+        mask = tensors.get(MASK)
+        if mask is None or not bool(((mask == 0) | (mask == 1)).all()):
+            return "mask entries must be 0 or 1"
+        desc = tensors.get(DESC)
+        if desc is not None and not bool(desc.abs().max() <= MAX_DESC_ABS):
+            return f"description entries beyond {MAX_DESC_ABS:g}"
+        return None
+
+    def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        """The edge's state with each sender's own slot filled from its upload (the model
+        and every other slot as they were)."""
+        out = dict(current)
+        for u in updates:
+            problem = self._valid(u.source, u.tensors)
+            if problem is not None:
+                log.warning("feddeo: %s's upload fills no slot: %s", u.source, problem)
+                continue
+            out[slot(MASK, u.source)] = u.tensors[MASK].float().clone()
+            if DESC in u.tensors:
+                out[slot(DESC, u.source)] = u.tensors[DESC].float().clone()
+        return out
+
+    def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
+        """The global state with the slots of each edge's own devices (those whose home
+        edge it is) taken from that edge's state; the generator stays the cloud's."""
+        out = dict(current)
+        for u in updates:
+            for i, dev in enumerate(self.devices):
+                if home_edge(i, self.cfg) != u.source:
+                    continue
+                mask = u.tensors.get(slot(MASK, dev))
+                if mask is None or not bool(mask.any()):
+                    continue
+                tensors = {MASK: mask, DESC: u.tensors[slot(DESC, dev)]}
+                problem = self._valid(dev, tensors)
+                if problem is not None:
+                    log.warning("feddeo: %s's slot from %s refused: %s", dev, u.source, problem)
+                    continue
+                out[slot(MASK, dev)] = mask.float().clone()
+                out[slot(DESC, dev)] = tensors[DESC].float().clone()
+        return out
+
+    def after_cloud_aggregate(
+        self, round_: int, state: TensorDict, plan: ChannelPlan | None
+    ) -> tuple[TensorDict, ChannelPlan | None]:
+        """After the round: the descriptions move into the cloud's memory (:attr:`held`)
+        and the state that is published, checkpointed and served has every slot zeroed."""
+        if round_ < 0:
+            return state, plan
+        out = dict(state)
+        for dev in self.devices:
+            mask = state[slot(MASK, dev)]
+            if bool(mask.any()):
+                self.held[dev] = (state[slot(DESC, dev)].clone(), mask.clone())
+            out[slot(DESC, dev)] = torch.zeros_like(state[slot(DESC, dev)])
+            out[slot(MASK, dev)] = torch.zeros_like(mask)
+        return out, plan
+
+    def save_cloud_state(self, directory: Path, round_: int) -> None:
+        """The descriptions, beside the checkpoint (never published)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for dev, (desc, mask) in sorted(self.held.items()):
+            tensors[slot(DESC, dev)], tensors[slot(MASK, dev)] = desc, mask
+        atomic_write(directory / STATE_FILE, encode_tensors(tensors))
+
+    def load_cloud_state(self, directory: Path, round_: int) -> None:
+        path = directory / STATE_FILE
+        if not path.exists():
+            return
+        tensors = decode_tensors(path.read_bytes())
+        self.held = {
+            dev: (tensors[slot(DESC, dev)], tensors[slot(MASK, dev)])
+            for dev in self.devices if slot(MASK, dev) in tensors
+        }  # fmt: skip
+
+    # -- the cloud's one-shot step ---------------------------------------------------------------
+    def finalize(
+        self,
+        state: TensorDict,
+        out_dir: Path | None,
+        *,
+        on_progress: Callable[[str, int, int], None] | None = None,
+    ) -> FinalResult:
+        """Generate the synthetic set from the held descriptions, train the classifier on
+        it, score it on every domain's real test split; grids in ``out_dir``."""
+        from shared.data.partition import domain_test_sets
+        from shared.evaluation.report import save_grid
+        from shared.models.presets import build_unet
+
+        s, cfg = self.settings, self.cfg
+        if not self.held:
+            raise ConfigError("feddeo: no device's upload reached the cloud; nothing to generate")
+        unet = build_unet(cfg.model.preset)
+        unet.load_state_dict(self.materialize(state))
+        unet.eval()
+        device = self.training_device
+        t0 = time.perf_counter()
+
+        def progress(phase: str) -> Callable[[int, int], None]:
+            def call(done: int, total: int) -> None:
+                if on_progress is not None:
+                    on_progress(phase, done, total)
+
+            return call
+
+        with placed(unet, device):
+            synthetic = synthesize(
+                unet, self.held, cfg, n=s.feddeo_images_per_class,
+                use_descriptions=s.feddeo_use_descriptions, on_progress=progress("generating"),
+            )  # fmt: skip
+        gen_s = time.perf_counter() - t0
+        tests = domain_test_sets(cfg)
+        by_n: dict[str, dict[str, float]] = {}
+        model: nn.Module | None = None
+        t1 = time.perf_counter()
+        sizes = sorted({*s.feddeo_eval_n, s.feddeo_images_per_class})
+        for k, n in enumerate(sizes):
+            clf, _ = fit_classifier(synthetic.first(n), cfg, device=device)
+            by_n[str(n)] = accuracy_by_domain(clf, tests)
+            progress("training classifiers")(k + 1, len(sizes))
+            if n == s.feddeo_images_per_class:
+                model = clf
+        assert model is not None
+        train_s = time.perf_counter() - t1
+        if out_dir is not None and s.feddeo_grid_per_class:
+            self._grids(synthetic, out_dir / "synthetic", save_grid)
+        final = by_n[str(s.feddeo_images_per_class)]
+        report = {
+            "accuracy": {k: v for k, v in final.items() if k != "mean"},
+            "mean_accuracy": final["mean"],
+            "accuracy_by_n": by_n,
+            "domains": list(tests),
+            "synthetic_images": len(synthetic.labels),
+            "synthetic_sha256": synthetic.sha256(),
+            "described": {d: int(m.sum()) for d, (_, m) in sorted(self.held.items())},
+            "use_descriptions": s.feddeo_use_descriptions,
+            "w_t": s.feddeo_w_t,
+            "w_d": s.feddeo_w_d if s.feddeo_use_descriptions else 0.0,
+            "images_per_class": s.feddeo_images_per_class,
+            "sample_steps": s.feddeo_sample_steps,
+            "classifier": s.feddeo_classifier,
+            "generate_s": round(gen_s, 1),
+            "classifier_s": round(train_s, 1),
+        }
+        if out_dir is not None:
+            atomic_write(out_dir / "feddeo.json", json.dumps(report, indent=2).encode())
+        log.info("feddeo: %d synthetic images in %.0fs; classifier mean accuracy %.4f over %s",
+                 len(synthetic.labels), gen_s, final["mean"], list(tests))  # fmt: skip
+        state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return FinalResult(state_dict, s.feddeo_classifier, report)
+
+    def _grids(self, data: Synthetic, directory: Path, save_grid: Callable[..., Path]) -> None:
+        """One PNG per device: ``feddeo_grid_per_class`` images of each class it described."""
+        per = self.settings.feddeo_grid_per_class
+        devices = np.array(data.devices)
+        for dev in sorted(set(data.devices)):
+            sel = np.flatnonzero((devices == dev) & (data.index.numpy() < per))
+            if len(sel):
+                save_grid(from_model_output(data.images[sel]), directory / f"{dev}.png")
