@@ -2,6 +2,11 @@
 manifest, publish it retained, serve the ONNX model through the blob layer, and collect the
 devices' reports (loaded / refused, images/s).
 
+A one-shot algorithm (FedDEO) deploys its product instead of the generator it trained with:
+the classifier in ``cloud.final`` (:func:`export_final_classifier`), signed and published the
+same way with ``task = "classify"``; the devices classify their own test split with it and
+report their accuracy (``classified``).
+
 Used by the cloud process after the last round and by ``estuary deploy`` on demand.
 """
 
@@ -9,9 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.atomic import atomic_write
 from shared.config import model_kind
@@ -30,7 +36,20 @@ from shared.errors import EstuaryError, ExportError
 from shared.runtime.service import RoleService
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
+if TYPE_CHECKING:  # torch, which `estuary deploy` does not need to import
+    import torch
+
+    from shared.algorithms.base import FinalResult
+    from shared.config import RunConfig
+    from shared.deploy.classifier_export import ClassifierExport
+
 log = logging.getLogger(__name__)
+
+#: images of the test split a deployed classifier's parity check runs on (the first ones)
+PARITY_IMAGES = 256
+#: the most bytes of JSON the final report takes in a deployed classifier's card (the signed
+#: manifest carrying the card is at most 64 KiB); its largest entries are left out beyond
+REPORT_CARD_BYTES = 16 * 1024
 
 
 class PublisherService(RoleService):
@@ -64,6 +83,11 @@ class DeploymentPublisher:
         elif msg.event == "sampled":
             log.info("%s sampled %d images at %.2f images/s (%s)", msg.device, msg.n,
                      msg.images_per_s, msg.provider)  # fmt: skip
+        elif msg.event == "classified":
+            log.info("%s classified %d images (%s): accuracy %s at %.0f images/s (%s)",
+                     msg.device, msg.n, msg.request_id or "?",
+                     "-" if msg.accuracy is None else f"{msg.accuracy:.4f}", msg.images_per_s,
+                     msg.provider)  # fmt: skip
         if self.on_report is not None:
             self.on_report(msg)
 
@@ -127,8 +151,8 @@ class DeploymentPublisher:
         self.service.send(self.service.topics.cloud_sample, req)
 
     def settled(self, devices: list[str]) -> bool:
-        """Whether every device in ``devices`` has sampled from or refused the current
-        deployment."""
+        """Whether every device in ``devices`` has sampled from (a generator), classified
+        with (a classifier) or refused the current deployment."""
         if self.current is None:
             return False
         sha = self.current.model_ref.sha256
@@ -143,12 +167,120 @@ class DeploymentPublisher:
         return {d: r.model_dump(exclude={"v", "kind"}) for d, r in sorted(self.reports.items())}
 
 
+def parity_batch(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The fixed images a deployed classifier's export is parity-checked on: the first
+    :data:`PARITY_IMAGES` of the configured dataset's test split with their labels (the
+    card then records ONNX Runtime's accuracy on them), or, where there is no test split
+    (image folders, a dataset that cannot be read here), as many seeded random images in
+    [-1, 1] without labels; and a line saying which."""
+    import torch
+
+    from shared.data.datasets import load_dataset, to_model_input
+
+    d = cfg.data
+    why = "image folders have no test split"
+    if d.dataset != "folder":
+        try:
+            test = load_dataset(
+                d.dataset, d.path, split="test", size=d.synthetic_size, seed=cfg.run.seed,
+                class_names=d.class_names,
+            )  # fmt: skip
+            images = to_model_input(test.images[:PARITY_IMAGES], 1)
+            labels = torch.from_numpy(test.labels[:PARITY_IMAGES].astype("int64"))
+            return images, labels, f"the first {len(images)} images of {d.dataset}'s test split"
+        except EstuaryError as err:
+            why = str(err)
+            log.warning("parity images: %s; using seeded random images instead", err)
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    images = torch.rand((PARITY_IMAGES, 1, 32, 32), generator=gen) * 2 - 1
+    return images, None, f"{PARITY_IMAGES} seeded random images in [-1, 1] ({why[:200]})"
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` as plain JSON: non-finite floats as None, unknown objects as strings."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    try:  # numpy and torch scalars
+        return _json_safe(value.item())
+    except (AttributeError, TypeError, ValueError):
+        return str(value)
+
+
+def report_for_card(report: dict[str, Any], budget: int = REPORT_CARD_BYTES) -> dict[str, Any]:
+    """A one-shot algorithm's final report (``cloud.final.report``: FedDEO's accuracy per
+    domain, ...) as the deployed card carries it: plain JSON, its largest entries left out
+    (and named under ``omitted``) until it fits in ``budget`` bytes."""
+    out: dict[str, Any] = _json_safe(dict(report))
+    omitted: list[str] = []
+    while out and len(json.dumps(out)) > budget:
+        largest = max(out, key=lambda k: len(json.dumps(out[k])))
+        omitted.append(largest)
+        del out[largest]
+    if omitted:
+        out["omitted"] = sorted(omitted)
+    return out
+
+
+def export_final_classifier(
+    cfg: RunConfig,
+    final: FinalResult,
+    out_dir: Path,
+    *,
+    signing_key: Any,
+    round_: int | None,
+    source: str,
+) -> ClassifierExport:
+    """Export a one-shot run's product, the classifier ``final`` (state and preset, from
+    :meth:`~shared.algorithms.base.Algorithm.finalize`), into ``out_dir`` for deployment:
+    the parity-gated ONNX export (:func:`parity_batch`'s images, ``deploy.parity_threshold``
+    on the logits, every argmax the same), a card naming the source run and carrying the
+    final report (:func:`report_for_card`), and a manifest signed with ``signing_key``
+    whose ``task`` is ``"classify"``
+    (:func:`~shared.deploy.classifier_export.export_signed_classifier`). ``round_``: the
+    run's last round, counted from 1. Raises :class:`ExportError` (nothing deployable
+    written) when the state is not a classifier of its preset or the export is refused."""
+    from shared.deploy.classifier_export import export_signed_classifier
+    from shared.models.classifier import build_classifier
+
+    try:
+        model = build_classifier(final.preset, seed=cfg.run.seed)
+        model.load_state_dict(final.model)
+    except (EstuaryError, RuntimeError, KeyError, TypeError) as err:
+        raise ExportError(
+            f"{cfg.algorithm.name}'s final model is not a {final.preset!r} classifier: {err}"
+        ) from None
+    images, labels, what = parity_batch(cfg)
+    origin = {"run": cfg.run.name, "round": round_, "algorithm": cfg.algorithm.name}
+    card = {
+        "name": f"{cfg.run.name}-{final.preset}",
+        "source": {**origin, "path": source, "config_digest": cfg.digest()},
+        "parity_images": what,
+        "final": report_for_card(final.report),
+    }
+    return export_signed_classifier(
+        model.eval(), out_dir, images=images, labels=labels, signing_key=signing_key,
+        run=cfg.run.name, opset=cfg.deploy.opset, tolerance=cfg.deploy.parity_threshold,
+        origin=origin, card=card,
+    )  # fmt: skip
+
+
 def deploy_when_trained(
     cloud: Any, run_dir: Path, *, quality: Callable[[], dict[str, Any] | None] = lambda: None
 ) -> None:
     """Arm ``cloud`` (a :class:`~cloud.service.CloudServer`) to export, sign and publish the
     final generator once training ends, then wait (``deploy.wait_s`` at most) for every
     registered online device to sample from it or refuse it before declaring the run done.
+
+    A one-shot algorithm (``cloud.algorithm.one_shot``: FedDEO) deploys the classifier its
+    final step made (``cloud.final``, :func:`export_final_classifier`) instead, through the
+    same signed path; the devices classify their own test split with it and report
+    (``classified``, with their accuracy, or ``refused``).
 
     Without ``deploy.signing_key`` (or with ``deploy.enabled = false``) the run completes
     without a deployment; a refused export (parity) is logged and the run completes.
@@ -174,6 +306,11 @@ def deploy_when_trained(
 
     def finish() -> None:
         write_reports()
+        got = [r.accuracy for r in publisher.reports.values()
+               if r.event == "classified" and r.accuracy is not None]  # fmt: skip
+        if got:
+            log.info("%d device(s) classified their own images with the deployed classifier: "
+                     "mean accuracy %.4f", len(got), sum(got) / len(got))  # fmt: skip
         cloud.complete()
 
     def waiting_for() -> list[str]:
@@ -183,25 +320,45 @@ def deploy_when_trained(
         if not cloud.done and publisher.settled(waiting_for()):
             finish()
 
-    def on_trained() -> None:
+    def export_generator() -> None:
         from shared.deploy.export import export_module
 
-        try:
-            result = export_module(
-                cfg, cloud.global_module(), cloud.plan, out,
-                round_=cloud.round, source=str(run_dir / "checkpoints"), fp16=cfg.deploy.fp16,
-                opset=cfg.deploy.opset, threshold=cfg.deploy.parity_threshold,
-                parity_steps=cfg.deploy.parity_steps, signing_key=key, quality=quality(),
-                algorithm=cloud.algorithm,
-            )  # fmt: skip
-        except ExportError as err:
-            log.error("%s; the run ends without a deployment", err)
-            cloud.complete()
-            return
+        result = export_module(
+            cfg, cloud.global_module(), cloud.plan, out,
+            round_=cloud.round, source=str(run_dir / "checkpoints"), fp16=cfg.deploy.fp16,
+            opset=cfg.deploy.opset, threshold=cfg.deploy.parity_threshold,
+            parity_steps=cfg.deploy.parity_steps, signing_key=key, quality=quality(),
+            algorithm=cloud.algorithm,
+        )  # fmt: skip
         p = result.parity
         log.info("exported %s: parity %.2g (random) / %.2g (%d-step trajectory), %d bytes",
                  result.model_path, p.random_max_abs, p.trajectory_max_abs, p.trajectory_steps,
                  result.card["onnx_bytes"])  # fmt: skip
+
+    def export_classifier() -> None:
+        final = cloud.final
+        if final is None:
+            raise ExportError(f"{cfg.algorithm.name} is one-shot but its final step made no "
+                              "model to deploy")  # fmt: skip
+        result = export_final_classifier(
+            cfg, final, out, signing_key=key, round_=cloud.round,
+            source=str(run_dir / "checkpoints"),
+        )  # fmt: skip
+        p = result.parity
+        log.info("exported the %s classifier %s: parity %.2g (logits), argmax %.3f on %s; "
+                 "%d bytes", final.preset, result.model_path, p.max_abs, p.argmax_agreement,
+                 result.card["parity_images"], result.card["onnx_bytes"])  # fmt: skip
+
+    def on_trained() -> None:
+        try:
+            if cloud.algorithm.one_shot:
+                export_classifier()
+            else:
+                export_generator()
+        except ExportError as err:
+            log.error("%s; the run ends without a deployment", err)
+            cloud.complete()
+            return
         publisher.publish(out)
         publisher.on_report = on_report
         if not waiting_for() or cfg.deploy.wait_s == 0:

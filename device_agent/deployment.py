@@ -1,5 +1,7 @@
 """The device side of deployment (DESIGN section 5): verify, load and serve the generator the
-cloud deploys, and sample from it on each new deployment and on request.
+cloud deploys, and sample from it on each new deployment and on request; or, when the signed
+manifest's ``task`` is ``"classify"`` (FedDEO's product), load the classifier it deploys and
+classify the device's own images with it.
 
 A deployment is refused, counted (``estuary_deployments_total{outcome="refused"}`` and
 ``estuary_rejected_messages_total{reason=...}``), logged and reported back when its
@@ -28,8 +30,21 @@ carries the global model's federated tensors; a training device then serves its 
 built from those and its local parts (:mod:`device_agent.personalize`, passed in as
 ``personalize``), and a device that holds no local parts serves the global model.
 
+Classifiers: a ``"classify"`` deployment passes the same checks (signature, manifest,
+version, references, the fetched bytes' sha256), then its card must be a classifier's
+(:func:`shared.deploy.onnx_classifier.check_card`) naming the signed file's sha256, and ONNX
+Runtime must load it (:meth:`~shared.deploy.onnx_classifier.OnnxClassifier.from_bytes`);
+else it is refused like any other. Once in service it classifies the device's own test split
+(``test_data`` / ``test_labels`` of a training device), else the first
+:data:`CLASSIFY_FALLBACK_IMAGES` of its training images with their labels, else (a
+sampling-only device) the labelled image folder ``data.local_dir`` (``--data``) when it has
+one, and reports ``classified`` with the accuracy, the images classified and which set they
+were (``request_id``: :data:`TEST_SPLIT`, :data:`TRAINING_IMAGES`, :data:`IMAGE_FOLDER` or
+:data:`NO_IMAGES`); the figures are written to ``classified.json`` beside the model. A sample
+request to a device serving a classifier is answered ``refused`` (``no_generator``).
+
 Torch-free: the sampling-only agent (``estuary device --sample-only``) runs on onnxruntime,
-numpy, pillow, paho-mqtt and prometheus-client alone.
+numpy, pillow, paho-mqtt and prometheus-client alone, classifiers included.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 from collections import deque
 from collections.abc import Callable
@@ -49,8 +65,15 @@ import numpy as np
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
 from shared.atomic import atomic_write
 from shared.config import RunConfig
+from shared.deploy.onnx_classifier import (
+    CARD_FILE,
+    ClassifyResult,
+    OnnxClassifier,
+    read_image_folder,
+)
 from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
 from shared.deploy.signing import (
+    CLASSIFY_TASK,
     MODEL_BLOB_KIND,
     NOT_NEWER,
     SHARED_BLOB_KIND,
@@ -60,6 +83,7 @@ from shared.deploy.signing import (
     manifest_digest,
     read_signed,
     refuse_older,
+    task_of,
     verify_manifest,
     version_of,
     write_signed,
@@ -97,6 +121,17 @@ FIRST_JOIN_S = 0.1
 JOIN_S = 0.02
 #: deployments that may wait while another one is fetched (beyond: the oldest is refused)
 MAX_WAITING = 4
+#: training images a deployed classifier classifies on a device without a test split (the
+#: first ones), and the images read from a sampling-only device's folder
+CLASSIFY_FALLBACK_IMAGES = 256
+#: which of its images a device classified with a deployed classifier (the report's
+#: ``request_id``)
+TEST_SPLIT = "own-test-split"
+TRAINING_IMAGES = "own-training-images"
+IMAGE_FOLDER = "own-image-folder"
+NO_IMAGES = "no-images"
+#: the figures of the last classification, beside the deployed classifier
+CLASSIFIED_FILE = "classified.json"
 
 
 def grid_seed(seed: int, device: str) -> int:
@@ -130,14 +165,71 @@ class Personalize(Protocol):
 class Served:
     """The model in service: the deployment ``sha256``, and ``personal`` (the sha256 of the
     device's own ONNX model) when the generator is the device's own; ``version``: the
-    deployment's version (None: not known)."""
+    deployment's version (None: not known). A generator deployment has its ``generator``; a
+    classifier deployment (task ``"classify"``) its ``classifier`` and no generator."""
 
     sha256: str
-    generator: OnnxGenerator
+    generator: OnnxGenerator | None
     manifest: dict[str, Any]
     path: Path
     personal: str | None = None
     version: DeploymentVersion | None = None
+    classifier: OnnxClassifier | None = None
+
+    @property
+    def provider(self) -> str:
+        """The execution provider the model in service runs on."""
+        model = self.generator if self.generator is not None else self.classifier
+        return model.providers[0] if model is not None else ""
+
+
+@dataclass(frozen=True)
+class LocalImages:
+    """The images a device classifies with a deployed classifier: uint8 (N, H, W) pixels or
+    prepared floats (N, 1, 32, 32), their labels (None: unlabelled), and which set they are
+    (:data:`TEST_SPLIT`, :data:`TRAINING_IMAGES`, :data:`IMAGE_FOLDER`)."""
+
+    images: np.ndarray
+    labels: np.ndarray | None
+    source: str
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    """A torch tensor (without importing torch) or an array as a numpy array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def local_images(service: RoleService) -> LocalImages | None:
+    """What ``service`` (a device) classifies a deployed classifier on: its own test split
+    (a training device's ``test_data`` / ``test_labels``), else the first
+    :data:`CLASSIFY_FALLBACK_IMAGES` of its training images (``data`` / ``labels``), else the
+    image folder ``data.local_dir`` (or its ``<device id>`` subfolder) read without torch,
+    labelled by its class folders; None when it has none of them. A read that fails raises
+    (:class:`~shared.errors.DataError`)."""
+    test = getattr(service, "test_data", None)
+    if test is not None:
+        labels = getattr(service, "test_labels", None)
+        return LocalImages(
+            _as_numpy(test), None if labels is None else _as_numpy(labels), TEST_SPLIT
+        )
+    data = getattr(service, "data", None)
+    if data is not None:
+        labels = getattr(service, "labels", None)
+        n = CLASSIFY_FALLBACK_IMAGES
+        return LocalImages(
+            _as_numpy(data[:n]), None if labels is None else _as_numpy(labels[:n]),
+            TRAINING_IMAGES,
+        )  # fmt: skip
+    d = service.cfg.data
+    if not d.local_dir:
+        return None
+    folder = Path(d.local_dir)
+    if (folder / service.name).is_dir():
+        folder = folder / service.name
+    found = read_image_folder(folder, class_names=d.class_names, limit=CLASSIFY_FALLBACK_IMAGES)
+    return LocalImages(found.images, found.labels, IMAGE_FOLDER)
 
 
 @dataclass(frozen=True)
@@ -400,7 +492,10 @@ class DeploymentReceiver:
     def _install(self, item: Admitted, fetched: Fetched) -> Served:
         """Load the model into ONNX Runtime, build the device's own model when the shared
         tensors came, and keep a verified copy of the deployment under
-        ``out_dir/models/<sha16>``; the model to serve."""
+        ``out_dir/models/<sha16>``; the model to serve. A classifier deployment goes to
+        :meth:`_install_classifier`."""
+        if task_of(item.manifest) == CLASSIFY_TASK:
+            return self._install_classifier(item, fetched)
         msg, manifest, want = item.msg, item.manifest, item.manifest["model"]
         card = manifest["card"]
         generator = OnnxGenerator(
@@ -431,9 +526,37 @@ class DeploymentReceiver:
             want["sha256"], generator, manifest, path, personal=own_sha, version=item.version
         )
 
+    def _install_classifier(self, item: Admitted, fetched: Fetched) -> Served:
+        """A ``"classify"`` deployment: its card must be a classifier's naming the signed
+        file's sha256 (else ``bad_manifest``) and ONNX Runtime must load the bytes (else
+        ``bad_model``); a verified copy (the model, ``card.json``, the signed manifest) is
+        kept under ``out_dir/models/<sha16>``, which ``estuary classify`` reads. No torch."""
+        msg, manifest, want = item.msg, item.manifest, item.manifest["model"]
+        card = manifest["card"]
+        if card.get("sha256") != want["sha256"]:
+            named = str(card.get("sha256"))[:16]
+            raise SignatureError("bad_manifest", f"the classifier's card names another model "
+                                 f"({named}) than the signed file")  # fmt: skip
+        if fetched.shared is not None:
+            raise SignatureError("bad_manifest", "a classifier deployment carries no shared "
+                                 "tensors")  # fmt: skip
+        classifier = OnnxClassifier.from_bytes(
+            fetched.model, card, provider=self.cfg.provider, threads=self.cfg.threads
+        )
+        path = self.out_dir / "models" / want["sha256"][:16]
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write(path / want["file"], fetched.model)
+        atomic_write(path / CARD_FILE, (json.dumps(card, indent=2) + "\n").encode())
+        for name in (OWN_MODEL_FILE, OWN_RECORD_FILE, CLASSIFIED_FILE):
+            (path / name).unlink(missing_ok=True)
+        write_signed(path, msg.manifest, msg.signature, msg.key_id)  # last, as for generators
+        return Served(
+            want["sha256"], None, manifest, path, version=item.version, classifier=classifier
+        )
+
     def _in_service(self, item: Admitted, served: Served) -> None:
         """Put ``served`` in service: remember its version, update the metrics, report it
-        and sample a grid from it."""
+        and sample a grid from it (a classifier: classify the device's own images)."""
         self.last_served[item.version.run] = (item.version.serial, item.digest)
         old = self.served
         self.served = served
@@ -449,8 +572,11 @@ class DeploymentReceiver:
         log.info("%s: serving %s%s (%s, %s params, version %d of run %s) on %s",
                  self.service.name, sha[:12], " as its own model" if served.personal else "",
                  card.get("name"), card.get("params"), item.version.serial, item.version.run,
-                 served.generator.providers[0])  # fmt: skip
+                 served.provider)  # fmt: skip
         self._report("loaded", sha)
+        if served.classifier is not None:
+            self._classify()
+            return
         steps = self.cfg.sample_steps
         seed = grid_seed(self.service.cfg.run.seed, self.service.name)
         self._sample(self.cfg.grid_size, steps, seed, f"deploy-{sha[:12]}")
@@ -469,12 +595,16 @@ class DeploymentReceiver:
             self._report("refused", None, reason="no_model: no deployment in service",
                          request_id=msg.request_id)  # fmt: skip
             return
+        if self.served.generator is None:
+            reason = "no_generator: the deployment in service is a classifier"
+            self._report("refused", self.served.sha256, reason=reason, request_id=msg.request_id)
+            return
         n = min(msg.n, self.cfg.max_request_images)
         self._sample(n, msg.steps, msg.seed, msg.request_id)
 
     def _sample(self, n: int, steps: int, seed: int, tag: str) -> None:
         served = self.served
-        if served is None:
+        if served is None or served.generator is None:
             return
         try:
             images, stats = served.generator.sample(n, steps=steps, seed=seed)
@@ -496,11 +626,58 @@ class DeploymentReceiver:
         )  # fmt: skip
         self._report("sampled", served.sha256, request_id=tag, stats=stats, grid=str(grid))
 
+    # -- classifying ----------------------------------------------------------------------
+    def _classify(self) -> None:
+        """Classify the device's own images (:func:`local_images`) with the classifier in
+        service and report ``classified`` (accuracy when they are labelled), or ``refused``
+        with the reason when that fails; the device goes on either way."""
+        served = self.served
+        if served is None or served.classifier is None:
+            return
+        sha = served.sha256
+        try:
+            local = local_images(self.service)
+            if local is None:
+                log.warning("%s: no images of its own to classify with %s", self.service.name,
+                            sha[:12])  # fmt: skip
+                self._report("classified", sha, request_id=NO_IMAGES,
+                             reason="no images: no test split, training images or "
+                             "data.local_dir")  # fmt: skip
+                return
+            result = served.classifier.classify(local.images, local.labels)
+        except Exception as err:  # EstuaryError, or anything else: the cloud hears why
+            detail = str(err) if isinstance(err, EstuaryError) else f"{type(err).__name__}: {err}"
+            log.error("%s: classifying with %s failed: %s", self.service.name, sha[:12], detail)
+            self._report("refused", sha, reason=f"classifying failed: {detail}"[:500],
+                         request_id=f"classify-{sha[:12]}")  # fmt: skip
+            return
+        acc = result.accuracy
+        accuracy = None if math.isnan(acc) else acc
+        figures = {"deployment": sha, "set": local.source, **result.to_dict()}
+        figures.pop("predictions")
+        try:
+            text = json.dumps(figures, indent=2) + "\n"
+            atomic_write(served.path / CLASSIFIED_FILE, text.encode())
+        except OSError as err:  # the figures are reported all the same
+            log.warning("%s: cannot write %s: %s", self.service.name, CLASSIFIED_FILE, err)
+        log.info("%s: classified %d images (%s) with %s: accuracy %s, %.0f images/s",
+                 self.service.name, len(result.predictions), local.source, sha[:12],
+                 "-" if accuracy is None else f"{accuracy:.4f}", result.images_per_s)  # fmt: skip
+        self._report("classified", sha, request_id=local.source, classified=result,
+                     accuracy=accuracy)  # fmt: skip
+
     def _report(
         self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
         stats: SampleStats | None = None, grid: str = "",
+        classified: ClassifyResult | None = None, accuracy: float | None = None,
     ) -> None:  # fmt: skip
         served = self.served
+        n, rate, latency = 0, 0.0, 0.0
+        if stats is not None:
+            n, rate, latency = stats.n, stats.images_per_s, stats.latency_s
+        elif classified is not None:
+            n, rate = len(classified.predictions), classified.images_per_s
+            latency = classified.seconds
         report = DeploymentReport(
             device=self.service.name,
             event=event,  # type: ignore[arg-type]
@@ -509,12 +686,13 @@ class DeploymentReceiver:
             personal=served.personal if served is not None else None,
             reason=reason,
             request_id=request_id[:64],
-            n=stats.n if stats else 0,
+            n=n,
             steps=stats.steps if stats else 0,
-            images_per_s=round(stats.images_per_s, 4) if stats else 0.0,
-            latency_s=round(stats.latency_s, 5) if stats else 0.0,
-            provider=served.generator.providers[0] if served is not None else "",
+            images_per_s=round(rate, 4) if math.isfinite(rate) else 0.0,
+            latency_s=round(latency, 5) if math.isfinite(latency) else 0.0,
+            provider=served.provider[:64] if served is not None else "",
             grid=grid[-500:],
+            accuracy=accuracy,
         )
         self.service.send(self.service.topics.device_deploy(self.service.name), report, retain=True)
 

@@ -572,7 +572,7 @@ class DeviceAgent(RoleService):
             self.kept_local = (msg.session, msg.round, msg.edge, msg.model_ref.sha256)
         ref = None
         if result.tensors is not None:
-            ref = self.put_tensors(result.tensors, "device_update")
+            ref = self.put_tensors(result.tensors, self.algorithm.upload_kind)
         update = DeviceUpdate(
             round=msg.round,
             session=msg.session,

@@ -65,6 +65,9 @@ class DemoResult:
     #: (None: it started afresh); equal to ``rounds`` when the directory held a finished run
     #: and nothing was trained
     resumed_after_round: int | None = None
+    #: a one-shot algorithm's product and figures (FedDEO: the classifier's accuracy per
+    #: domain), the summary's ``final``; None for every other algorithm
+    final: dict[str, Any] | None = None
 
 
 def demo_config(path: Path | None) -> RunConfig:
@@ -140,6 +143,7 @@ def run_demo(
         scrapes=scrapes,
         deployment=deployment,
         resumed_after_round=summary.get("resumed_after_round"),
+        final=summary.get("final"),
     )
 
 
@@ -224,12 +228,16 @@ def phase_text(
     r = int(cloud.get("estuary_round", rows)) + 1
     if state == "training":
         return f"round {r}: devices training"
+    if state == "aggregating" and cfg.algorithm.name == "feddeo":
+        return f"round {r}: generating the synthetic set and training the classifier"
     if state == "aggregating":
         every = cfg.eval.every if evaluate and model_kind(cfg.model.preset) != "classifier" else 0
         if every and (r % every == 0 or r == cfg.run.rounds):
             return f"round {r}: aggregating and evaluating (FID on {cfg.eval.num_samples} samples)"
         return f"round {r}: aggregating"
     if state == "deploying":
+        if cfg.algorithm.name == "feddeo":
+            return "deploying: classifier to ONNX, parity check, signing, devices classifying"
         if model_kind(cfg.model.preset) == "classifier":
             return "deploying: each device exports its own classifier to ONNX and tests it"
         return "deploying: export to ONNX, parity check, signing, devices sampling"
@@ -303,8 +311,27 @@ def print_demo_result(result: DemoResult) -> None:
         for name, v in sorted(by_role.items()):
             mib = {k: x / 2**20 for k, x in v.items()}
             print(f"  {name:>8}: sent {mib['sent']:8.2f} MiB  received {mib['received']:8.2f} MiB")
+    final = result.final
+    if final is not None and final.get("accuracy"):
+        accs = ", ".join(f"{k} {v:.3f}" for k, v in final["accuracy"].items())
+        print(
+            f"one-shot classifier ({final['preset']}) trained on {final.get('synthetic_images')} "
+            f"synthetic images: mean test accuracy over domains {final['mean_accuracy']:.4f} "
+            f"({accs})"
+        )
     classified = {k: r for k, r in result.deployment.items() if r["event"] == "classified"}
-    if classified:
+    if classified and final is not None:
+        accs = sorted(r["accuracy"] for r in classified.values() if r.get("accuracy") is not None)
+        print(
+            f"deployed {d / 'deploy' / 'model.onnx'} (signed): {len(classified)}/"
+            f"{len(result.deployment)} devices classified their own test split with it"
+            + (f"; accuracy with ONNX Runtime: mean {sum(accs) / len(accs):.4f}, "
+               f"min {accs[0]:.4f}, max {accs[-1]:.4f}" if accs else "")
+        )  # fmt: skip
+        for name, r in sorted(result.deployment.items()):
+            if r["event"] != "classified":
+                print(f"  {name}: {r['event']} {r['reason']}")
+    elif classified:
         accs = sorted(r["accuracy"] for r in classified.values() if r.get("accuracy") is not None)
         rates = sorted(r["images_per_s"] for r in classified.values())
         print(
@@ -337,6 +364,8 @@ def print_demo_result(result: DemoResult) -> None:
         print(f"  samples:     {d / grids[-1]}")
     if result.deployment and not classified:
         print(f"  device grids: {d / 'devices'}/<device>/samples/")
+    if (d / "synthetic").is_dir():
+        print(f"  synthetic:   {d / 'synthetic'}/<device>.png (the cloud's images per device)")
     print(f"  metrics:     {d / 'metrics.jsonl'}")
     print(f"  prometheus:  {d / 'prometheus.json'}")
     print(f"  logs:        {d / 'logs'}")

@@ -243,6 +243,8 @@ class Algorithm(ABC):
     #: devices upload their model each aggregation round; False (Local-only): nothing
     #: travels up, and edges accept reports without a model
     uploads: ClassVar[bool] = True
+    #: the blob kind of a device's upload (accounting counts bytes per kind)
+    upload_kind: ClassVar[str] = "device_update"
     #: the cloud needs every device's own upload, not only the edges' averages (pFedGPA):
     #: edges forward each one (``EdgeUpdate.forwarded``) and the cloud hands them to
     #: :meth:`personalize`

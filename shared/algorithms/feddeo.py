@@ -269,6 +269,8 @@ class FedDEO(Algorithm):
     settings: FedDEOConfig
     #: the cloud runs :meth:`finalize` after the last round, before it deploys
     one_shot: ClassVar[bool] = True
+    #: descriptions travel as a blob kind of their own (counted apart from models)
+    upload_kind: ClassVar[str] = "description"
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)

@@ -14,11 +14,18 @@ Nothing is signed: Estuary signs only what it received signed (the cloud's deplo
 :mod:`shared.deploy.signing`), and a device holds no signing key, so a model made on the
 device says ``"signed": false`` in its card. The card's sha256 lets
 :class:`shared.deploy.onnx_classifier.OnnxClassifier` refuse a damaged or replaced file.
+
+A classifier the *cloud* made (FedDEO's, trained on its synthetic images) is deployed like a
+generator: :func:`export_signed_classifier` runs the same parity-gated export, then writes an
+Ed25519-signed manifest whose ``task`` is ``"classify"`` (``manifest.json``,
+``manifest.sig``), which :class:`cloud.deploy.DeploymentPublisher` publishes and the devices
+verify before they load it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -45,7 +52,16 @@ from shared.deploy.onnx_classifier import (
     OUTPUT_NAME,
 )
 from shared.deploy.onnx_sampler import make_session
-from shared.errors import ExportError
+from shared.deploy.signing import (
+    CLASSIFY_TASK,
+    key_id,
+    make_manifest,
+    new_version,
+    read_version,
+    sign_manifest,
+    write_signed,
+)
+from shared.errors import EstuaryError, ExportError
 from shared.models.classifier import CLASSIFIER_PRESETS, is_classifier
 
 #: the lowest opset exported, as ``shared.deploy.export.MIN_OPSET`` (not imported from
@@ -59,6 +75,11 @@ PREPROCESSING = "8-bit grayscale 28x28, x / 127.5 - 1, padded by 2 pixels of -1"
 SIGNATURE_NOTE = (
     "made and exported on the device from its own fine-tuning; Estuary signs only what it "
     "received signed (the cloud's deployments), so this model carries no signature"
+)
+CLOUD_SIGNATURE_NOTE = (
+    "made and exported on the cloud and deployed with an Ed25519-signed manifest "
+    "(manifest.json, manifest.sig); devices verify the signature and this file's sha256 "
+    "before they load it"
 )
 
 
@@ -101,6 +122,8 @@ class ClassifierExport:
     sha256: str
     card: dict[str, Any]
     seconds: float
+    #: the signed manifest (:func:`export_signed_classifier`); None: unsigned
+    manifest_path: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -108,6 +131,7 @@ class ClassifierExport:
             "out_dir": str(self.out_dir),
             "model": str(self.model_path),
             "card": str(self.card_path),
+            "manifest": None if self.manifest_path is None else str(self.manifest_path),
             "sha256": self.sha256,
             "accuracy": self.accuracy,
             "parity": self.parity.to_dict(),
@@ -304,3 +328,51 @@ def export_classifier(
         out_dir, model_path, card_path, parity, accuracy, card["sha256"], card,
         time.perf_counter() - start,
     )  # fmt: skip
+
+
+def export_signed_classifier(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    images: torch.Tensor,
+    signing_key: Any,
+    run: str,
+    labels: torch.Tensor | None = None,
+    opset: int = MIN_OPSET,
+    tolerance: float = 1e-4,
+    origin: dict[str, Any] | None = None,
+    card: dict[str, Any] | None = None,
+) -> ClassifierExport:
+    """:func:`export_classifier` (the same parity gate on ``images``), then sign it for
+    deployment: the card says ``"signed": true`` and takes the entries of ``card`` (e.g. the
+    source run and the training report), and ``manifest.json`` / ``manifest.sig`` hold an
+    Ed25519-signed manifest (``signing_key``) with the ONNX file's sha256 and size, the card,
+    ``task = "classify"`` and a new version of ``run``, numbered after the manifest already
+    in ``out_dir`` (as :func:`shared.deploy.export.export_module` numbers generators).
+
+    A refused parity check writes nothing; a manifest that cannot be signed (larger than
+    :data:`~shared.deploy.signing.MAX_MANIFEST_BYTES`) raises :class:`ExportError` and leaves
+    the unsigned export (``"signed": false``) without a manifest."""
+    try:
+        extra = json.loads(json.dumps(card or {}, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"card entries must be JSON (no NaN): {err}") from None
+    out_dir = Path(out_dir)
+    previous = read_version(out_dir)  # export_classifier removes the manifest it replaces
+    result = export_classifier(
+        model, out_dir, images=images, labels=labels, opset=opset, tolerance=tolerance,
+        origin=origin,
+    )  # fmt: skip
+    full = {**result.card, "signed": True, "signature_note": CLOUD_SIGNATURE_NOTE, **extra}
+    version = new_version(run, previous.serial if previous is not None else 0)
+    manifest = make_manifest(
+        result.sha256, int(full["onnx_bytes"]), full, file=result.model_path.name,
+        version=version, task=CLASSIFY_TASK,
+    )  # fmt: skip
+    try:
+        text, signature = sign_manifest(manifest, signing_key)
+    except EstuaryError as err:
+        raise ExportError(f"classifier deployment not signed: {err}") from None
+    atomic_write(result.card_path, (json.dumps(full, indent=2) + "\n").encode())
+    manifest_path = write_signed(out_dir, text, signature, key_id(signing_key.public_key()))
+    return dataclasses.replace(result, card=full, manifest_path=manifest_path)

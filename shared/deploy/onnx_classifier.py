@@ -6,7 +6,10 @@ An export directory (:func:`shared.deploy.classifier_export.export_classifier`) 
 :class:`OnnxClassifier` refuses a card of another kind and a model whose bytes do not match
 the card's hash. The model is the device's own fine-tuned classifier (pFedGPA), made and
 exported on the device, so it carries no signature: the card's hash guards against a
-damaged or swapped file, not against someone who can rewrite both files.
+damaged or swapped file, not against someone who can rewrite both files. A classifier the
+cloud deploys (FedDEO's) is signed instead: the device verifies its manifest
+(:mod:`shared.deploy.signing`) and loads the checked bytes with
+:meth:`OnnxClassifier.from_bytes`.
 
 Inputs are prepared the way training prepares them (:mod:`shared.data.datasets`, which
 imports torch and is therefore not imported here): 8-bit grayscale 28x28 images, padded by
@@ -377,20 +380,45 @@ class OnnxClassifier:
     """
 
     def __init__(self, model_dir: str | Path, *, provider: str = "auto", threads: int = 0) -> None:
-        self.model_dir = Path(model_dir)
-        self.card = _read_card(self.model_dir / CARD_FILE)
-        self.num_classes = check_card(self.card)
-        model_path = self.model_dir / MODEL_FILE
+        directory = Path(model_dir)
+        #: the export directory read (None: loaded from bytes in hand)
+        self.model_dir: Path | None = directory
+        card = _read_card(directory / CARD_FILE)
+        model_path = directory / MODEL_FILE
         try:
             if model_path.stat().st_size > MAX_MODEL_BYTES:
                 raise EstuaryError(f"{model_path} is larger than {MAX_MODEL_BYTES} bytes")
             data = model_path.read_bytes()
         except OSError as err:
             raise EstuaryError(f"cannot read {model_path}: {err}") from None
+        self._load(data, card, str(model_path), provider=provider, threads=threads)
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, card: dict[str, Any], *, provider: str = "auto", threads: int = 0
+    ) -> OnnxClassifier:
+        """A classifier from ONNX bytes and their card in hand (a deployment the device
+        fetched and verified), checked as :class:`OnnxClassifier` checks an export
+        directory: the card's kind and fields, and the bytes' sha256 against the card's."""
+        if not isinstance(card, dict):
+            raise EstuaryError(f"a model card is a JSON object, got {type(card).__name__}")
+        if len(data) > MAX_MODEL_BYTES:
+            raise EstuaryError(f"the model is larger than {MAX_MODEL_BYTES} bytes")
+        self = cls.__new__(cls)
+        self.model_dir = None
+        self._load(data, card, "the model", provider=provider, threads=threads)
+        return self
+
+    def _load(
+        self, data: bytes, card: dict[str, Any], what: str, *, provider: str, threads: int
+    ) -> None:
+        """Check ``card`` and ``data`` (named ``what`` in errors) and open the session."""
+        self.card = card
+        self.num_classes = check_card(card)
         self.sha256 = hashlib.sha256(data).hexdigest()
         if self.sha256 != self.card["sha256"]:
             raise EstuaryError(
-                f"{model_path} does not match its card: sha256 {self.sha256[:16]}..., the card "
+                f"{what} does not match its card: sha256 {self.sha256[:16]}..., the card "
                 f"says {self.card['sha256'][:16]}... (damaged or replaced; export it again)"
             )
         self.session = make_session(data, provider=provider, threads=threads)

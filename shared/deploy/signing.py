@@ -15,6 +15,10 @@ back). Devices serve a deployment of a run only if its serial is greater than th
 run's deployment they served last (:func:`refuse_older`): a replayed older deployment, validly
 signed as it is, is refused. Manifests exported before versions existed read as serial 0.
 
+A manifest may say what its model is for, in the signed ``task``: ``"generate"`` (a
+generator the devices sample from; what a manifest without ``task`` means) or ``"classify"``
+(a classifier the devices run on their own images, :data:`CLASSIFY_TASK`).
+
 Torch-free on purpose: the device agent's sampling path imports this.
 """
 
@@ -55,6 +59,10 @@ MAX_SERIAL = 2**53 - 1
 _MAX_RUN_CHARS = 128
 #: the reason a device refuses a deployment that is not newer than the one it served
 NOT_NEWER = "deployment_not_newer"
+#: what a deployed model is for (the manifest's ``task``; absent: generate)
+GENERATE_TASK = "generate"
+CLASSIFY_TASK = "classify"
+TASKS = (GENERATE_TASK, CLASSIFY_TASK)
 
 
 # -- keys ---------------------------------------------------------------------------------
@@ -190,12 +198,16 @@ def make_manifest(
     file: str = "model.onnx",
     shared: dict[str, Any] | None = None,
     version: DeploymentVersion | None = None,
+    task: str | None = None,
 ) -> dict[str, Any]:
     """The manifest of a model file: its hash, size, card, creation time and ``version``
     (default: :func:`new_version` of the card's source run); with ``shared`` (``{"file",
     "sha256", "size"}``), also the safetensors file of the global model's federated tensors
     that devices holding their own local parts build their model from (FedDiffuse
-    ULATDEC/UDEC)."""
+    ULATDEC/UDEC); with ``task`` (one of :data:`TASKS`), what the model is for (without:
+    no ``task`` entry, which reads as ``"generate"``)."""
+    if task is not None and task not in TASKS:
+        raise EstuaryError(f"deployment task must be one of {TASKS}, got {task!r}")
     if version is None:
         version = new_version(version_of({"card": card}).run)
     manifest = {
@@ -207,7 +219,15 @@ def make_manifest(
     }
     if shared is not None:
         manifest["shared"] = dict(shared)
+    if task is not None:
+        manifest["task"] = task
     return manifest
+
+
+def task_of(manifest: dict[str, Any]) -> str:
+    """What a (checked) manifest's model is for: its ``task``, ``"generate"`` without one."""
+    task = manifest.get("task", GENERATE_TASK)
+    return task if isinstance(task, str) else GENERATE_TASK
 
 
 def sign_manifest(manifest: dict[str, Any], key: Ed25519PrivateKey) -> tuple[str, str]:
@@ -253,6 +273,9 @@ def check_manifest(manifest: Any) -> None:
         raise SignatureError("bad_manifest", "manifest has no model card")
     if "version" in manifest:
         _check_version(manifest["version"])
+    task = manifest.get("task", GENERATE_TASK)
+    if task not in TASKS:
+        raise SignatureError("bad_manifest", f"task is not one of {TASKS}: {task!r:.80}")
 
 
 def _check_version(value: Any) -> None:

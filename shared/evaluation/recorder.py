@@ -29,8 +29,8 @@ from shared.transport.telemetry import Traffic, diff_counts
 log = logging.getLogger(__name__)
 
 UP_KINDS = (
-    "device_update", "edge_update", "forwarded_update", "msg_device_update", "msg_edge_update",
-    "msg_hello",
+    "device_update", "description", "edge_update", "forwarded_update", "msg_device_update",
+    "msg_edge_update", "msg_hello",
 )  # fmt: skip
 
 TrafficScope = Literal["all", "cloud"]

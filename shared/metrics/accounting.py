@@ -73,6 +73,7 @@ Tier = Literal["edge", "cloud"]
 BLOB_TIER: dict[str, Tier] = {
     "edge_model": "edge",
     "device_update": "edge",
+    "description": "edge",  # FedDEO's upload: descriptions instead of a model
     "global_model": "cloud",
     "edge_update": "cloud",
 }
