@@ -313,11 +313,11 @@ def print_demo_result(result: DemoResult) -> None:
             print(f"  {name:>8}: sent {mib['sent']:8.2f} MiB  received {mib['received']:8.2f} MiB")
     final = result.final
     if final is not None and final.get("accuracy"):
-        accs = ", ".join(f"{k} {v:.3f}" for k, v in final["accuracy"].items())
+        per_domain = ", ".join(f"{k} {v:.3f}" for k, v in final["accuracy"].items())
         print(
             f"one-shot classifier ({final['preset']}) trained on {final.get('synthetic_images')} "
             f"synthetic images: mean test accuracy over domains {final['mean_accuracy']:.4f} "
-            f"({accs})"
+            f"({per_domain})"
         )
     classified = {k: r for k, r in result.deployment.items() if r["event"] == "classified"}
     if classified and final is not None:

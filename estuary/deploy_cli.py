@@ -177,9 +177,24 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     finally:
         bus.close()
     for device, r in publisher.summary().items():
-        speed = f"{r['images_per_s']:.2f} images/s" if r["event"] == "sampled" else r["reason"]
-        print(f"  {device}: {r['event']:>8}  {speed}")
+        print(report_line(device, r))
     return 0 if publisher.settled(targets) else 1
+
+
+def report_line(device: str, report: dict[str, Any]) -> str:
+    """One line of ``estuary deploy``'s result for ``device``'s latest report (its JSON
+    form, :meth:`~cloud.deploy.DeploymentPublisher.summary`): a generator's sampling speed, a
+    classifier's accuracy and speed, or why the device refused."""
+    event = report["event"]
+    if event == "sampled":
+        what = f"{report['images_per_s']:.2f} images/s"
+    elif event == "classified":
+        from estuary.status import classified_figures
+
+        what = classified_figures(report)
+    else:
+        what = report.get("reason") or ""
+    return f"  {device}: {event:>8}  {what}".rstrip()
 
 
 def cmd_provision(args: argparse.Namespace) -> int:

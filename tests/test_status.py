@@ -15,11 +15,12 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from estuary.cli import main
-from estuary.status import FederationStatus, format_status
+from estuary.deploy_cli import report_line
+from estuary.status import DeviceView, FederationStatus, format_status
 from shared.config import RunConfig
 from shared.runtime.process import connect_bus
 from shared.transport.local_broker import LocalBroker
-from shared.wire.messages import CloudState, DeviceHello, Topics, encode
+from shared.wire.messages import CloudState, DeploymentReport, DeviceHello, Topics, encode
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect
 from tests.test_mqtt_federation import _run_over_mqtt
@@ -278,6 +279,38 @@ def test_an_open_round_is_dated_against_its_deadline() -> None:
     done = state.model_copy(update={"phase": "done", "opened_at": None, "deadline_s": None})
     text = format_status(FederationStatus(RUN, cfg.digest(), 5, cloud=done), "b", 1150.0)
     assert "done      round 3 of 5   global" in text
+
+
+def test_classified_and_sampled_reports_show_their_figures() -> None:
+    """A device that classified with a deployed classifier (FedDEO's, or its own) shows its
+    accuracy and speed, like a sampling one shows its speed, in `estuary status` and in
+    `estuary deploy`'s result lines."""
+    cfg = tiny_config(run={"name": RUN})
+    sha = "ab" * 32
+    classified = DeploymentReport(
+        device="dev000", event="classified", model_sha256=sha, serving=sha, n=80,
+        images_per_s=9261.3, provider="CPUExecutionProvider", request_id="own-test-split",
+        accuracy=0.8125,
+    )  # fmt: skip
+    unlabelled = classified.model_copy(update={"device": "dev001", "accuracy": None,
+                                               "request_id": ""})  # fmt: skip
+    sampled = DeploymentReport(device="dev002", event="sampled", model_sha256=sha, serving=sha,
+                               n=16, steps=3, images_per_s=2.5,
+                               provider="CPUExecutionProvider")  # fmt: skip
+    devices = {r.device: DeviceView(online=True, report=r)
+               for r in (classified, unlabelled, sampled)}  # fmt: skip
+    text = format_status(FederationStatus(RUN, cfg.digest(), 3, devices=devices), "b")
+    assert (f"serving {sha[:12]}; classified, accuracy 0.8125 on 80 images (own-test-split) "
+            "at 9261.30 images/s (CPUExecutionProvider)") in text  # fmt: skip
+    assert "classified, no accuracy (unlabelled) on 80 images at 9261.30 images/s" in text
+    assert "sampled 16 in 3 steps at 2.50 images/s (CPUExecutionProvider)" in text
+    assert "(loaded)" not in text
+    lines = [report_line(r.device, r.model_dump(exclude={"v", "kind"}))
+             for r in (classified, sampled)]  # fmt: skip
+    assert lines == [
+        "  dev000: classified  accuracy 0.8125 on 80 images (own-test-split) at 9261.30 images/s",
+        "  dev002:  sampled  2.50 images/s",
+    ]
 
 
 def test_a_run_directory_names_the_running_broker(
