@@ -55,6 +55,11 @@ class SimulationResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     traffic: dict[str, Any] = field(default_factory=dict)
     plan: ChannelPlan | None = None  # the final global model's channel plan (pruned)
+    #: the summary's ``"final"``: a one-shot algorithm's product and its figures (FedDEO:
+    #: ``preset``, per-domain ``accuracy``, ``mean_accuracy``, ``accuracy_by_n``, ...), or a
+    #: classifier run's final global model scored on every domain's test set when
+    #: ``data.domains`` is set (``preset``, ``accuracy``, ``mean_accuracy``); else None
+    final: dict[str, Any] | None = None
 
 
 @dataclass
@@ -141,8 +146,9 @@ def device_test_splits(
     cfg: RunConfig, run_dir: Path, names: list[str], *, show: bool
 ) -> tuple[ImageDataset, list[np.ndarray]] | None:
     """A classifier run's per-device test splits (:func:`split_test`), their label counts
-    saved as ``label_counts_test.csv`` (and printed with ``show``); None for generators."""
-    if model_kind(cfg.model.preset) != "classifier":
+    saved as ``label_counts_test.csv`` (and printed with ``show``); None for generators,
+    except FedDEO's, whose devices classify with the classifier the cloud deploys."""
+    if model_kind(cfg.model.preset) != "classifier" and cfg.algorithm.name != "feddeo":
         return None
     test = split_test(cfg)
     if test is None:
@@ -180,8 +186,9 @@ def simulate(
     run_dir = prepare_run_dir(cfg, out)
     if cfg.algorithm.name == "prism":
         announce_prism_key(run_dir, show=progress)
-    if progress and cfg.algorithm.name == "pfedgpa":  # minutes of diffusion training: say so
-        logging.getLogger("shared.algorithms.pfedgpa").setLevel(logging.INFO)
+    if progress and cfg.algorithm.name in ("pfedgpa", "feddeo"):  # minutes of work: say so
+        logging.getLogger(f"shared.algorithms.{cfg.algorithm.name}").setLevel(logging.INFO)
+        logging.getLogger("cloud.service").setLevel(logging.INFO)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
     save_label_counts(run_dir, matrix, device_names, show=progress)
@@ -224,7 +231,18 @@ def simulate(
         "arch": plan_doc(cloud.plan),
         "traffic": traffic,
     }
+    final: dict[str, Any] | None = None
+    if cloud.final is not None:  # a one-shot algorithm's product and its figures
+        final = {"preset": cloud.final.preset, **cloud.final.report}
+    elif model_kind(cfg.model.preset) == "classifier" and cfg.data.domains:
+        # the final global classifier on the whole test set seen in every domain: the
+        # figure a one-shot method reports, so feature-skew comparisons share one measure
+        from shared.algorithms.feddeo import score_by_domain
+
+        final = score_by_domain(cfg, cloud.global_module())
+    if final is not None:
+        summary["final"] = final
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return SimulationResult(
-        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan
+        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan, final
     )

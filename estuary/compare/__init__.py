@@ -31,7 +31,18 @@ Overrides are dotted ``section.key`` names (an ``[method.overrides]`` sub-table,
 tables, work too); an unknown section or key is a :class:`ConfigError` naming it.
 
 ``ESTUARY__SECTION__KEY`` environment overrides apply to the base; a method's overrides win.
-Methods may not change the split (``data.*``, ``federation.num_devices``, ``run.seed``).
+Methods may not change the split (``data.*``, ``federation.num_devices``, ``run.seed``); they
+may change anything else (``model.*``, ``train.*``, ``algorithm.*``, ``run.rounds``: one-shot
+FedDEO runs one round beside a 20-round FedAvg).
+
+A centralized method of a classifier preset trains it with cross-entropy on the pooled
+images and labels of every device (each seen in its domain), ``train.local_epochs`` passes a
+round for ``run.rounds`` rounds, and is scored on the whole test set seen in every domain
+(``data.domains``). When runs report such per-domain accuracy (their ``final``: FedDEO's
+product, a classifier's final global model under ``data.domains``, a centralized classifier)
+the table is FedDEO's instead (:mod:`estuary.compare.tables`): a column per domain, the mean,
+rounds, the bytes one device uploaded and fetched over the whole run and its upload over the
+reference's, with ``accuracy_by_domain.png``.
 The output directory gets one run directory per method, ``table.md``/``.csv``/``.json``
 (:mod:`shared.metrics.accounting` defines every byte and cost column) and ``quality.png`` /
 ``bytes.png``. Rounds differ in length between methods (FedAvg with E = 5 trains five times

@@ -51,6 +51,19 @@ def _training_key(m: Method) -> dict[str, Any]:
     return key
 
 
+def _final_ok(final: dict[str, Any]) -> bool:
+    """Whether a record's ``final`` has the shape the tables read: ``accuracy`` (when
+    present) a table of numbers by domain, ``mean_accuracy`` a number."""
+    acc = final.get("accuracy")
+    if acc is not None and not (
+        isinstance(acc, dict)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in acc.values())
+    ):
+        return False
+    mean = final.get("mean_accuracy")
+    return mean is None or (isinstance(mean, (int, float)) and not isinstance(mean, bool))
+
+
 def fingerprint(m: Method) -> str:
     """``m``'s ``model.init`` as :func:`~shared.models.init.init_fingerprint` names it now,
     with what else its first state derives from (PRISM: the key's fingerprint), so a run
@@ -78,6 +91,7 @@ def save_record(run: MethodRun, *, evaluate: bool, init: str | None = None) -> N
         "steps": run.steps,
         "torch_threads": run.threads,
         "deterministic": run.deterministic,
+        "final": run.final,
     }
     atomic_write(run.run_dir / RECORD, json.dumps(doc).encode())
 
@@ -135,10 +149,13 @@ def load_record(
     deterministic = doc.get("deterministic")
     if not (deterministic is None or isinstance(deterministic, bool)):
         return None, f"{path}: deterministic {deterministic!r} is not true or false"
+    final = doc.get("final")  # absent from a record of before it was kept: none reported
+    if not (final is None or (isinstance(final, dict) and _final_ok(final))):
+        return None, f"{path}: final {final!r} is not a table of the run's final figures"
     try:  # the one check of a plan read back from disk
         parsed = parse_plan(m.cfg.model.preset, plan)
     except ConfigError as err:
         return None, f"{path}: bad architecture plan: {err}"
     run = MethodRun(m, run_dir, rows, traffic, parsed, float(wall_s), steps, threads=threads,
-                    deterministic=deterministic)  # fmt: skip
+                    deterministic=deterministic, final=final)  # fmt: skip
     return run, "finished earlier"

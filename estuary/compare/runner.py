@@ -24,10 +24,11 @@ from estuary.compare.spec import (
     steps_per_round,
 )
 from estuary.compare.tables import summarize, write_plots, write_tables
+from shared.algorithms.feddeo import score_by_domain
 from shared.atomic import atomic_write
-from shared.config import RunConfig
+from shared.config import RunConfig, model_kind
 from shared.config.algorithms import FedPhDConfig
-from shared.data.datasets import to_model_input
+from shared.data.datasets import ImageDataset, to_model_input
 from shared.data.partition import split_dataset
 from shared.diffusion.schedule import make_train_scheduler
 from shared.diffusion.training import (
@@ -35,6 +36,7 @@ from shared.diffusion.training import (
     make_optimizer,
     resolve_device,
     set_deterministic,
+    train_classifier,
     train_local,
 )
 from shared.errors import ConfigError
@@ -57,10 +59,11 @@ def run_centralized(
     progress: bool,
     ema: float = 0.0,
     init: str | None = None,
-) -> tuple[list[dict[str, Any]], list[int], ChannelPlan | None]:
+) -> tuple[list[dict[str, Any]], list[int], ChannelPlan | None, dict[str, Any] | None]:
     """The ceiling: one model on the pooled data of every device, trained for the local
     steps the federation would run (round by round), evaluated at the same rounds; returns
-    the rows, the steps per round and the channel plan (None: dense).
+    the rows, the steps per round, the channel plan (None: dense) and the final figures
+    (a classifier's, see below; None for a generator).
 
     With ``algorithm.prune_ratio`` > 0 (``prune_at = "init"``) the initial model is pruned
     first, as FedPhD-OS prunes it (``algorithm.prune_method``, seed ``run.seed``): the
@@ -72,11 +75,17 @@ def run_centralized(
     exponential moving average of the weights
     (:class:`~shared.diffusion.training.WeightAverage`), as in FedPhD's centralized baseline
     (seed 000, section V-A, after Ho et al.). ``init`` is
-    the fingerprint of ``model.init`` its checkpoint records (the caller took it already)."""
+    the fingerprint of ``model.init`` its checkpoint records (the caller took it already).
+
+    A classifier preset (:func:`_centralized_classifier`) trains with cross-entropy on the
+    pooled images (each device's seen in its domain) and their labels instead, and is scored
+    per domain at the end."""
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
     prepare_run_dir(cfg, run_dir)
     data, parts = split_dataset(cfg, progress=progress)
+    if model_kind(cfg.model.preset) == "classifier":
+        return _centralized_classifier(cfg, run_dir, data, parts, progress=progress, init=init)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))], cfg.data.input_channels)
     steps = steps_per_round(cfg, [len(p) for p in parts])
     model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
@@ -89,9 +98,7 @@ def run_centralized(
         plan = ChannelPlan.of_module(model, preset=cfg.model.preset)
     scheduler = make_train_scheduler(cfg.diffusion)
     device = resolve_device(cfg.compute.device)
-    gen = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
-    )
+    gen = torch.Generator().manual_seed(_centralized_seed(cfg))
     every = cfg.eval.every
     evaluator = Evaluator(cfg, device) if evaluate and every else None
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
@@ -118,12 +125,68 @@ def run_centralized(
             fid = row.get("quality", {}).get("fid")
             shown = f", FID {fid:.2f}" if fid is not None else ""
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
-    final = average.averaged() if average is not None else model
-    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, final.state_dict(), cfg,
+    trained = average.averaged() if average is not None else model
+    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, trained.state_dict(), cfg,
                     plan=plan, init=init)  # fmt: skip
+    _write_rows(rows, run_dir, cfg)
+    return rows, steps, plan, None
+
+
+def _centralized_seed(cfg: RunConfig) -> int:
+    """The seed of a centralized run's batch (and noise) draws."""
+    return int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
+
+
+def _write_rows(rows: list[dict[str, Any]], run_dir: Path, cfg: RunConfig) -> None:
+    """A centralized run's ``metrics.jsonl`` and ``report.png``."""
     atomic_write(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in rows).encode())
     plot_report(rows, run_dir / "report.png", title=f"{cfg.run.name} (centralized)")
-    return rows, steps, plan
+
+
+def _centralized_classifier(
+    cfg: RunConfig,
+    run_dir: Path,
+    data: ImageDataset,
+    parts: list[np.ndarray],
+    *,
+    progress: bool,
+    init: str | None,
+) -> tuple[list[dict[str, Any]], list[int], None, dict[str, Any] | None]:
+    """:func:`run_centralized` of a classifier: cross-entropy
+    (:func:`~shared.diffusion.training.train_classifier`, the ``train`` settings, one
+    optimizer for the run) on the pooled images and labels of every device, ``local_epochs``
+    passes (or ``local_steps`` batches) a round for ``run.rounds`` rounds, so as many passes
+    over the data as a device makes over its own. Returns the rows (one per round), the
+    steps per round, no plan (dense) and :func:`classifier_final` of the trained model (also
+    written to ``summary.json``)."""
+    index = np.unique(np.concatenate(parts))
+    images = to_model_input(data.images[index], cfg.data.input_channels)
+    labels = torch.from_numpy(data.labels[index]).long()
+    model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    device = resolve_device(cfg.compute.device)
+    gen = torch.Generator().manual_seed(_centralized_seed(cfg))
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
+    rows: list[dict[str, Any]] = []
+    steps: list[int] = []
+    for r in range(cfg.run.rounds):
+        loss, n, _ = train_classifier(model, images, labels, cfg.train, gen, device=device,
+                                      optimizer=opt)  # fmt: skip
+        steps.append(n)
+        rows.append({"round": r + 1, "train_loss": loss, "steps": n})
+        if progress:
+            print(f"  centralized round {r + 1}/{cfg.run.rounds}: loss {loss:.4f}")
+    model.eval()
+    save_checkpoint(run_dir / "checkpoints", cfg.run.rounds - 1, model.state_dict(), cfg,
+                    init=init)  # fmt: skip
+    _write_rows(rows, run_dir, cfg)
+    final = score_by_domain(cfg, model)
+    if final is not None:
+        summary = {"rounds": cfg.run.rounds, "centralized": True, "final": final}
+        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+        if progress:
+            print(f"  centralized classifier: mean accuracy {final['mean_accuracy']:.4f} over "
+                  f"{list(final['accuracy'])}")  # fmt: skip
+    return rows, steps, None, final
 
 
 def run_method(
@@ -146,16 +209,15 @@ def run_method(
     (run_dir / RECORD).unlink(missing_ok=True)  # an interrupted rerun must not look finished
     t0 = time.perf_counter()
     if m.centralized:
-        rows, steps, plan = run_centralized(
+        rows, steps, plan, final = run_centralized(
             m.cfg, run_dir, evaluate=evaluate, progress=progress, ema=m.ema, init=init
         )
-        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps)
+        run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps, final=final)
     else:
         res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
         steps = steps_per_round(m.cfg, sizes or device_sizes(m.cfg))
-        run = MethodRun(
-            m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0, steps
-        )
+        run = MethodRun(m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0,
+                        steps, final=res.final)  # fmt: skip
     run.threads = torch.get_num_threads()  # as the run set them (train.threads)
     run.deterministic = torch.are_deterministic_algorithms_enabled()
     save_record(run, evaluate=evaluate, init=init)

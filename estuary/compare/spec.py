@@ -68,6 +68,11 @@ class MethodRun:
     #: whether it ran with deterministic kernels only (``compute.deterministic``; None: a
     #: record from before this was kept): a GPU run repeats bit for bit only then
     deterministic: bool | None = None
+    #: the run's final figures (:attr:`estuary.simulate.SimulationResult.final`; a
+    #: centralized classifier's from :func:`~estuary.compare.runner.run_centralized`): the
+    #: product's ``preset``, its ``accuracy`` per domain and ``mean_accuracy`` (and FedDEO's
+    #: ``accuracy_by_n``, ...); None when the run reports none
+    final: dict[str, Any] | None = None
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -162,12 +167,16 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
-    if centralized and model_kind(cfg.model.preset) == "classifier":
-        raise ConfigError(
-            f"{path}: method {label!r}: centralized training is for generators; compare "
-            "classifiers with Local-only, FedAvg and pFedGPA"
-        )
     algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
+    if (
+        centralized
+        and model_kind(cfg.model.preset) == "classifier"
+        and (ema or algo.prune_ratio > 0)
+    ):
+        raise ConfigError(
+            f"{path}: method {label!r}: a centralized classifier (cross-entropy on the pooled "
+            "data) takes no 'ema' and no algorithm.prune_ratio"
+        )
     if centralized and algo.prune_ratio > 0 and algo.prune_at != "init":
         raise ConfigError(
             f"{path}: method {label!r}: centralized training has no sparse rounds, so it "

@@ -1,6 +1,11 @@
 """A comparison's results: one table (``table.md``/``.csv``/``.json``; every byte and cost
 column is defined in :mod:`shared.metrics.accounting`) and two plots (``quality.png``,
-``bytes.png``) on the equal-compute axis of total local steps."""
+``bytes.png``) on the equal-compute axis of total local steps.
+
+A comparison whose runs report per-domain accuracy (a run's ``final``: FedDEO, and a
+classifier's final global model under ``data.domains``) gets FedDEO's table instead: a column
+per domain, the mean, rounds and the bytes one device sent and fetched over the whole run
+against the reference's, and ``accuracy_by_domain.png``."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import numpy as np
 from estuary.compare.spec import CompareSpec, Method, MethodRun
 from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config.algorithms import FedDiffuseConfig, FedPhDConfig
+from shared.config.algorithms import FedDEOConfig, FedDiffuseConfig, FedPhDConfig
 from shared.metrics import accounting as acc
 from shared.models.plan import build_model
 from shared.models.presets import model_info
@@ -75,8 +80,37 @@ CLASSIFIER_COLUMNS: list[tuple[str, str, int]] = [
 ]
 
 
+#: the columns of a comparison by per-domain accuracy (FedDEO and its baselines, seed 003's
+#: Table 1) around the per-domain ones (``acc_<domain>``, :func:`domain_columns`)
+DOMAIN_HEAD: list[tuple[str, str, int]] = [("method", "method", 0), ("algorithm", "algorithm", 0)]
+DOMAIN_TAIL: list[tuple[str, str, int]] = [
+    ("acc_mean", "mean (%)", 2),
+    ("rounds", "rounds", 0),
+    ("up_per_device", "upload B/device", 0),
+    ("down_per_device", "download B/device", 0),
+    ("up_vs_reference", "upload / reference's", -3),  # 3 significant digits
+    ("total_mib", "total MiB", 2),
+    ("wall_s", "wall s", 1),
+]
+
+
+def domain_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """The columns of a per-domain table: one per domain any row scored (first seen first)."""
+    domains = list(dict.fromkeys(d for r in rows for d in r.get("domains", ())))
+    return [*DOMAIN_HEAD, *((f"acc_{d}", f"{d} (%)", 2) for d in domains), *DOMAIN_TAIL]
+
+
+def by_domain(rows: list[dict[str, Any]]) -> bool:
+    """Whether the rows carry per-domain accuracy (a run's ``final``): the table is then
+    :func:`domain_columns`'s."""
+    return any(r.get("domains") for r in rows)
+
+
 def columns_for(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
-    """The table's columns: accuracy for classifiers, FID and costs for generators."""
+    """The table's columns: per-domain accuracy and bytes per device when a run reports
+    them (FedDEO), device accuracy for classifiers, FID and costs for generators."""
+    if by_domain(rows):
+        return domain_columns(rows)
     return CLASSIFIER_COLUMNS if any("acc_after" in r for r in rows) else COLUMNS
 
 
@@ -95,6 +129,50 @@ def _accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if "before_mean" in last:
         out |= {"acc_before": 100 * last["before_mean"], "under60_before": last["before_under_60"]}
     return out
+
+
+def _final_accuracy(run: MethodRun) -> dict[str, Any]:
+    """The run's final per-domain figures in percent (``final``: a one-shot method's
+    product, a classifier's final global model, a centralized classifier): ``acc_<domain>``,
+    ``acc_mean``, the ``domains`` in order, the product's ``final_preset`` and, where the
+    method scored several synthetic-set sizes (FedDEO's N), ``accuracy_by_n`` (N ->
+    domain or ``mean`` -> %); none when it reports none."""
+    final = run.final or {}
+    scores = final.get("accuracy")
+    if not isinstance(scores, dict) or not scores:
+        return {}
+    mean = final.get("mean_accuracy")
+    out: dict[str, Any] = {
+        "domains": list(scores),
+        **{f"acc_{d}": 100 * v for d, v in scores.items()},
+        "acc_mean": 100 * (mean if mean is not None else statistics.fmean(scores.values())),
+        "final_preset": final.get("preset"),
+    }
+    if isinstance(final.get("accuracy_by_n"), dict):
+        out["accuracy_by_n"] = {
+            n: {d: 100 * v for d, v in acc.items()} for n, acc in final["accuracy_by_n"].items()
+        }
+    return out
+
+
+def _upload_key(m: Method) -> str:
+    """The traffic counter of what the method's devices upload: ``received:`` the blob kind
+    of its algorithm's upload (``device_update``; FedDEO's ``description``)."""
+    return "received:" + make_algorithm(m.cfg).upload_kind
+
+
+def _per_device_bytes(run: MethodRun) -> dict[str, Any]:
+    """What one device sent and fetched over the whole run, from the traffic counters: every
+    upload blob the edges received (:func:`_upload_key`) and every model the devices
+    fetched (``received:edge_model``, or their personal one), over ``federation.num_devices``
+    (None for a centralized method: no federation, its data pooled by assumption)."""
+    if run.method.centralized:
+        return {"up_per_device": None, "down_per_device": None}
+    counts = run.traffic.get("bytes", {})
+    n = run.method.cfg.federation.num_devices
+    up = counts.get(_upload_key(run.method), 0)
+    down = sum(counts.get(f"received:{k}", 0) for k in ("edge_model", "personal_model"))
+    return {"up_per_device": up / n, "down_per_device": down / n}
 
 
 def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -124,6 +202,8 @@ def _algorithm(m: Method) -> str:
     text = f"{name} r_e={f.edge_every} r_g={f.cloud_every}"
     if name == "feddiffuse":
         text += f" {FedDiffuseConfig.of(m.cfg).split}"
+    if name == "feddeo" and not FedDEOConfig.of(m.cfg).feddeo_use_descriptions:
+        text += " prompts-only"
     if a.prune_ratio > 0 and name == "fedphd":
         text += f" s_p={a.prune_ratio} " + (
             "OS" if a.prune_at == "init" else f"R_s={a.sparse_rounds}"
@@ -150,7 +230,8 @@ def _comm(run: MethodRun, spec: CompareSpec, window: float, v: int) -> dict[str,
     everything = acc.split_received(run.traffic.get("bytes", {}))
     # what one device sends (and fetches) in a round, from the byte counters
     uploads = sum(r.get("updates", 0) for r in run.rows)
-    up = sum(r.get("bytes", {}).get("received:device_update", 0) for r in run.rows)
+    up_key = _upload_key(run.method)
+    up = sum(r.get("bytes", {}).get(up_key, 0) for r in run.rows)
     down = sum(  # the edge's model, or the device's personal one (pFedGPA)
         r.get("bytes", {}).get(f"received:{kind}", 0)
         for r in run.rows for kind in ("edge_model", "personal_model")
@@ -197,9 +278,15 @@ def _no_comm() -> dict[str, Any]:
 
 def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
     """One table row per run; windows of equal compute are the reference's central
-    aggregation period (per-participant local steps per round x its r_g)."""
+    aggregation period (per-participant local steps per round x its r_g). When a run
+    reports per-domain accuracy (its ``final``), every row also gets its own
+    (:func:`_final_accuracy`), the bytes one device sent and fetched over the run
+    (:func:`_per_device_bytes`) and ``up_vs_reference``: its upload per device over the
+    reference's (the reference's total over all its rounds)."""
     ref = next(r for r in runs if r.method.label == spec.reference)
     window = _per_participant_steps(ref) * ref.method.cfg.federation.cloud_every
+    # per-domain accuracy (a run's final figures): bytes per device over the whole run too
+    domains = any(_final_accuracy(run) for run in runs)
     out = []
     for run in runs:
         cfg = run.method.cfg
@@ -229,7 +316,14 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
         }
         if "device_round_bytes" in row and "device_up_bytes" in row:
             row["device_down_bytes"] = row["device_round_bytes"] - row["device_up_bytes"]
+        if domains:
+            row |= _final_accuracy(run) | _per_device_bytes(run)
         out.append(row)
+    if domains:
+        base = next(r["up_per_device"] for r in out if r["method"] == spec.reference)
+        for row in out:
+            up = row["up_per_device"]
+            row["up_vs_reference"] = up / base if base and up is not None else None
     return out
 
 
@@ -246,8 +340,12 @@ def _ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
 
 
 def _fmt(value: Any, decimals: int) -> str:
+    """A table cell: ``decimals`` places, or ``-decimals`` significant digits when negative
+    (ratios spanning orders of magnitude), ``-`` for None."""
     if value is None:
         return "-"
+    if isinstance(value, float) and decimals < 0:
+        return f"{value:.{-decimals}g}"
     if isinstance(value, float):
         return f"{value:.{decimals}f}"
     return str(value)
@@ -256,6 +354,8 @@ def _fmt(value: Any, decimals: int) -> str:
 def markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
     """``table.md``: the table, the ratios to the reference and what the columns mean."""
     columns = columns_for(rows)
+    if by_domain(rows):
+        return _domain_markdown(rows, spec)
     if columns is CLASSIFIER_COLUMNS:
         return _classifier_markdown(rows, spec)
     lines = [
@@ -361,6 +461,44 @@ def _classifier_markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
     return "\n".join(lines)
 
 
+def _domain_markdown(rows: list[dict[str, Any]], spec: CompareSpec) -> str:
+    """``table.md`` of a comparison by per-domain accuracy (FedDEO's Table 1 layout), with
+    the accuracy by synthetic images per class of the methods that scored several."""
+    cols = domain_columns(rows)
+    lines = [f"# {spec.name}", "", "| " + " | ".join(h for _, h, _ in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]  # fmt: skip
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k), n) for k, _, n in cols) + " |")
+    by_n = [r for r in rows if r.get("accuracy_by_n")]
+    if by_n:
+        domains = list(dict.fromkeys(d for r in by_n for d in r["domains"]))
+        lines += ["", "Accuracy (%) by synthetic images per (device, class), N:", "",
+                  "| method | N | " + " | ".join(domains) + " | mean |",
+                  "|" + "|".join("---" for _ in range(len(domains) + 3)) + "|"]  # fmt: skip
+        for r in by_n:
+            for n, acc in sorted(r["accuracy_by_n"].items(), key=lambda kv: int(kv[0])):
+                cells = [_fmt(acc.get(d), 2) for d in [*domains, "mean"]]
+                lines.append(f"| {r['method']} | {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Accuracy: the method's final classifier (FedDEO, Prompts-Only: the one the cloud "
+        "trains on its synthetic images; a federated classifier: the final global model; "
+        "centralized: one model trained on the pooled real data of every device) on the whole "
+        "test set seen in each domain (data.domains; identity alone without them), top-1 in "
+        "%; mean: unweighted over the domains.",
+        "upload B/device: every upload blob the edges received over the whole run "
+        "(received:device_update; FedDEO's received:description; all rounds) over the number "
+        "of devices; download B/device: "
+        "every model the devices fetched (received:edge_model), over the devices. upload / "
+        f"reference's: that upload over {spec.reference}'s, its total over its "
+        f"{next((r['rounds'] for r in rows if r['method'] == spec.reference), '?')} rounds "
+        "(centralized: no federation, '-'). total = every byte received, control messages and "
+        "edges' forwarding included.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def write_tables(rows: list[dict[str, Any]], spec: CompareSpec, out: Path) -> None:
     """``table.md``, ``table.csv`` and ``table.json`` in ``out``."""
     atomic_write(out / "table.md", markdown(rows, spec).encode())
@@ -388,11 +526,12 @@ def _curves(run: MethodRun, d: acc.Distances) -> dict[str, list[float]]:
     x, mib, cost = [0.0], [0.0], [0.0]  # cumulative curves start at the origin
     fid_x, fid, fid_up = [], [], []
     total = weighted = uploaded = 0.0
+    up_key = "" if run.method.centralized else _upload_key(run.method)
     for row in run.rows:
         step = float(done[row["round"] - 1])
         b = acc.split_received(row.get("bytes", {}))
         total += acc.mib(b.total)
-        uploaded += acc.mib(row.get("bytes", {}).get("received:device_update", 0))
+        uploaded += acc.mib(row.get("bytes", {}).get(up_key, 0))
         weighted += acc.weighted_cost(b, flat=flat, d=d) if not run.method.centralized else 0.0
         x.append(step)
         mib.append(total)
@@ -415,6 +554,8 @@ def write_plots(runs: list[MethodRun], out: Path, d: acc.Distances) -> None:
 
     if any(r.get("accuracy") for run in runs for r in run.rows):
         _accuracy_plot(runs, out / "accuracy.png")
+    if any(_final_accuracy(run) for run in runs):
+        _domain_plot(runs, out / "accuracy_by_domain.png")
     curves = [(run.method.label, _curves(run, d)) for run in runs]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for label, c in curves:
@@ -467,6 +608,25 @@ def _accuracy_plot(runs: list[MethodRun], path: Path) -> None:
     axes[0].set(xlabel="round", ylabel="accuracy (%)", title="mean device test accuracy")
     axes[1].set(xlabel="round", ylabel="devices", title="devices under 60 % before FT")
     _finish(fig, axes, path)
+
+
+def _domain_plot(runs: list[MethodRun], path: Path) -> None:
+    """``accuracy_by_domain.png``: grouped bars, each domain (and the mean) a group with
+    one bar per method that reports per-domain accuracy."""
+    import matplotlib.pyplot as plt
+
+    scored = [(run.method.label, f) for run in runs if (f := _final_accuracy(run))]
+    domains = list(dict.fromkeys(d for _, f in scored for d in f["domains"]))
+    groups = [*domains, "mean"]
+    x = np.arange(len(groups))
+    width = 0.8 / len(scored)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(groups) * max(1, len(scored)) / 2), 4.5))
+    for i, (label, f) in enumerate(scored):
+        values = [f.get(f"acc_{d}", np.nan) for d in domains] + [f["acc_mean"]]
+        ax.bar(x - 0.4 + (i + 0.5) * width, values, width, label=label)
+    ax.set_xticks(x, groups)
+    ax.set(ylabel="accuracy (%)", ylim=(0, 100), title="final classifier accuracy by domain")
+    _finish(fig, ax, path)
 
 
 def _finish(fig: Any, axes: Any, path: Path) -> None:
