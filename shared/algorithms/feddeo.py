@@ -259,6 +259,22 @@ def accuracy_by_domain(
     return out
 
 
+def score_by_domain(cfg: RunConfig, model: nn.Module) -> dict[str, Any] | None:
+    """A classifier's final figures as a one-shot run's summary reports them, for any
+    classifier (the FedAvg classifier, the Ceiling): ``preset``, ``accuracy`` (domain ->
+    top-1 on the whole test split seen in that domain, ``identity`` alone without
+    ``data.domains``; :func:`~shared.data.partition.domain_test_sets`) and ``mean_accuracy``
+    (unweighted over the domains); None when the data have no test split."""
+    from shared.data.partition import domain_test_sets
+
+    tests = domain_test_sets(cfg)
+    if not tests:
+        return None
+    scores = accuracy_by_domain(model.eval(), tests)
+    mean = scores.pop("mean")
+    return {"preset": cfg.model.preset, "accuracy": scores, "mean_accuracy": mean}
+
+
 @register
 class FedDEO(Algorithm):
     """Descriptions on the devices, slots on the aggregators, generation and a classifier
