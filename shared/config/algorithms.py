@@ -403,7 +403,7 @@ class FedDEOConfig(AlgorithmConfig):
         10.0, gt=0.0, le=10_000.0, description="E: passes over the device's images that "
         "train its descriptions (Table 4)"
     )  # fmt: skip
-    feddeo_desc_lr: float = Field(0.02, gt=0.0, le=100.0, description="Adam rate of descriptions")
+    feddeo_desc_lr: float = Field(0.2, gt=0.0, le=100.0, description="Adam rate of descriptions")
     feddeo_desc_batch: int = Field(64, ge=1, le=65_536, description="images per description step")
     feddeo_min_class_images: int = Field(
         1, ge=1, le=1_000_000, description="a device describes a class it holds at least this "

@@ -26,7 +26,7 @@ PRETRAINED: dict[str, tuple[str, str]] = {
     ),
     "fmnist-tiny-cfg": (
         "fmnist_tiny_cfg_pretrained.safetensors",
-        "0000000000000000000000000000000000000000000000000000000000000000",
+        "88bef68b340261d391bdeb49e7f5d1af9af408e68161021817949646f30ead86",
     ),
 }
 #: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
