@@ -107,7 +107,7 @@ def feature_table(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dic
         entry["upload_per_device_bytes"] = up
         lines.append(
             f"| {label} | " + " | ".join(cells) + f" | **{pct(m)} ± {pct(sd)}** | "
-            f"{rs[0]['rounds']} | {up / 1024:,.1f} KiB |"
+            f"{rs[0]['rounds']} | {f'{up / 1024:,.1f} KiB' if up else '- (centralized)'} |"
         )
         table["methods"][label] = entry
     lines.append("")
@@ -185,7 +185,37 @@ def ablation_table(out: Path) -> tuple[list[str], dict[str, Any]]:
     for e in sorted(e_rows, key=int):
         lines.append(f"| E = {e} | {pct(statistics.fmean(e_rows[e]))} |")
     lines.append("")
-    return lines, {"seeds": seeds, "N": n_rows, "E": e_rows}
+    w_rows: dict[str, list[dict[str, float]]] = {}
+    for s in seeds_of(out, "wd-seed"):
+        main = out / f"seed{s}"
+        w_rows.setdefault("0", []).append(_domains(read_run(main / "prompts-only")))
+        w_rows.setdefault("3", []).append(_domains(read_run(main / "feddeo")))
+        for w in ("1", "5"):
+            w_rows.setdefault(w, []).append(
+                _domains(read_run(out / f"wd-seed{s}" / f"feddeo-w-d-{w}"))
+            )
+    if w_rows:
+        lines += [
+            f"Description weight w_d at w_t = 3 (seeds {seeds_of(out, 'wd-seed')}; w_d = 0 is "
+            "Prompts-Only's generation, 3 the paper's code):",
+            "",
+            "| w_d | " + " | ".join(domains) + " | mean |",
+            "|---|" + "---|" * (len(domains) + 1),
+        ]
+        for w in sorted(w_rows, key=float):
+            rows = w_rows[w]
+            lines.append(
+                f"| {w} | "
+                + " | ".join(pct(statistics.fmean(r[d] for r in rows)) for d in domains)
+                + f" | **{pct(statistics.fmean(r['mean'] for r in rows))}** |"
+            )
+        lines.append("")
+    return lines, {"seeds": seeds, "N": n_rows, "E": e_rows, "w_d": w_rows}
+
+
+def _domains(run: dict[str, Any]) -> dict[str, float]:
+    """A run's accuracy per domain with its ``mean``."""
+    return {**run["accuracy"], "mean": run["mean"]}
 
 
 def plot(table: dict[str, Any], path: Path) -> None:
