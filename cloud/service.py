@@ -453,7 +453,9 @@ class CloudServer(RoleService):
             # an edge sends the shared tensors only, where the algorithm has them; folded
             # into the round's aggregation and dropped (not kept in the blob store)
             tensors = self.fetch_tensors(
-                msg.model_ref, self.algorithm.shared_spec(self.spec) or self.spec, keep=False,
+                msg.model_ref,
+                self.algorithm.shared_spec(self.spec) or self.spec,
+                keep=False,
                 views=self.fold is not None and self.fold.streams,
             )
             if tensors is None:
@@ -616,7 +618,11 @@ class CloudServer(RoleService):
         last = r + 1 >= self.rounds
         if self.checkpoint_dir is not None and every and (self.aggregations % every == 0 or last):
             directory, model, plan, init, sha = (
-                self.checkpoint_dir, self.model, self.plan, self.init, self.model_sha
+                self.checkpoint_dir,
+                self.model,
+                self.plan,
+                self.init,
+                self.model_sha,
             )
             own_state = type(self.algorithm).save_cloud_state is not Algorithm.save_cloud_state
 

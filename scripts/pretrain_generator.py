@@ -73,9 +73,7 @@ MAX_FID = 60.0
 #: scored against plain train images, so the figure is far above a plain generator's
 MAX_FID_CFG = 250.0  # a random fmnist-tiny-cfg scores about 350, a trained one about 200
 DEFAULT_PUBLIC_SIZE = 20_000
-DEFAULT_MIXTURE = (
-    "identity=0.5,rot90=0.1,invert=0.1,lowcontrast=0.1,noise=0.1,edges=0.1"
-)
+DEFAULT_MIXTURE = "identity=0.5,rot90=0.1,invert=0.1,lowcontrast=0.1,noise=0.1,edges=0.1"
 
 
 def parse_mixture(text: str) -> dict[str, float]:
@@ -114,19 +112,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="fmnist-tiny", choices=sorted(PRETRAINED))
-    p.add_argument("--source", choices=("test", "public"), default=None,
-                   help="test: the Fashion-MNIST test split (the unconditional fmnist-tiny's "
-                   "recipe; never use its weights where accuracy is measured on that split); "
-                   "public: the public share of the training split no device holds "
-                   "(--public-size images, shared.data.domains.public_split). Default: public "
-                   "for a classifier-free-guidance preset, test otherwise")
-    p.add_argument("--public-size", type=int, default=DEFAULT_PUBLIC_SIZE,
-                   help="images in the public share (runs must set data.public_size to it)")
-    p.add_argument("--p-uncond", type=float, default=0.1,
-                   help="classifier-free guidance presets: chance a label is dropped to null")
-    p.add_argument("--domain-mixture", default=DEFAULT_MIXTURE,
-                   help="classifier-free guidance presets: domain=weight,... each image is "
-                   "seen in a domain drawn from (the domain is never given to the model)")
+    p.add_argument(
+        "--source",
+        choices=("test", "public"),
+        default=None,
+        help="test: the Fashion-MNIST test split (the unconditional fmnist-tiny's "
+        "recipe; never use its weights where accuracy is measured on that split); "
+        "public: the public share of the training split no device holds "
+        "(--public-size images, shared.data.domains.public_split). Default: public "
+        "for a classifier-free-guidance preset, test otherwise",
+    )
+    p.add_argument(
+        "--public-size",
+        type=int,
+        default=DEFAULT_PUBLIC_SIZE,
+        help="images in the public share (runs must set data.public_size to it)",
+    )
+    p.add_argument(
+        "--p-uncond",
+        type=float,
+        default=0.1,
+        help="classifier-free guidance presets: chance a label is dropped to null",
+    )
+    p.add_argument(
+        "--domain-mixture",
+        default=DEFAULT_MIXTURE,
+        help="classifier-free guidance presets: domain=weight,... each image is "
+        "seen in a domain drawn from (the domain is never given to the model)",
+    )
     p.add_argument("--steps", type=int, default=3500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
@@ -137,9 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="weights file (default: the asset)")
     p.add_argument("--grid", type=Path, default=None, help="sample grid (default: beside --out)")
     p.add_argument("--eval-samples", type=int, default=500, help="samples scored for the gate")
-    p.add_argument("--max-fid", type=float, default=None,
-                   help=f"refuse to write above this (default {MAX_FID:g}; {MAX_FID_CFG:g} for "
-                   "a classifier-free-guidance preset)")
+    p.add_argument(
+        "--max-fid",
+        type=float,
+        default=None,
+        help=f"refuse to write above this (default {MAX_FID:g}; {MAX_FID_CFG:g} for "
+        "a classifier-free-guidance preset)",
+    )
     args = p.parse_args(argv)
     if min(args.steps, args.batch_size, args.threads, args.eval_samples) < 1:
         p.error("--steps, --batch-size, --threads and --eval-samples must be >= 1")
@@ -224,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{quality['is_mean']:.2f}")  # fmt: skip
     grid = write_grid(eval_cfg, model, args.grid)
     print(f"sample grid: {grid}")
-    max_fid = args.max_fid if args.max_fid is not None else (
-        MAX_FID_CFG if args.preset in CFG_PRESETS else MAX_FID
+    max_fid = (
+        args.max_fid
+        if args.max_fid is not None
+        else (MAX_FID_CFG if args.preset in CFG_PRESETS else MAX_FID)
     )
     if fid > max_fid:
         print(
@@ -236,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     info: dict[str, object] = {
         "preset": args.preset,
-        "data": "fashion-mnist/test" if args.source == "test" else
-        f"fashion-mnist/train public share ({args.public_size} images, "
+        "data": "fashion-mnist/test"
+        if args.source == "test"
+        else f"fashion-mnist/train public share ({args.public_size} images, "
         f"shared.data.domains.public_split, seed {PUBLIC_SEED})",
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -251,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     if args.preset in CFG_PRESETS:
-        info.update(public_size=args.public_size, p_uncond=args.p_uncond,
-                    domain_mixture=args.mixture, null_class=CFG_NUM_EMBEDS - 1)
+        info.update(
+            public_size=args.public_size,
+            p_uncond=args.p_uncond,
+            domain_mixture=args.mixture,
+            null_class=CFG_NUM_EMBEDS - 1,
+        )
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")
     print(f"sha256: {digest}")

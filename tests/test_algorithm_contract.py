@@ -104,8 +104,10 @@ def _run(cfg: RunConfig) -> tuple[str, dict[str, torch.Tensor], int]:
     assert bus.run(lambda: fed.cloud.done)
     cloud = fed.cloud
     if cloud.final is not None:  # a one-shot algorithm's product is what it trained
-        return model_digest(cloud.final.model), dict(cloud.final.model), sum(
-            s.updates for s in summaries
+        return (
+            model_digest(cloud.final.model),
+            dict(cloud.final.model),
+            sum(s.updates for s in summaries),
         )
     return cloud.model_sha, dict(cloud.model), sum(s.updates for s in summaries)
 

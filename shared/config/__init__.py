@@ -130,8 +130,11 @@ class DataSection(Section):
     dirichlet_beta: float = Field(0.5, gt=0.0)
     shards_per_device: int = Field(4, ge=1)
     dominant_uniform_fraction: float = Field(
-        0.2, ge=0.0, le=1.0, description="dominant, dominant_groups: the share s drawn from "
-        "all classes (pFedGPA's default 20 %)"
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="dominant, dominant_groups: the share s drawn from "
+        "all classes (pFedGPA's default 20 %)",
     )
     dominant_groups: list[list[int]] = Field(
         default_factory=lambda: [list(g) for g in FEDPAC_GROUPS],
@@ -142,13 +145,19 @@ class DataSection(Section):
         "overlapping triples, which pFedGPA's setup implies)",
     )
     samples_per_device: int = Field(
-        600, ge=0, le=10_000_000, description="dominant_groups: training samples per device "
-        "(pFedGPA: 600); 0 = an equal share of the dataset"
+        600,
+        ge=0,
+        le=10_000_000,
+        description="dominant_groups: training samples per device "
+        "(pFedGPA: 600); 0 = an equal share of the dataset",
     )
     test_samples_per_device: int = Field(
-        600, ge=0, le=10_000_000, description="dominant_groups: test samples per device, "
+        600,
+        ge=0,
+        le=10_000_000,
+        description="dominant_groups: test samples per device, "
         "drawn from the test set by the same rule (a device's own test split); 0 = an equal "
-        "share of the test set"
+        "share of the test set",
     )
     quantity_sigma: float = Field(1.0, gt=0.0)
     domains: list[str] = Field(
@@ -191,8 +200,10 @@ class DataSection(Section):
         except ConfigError as err:
             raise ValueError(f"data.domains: {err}") from None
         if self.domains and self.channels != 1:
-            raise ValueError("data.domains transform grayscale images; "
-                             f"data.dataset = {self.dataset!r} is colour")
+            raise ValueError(
+                "data.domains transform grayscale images; "
+                f"data.dataset = {self.dataset!r} is colour"
+            )
         if self.gray_to_rgb and self.channels != 1:
             raise ValueError(
                 f"data.gray_to_rgb views a grayscale dataset in 3 channels, and data.dataset = "
