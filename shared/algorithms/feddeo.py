@@ -436,8 +436,8 @@ class FedDEO(Algorithm):
     ) -> FinalResult:
         """Generate the synthetic set from the held descriptions, train the classifier on
         it, score it on every domain's real test split; grids in ``out_dir``."""
+        from shared.data.datasets import save_grid
         from shared.data.partition import domain_test_sets
-        from shared.evaluation.report import save_grid
         from shared.models.presets import build_unet
 
         s, cfg = self.settings, self.cfg

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import os
 import struct
 import urllib.request
@@ -531,3 +532,23 @@ def from_model_output(x: torch.Tensor) -> np.ndarray:
     if y.shape[1] != 3:
         raise DataError(f"model output has 1 or 3 channels, got {tuple(y.shape)}")
     return y.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+
+def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
+    """Tile uint8 images, grayscale ``(N, H, W)`` or colour ``(N, H, W, 3)``, into a
+    square-ish grid PNG (RGB for colour images)."""
+    n, h, w = images.shape[:3]
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    shape = (rows * (h + pad) + pad, cols * (w + pad) + pad, *images.shape[3:])
+    canvas = np.full(shape, 255, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, cols)
+        y, x = pad + r * (h + pad), pad + c * (w + pad)
+        canvas[y : y + h, x : x + w] = img
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = Image.fromarray(canvas).resize(
+        (canvas.shape[1] * 3, canvas.shape[0] * 3), Image.Resampling.NEAREST
+    )
+    big.save(path)
+    return path

@@ -22,13 +22,16 @@ run leaves out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import numpy as np
 
+from shared.config import DomainName
 from shared.errors import ConfigError, did_you_mean
 
-#: every domain, in the order the default feature-skew setup assigns them to devices
-DOMAINS: tuple[str, ...] = ("identity", "rot90", "invert", "lowcontrast", "noise", "edges")
+#: every domain, in the order the default feature-skew setup assigns them to devices (the
+#: names a config accepts: ``shared.config.DomainName``)
+DOMAINS: tuple[str, ...] = get_args(DomainName)
 #: seed of the public share's draw (fixed: the shipped generator's share is every run's)
 PUBLIC_SEED = 20_240_719
 #: the noise domain's standard deviation, in 8-bit levels

@@ -4,40 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 
 from shared.atomic import atomic_write
+from shared.data.datasets import save_grid  # noqa: F401  (re-exported: grids are written here too)
 from shared.errors import EstuaryError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
-
-
-def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
-    """Tile uint8 images, grayscale ``(N, H, W)`` or colour ``(N, H, W, 3)``, into a
-    square-ish grid PNG (RGB for colour images)."""
-    n, h, w = images.shape[:3]
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    shape = (rows * (h + pad) + pad, cols * (w + pad) + pad, *images.shape[3:])
-    canvas = np.full(shape, 255, dtype=np.uint8)
-    for i, img in enumerate(images):
-        r, c = divmod(i, cols)
-        y, x = pad + r * (h + pad), pad + c * (w + pad)
-        canvas[y : y + h, x : x + w] = img
-    path.parent.mkdir(parents=True, exist_ok=True)
-    big = Image.fromarray(canvas).resize(
-        (canvas.shape[1] * 3, canvas.shape[0] * 3), Image.Resampling.NEAREST
-    )
-    big.save(path)
-    return path
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
