@@ -169,17 +169,10 @@ def ablation_table(out: Path) -> tuple[list[str], dict[str, Any]]:
     lines = [
         f"Ablations (seeds {seeds}), accuracy (%) per domain and mean:",
         "",
-        "| setting | " + " | ".join(domains) + " | mean |",
-        "|---|" + "---|" * (len(domains) + 1),
+        *_setting_table(
+            "setting", {f"N = {n}": n_rows[n] for n in sorted(n_rows, key=int)}, domains
+        ),
     ]
-    for n in sorted(n_rows, key=int):
-        rows = n_rows[n]
-        lines.append(
-            f"| N = {n} | "
-            + " | ".join(pct(statistics.fmean(r[d] for r in rows)) for d in domains)
-            + f" | **{pct(statistics.fmean(r['mean'] for r in rows))}** |"
-        )
-    lines.append("")
     lines.append("| description epochs E (N = 30) | mean |")
     lines.append("|---|---|")
     for e in sorted(e_rows, key=int):
@@ -199,18 +192,25 @@ def ablation_table(out: Path) -> tuple[list[str], dict[str, Any]]:
             f"Description weight w_d at w_t = 3 (seeds {seeds_of(out, 'wd-seed')}; w_d = 0 is "
             "Prompts-Only's generation, 3 the paper's code):",
             "",
-            "| w_d | " + " | ".join(domains) + " | mean |",
-            "|---|" + "---|" * (len(domains) + 1),
+            *_setting_table("w_d", {w: w_rows[w] for w in sorted(w_rows, key=float)}, domains),
         ]
-        for w in sorted(w_rows, key=float):
-            rows = w_rows[w]
-            lines.append(
-                f"| {w} | "
-                + " | ".join(pct(statistics.fmean(r[d] for r in rows)) for d in domains)
-                + f" | **{pct(statistics.fmean(r['mean'] for r in rows))}** |"
-            )
-        lines.append("")
     return lines, {"seeds": seeds, "N": n_rows, "E": e_rows, "w_d": w_rows}
+
+
+def _setting_table(
+    head: str, settings: dict[str, list[dict[str, float]]], domains: list[str]
+) -> list[str]:
+    """Markdown rows: one per setting, its accuracy per domain and mean (%) averaged over
+    its runs, then a blank line."""
+    lines = [f"| {head} | " + " | ".join(domains) + " | mean |",
+             "|---|" + "---|" * (len(domains) + 1)]  # fmt: skip
+    for label, rows in settings.items():
+        lines.append(
+            f"| {label} | "
+            + " | ".join(pct(statistics.fmean(r[d] for r in rows)) for d in domains)
+            + f" | **{pct(statistics.fmean(r['mean'] for r in rows))}** |"
+        )
+    return [*lines, ""]
 
 
 def _domains(run: dict[str, Any]) -> dict[str, float]:

@@ -257,7 +257,7 @@ def steps_per_round(cfg: RunConfig, sizes: list[int]) -> list[int]:
 
 def device_sizes(cfg: RunConfig) -> list[int]:
     """How many samples each device holds under ``cfg``'s split."""
-    return [len(p) for p in split_dataset(cfg)[1]]
+    return [len(p) for p in split_dataset(cfg, domains=False)[1]]  # sizes only: no transform
 
 
 @dataclass

@@ -53,14 +53,14 @@ from shared.algorithms.base import (
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.config.algorithms import AlgorithmConfig, FedDEOConfig
-from shared.data.datasets import NUM_CLASSES, from_model_output
+from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
 from shared.diffusion.guidance import class_table, eps_with_embedding, guided_ddim
 from shared.diffusion.schedule import draw_noise
 from shared.diffusion.training import TrainResult, placed, train_classifier
 from shared.errors import ConfigError
 from shared.models.classifier import accuracy, build_classifier
 from shared.models.plan import ChannelPlan
-from shared.naming import device_name, home_edge
+from shared.naming import device_index, device_name, home_edge
 from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,10 @@ def slot(prefix: str, device: str) -> str:
     return f"{prefix}.{device}"
 
 
-def image_seed(seed: int, device_index: int, cls: int, i: int) -> int:
+def image_seed(seed: int, device: int, cls: int, i: int) -> int:
     """The seed of synthetic image ``i`` of (device, class): independent of N and of the
     order of generation, so the first n images of N are the draw of n."""
-    return int(np.random.SeedSequence([seed, device_index, cls, i, 0xDE0]).generate_state(1)[0])
+    return int(np.random.SeedSequence([seed, device, cls, i, 0xDE0]).generate_state(1)[0])
 
 
 def start_noise(seeds: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
@@ -194,7 +194,7 @@ def synthesize(
     table = class_table(unet).float()
     jobs: list[tuple[str, int, int, int]] = []  # (device, its index, class, i)
     for dev in sorted(slots):
-        index = int(dev[3:]) if dev[3:].isdigit() else 0
+        index = device_index(dev, cfg)
         mask = slots[dev][1]
         for c in range(NUM_CLASSES):
             if mask[c] > 0:
@@ -436,7 +436,6 @@ class FedDEO(Algorithm):
     ) -> FinalResult:
         """Generate the synthetic set from the held descriptions, train the classifier on
         it, score it on every domain's real test split; grids in ``out_dir``."""
-        from shared.data.datasets import save_grid
         from shared.data.partition import domain_test_sets
         from shared.models.presets import build_unet
 
@@ -476,7 +475,7 @@ class FedDEO(Algorithm):
         assert model is not None
         train_s = time.perf_counter() - t1
         if out_dir is not None and s.feddeo_grid_per_class:
-            self._grids(synthetic, out_dir / "synthetic", save_grid)
+            self._grids(synthetic, out_dir / "synthetic")
         final = by_n[str(s.feddeo_images_per_class)]
         report = {
             "accuracy": {k: v for k, v in final.items() if k != "mean"},
@@ -502,7 +501,7 @@ class FedDEO(Algorithm):
         state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return FinalResult(state_dict, s.feddeo_classifier, report)
 
-    def _grids(self, data: Synthetic, directory: Path, save_grid: Callable[..., Path]) -> None:
+    def _grids(self, data: Synthetic, directory: Path) -> None:
         """One PNG per device: ``feddeo_grid_per_class`` images of each class it described."""
         per = self.settings.feddeo_grid_per_class
         devices = np.array(data.devices)
