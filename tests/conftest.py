@@ -1,8 +1,16 @@
-"""Shared fixtures: tiny configs and a check for the Fashion-MNIST files."""
+"""Shared fixtures: tiny configs, a check for the Fashion-MNIST files, and what many test
+modules would otherwise each build again: one open Mosquitto per test session, the final
+models of reference runs (computed once per configuration, shared by the pytest workers)
+and ONNX exports of the tiny U-Net (made once per seed)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,14 +18,27 @@ import torch
 
 from shared.config import RunConfig, config_from_dict
 from shared.data.datasets import DataError, find_fashion_mnist
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from tests.mqtt_probe import clear_retained
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+#: the pytest-xdist worker this process is ("gw0", ...), None in a plain run
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER is not None:
+    # the workers share the cores: one torch thread each, and in the processes they start
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 #: the PRISM key every test process (and the processes they start) uses; a test of the
 #: missing-key error removes it with monkeypatch
 TEST_PRISM_KEY = "00112233445566778899aabbccddeeff"
 os.environ["ESTUARY_PRISM_KEY"] = TEST_PRISM_KEY
 os.environ.pop("ESTUARY_PRISM_KEY_FILE", None)
+
+needs_mosquitto = pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto not installed: apt-get install mosquitto"
+)
 
 
 def have_fmnist() -> bool:
@@ -70,3 +91,103 @@ def synthetic_federation(cfg: RunConfig, bus: Any = None) -> tuple[Any, Any, lis
     summaries: list[Any] = []
     fed = build_federation(cfg, bus, data, parts, on_round_end=summaries.append)
     return fed, bus, summaries
+
+
+# -- one open Mosquitto per session ---------------------------------------------------------
+@pytest.fixture(scope="session")
+def session_broker() -> Iterator[LocalBroker]:
+    """An open Mosquitto (no accounts) on a free port for the whole test session (one per
+    pytest worker). Topics are rooted per run (``estuary/v1/<run>/``), so tests share it by
+    using run names of their own; use :func:`shared_broker` in a module, which also clears
+    what the module left retained."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto not installed: apt-get install mosquitto")
+    with LocalBroker(kind="mosquitto") as broker:
+        yield broker
+
+
+def shared_broker(session_broker: LocalBroker) -> Iterator[LocalBroker]:
+    """The session's open Mosquitto for one test module, with every retained message cleared
+    after the module (its run names then leave nothing behind for later modules). Declare it
+    in a module as ``broker = pytest.fixture(scope="module")(shared_broker)``."""
+    yield session_broker
+    clear_retained(session_broker.host, session_broker.port)
+
+
+# -- reference runs, computed once ----------------------------------------------------------
+def _shared_dir(factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest worker of this run sees (beside the workers' own temp roots)."""
+    root = factory.getbasetemp()
+    if WORKER is not None:
+        root = root.parent
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Once:
+    """Values computed once per key for the whole test run: the first worker to ask computes
+    and stores the value (JSON) while holding a file lock; the others, and later asks, read it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.local: dict[str, Any] = {}
+
+    def get(self, key: str, make: Callable[[], Any]) -> Any:
+        """The value stored under ``key``, made by ``make()`` the first time."""
+        if key in self.local:
+            return self.local[key]
+        path = self.folder / f"{key}.json"
+        with (self.folder / f"{key}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.is_file():
+                value = json.loads(path.read_text())["value"]
+            else:
+                value = make()
+                path.write_text(json.dumps({"value": value}))
+        self.local[key] = value
+        return value
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory: pytest.TempPathFactory) -> Once:
+    """Values (reference model hashes and the like) computed once per test run."""
+    return Once(_shared_dir(tmp_path_factory, "once"))
+
+
+@pytest.fixture(scope="session")
+def reference_sha(
+    once: Once, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[RunConfig], str]:
+    """The final model sha256 of ``estuary simulate`` on a config (without evaluation),
+    computed once per configuration: the reference a process or broker run must end at."""
+    from estuary.simulate import simulate
+
+    def sha(cfg: RunConfig) -> str:
+        def run() -> str:
+            out = tmp_path_factory.mktemp("reference")
+            return simulate(cfg, out, progress=False, evaluate=False).final_model_sha256
+
+        # the whole config (per-process keys too), not only its digest
+        key = hashlib.sha256(cfg.to_json().encode()).hexdigest()[:20]
+        return str(once.get(f"simulate-{key}", run))
+
+    return sha
+
+
+# -- ONNX exports, made once ----------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_unet_onnx() -> Callable[[int], bytes]:
+    """The ONNX bytes of an untrained ``fmnist-tiny`` U-Net built with a seed, exported once
+    per seed in this process."""
+    from shared.deploy.export import to_onnx
+    from shared.models.presets import build_unet
+
+    made: dict[int, bytes] = {}
+
+    def onnx(seed: int) -> bytes:
+        if seed not in made:
+            made[seed] = to_onnx(build_unet("fmnist-tiny", seed=seed))
+        return made[seed]
+
+    return onnx

@@ -62,3 +62,27 @@ def close(*clients: mqtt.Client) -> None:
     for c in clients:
         c.loop_stop()
         c.disconnect()
+
+
+def clear_retained(
+    host: str, port: int, user: str | None = None, password: str | None = None
+) -> int:
+    """Remove every retained message a client (anonymous, or logged in as ``user``) can read
+    on the broker by publishing an empty retained payload to its topic, so that the next test
+    on a shared broker starts from none; the number removed. Retained messages arrive right
+    after the SUBACK, so a short quiet spell after the last one means all have come."""
+    c = login(host, port, user, password) if user else connect(host, port, None, None)[0]
+    topics: queue.Queue[str] = queue.Queue()
+    c.on_message = lambda cl, ud, msg: topics.put(msg.topic) if msg.retain and msg.payload else None
+    c.subscribe("#", qos=1)
+    seen: set[str] = set()
+    end = time.monotonic() + 10.0
+    while time.monotonic() < end:
+        try:
+            seen.add(topics.get(timeout=0.3))
+        except queue.Empty:
+            break
+    for topic in sorted(seen):
+        c.publish(topic, b"", qos=1, retain=True).wait_for_publish(5.0)
+    close(c)
+    return len(seen)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
 import struct
 import threading
 from collections.abc import Iterator
@@ -53,14 +54,18 @@ def paho_decode(header: int, body: bytes | bytearray, v5: bool) -> _packet.Publi
     return _packet.decode_publish(header, body, version)
 
 
-CASES = list(
-    itertools.product(
+#: payloads: empty, one byte, and 1 MiB of seeded random bytes (the same in every pytest
+#: worker, which must collect the same parameters)
+PAYLOADS = {"empty": b"", "one": b"x", "1MiB": random.Random(0).randbytes(1 << 20)}
+CASES = [
+    pytest.param(v5, qos, flags, payload, id=f"v5={v5}-qos{qos}-flags{flags:#x}-{name}")
+    for v5, qos, flags, (name, payload) in itertools.product(
         (False, True),  # v5
         (0, 1, 2),  # qos
         (0x00, 0x08, 0x01, 0x09),  # dup / retain flags
-        (b"", b"x", os.urandom(1 << 20)),  # payload
+        PAYLOADS.items(),
     )
-)
+]
 
 
 @pytest.mark.parametrize(("v5", "qos", "flags", "payload"), CASES)
