@@ -191,3 +191,9 @@ def tiny_unet_onnx() -> Callable[[int], bytes]:
         return made[seed]
 
     return onnx
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Hand out the longest tests first (those starting process hierarchies), so that two
+    pytest workers do not end the run with one of them still at a long test."""
+    items.sort(key=lambda item: item.get_closest_marker("process") is None)

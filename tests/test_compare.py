@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from estuary.cli import main
-from estuary.compare import Method, load_compare, parse_compare, run_compare
+from estuary.compare import CompareResult, Method, load_compare, parse_compare, run_compare
 from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _curves, _quality, markdown
 from shared.config.algorithms import FedPhDConfig
 from shared.errors import ConfigError
@@ -72,12 +73,32 @@ def _raw(**changes: Any) -> dict[str, Any]:
     return raw
 
 
-def test_compare_writes_tables_and_plots(tmp_path: Path) -> None:
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
+@pytest.fixture(scope="module")
+def tiny_done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CompareResult]:
+    """The tiny comparison run once in this process, sequentially and with evaluation: its
+    TOML and its result (output in ``result.out``). Tests that change the output work on a
+    copy (:func:`_copy_of`)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    cfg = _tiny_file(folder)
+    return cfg, run_compare(load_compare(cfg), folder / "out", progress=False)
+
+
+def _copy_of(done: tuple[Path, CompareResult], tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the finished tiny comparison in ``tmp_path``: (its TOML, its output)."""
+    cfg, res = done
+    shutil.copytree(res.out, tmp_path / "out")
+    return _tiny_file(tmp_path, cfg.read_text()), tmp_path / "out"
+
+
+#: the tests that read the module's finished comparison run on one pytest worker
+uses_tiny_done = pytest.mark.xdist_group("compare-tiny")
+
+
+@uses_tiny_done
+def test_compare_writes_tables_and_plots(tiny_done: tuple[Path, CompareResult]) -> None:
+    cfg, res = tiny_done
     spec = load_compare(cfg)
     assert [m.slug for m in spec.methods] == ["fedavg", "fedphd-select", "centralized"]
-    res = run_compare(spec, tmp_path / "out", progress=False)
     out = res.out
     for name in ("table.md", "table.csv", "table.json", "quality.png", "bytes.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -261,13 +282,12 @@ def _toml(path: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text())
 
 
+@uses_tiny_done
 def test_finished_methods_are_reused_and_bad_records_ignored(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_done: tuple[Path, CompareResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    out = tmp_path / "out"
-    first = run_compare(load_compare(cfg), out, progress=False)
+    cfg, out = _copy_of(tiny_done, tmp_path)
+    first = tiny_done[1]
     table = (out / "table.json").read_text()
     stamps = {s: (out / s / "method.json").stat().st_mtime_ns for s in ("fedavg", "centralized")}
     # each record keeps the thread count it ran with (the trajectory depends on it)
@@ -562,8 +582,9 @@ def _tiny_file(tmp_path: Path, text: str = TINY) -> Path:
     return cfg
 
 
+@uses_tiny_done
 def test_jobs_run_methods_in_their_own_processes_with_the_same_results(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_done: tuple[Path, CompareResult], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--jobs 2``: every method runs in a child process (its output in its compare.log),
     the parent writes the table from their records, a rerun reuses all of them, and the
@@ -580,7 +601,7 @@ def test_jobs_run_methods_in_their_own_processes_with_the_same_results(
     assert capsys.readouterr().out.count("reusing the run finished earlier") == 3
     assert (out / "table.json").read_text() == table
 
-    seq = run_compare(load_compare(cfg), tmp_path / "seq", progress=False)
+    seq = tiny_done[1]  # the same comparison run sequentially
     par = {r["method"]: r for r in json.loads(table)["rows"]}
     for row in seq.rows:
         for key in ("fid", "is", "local_steps", "total_bytes", "params", "central_aggs"):

@@ -226,10 +226,26 @@ def _run(
     return fed.cloud.model_sha, agents
 
 
+#: the uninterrupted runs, each made once in this process (by config)
+_REFERENCES: dict[str, tuple[str, dict[str, DeviceAgent]]] = {}
+
+
+def _reference(cfg: RunConfig) -> tuple[str, dict[str, DeviceAgent]]:
+    """``_run(cfg, None, {})``: the uninterrupted run without a state file, made once."""
+    key = cfg.to_json()
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _run(cfg, None, {})
+    return _REFERENCES[key]
+
+
+#: the tests that compare with the uninterrupted SCAFFOLD run share it on one pytest worker
+scaffold_reference = pytest.mark.xdist_group("device-state-scaffold")
+
+
 @pytest.mark.parametrize(
     ("algorithm", "edge_every"),
     [
-        ({"name": "scaffold"}, 1),
+        pytest.param({"name": "scaffold"}, 1, marks=scaffold_reference),
         ({"name": "scaffold"}, 2),
         ({"name": "feddiffuse", "split": "ulatdec"}, 1),
         ({"name": "moon"}, 1),
@@ -247,7 +263,7 @@ def test_devices_restarted_mid_run_end_at_the_uninterrupted_model(
     own model, which the file holds). The final model is the uninterrupted run's.
     Forgetting without restoring ends elsewhere: the state matters."""
     cfg = _cfg(algorithm, edge_every)
-    reference, ref_agents = _run(cfg, None, {})
+    reference, ref_agents = _reference(cfg)
     restored, agents = _run(cfg, tmp_path / "state", {0: True, 1: True, 2: True})
     assert restored == reference
     for name, agent in agents.items():
@@ -260,11 +276,12 @@ def test_devices_restarted_mid_run_end_at_the_uninterrupted_model(
     assert forgotten != reference
 
 
+@scaffold_reference
 def test_a_state_that_cannot_be_written_is_counted_and_training_goes_on(tmp_path: Path) -> None:
     """A state directory that cannot be created (here: a file is in the way) fails every
     save; each failure is logged and counted, and the run is the one without a state file."""
     cfg = _cfg({"name": "scaffold"})
-    reference, _ = _run(cfg, None, {})
+    reference, _ = _reference(cfg)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("in the way")
     sha, agents = _run(cfg, blocker, {})

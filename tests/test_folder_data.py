@@ -258,6 +258,7 @@ def test_simulate_and_compare_train_on_the_folders_as_on_the_dataset(tmp_path: P
     assert rows["folders"][1]["fid"] == pytest.approx(rows["dataset"][1]["fid"], rel=0.2)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 def test_devices_reading_only_their_own_folders_train_the_same_model(tmp_path: Path) -> None:
     """Cloud, 2 edges and 4 device processes on a real mosquitto, each device started with

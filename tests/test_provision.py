@@ -321,6 +321,7 @@ def test_deploy_as_deployer_leaves_a_running_cloud_connected(
         broker.stop()
 
 
+@pytest.mark.process
 @needs_mosquitto
 @pytest.mark.parametrize("assignment", ["static", "select"])
 def test_federation_runs_with_per_role_credentials(

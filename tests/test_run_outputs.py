@@ -74,7 +74,8 @@ def test_rounds_are_counted_from_one_everywhere_a_person_reads_them(tmp_path: Pa
     names, on the report's x axis and in summary.json, as in the progress bar and the logs."""
     import json
 
-    cfg = tiny_config(eval={"every": 0, "sample_every": 2, "checkpoint_every": 1})
+    cfg = tiny_config(eval={"every": 0, "sample_every": 2, "checkpoint_every": 1,
+                            "grid_size": 4, "sample_steps": 2})  # fmt: skip
     result = simulate(cfg, tmp_path / "r", progress=False, evaluate=False)
     run = result.run_dir
     rows = read_metrics(run / "metrics.jsonl")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -195,6 +196,16 @@ def test_only_a_role_leaves_a_last_will_when_its_connection_drops(
         assert got == []
 
 
+def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The first line ``proc`` writes to its stdout pipe, waited for at most ``timeout_s``."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"no output within {timeout_s} s"
+    line = proc.stdout.readline()
+    assert line, "the process closed its output"
+    return line
+
+
 def test_watch_follows_a_live_run_until_it_is_done(tmp_path: Path) -> None:
     """``--watch --until-done --json`` started before the run, as its own process: its JSON
     lines follow the cloud from nothing through training to done, and it exits 0 at done."""
@@ -208,13 +219,14 @@ def test_watch_follows_a_live_run_until_it_is_done(tmp_path: Path) -> None:
                 "--until-done", "--for-s", "300", "--json"]  # fmt: skip
         watcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(8.0)  # the watcher is up and has reported the empty broker
+            # the watcher is up and has reported the empty broker: its first line
+            first = _first_line(watcher, timeout_s=60)
             _run_over_mqtt(cfg, broker)
             out, _ = watcher.communicate(timeout=60)
         finally:
             watcher.kill()
     assert watcher.returncode == 0
-    docs = [json.loads(line) for line in out.splitlines()]
+    docs = [json.loads(line) for line in [first, *out.splitlines()]]
     assert docs[0]["cloud"]["state"] is None  # nothing retained before the run
     seen = [(d["cloud"]["state"]["phase"], d["cloud"]["state"]["round"])
             for d in docs if d["cloud"]["state"] is not None]  # fmt: skip
