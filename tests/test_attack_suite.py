@@ -118,7 +118,11 @@ from tests.attack_tools import (
 )
 from tests.conftest import synthetic_federation, tiny_config
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = [
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    pytest.mark.xdist_group("attack_suite"),
+]
 
 EDGE = "edge0"
 DEVICES = ["dev000", "dev001", "dev002"]

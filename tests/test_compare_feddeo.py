@@ -17,6 +17,9 @@ from estuary.compare.record import RECORD, load_record
 from shared.config.algorithms import FedDEOConfig
 from shared.errors import ConfigError
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("compare_feddeo")
+
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "configs" / "compare" / "compare_feddeo_quick.toml"
 DOMAINS = ["identity", "invert", "rot90"]  # the quick config's data.domains

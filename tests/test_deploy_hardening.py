@@ -43,6 +43,9 @@ from shared.transport.mqtt import MqttBus
 from shared.wire.messages import Deployment, DeploymentReport, SampleRequest, decode, encode
 from tests.mqtt_probe import close, connect
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("deploy_hardening")
+
 RUN = "dep"
 CARD: dict[str, Any] = {
     "name": "tiny",

@@ -16,6 +16,9 @@ from shared.deploy.signing import check_manifest, make_manifest
 from shared.errors import EstuaryError, SignatureError
 from shared.models.presets import build_unet
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("deployment_card")
+
 GOOD: dict[str, Any] = {
     "image_shape": [1, 32, 32],
     "num_classes": 0,

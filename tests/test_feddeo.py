@@ -32,6 +32,9 @@ from shared.diffusion.schedule import make_train_scheduler
 from shared.errors import ConfigError
 from shared.models.presets import build_unet, null_class, num_classes_of
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("feddeo")
+
 
 def feddeo_config(**sections: dict[str, Any]) -> RunConfig:
     """A tiny FedDEO run: 4 devices at 2 edges, synthetic data, a random generator."""

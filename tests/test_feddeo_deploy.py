@@ -328,6 +328,9 @@ from shared.runtime.service import RoleService
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("feddeo_deploy")
+
 class Cloud(RoleService):
     role = "cloud"
     def start(self): pass

@@ -75,7 +75,8 @@ needs_kubectl = pytest.mark.skipif(
 needs_validator = pytest.mark.skipif(
     kubernetes_validate is None, reason="pip install kubernetes-validate==1.37.0"
 )
-pytestmark = needs_kubectl
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = [needs_kubectl, pytest.mark.xdist_group("k8s")]
 
 Obj = dict[str, Any]
 

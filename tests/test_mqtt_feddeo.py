@@ -38,7 +38,11 @@ from shared.wire.messages import DeploymentReport
 from tests.conftest import tiny_config
 from tests.test_mqtt_federation import _bus
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = [
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    pytest.mark.xdist_group("mqtt_feddeo"),
+]
 
 DOMAINS = ["identity", "invert"]
 #: a device's upload: 10 descriptions of 64 floats and a mask of 10, with the codec's header

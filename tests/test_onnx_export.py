@@ -32,6 +32,9 @@ from shared.models.plan import ChannelPlan
 from shared.models.presets import build_unet
 from shared.models.pruning import prune_unet
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("onnx_export")
+
 PARITY = 1e-4  # fp32: max abs error of ONNX Runtime against torch (the issue's bar)
 SAMPLER = 1e-5  # numpy DDIM loop against diffusers' DDIMScheduler, same eps model
 

@@ -32,6 +32,9 @@ from shared.models.param_diffusion import (
     unflatten_params,
 )
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("param_diffusion")
+
 D = 150
 TINY = ParamDMConfig(ae_steps=300, dm_steps=200, timesteps=100, denoiser_width=16,
                      batch_size=32)

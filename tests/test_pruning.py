@@ -38,6 +38,9 @@ from shared.models.presets import build_unet, count_params, model_info, state_sp
 from shared.models.pruning import MIN_GROUP_CHANNELS, prune_unet
 from shared.wire.codec import spec_of
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("pruning")
+
 #: FedPhD Table III on CIFAR-10: s_p -> (#params in M, GMACs)
 TABLE_III = {0.25: (26.9, 4.2), 0.44: (20.3, 3.4), 0.61: (13.9, 2.1), 0.74: (9.3, 1.5)}
 

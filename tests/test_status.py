@@ -26,6 +26,9 @@ from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect
 from tests.test_mqtt_federation import _run_over_mqtt
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("status")
+
 RUN = "status-run"
 ROLE_TREES = ("cloud", "edge", "device")
 
