@@ -114,6 +114,42 @@ def shared_broker(session_broker: LocalBroker) -> Iterator[LocalBroker]:
     clear_retained(session_broker.host, session_broker.port)
 
 
+# -- the provisioned broker of the ACL tests -----------------------------------------------
+@pytest.fixture(scope="session")
+def acl_provisioning(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``estuary provision`` of run "acl" (3 devices, 2 edges), made once per session: the
+    folder with its password file, ACL and credentials."""
+    from estuary.provision import provision
+
+    cfg = tiny_config(run={"name": "acl"}, federation={"num_devices": 3, "num_edges": 2})
+    out = tmp_path_factory.mktemp("acl") / "prov"
+    provision(cfg, out)
+    return out
+
+
+@pytest.fixture
+def secured(acl_provisioning: Path, tmp_path: Path) -> Iterator[tuple[LocalBroker, Path]]:
+    """A mosquitto that requires the provisioned passwords and enforces the ACL of
+    :func:`acl_provisioning`. Each test gets a broker of its own from the session's files
+    (it starts in about 0.1 s): no test then sees another's retained messages or the
+    persistent sessions of its client ids.
+
+    Its client ids are not bound to user names: the ACL tests (test_provision.py and
+    test_private_downlink.py) log in spies with a role's own account beside that role, which
+    a bound broker would not allow (the second connection would replace the first). The
+    binding itself is tested in test_client_id_binding.py; the federations there run with it.
+    """
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto not installed: apt-get install mosquitto")
+    broker = LocalBroker(
+        kind="mosquitto", workdir=tmp_path / "broker",
+        password_file=acl_provisioning / "mosquitto" / "passwd",
+        acl_file=acl_provisioning / "mosquitto" / "acl", bind_client_ids=False,
+    ).start()  # fmt: skip
+    yield broker, acl_provisioning
+    broker.stop()
+
+
 # -- reference runs, computed once ----------------------------------------------------------
 def _shared_dir(factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder every pytest worker of this run sees (beside the workers' own temp roots)."""

@@ -116,7 +116,7 @@ from tests.attack_tools import (
     wait_for,
     watch_round,
 )
-from tests.conftest import synthetic_federation, tiny_config
+from tests.conftest import shared_broker, synthetic_federation, tiny_config
 
 # its module-scoped fixtures are built once: every test of the module on one pytest worker
 pytestmark = [
@@ -216,12 +216,9 @@ class Script:
             self.seconds[what] = time.monotonic() - started
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[LocalBroker]:
-    """The open broker (no accounts) this module's open-broker runs share, each under its
-    own run name."""
-    with LocalBroker(kind="mosquitto") as started:
-        yield started
+#: the open broker (no accounts) this module's open-broker runs share, each under its own
+#: run name: the session's
+broker = pytest.fixture(scope="module")(shared_broker)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ from shared.wire.messages import (
     decode,
     encode,
 )
-from tests.conftest import tiny_config
+from tests.conftest import shared_broker, tiny_config
 
 pytestmark = pytest.mark.skipif(
     find_mosquitto() is None,
@@ -204,11 +204,8 @@ class Harness:
         return next(u for u in self.reports if u.round == r), sha
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[LocalBroker]:
-    """A private mosquitto for this module."""
-    with LocalBroker(kind="mosquitto") as started:
-        yield started
+#: the session's open mosquitto (this module's runs have names of their own)
+broker = pytest.fixture(scope="module")(shared_broker)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import decode_tensors
 from shared.wire.messages import DeploymentReport
-from tests.conftest import tiny_config
+from tests.conftest import shared_broker, tiny_config
 from tests.test_mqtt_federation import _bus
 
 # its module-scoped fixtures are built once: every test of the module on one pytest worker
@@ -50,11 +49,8 @@ MAX_UPLOAD_BYTES = 4096
 TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[LocalBroker]:
-    """A real mosquitto on a free port for this module."""
-    with LocalBroker(kind="mosquitto") as b:
-        yield b
+#: the session's open mosquitto (this module's runs have names of their own)
+broker = pytest.fixture(scope="module")(shared_broker)
 
 
 def _config(keys: tuple[Path, Path]) -> RunConfig:

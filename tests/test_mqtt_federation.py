@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -29,18 +28,15 @@ from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import Traffic
 from shared.wire.messages import Presence, encode, home_of
-from tests.conftest import tiny_config
+from tests.conftest import shared_broker, tiny_config
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
 TIMING_KINDS = {"msg_device_update", "msg_edge_update"}  # carry wall-clock train_seconds
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[LocalBroker]:
-    """A real mosquitto on a free port for this module."""
-    with LocalBroker(kind="mosquitto") as b:
-        yield b
+#: the session's open mosquitto (this module's runs have names of their own)
+broker = pytest.fixture(scope="module")(shared_broker)
 
 
 def _bus(

@@ -34,6 +34,7 @@ from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
 from shared.wire.codec import sha256_hex
 from shared.wire.messages import BlobWant, Topics, encode
+from tests.conftest import shared_broker
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
@@ -42,11 +43,8 @@ SERVER, CLIENT = "device/dev001", "edge/edge0"
 _runs = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[LocalBroker]:
-    """A private mosquitto for this module."""
-    with LocalBroker(kind="mosquitto") as started:
-        yield started
+#: the session's open mosquitto (this module's runs have names of their own)
+broker = pytest.fixture(scope="module")(shared_broker)
 
 
 class Net:
@@ -297,9 +295,7 @@ def test_exception_in_message_callback_is_counted_and_paho_keeps_running(net: Ne
                 raise RuntimeError("boom")
             real.put_nowait(item)
 
-        def get(
-            self, block: bool = True, timeout: float | None = None
-        ) -> tuple[str, bytes, float]:
+        def get(self, block: bool = True, timeout: float | None = None) -> tuple[str, bytes, float]:
             return real.get(block, timeout)
 
     bus._inbound = Flaky()

@@ -2,8 +2,8 @@
 device travels only under ``device/<d>/down``, which the ACL of ``estuary provision`` lets only
 that device and the cloud read, and the blob layer serves it there and nowhere else.
 
-Broker tests run a real mosquitto under the generated ACL (the ``secured`` fixture of the
-provisioning tests) with each role logged in as itself; unit tests drive the blob server,
+Broker tests run a real mosquitto under the generated ACL (the ``secured`` fixture of
+tests/conftest.py) with each role logged in as itself; unit tests drive the blob server,
 the in-memory bus and the ACL text directly."""
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ from shared.wire.messages import (
 )
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, inbox, received
-from tests.test_provision import BASE, _login, secured
-
-__all__ = ["secured"]  # the provisioning tests' broker under the generated ACL, as a fixture
+from tests.test_provision import BASE, _login
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 

@@ -9,7 +9,6 @@ import hashlib
 import json
 import secrets
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -38,27 +37,6 @@ from tests.mqtt_probe import close, connect, inbox, login, received
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 BASE = "estuary/v1/acl"
-
-
-@pytest.fixture
-def secured(tmp_path: Path) -> Iterator[tuple[LocalBroker, Path]]:
-    """A mosquitto that requires the provisioned passwords and enforces the ACL.
-
-    Its client ids are not bound to user names: the ACL tests (here and in
-    test_private_downlink.py) log in spies with a role's own account beside that role, which
-    a bound broker would not allow (the second connection would replace the first). The
-    binding itself is tested in test_client_id_binding.py; the federations below run with it.
-    """
-    cfg = tiny_config(run={"name": "acl"}, federation={"num_devices": 3, "num_edges": 2})
-    out = tmp_path / "prov"
-    provision(cfg, out)
-    broker = LocalBroker(
-        kind="mosquitto", workdir=tmp_path / "broker",
-        password_file=out / "mosquitto" / "passwd", acl_file=out / "mosquitto" / "acl",
-        bind_client_ids=False,
-    ).start()  # fmt: skip
-    yield broker, out
-    broker.stop()
 
 
 def _login(broker: LocalBroker, out: Path, user: str) -> mqtt.Client:

@@ -23,7 +23,7 @@ from shared.runtime.process import connect_bus
 from shared.transport.local_broker import LocalBroker
 from shared.wire.messages import CloudState, DeploymentReport, DeviceHello, Topics, encode
 from tests.conftest import tiny_config
-from tests.mqtt_probe import close, connect
+from tests.mqtt_probe import clear_retained, close, connect
 from tests.test_mqtt_federation import _run_over_mqtt
 
 # its module-scoped fixtures are built once: every test of the module on one pytest worker
@@ -34,16 +34,19 @@ ROLE_TREES = ("cloud", "edge", "device")
 
 
 @pytest.fixture(scope="module")
-def finished() -> Iterator[tuple[LocalBroker, RunConfig, str]]:
-    """A mosquitto that served a whole 2-round federation (cloud, 2 edges, 4 devices), and
-    the final model's digest."""
+def finished(
+    session_broker: LocalBroker,
+) -> Iterator[tuple[LocalBroker, RunConfig, str]]:
+    """The session's mosquitto after it served a whole 2-round federation (cloud, 2 edges,
+    4 devices), and the final model's digest; what the module left retained is cleared
+    after it."""
     cfg = tiny_config(
         run={"name": RUN, "rounds": 2}, federation={"num_devices": 4, "num_edges": 2},
         train={"threads": 1},
     )  # fmt: skip
-    with LocalBroker(kind="mosquitto") as broker:
-        final, _ = _run_over_mqtt(cfg, broker)
-        yield broker, cfg, final
+    final, _ = _run_over_mqtt(cfg, session_broker)
+    yield session_broker, cfg, final
+    clear_retained(session_broker.host, session_broker.port)
 
 
 def _config_file(tmp_path: Path, cfg: RunConfig) -> str:
