@@ -36,15 +36,15 @@ else
 fi
 
 # compute.deterministic: two GPU runs must end on the same bits (not a gate: reported only)
-timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
+timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 "${pytest_args[@]}" \
   tests/test_determinism.py 2>&1 | tee "$OUT/gpu_tests.log"
 
 graph=()
-if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
+if timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 "${pytest_args[@]}" \
     -k "not resident" tests/test_graphed.py 2>&1 | tee -a "$OUT/gpu_tests.log"; then
   graph=(--cuda-graph)
   # the resident capture (train.cuda_graph_reuse) has its own gate: graphs without it else
-  if timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider "${pytest_args[@]}" \
+  if timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 "${pytest_args[@]}" \
       -k resident tests/test_graphed.py 2>&1 | tee -a "$OUT/gpu_tests.log"; then
     graph+=(--graph-reuse) bench_args+=(--reuse)
   else

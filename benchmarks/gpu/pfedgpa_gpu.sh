@@ -38,7 +38,7 @@ else
   tests=()
 fi
 
-[[ "${SKIP_TESTS:-0}" == 1 ]] || timeout 120 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" \
+[[ "${SKIP_TESTS:-0}" == 1 ]] || timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 "${tests[@]}" \
   tests/test_param_diffusion.py tests/test_classifiers.py 2>&1 | tee "$OUT/tests.log"
 
 left=$((BUDGET_S - (SECONDS - start) - 15))

@@ -35,7 +35,7 @@ else
   tests=()
 fi
 
-[[ "${SKIP_TESTS:-0}" == 1 ]] || timeout 120 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" tests/test_oneshot.py \
+[[ "${SKIP_TESTS:-0}" == 1 ]] || timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 "${tests[@]}" tests/test_oneshot.py \
   tests/test_feature_match.py 2>&1 | tee "$OUT/tests.log"
 
 only=()
