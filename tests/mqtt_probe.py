@@ -71,7 +71,7 @@ def clear_retained(
     on the broker by publishing an empty retained payload to its topic, so that the next test
     on a shared broker starts from none; the number removed. Retained messages arrive right
     after the SUBACK, so a short quiet spell after the last one means all have come."""
-    c = login(host, port, user, password) if user else connect(host, port, None, None)[0]
+    c = login(host, port, user, password or "") if user else connect(host, port, None, None)[0]
     topics: queue.Queue[str] = queue.Queue()
     c.on_message = lambda cl, ud, msg: topics.put(msg.topic) if msg.retain and msg.payload else None
     c.subscribe("#", qos=1)

@@ -117,7 +117,10 @@ def test_a_sigkilled_cloud_resumes_to_the_uninterrupted_model_for_fedavg_and_pri
     next round and ends with the same global model as an uninterrupted run of the same seed
     (PRISM: its probabilities, mask counts and MADA step come back from the checkpoint, and
     MADA's draws are seeded by the step). FedAvg and PRISM run side by side."""
-    algorithms = {"fedavg": {"name": "fedavg"}, "prism": {"name": "prism", "prism_local_iters": 12}}
+    algorithms: dict[str, dict[str, Any]] = {
+        "fedavg": {"name": "fedavg"},
+        "prism": {"name": "prism", "prism_local_iters": 12},
+    }
     runs: dict[str, tuple[RunConfig, Hierarchy]] = {}
     for name, algorithm in algorithms.items():
         cfg, path = _setup(tmp_path / name, f"killcloud-{name}", run={"rounds": 5},
