@@ -39,9 +39,9 @@ from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRe
 if TYPE_CHECKING:  # torch, which `estuary deploy` does not need to import
     import torch
 
-    from shared.algorithms.base import FinalResult
     from shared.config import RunConfig
     from shared.deploy.classifier_export import ClassifierExport
+    from shared.methods.base import FinalResult
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def export_final_classifier(
     source: str,
 ) -> ClassifierExport:
     """Export a one-shot run's product, the classifier ``final`` (state and preset, from
-    :meth:`~shared.algorithms.base.Algorithm.finalize`), into ``out_dir`` for deployment:
+    :meth:`~shared.methods.base.Algorithm.finalize`), into ``out_dir`` for deployment:
     the parity-gated ONNX export (:func:`parity_batch`'s images, ``deploy.parity_threshold``
     on the logits, every argmax the same), a card naming the source run and carrying the
     final report (:func:`report_for_card`), and a manifest signed with ``signing_key``

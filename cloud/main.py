@@ -19,13 +19,13 @@ from pathlib import Path
 
 from cloud.deploy import deploy_when_trained
 from cloud.service import CloudServer, RoundSummary, check_round_start_fits
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.diffusion.training import set_deterministic
 from shared.errors import CodecError, ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
 from shared.evaluation.report import headline, last_quality, plot_report
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_model
 from shared.models.plan import ChannelPlan, model_spec, plan_doc

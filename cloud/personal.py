@@ -1,5 +1,5 @@
 """The cloud's personalization step (algorithms with per-device models, pFedGPA): the
-algorithm's :meth:`~shared.algorithms.base.Algorithm.personalize` runs in a worker thread,
+algorithm's :meth:`~shared.methods.base.Algorithm.personalize` runs in a worker thread,
 off the cloud's message loop, so presence, registrations and deadlines keep flowing while a
 diffusion model trains; the loop polls it and, once it is done, sends each device its own
 model privately (``Topics.device_down``) and opens the next round.
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shared.algorithms import Algorithm
-from shared.algorithms.aggregation import TensorDict
+from shared.methods.aggregation import TensorDict
+from shared.methods.base import Algorithm
 from shared.runtime.jobs import WorkerJob
 
 #: seconds between two looks at the worker (on the bus clock)

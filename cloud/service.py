@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from cloud.personal import PersonalizeJob
-from shared.algorithms import Algorithm, Fold, Update
-from shared.algorithms.base import FinalResult
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import model_from_state
+from shared.methods.base import Algorithm, FinalResult, Fold, Update
 from shared.models.checkpoint import CheckpointWriter, model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
@@ -236,7 +235,7 @@ class CloudServer(RoleService):
         #: :meth:`complete` (the run is "deploying" until then). None: complete at once.
         self.on_trained: Callable[[], None] | None = None
         #: a one-shot algorithm's product (FedDEO's classifier), made after the last round
-        #: by :meth:`~shared.algorithms.base.Algorithm.finalize` in :attr:`final_job`
+        #: by :meth:`~shared.methods.base.Algorithm.finalize` in :attr:`final_job`
         self.final: FinalResult | None = None
         self.final_job: WorkerJob[FinalResult | None] | None = None
 

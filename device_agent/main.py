@@ -101,9 +101,9 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     import torch
 
     from device_agent.service import DeviceAgent
-    from shared.algorithms import make_algorithm
     from shared.data.datasets import to_model_input
     from shared.diffusion.training import set_deterministic
+    from shared.methods.registry import make_algorithm
     from shared.naming import device_index, home_edge
 
     index = device_index(args.id, cfg)

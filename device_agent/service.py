@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from device_agent.state import DeviceState, read_state, save_state, set_aside, state_path
-from shared.algorithms import Algorithm, DeviceContext, LocalResult
-from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
 from shared.config import RunConfig
-from shared.config.algorithms import FedPhDConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, StateError
+from shared.federation.selection import choose_edge, selection_probs, selection_rng
+from shared.methods.base import Algorithm, DeviceContext, LocalResult
+from shared.methods.fedphd.config import FedPhDConfig
 from shared.models.plan import (
     ChannelPlan,
     Plan,

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from shared.algorithms import Algorithm, Fold, Update
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, TransportError
+from shared.methods.base import Algorithm, Fold, Update
 from shared.models.plan import ChannelPlan, model_spec, parse_plan, plan_digest, plan_doc
 from shared.naming import is_device_of
 from shared.runtime.jobs import WorkerJob

@@ -24,7 +24,6 @@ from torch import nn
 from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
 from shared.config import RunConfig, model_kind
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
@@ -34,8 +33,9 @@ from shared.errors import EstuaryError
 from shared.evaluation.evaluator import check_evaluable
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import headline, plot_report
+from shared.methods.prism.masking import load_key, provide_key_file
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
-from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
 from shared.progress import progress_bar
@@ -123,7 +123,7 @@ def build_federation(
 
 def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
     """The models of the first ``limit`` devices (by name): the cloud's current global state
-    with each device's own parts (:meth:`~shared.algorithms.base.Algorithm.client_state`),
+    with each device's own parts (:meth:`~shared.methods.base.Algorithm.client_state`),
     or the global model for a device that holds none yet (it is what that device would be
     deployed), so the evaluated set stays the same from round to round; empty while none of
     those devices holds local parts (every one of their models is the global one)."""
@@ -187,7 +187,7 @@ def simulate(
     if cfg.algorithm.name == "prism":
         announce_prism_key(run_dir, show=progress)
     if progress and cfg.algorithm.name in ("pfedgpa", "feddeo"):  # minutes of work: say so
-        logging.getLogger(f"shared.algorithms.{cfg.algorithm.name}").setLevel(logging.INFO)
+        logging.getLogger(f"shared.methods.{cfg.algorithm.name}").setLevel(logging.INFO)
         logging.getLogger("cloud.service").setLevel(logging.INFO)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
@@ -237,7 +237,7 @@ def simulate(
     elif model_kind(cfg.model.preset) == "classifier" and cfg.data.domains:
         # the final global classifier on the whole test set seen in every domain: the
         # figure a one-shot method reports, so feature-skew comparisons share one measure
-        from shared.algorithms.feddeo import score_by_domain
+        from shared.methods.feddeo.method import score_by_domain
 
         final = score_by_domain(cfg, cloud.global_module())
     if final is not None:

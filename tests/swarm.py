@@ -68,10 +68,10 @@ from pydantic import ValidationError
 
 from cloud import CloudServer, RoundSummary
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES
 from shared.errors import CodecError, MessageError
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.transport.blob_transfer import chunk_count

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.algorithms import DeviceContext, Update, make_algorithm, registered
-from shared.algorithms.base import Algorithm
 from shared.config import RunConfig, config_from_dict, with_overrides
-from shared.config.algorithms import PrismConfig, config_class
+from shared.config.algorithms import config_class
 from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
+from shared.methods.base import Algorithm, DeviceContext, Update
+from shared.methods.prism.config import PrismConfig
+from shared.methods.registry import make_algorithm, registered
 from shared.models.checkpoint import model_digest
 from shared.models.plan import model_spec
 from shared.models.presets import build_net

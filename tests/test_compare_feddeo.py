@@ -14,8 +14,8 @@ import pytest
 
 from estuary.compare import load_compare, parse_compare, run_compare
 from estuary.compare.record import RECORD, load_record
-from shared.config.algorithms import FedDEOConfig
 from shared.errors import ConfigError
+from shared.methods.feddeo.config import FedDEOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "configs" / "compare" / "compare_feddeo_quick.toml"

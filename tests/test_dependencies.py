@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +33,14 @@ PACKAGES = ("shared", "cloud", "edge_node", "device_agent", "estuary")
 ROLES = ("cloud", "edge_node", "device_agent")
 #: shared's floors, lowest first: a module imports only from its own floor and lower ones
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("shared", "shared.errors", "shared.atomic", "shared.lifetime"),
-    ("shared.config",),
+    ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings"),
+    ("shared.config", "shared.methods.registry"),
     ("shared.wire",),
     ("shared.transport",),
-    ("shared.models", "shared.naming"),
+    ("shared.models", "shared.naming", "shared.federation"),
     ("shared.data",),
     ("shared.diffusion",),
-    ("shared.algorithms",),
+    ("shared.methods",),
     ("shared.evaluation",),
     ("shared.metrics",),
     ("shared.runtime",),
@@ -157,8 +158,16 @@ def role_violations(root: Path) -> list[str]:
     return out
 
 
+#: each method's settings (``shared.methods.<name>.config``) sit on the config floor with the
+#: registry: every process reads them, torch-free, to parse a run config
+SETTINGS_MODULE = re.compile(r"^shared\.methods\.\w+\.config$")
+
+
 def floor_of(module: str) -> int | None:
-    """The floor of a ``shared`` module (the longest matching prefix), None outside it."""
+    """The floor of a ``shared`` module (the longest matching prefix; a method's settings:
+    the config floor), None outside it."""
+    if SETTINGS_MODULE.match(module):
+        module = "shared.config"
     best: tuple[int, int] | None = None
     for level, prefixes in enumerate(FLOORS):
         for prefix in prefixes:

@@ -10,8 +10,19 @@ from typing import Any
 import pytest
 import torch
 
-from shared.algorithms import Update, make_algorithm
-from shared.algorithms.feddeo import (
+from shared.config import RunConfig, config_from_dict
+from shared.diffusion.schedule import make_train_scheduler
+from shared.errors import ConfigError
+from shared.methods.base import Update
+from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddeo.guidance import (
+    class_table,
+    compose_eps,
+    eps_with_embedding,
+    guided_ddim,
+    null_row,
+)
+from shared.methods.feddeo.method import (
     DESC,
     MASK,
     image_seed,
@@ -19,17 +30,7 @@ from shared.algorithms.feddeo import (
     start_noise,
     train_descriptions,
 )
-from shared.config import RunConfig, config_from_dict
-from shared.config.algorithms import FedDEOConfig
-from shared.diffusion.guidance import (
-    class_table,
-    compose_eps,
-    eps_with_embedding,
-    guided_ddim,
-    null_row,
-)
-from shared.diffusion.schedule import make_train_scheduler
-from shared.errors import ConfigError
+from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet, null_class, num_classes_of
 
 

@@ -23,11 +23,11 @@ from device_agent.deployment import TEST_SPLIT, DeploymentReceiver
 from device_agent.main import device_data, device_test_data
 from device_agent.personalize import Personalizer
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
-from shared.algorithms.feddeo import DESC, MASK
 from shared.config import RunConfig
 from shared.data.datasets import to_model_input
 from shared.deploy.signing import CLASSIFY_TASK, generate_keys
+from shared.methods.feddeo.method import DESC, MASK
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.transport.local_broker import LocalBroker, find_mosquitto

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from estuary.compare.spec import Method, MethodRun
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config.algorithms import FedPhDConfig
 from shared.errors import ConfigError
+from shared.methods.fedphd.config import FedPhDConfig
+from shared.methods.registry import make_algorithm
 from shared.models.init import init_fingerprint
 from shared.models.plan import parse_plan, plan_doc
 from shared.models.pruning import PRUNING_RECIPE

@@ -24,10 +24,8 @@ from estuary.compare.spec import (
     steps_per_round,
 )
 from estuary.compare.tables import summarize, write_plots, write_tables
-from shared.algorithms.feddeo import score_by_domain
 from shared.atomic import atomic_write
 from shared.config import RunConfig, model_kind
-from shared.config.algorithms import FedPhDConfig
 from shared.data.datasets import ImageDataset, to_model_input
 from shared.data.partition import split_dataset
 from shared.diffusion.schedule import make_train_scheduler
@@ -43,6 +41,8 @@ from shared.errors import ConfigError
 from shared.evaluation.evaluator import Evaluator, check_evaluable
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
+from shared.methods.feddeo.method import score_by_domain
+from shared.methods.fedphd.config import FedPhDConfig
 from shared.models.checkpoint import save_checkpoint
 from shared.models.init import initial_model
 from shared.models.plan import ChannelPlan

@@ -14,10 +14,10 @@ from typing import Any
 
 from cloud.service import sample_participants
 from shared.config import RunConfig, apply_env_overrides, config_from_dict, model_kind
-from shared.config.algorithms import FedPhDConfig
 from shared.data.partition import split_dataset
 from shared.diffusion.training import num_local_steps
 from shared.errors import ConfigError
+from shared.methods.fedphd.config import FedPhDConfig
 from shared.metrics.accounting import Distances
 from shared.models.plan import ChannelPlan
 from shared.naming import device_name

@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from estuary.compare.spec import CompareSpec, Method, MethodRun
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config.algorithms import FedDEOConfig, FedDiffuseConfig, FedPhDConfig
+from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddiffuse.config import FedDiffuseConfig
+from shared.methods.fedphd.config import FedPhDConfig
+from shared.methods.registry import make_algorithm
 from shared.metrics import accounting as acc
 from shared.models.plan import build_model
 from shared.models.presets import model_info

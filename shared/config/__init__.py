@@ -37,8 +37,8 @@ from shared.config.algorithms import (
     config_class,
     digest_later_keys,
 )
-from shared.config.section import Section
 from shared.errors import ConfigError, did_you_mean
+from shared.settings import Section
 
 ENV_PREFIX = "ESTUARY__"
 

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from shared import __version__
-from shared.algorithms import Algorithm, make_algorithm
 from shared.atomic import atomic_write
 from shared.config import DiffusionSection, RunConfig
 from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
@@ -46,6 +45,8 @@ from shared.diffusion.schedule import ddim_sample
 from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
+from shared.methods.base import Algorithm
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents

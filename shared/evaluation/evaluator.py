@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.algorithms import Algorithm, make_algorithm
 from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
@@ -31,6 +30,8 @@ from shared.diffusion.training import placed
 from shared.errors import ConfigError, DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
+from shared.methods.base import Algorithm
+from shared.methods.registry import make_algorithm
 from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
@@ -47,7 +48,7 @@ def model_from_state(
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
     variate) are ignored; every module tensor must be present. The configured algorithm
-    materializes the state first (:meth:`~shared.algorithms.base.Algorithm.materialize`:
+    materializes the state first (:meth:`~shared.methods.base.Algorithm.materialize`:
     PRISM's probabilities become the dense weights of one fixed mask). A one-shot
     generator's batch norms then get their running statistics from latents drawn from the
     run seed (:func:`~shared.models.oneshot.recalibrate_bn`), so that the eval-mode module

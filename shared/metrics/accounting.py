@@ -53,11 +53,11 @@ from typing import Any, Literal
 
 import torch
 
-from shared.algorithms import make_algorithm
-from shared.algorithms.feddiffuse import communicated_params
 from shared.config import FederationSection, RunConfig
-from shared.config.algorithms import FedDiffuseConfig
 from shared.errors import ConfigError
+from shared.methods.feddiffuse.config import FedDiffuseConfig
+from shared.methods.feddiffuse.method import communicated_params
+from shared.methods.registry import make_algorithm
 from shared.models.plan import ChannelPlan, model_spec
 from shared.wire.codec import TensorSpec, encode_tensors, spec_bytes
 
@@ -246,9 +246,9 @@ def payloads(cfg: RunConfig, plan: ChannelPlan | None = None) -> Payloads:
     configured algorithm on ``model.preset`` under ``plan`` (the algorithm's own specs).
 
     USPLIT (``partial_uploads``) uploads are counted with FedDiffuse's own
-    :func:`~shared.algorithms.feddiffuse.communicated_params`, the participants split evenly
+    :func:`~shared.methods.feddiffuse.method.communicated_params`, the participants split evenly
     over the edges (pairs form within an edge). Where the algorithm has a
-    :meth:`~shared.algorithms.base.Algorithm.shared_spec` (FedDiffuse ULATDEC/UDEC) the
+    :meth:`~shared.methods.base.Algorithm.shared_spec` (FedDiffuse ULATDEC/UDEC) the
     downloads and edge reports carry only it: the steady state, after each device's one
     download of the whole model."""
     algo = make_algorithm(cfg)

@@ -132,6 +132,12 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         return spec_of(model.state_dict())
 
 
+def is_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the state-dict tensor ``name`` of ``shape`` is a weight matrix or kernel (two
+    or more dimensions): what PRISM masks, one bit each on the wire."""
+    return name.endswith(".weight") and len(shape) >= 2
+
+
 def module_device(model: nn.Module) -> torch.device | None:
     """The device of ``model``'s first parameter (None for a module without parameters)."""
     first = next(model.parameters(), None)

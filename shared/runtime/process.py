@@ -139,7 +139,7 @@ def blob_bytes(cfg: RunConfig) -> tuple[int, bool]:
     of a device's upload, for the dense model), and whether the algorithm keeps one blob
     per device (``per_device_updates``). Falls back to the dense model's bytes when the
     algorithm cannot be made here (a tool on a machine without the run's GPU)."""
-    from shared.algorithms import make_algorithm
+    from shared.methods.registry import make_algorithm
     from shared.models.plan import model_spec
 
     dense = model_spec(cfg.model.preset, None)

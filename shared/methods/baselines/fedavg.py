@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from shared.algorithms.base import (
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     Fold,
@@ -24,13 +24,12 @@ from shared.algorithms.base import (
     TensorDict,
     Update,
     fold_all,
-    register,
 )
-from shared.config.algorithms import AlgorithmConfig, FedAvgConfig
+from shared.methods.baselines.config import FedAvgConfig
 from shared.models.classifier import is_classifier
+from shared.settings import AlgorithmConfig
 
 
-@register
 class FedAvg(Algorithm):
     """Sample-weighted averaging at both tiers; plain DDPM loss on devices."""
 

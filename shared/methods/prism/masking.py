@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from shared.atomic import atomic_write
-from shared.errors import ConfigError
-from shared.wire.codec import TensorSpec
+from shared.errors import CodecError, ConfigError
+from shared.models.presets import build_net, forward_inputs, image_shape, is_weight
+from shared.wire.codec import TensorSpec, pack_bits, unpack_bits
 
 KEY_ENV = "ESTUARY_PRISM_KEY"
 KEY_FILE_ENV = "ESTUARY_PRISM_KEY_FILE"
@@ -157,8 +158,9 @@ def state_spec(model_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
 
 # -- which tensors are masked, and the frozen rest ---------------------------------------------
 def is_masked(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether the parameter ``name`` of ``shape`` carries a mask (module docstring)."""
-    return name.endswith(".weight") and len(shape) >= 2
+    """Whether the parameter ``name`` of ``shape`` carries a mask (module docstring): every
+    weight matrix and kernel (:func:`~shared.models.presets.is_weight`)."""
+    return is_weight(name, shape)
 
 
 def masked_names(spec: Mapping[str, TensorSpec]) -> list[str]:
@@ -299,8 +301,6 @@ def compact_tensors(dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     in sorted name order, each flattened in C order, packed little bit order as
     :func:`~shared.wire.codec.pack_bits`) and each tensor's scale ``sqrt(2 / fan_in)``.
     The signs are not in it: only the key regenerates them (:func:`expand_compact`)."""
-    from shared.wire.codec import pack_bits
-
     names = sorted(n for n, v in dense.items() if is_masked(n, tuple(v.shape)))
     bits = torch.cat([(dense[n] != 0).reshape(-1) for n in names])
     out = {COMPACT_MASK: pack_bits(bits)}
@@ -315,9 +315,6 @@ def expand_compact(
     """The dense model of a compact artifact for a model of ``spec``: the key's signs times
     each tensor's scale where its bit is set, the frozen constants elsewhere. CodecError when
     the artifact does not fit ``spec``."""
-    from shared.errors import CodecError
-    from shared.wire.codec import unpack_bits
-
     names = sorted(masked_names(spec))
     sizes = [math.prod(spec[n].shape) for n in names]
     if COMPACT_MASK not in tensors or any(COMPACT_SCALE + n not in tensors for n in names):
@@ -341,8 +338,6 @@ def depth_order(preset: str) -> tuple[str, ...]:
     """The masked weights of ``preset`` in the order their modules first run in a forward
     pass (input side first). Registration order is not depth: a diffusers U-Net registers
     ``mid_block`` after ``up_blocks``. Measured once per preset on a batch of one."""
-    from shared.models.presets import build_net, forward_inputs, image_shape
-
     model = build_net(preset, seed=0).eval()
     owner = {id(m): name for name, m in model.named_modules()}
     order: list[str] = []

@@ -1,7 +1,8 @@
 """The algorithm interface: device, edge and cloud parts of one algorithm in one class.
 
-Services own the rounds and the wire; algorithms own the maths. A subclass lives in its own
-file (``fedavg.py``, ``fedphd.py``, ...) and registers itself with :func:`register`.
+Services own the rounds and the wire; algorithms own the maths. A subclass lives in its
+method's package (``shared/methods/<name>/``) and is named in the registry
+(:mod:`shared.methods.registry`).
 
 What travels is a *state*: the model's tensors plus whatever extra tensors the algorithm
 keeps beside them (SCAFFOLD's server control variate, under its own prefix). The cloud
@@ -20,14 +21,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import TensorDict, WeightedSum
 from shared.config import RunConfig, TrainSection
-from shared.config.algorithms import AlgorithmConfig, algorithm_names, config_class
 from shared.diffusion.schedule import make_train_scheduler
 from shared.diffusion.training import (
     TrainResult,
@@ -38,9 +37,11 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
+from shared.methods.aggregation import TensorDict, WeightedSum
 from shared.models.classifier import accuracy, is_classifier
 from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim
 from shared.models.plan import ChannelPlan
+from shared.settings import AlgorithmConfig
 from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -226,8 +227,8 @@ class Algorithm(ABC):
     ``cloud_aggregate`` on the cloud. Instances hold only their own role's state."""
 
     name: ClassVar[str]
-    #: the class of this algorithm's settings (its keys under ``[algorithm]``), registered
-    #: under :attr:`name` in :mod:`shared.config.algorithms`
+    #: the class of this algorithm's settings (its keys under ``[algorithm]``), the one the
+    #: registry names for :attr:`name`
     config_class: ClassVar[type[AlgorithmConfig]]
     #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
     partial_uploads: ClassVar[bool] = False
@@ -528,39 +529,3 @@ class Algorithm(ABC):
         called with ``round_ = -1`` on the initial state before round 0. Returns the state
         and the architecture plan (None = the dense preset)."""
         return state, plan
-
-
-_REGISTRY: dict[str, type[Algorithm]] = {}
-
-
-A = TypeVar("A", bound=type[Algorithm])
-
-
-def register(cls: A) -> A:
-    """Class decorator adding ``cls`` to the registry under ``cls.name``; its settings class
-    must be the one registered under that name in :mod:`shared.config.algorithms`."""
-    if cls.name not in algorithm_names():
-        raise TypeError(
-            f"{cls.__name__}: no settings registered for {cls.name!r}; declare its class in "
-            "shared/config/algorithms.py with @algorithm_config"
-        )
-    if getattr(cls, "config_class", None) is not config_class(cls.name):
-        raise TypeError(f"{cls.__name__}.config_class must be {config_class(cls.name).__name__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def make_algorithm(cfg: RunConfig) -> Algorithm:
-    """Instantiate the algorithm named in ``cfg.algorithm.name``."""
-    try:
-        cls = _REGISTRY[cfg.algorithm.name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown algorithm {cfg.algorithm.name!r}; registered: {sorted(_REGISTRY)}"
-        ) from None
-    return cls(cfg)
-
-
-def registered() -> list[str]:
-    """Names of every registered algorithm."""
-    return sorted(_REGISTRY)

@@ -4,7 +4,7 @@ personalized federated learning.
 Devices train a small classifier with cross-entropy (the paper's LocalUpdate, Alg. 1) and
 upload it. The cloud keeps every device's uploads of the last ``pfedgpa_store_rounds``
 rounds, trains a latent diffusion model over their flattened parameters (a p-diff
-autoencoder plus a latent DDPM, :mod:`shared.models.param_diffusion`) and sends each device
+autoencoder plus a latent DDPM, :mod:`shared.methods.pfedgpa.param_diffusion`) and sends each device
 its own parameters: its upload inverted through the diffusion model (eqs. 11-16), or, as
 Table 2's ablation, drawn directly from noise. Between diffusion rounds the devices train
 the sample-weighted average, so the store holds FedAvg-FT models, as the paper's "last 20
@@ -31,21 +31,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import fedavg
-from shared.algorithms.base import (
-    Algorithm,
-    DeviceContext,
-    LocalResult,
-    TensorDict,
-    Update,
-    register,
-)
 from shared.atomic import atomic_write
 from shared.config import RunConfig
-from shared.config.algorithms import AlgorithmConfig, PFedGPAConfig
 from shared.diffusion.training import resolve_device
 from shared.errors import ConfigError
-from shared.models.param_diffusion import (
+from shared.methods.aggregation import fedavg
+from shared.methods.base import Algorithm, DeviceContext, LocalResult, TensorDict, Update
+from shared.methods.pfedgpa.config import PFedGPAConfig
+from shared.methods.pfedgpa.param_diffusion import (
     ParamDM,
     ParamDMConfig,
     flatten_params,
@@ -56,6 +49,7 @@ from shared.models.param_diffusion import (
     unflatten_params,
 )
 from shared.models.presets import state_spec
+from shared.settings import AlgorithmConfig
 from shared.wire.codec import decode_tensors, encode_tensors, read_metadata
 
 log = logging.getLogger(__name__)
@@ -95,7 +89,6 @@ def dm_seed(seed: int, round_: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state))
 
 
-@register
 class PFedGPA(Algorithm):
     """Cloud-side diffusion over client parameters; inversion gives each device its own
     (eqs. 11-16); devices fine-tune and report accuracy before and after (Table 2)."""

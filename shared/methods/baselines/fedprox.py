@@ -20,15 +20,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from shared.algorithms.base import (
-    DeviceContext,
-    LocalResult,
-    TensorDict,
-    model_state,
-    register,
-)
-from shared.algorithms.fedavg import FedAvg
-from shared.config.algorithms import FedProxConfig
+from shared.methods.base import DeviceContext, LocalResult, TensorDict, model_state
+from shared.methods.baselines.config import FedProxConfig
+from shared.methods.baselines.fedavg import FedAvg
 from shared.models.presets import module_device
 
 #: ``DeviceContext.state`` key of the received parameters (the proximal anchor)
@@ -55,7 +49,6 @@ def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor], mu: floa
     return 0.5 * mu * total
 
 
-@register
 class FedProx(FedAvg):
     """FedAvg aggregation; DDPM loss plus the proximal term on devices."""
 

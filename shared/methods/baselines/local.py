@@ -14,23 +14,22 @@ from typing import ClassVar
 
 from torch import nn
 
-from shared.algorithms.base import (
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
     Update,
     model_state,
-    register,
 )
-from shared.config.algorithms import AlgorithmConfig, LocalConfig
+from shared.methods.baselines.config import LocalConfig
 from shared.models.classifier import is_classifier
+from shared.settings import AlgorithmConfig
 
 #: ``DeviceContext.state`` key of the device's own model
 OWN_MODEL = "local.model"
 
 
-@register
 class Local(Algorithm):
     """No federation: each device trains alone; nothing travels up."""
 

@@ -2,7 +2,7 @@
 generator, on the U-Net presets with the DDPM loss (paper App. K).
 
 Every role derives the same frozen weights ``W_init`` (Rademacher signs times
-``sqrt(2 / fan_in)``) from a secret key (:mod:`shared.models.masking`). What the roles keep
+``sqrt(2 / fan_in)``) from a secret key (:mod:`shared.methods.prism.masking`). What the roles keep
 and send is a probability per masked weight:
 
 - **global / edge state**: ``prism.theta/<weight>`` (float32, the weight's shape),
@@ -12,7 +12,7 @@ and send is a probability per masked weight:
   order, each flattened in C order) packed little bit order into one uint8 vector
   (:func:`~shared.wire.codec.pack_bits`); a padding bit set is rejected as bad input.
   PRISM* (``prism_alpha``): the last alpha % of the layers in depth order
-  (:func:`~shared.models.masking.output_side`) send ``prism.prob/<weight>`` (float32
+  (:func:`~shared.methods.prism.masking.output_side`) send ``prism.prob/<weight>`` (float32
   probabilities) instead, and the mask holds the rest.
 
 Devices turn probabilities into scores ``s = logit(theta)``, train them with Adam
@@ -49,21 +49,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.algorithms.base import (
+from shared.config import RunConfig
+from shared.diffusion.schedule import ddpm_loss
+from shared.diffusion.training import TrainResult, placed, train_local
+from shared.errors import ConfigError
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
     Update,
     optimizer_state_on_cpu,
-    register,
 )
-from shared.config import RunConfig
-from shared.config.algorithms import AlgorithmConfig, PrismConfig
-from shared.diffusion.schedule import ddpm_loss
-from shared.diffusion.training import TrainResult, placed, train_local
-from shared.errors import ConfigError
-from shared.models.masking import (
+from shared.methods.prism.config import PrismConfig
+from shared.methods.prism.masking import (
     COUNT,
     STEP,
     THETA,
@@ -81,6 +80,7 @@ from shared.models.masking import (
     state_spec,
 )
 from shared.models.plan import model_spec
+from shared.settings import AlgorithmConfig
 from shared.wire.codec import TensorSpec, check_spec, pack_bits, packed_spec, unpack_bits
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,6 @@ def mask_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], 
     return 1.0 - dot / (na * nb) if na and nb else 1.0
 
 
-@register
 class Prism(Algorithm):
     """Masks over frozen random weights; 1-bit uploads; MADA at the cloud."""
 

@@ -41,26 +41,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.algorithms.base import (
+from shared.atomic import atomic_write
+from shared.config import RunConfig
+from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
+from shared.diffusion.schedule import draw_noise
+from shared.diffusion.training import TrainResult, placed, train_classifier
+from shared.errors import ConfigError
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     FinalResult,
     LocalResult,
     TensorDict,
     Update,
-    register,
 )
-from shared.atomic import atomic_write
-from shared.config import RunConfig
-from shared.config.algorithms import AlgorithmConfig, FedDEOConfig
-from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
-from shared.diffusion.guidance import class_table, eps_with_embedding, guided_ddim
-from shared.diffusion.schedule import draw_noise
-from shared.diffusion.training import TrainResult, placed, train_classifier
-from shared.errors import ConfigError
+from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddeo.guidance import class_table, eps_with_embedding, guided_ddim
 from shared.models.classifier import accuracy, build_classifier
 from shared.models.plan import ChannelPlan
 from shared.naming import device_index, device_name, home_edge
+from shared.settings import AlgorithmConfig
 from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,6 @@ def score_by_domain(cfg: RunConfig, model: nn.Module) -> dict[str, Any] | None:
     return {"preset": cfg.model.preset, "accuracy": scores, "mean_accuracy": mean}
 
 
-@register
 class FedDEO(Algorithm):
     """Descriptions on the devices, slots on the aggregators, generation and a classifier
     on the cloud (:meth:`finalize`)."""

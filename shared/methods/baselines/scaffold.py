@@ -57,8 +57,11 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import WeightedSum
-from shared.algorithms.base import (
+from shared.config import RunConfig
+from shared.diffusion.hooks import GradHook
+from shared.errors import EstuaryError
+from shared.methods.aggregation import WeightedSum
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     Fold,
@@ -67,12 +70,8 @@ from shared.algorithms.base import (
     Update,
     fold_all,
     model_state,
-    register,
 )
-from shared.config import RunConfig
-from shared.config.algorithms import ScaffoldConfig
-from shared.diffusion.hooks import GradHook
-from shared.errors import EstuaryError
+from shared.methods.baselines.config import ScaffoldConfig
 from shared.wire.codec import TensorSpec
 
 C_PREFIX = "scaffold.c."  # server / edge control variate in the state
@@ -186,7 +185,6 @@ class _ScaffoldFold(Fold):
         return {**x, **_prefixed(C_PREFIX, c_new)}
 
 
-@register
 class Scaffold(Algorithm):
     """SCAFFOLD with control variates on both sides; see the module docstring for the
     two-tier rule for ``c``."""

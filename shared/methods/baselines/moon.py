@@ -38,18 +38,12 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from torch import nn
 
-from shared.algorithms.base import (
-    DeviceContext,
-    LocalResult,
-    TensorDict,
-    model_state,
-    register,
-)
-from shared.algorithms.fedavg import FedAvg
-from shared.config.algorithms import MoonConfig
 from shared.diffusion.hooks import LossFn
 from shared.diffusion.schedule import noise_batch
 from shared.errors import ConfigError
+from shared.methods.base import DeviceContext, LocalResult, TensorDict, model_state
+from shared.methods.baselines.config import MoonConfig
+from shared.methods.baselines.fedavg import FedAvg
 
 # DeviceContext.state keys
 GLOBAL = "moon.global"  # the state received last (the positive pair's model)
@@ -143,7 +137,6 @@ def frozen_copy(
     return twin.eval()
 
 
-@register
 class Moon(FedAvg):
     """FedAvg aggregation; DDPM loss plus the model-contrastive loss on devices."""
 

@@ -1,6 +1,6 @@
-"""``estuary prism pack`` and ``estuary prism unpack``: a PRISM model as a key-less compact
-artifact (one bit per masked weight and a scale per tensor), and back to dense weights given
-the key.
+"""PRISM's command-line verbs: ``estuary keygen`` writes a fresh key file; ``estuary prism
+pack`` and ``estuary prism unpack`` turn a PRISM model into a key-less compact artifact (one
+bit per masked weight and a scale per tensor), and back to dense weights given the key.
 
 ``pack`` reads a run's latest checkpoint (or a checkpoint file), draws the deployed mask
 ``M*`` from it exactly as export and deployment do, and writes the mask and the scales as
@@ -25,10 +25,10 @@ MAX_COMPACT_BYTES = 1 << 30
 
 def cmd_pack(args: argparse.Namespace) -> int:
     """Write the compact artifact of a PRISM checkpoint."""
-    from shared.algorithms import make_algorithm
     from shared.atomic import atomic_write
+    from shared.methods.prism.masking import COMPACT_FORMAT, compact_tensors, is_masked, load_key
+    from shared.methods.registry import make_algorithm
     from shared.models.checkpoint import checkpoint_of, load_checkpoint
-    from shared.models.masking import COMPACT_FORMAT, compact_tensors, is_masked, load_key
     from shared.wire.codec import encode_tensors
 
     path = checkpoint_of(Path(args.source))
@@ -60,7 +60,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 def cmd_unpack(args: argparse.Namespace) -> int:
     """Dense weights of a compact artifact, given the key."""
     from shared.atomic import atomic_write
-    from shared.models.masking import COMPACT_FORMAT, expand_compact, load_key
+    from shared.methods.prism.masking import COMPACT_FORMAT, expand_compact, load_key
     from shared.models.plan import model_spec
     from shared.wire.codec import decode_tensors, encode_tensors, read_metadata
 
@@ -89,8 +89,26 @@ def cmd_unpack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Write a fresh key file and say its fingerprint (never the key)."""
+    from shared.methods.prism.masking import KEY_FILE_ENV, generate_key_file
+
+    path = Path(args.path)
+    key = generate_key_file(path)
+    print(f"wrote {path} (fingerprint {key.fingerprint}); give it to the cloud and the "
+          f"training devices as {KEY_FILE_ENV}={path.resolve()}")  # fmt: skip
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
-    """Register ``estuary prism pack|unpack`` on ``sub`` (argparse subparsers)."""
+    """Register ``estuary keygen`` and ``estuary prism pack|unpack`` on ``sub`` (argparse
+    subparsers)."""
+    k = sub.add_parser(
+        "keygen",
+        help="write a fresh 256-bit PRISM key file (hex, mode 0600) and print its fingerprint",
+    )
+    k.add_argument("path", help="the key file to create (never overwritten)")
+    k.set_defaults(func=cmd_keygen)
     p = sub.add_parser("prism", help="PRISM models as key-less compact artifacts, and back")
     actions = p.add_subparsers(dest="prism_command", required=True)
     pk = actions.add_parser("pack", help="a checkpoint's deployed mask, 1 bit per weight")

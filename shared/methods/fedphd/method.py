@@ -1,7 +1,8 @@
 """FedPhD (seed 000, Algorithm 1; DESIGN section 4): homogeneity-aware hierarchical
 aggregation, homogeneity-aware edge selection, sparse training and structured pruning.
 
-The maths are pure functions over label counts:
+The maths are pure functions over label counts (the SH score is
+:func:`~shared.federation.selection.sh_score`):
 
 * SH score (eqs. 18, 20): ``mu = 2 - ||q - q_u||_2`` with ``q`` the label distribution
   (counts / n) and ``q_u`` the target (uniform unless ``algorithm.target_distribution``).
@@ -9,15 +10,11 @@ The maths are pure functions over label counts:
   ``rho_i ∝ ReLU(n_i + a * mu_i + b)``. The cloud's ``n_e`` and ``q_e`` are the label counts
   the edge accumulated from the devices it served since the last cloud aggregation (eq. 19
   with count weighting), which the edge reports with its model.
-* Edge selection (eq. 25): for each edge, ``mu_e`` and ``n_e`` *after tentatively adding*
-  the device; ``P(e) ∝ ReLU(a * mu_e - n_e + b)``; the device **samples** its edge with its
-  own seeded RNG and falls back to the most probable online edge when the drawn one is
-  offline. Participants choose one after another in sorted order: each starts from the
-  edges' counts as they stood when the round opened (``RoundStart.edge_counts``, Algorithm 1
-  lines 4-6 before line 17) and adds the label counts of the earlier participants' choices
-  (their ``DeviceJoin`` messages), so a round does not pile every device onto the edge that
-  looked best at its start; a participant that waits longer than ``join_timeout_s`` for
-  an earlier choice goes without it (the device agent implements this).
+* Edge selection (eq. 25) is a feature of the federation every method may use
+  (:mod:`shared.federation.selection`): with ``federation.assignment = "select"`` each
+  participant samples its edge from ``P(e) ∝ ReLU(a * mu_e - n_e + b)`` with the device
+  tentatively added, one after another in sorted order (the device agent implements the
+  round).
 
 Rounds here are 0-based: devices add the group penalty (eqs. 16-17, :class:`SparsityPenalty`)
 in rounds ``r < R_s``, and the cloud prunes (L2 group norm, ``s_p`` = fraction of parameters
@@ -36,24 +33,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import UNet2DModel
 from torch import nn
 
-from shared.algorithms.aggregation import weighted_average
-from shared.algorithms.base import (
+from shared.diffusion.hooks import ExtraLoss
+from shared.errors import ConfigError
+from shared.federation.selection import sh_score
+from shared.methods.aggregation import weighted_average
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
     Update,
     model_state,
-    register,
 )
-from shared.config.algorithms import FedPhDConfig
-from shared.diffusion.hooks import ExtraLoss
-from shared.errors import ConfigError
+from shared.methods.fedphd.config import FedPhDConfig
 from shared.models.plan import ChannelPlan
 from shared.models.presets import build_unet
 from shared.models.pruning import (
@@ -68,26 +64,6 @@ log = logging.getLogger(__name__)
 
 #: the device's group penalty (a cache: rebuilt from the module when missing)
 PENALTY_KEY = "fedphd.penalty"
-
-
-def distribution(counts: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Label counts as a distribution (all zeros stay zeros)."""
-    c = np.asarray(counts, dtype=np.float64)
-    total = c.sum()
-    return c / total if total > 0 else c
-
-
-def target_of(target: Sequence[float] | None, classes: int) -> np.ndarray:
-    """``q_u``: the configured target, or uniform over ``classes``."""
-    if target:
-        return np.asarray(target, dtype=np.float64)
-    return np.full(classes, 1.0 / classes)
-
-
-def sh_score(counts: Sequence[float] | np.ndarray, target: Sequence[float] | None = None) -> float:
-    """Statistical homogeneity, eqs. 18/20: ``2 - ||q - q_u||_2``."""
-    q = distribution(counts)
-    return float(2.0 - np.linalg.norm(q - target_of(target, len(q))))
 
 
 def sh_weights(
@@ -108,48 +84,6 @@ def sh_weights(
         if not any(raw):
             raw = [1.0] * len(raw)
     return [r / total for r in raw]
-
-
-def selection_probs(
-    edge_counts: Mapping[str, Sequence[int] | np.ndarray],
-    device_counts: Sequence[int] | np.ndarray,
-    a: float,
-    b: float,
-    target: Sequence[float] | None = None,
-) -> dict[str, float]:
-    """Eq. 25: ``P(e) ∝ ReLU(a * mu_e' - n_e' + b)`` with the device tentatively added.
-
-    All-zero numerators give a uniform distribution (documented fallback)."""
-    dev = np.asarray(device_counts, dtype=np.float64)
-    raw: dict[str, float] = {}
-    for edge in sorted(edge_counts):
-        after = np.asarray(edge_counts[edge], dtype=np.float64) + dev
-        raw[edge] = max(0.0, a * sh_score(after, target) - float(after.sum()) + b)
-    total = sum(raw.values())
-    if total <= 0:
-        return {e: 1.0 / len(raw) for e in raw}
-    return {e: v / total for e, v in raw.items()}
-
-
-def choose_edge(
-    probs: Mapping[str, float], online: set[str] | None, rng: np.random.Generator
-) -> str:
-    """Sample an edge from ``probs``; if it is offline take the most probable online one
-    (ties by name). Raises ValueError when no edge is online."""
-    names = sorted(probs)
-    p = np.asarray([probs[e] for e in names], dtype=np.float64)
-    pick = names[int(rng.choice(len(names), p=p / p.sum()))]
-    if online is None or pick in online:
-        return pick
-    alive = [e for e in names if e in online]
-    if not alive:
-        raise ValueError("no edge is online")
-    return min(alive, key=lambda e: (-probs[e], e))  # most probable, then first by name
-
-
-def selection_rng(seed: int, device_index: int, round_: int) -> np.random.Generator:
-    """The device's own RNG for its edge choice in ``round_``."""
-    return np.random.default_rng([seed, device_index, round_, 0x5E1EC7])
 
 
 # -- sparse training (eqs. 16-17) --------------------------------------------------------
@@ -336,7 +270,6 @@ def _slices(module: nn.Module, member: GroupMember) -> list[tuple[str, int, tupl
     ]
 
 
-@register
 class FedPhD(Algorithm):
     """SH-weighted aggregation at both tiers, sparse training, pruning on the cloud."""
 

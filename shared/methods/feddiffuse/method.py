@@ -36,19 +36,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.algorithms.aggregation import weighted_average
-from shared.algorithms.base import (
+from shared.config import RunConfig
+from shared.errors import ConfigError, EstuaryError
+from shared.methods.aggregation import weighted_average
+from shared.methods.base import (
     Algorithm,
     DeviceContext,
     LocalResult,
     TensorDict,
     Update,
     model_state,
-    register,
 )
-from shared.config import RunConfig
-from shared.config.algorithms import FedDiffuseConfig
-from shared.errors import ConfigError, EstuaryError
+from shared.methods.feddiffuse.config import FedDiffuseConfig
 from shared.wire.codec import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -277,7 +276,6 @@ def _as_part_sizes(
 
 
 # -- the algorithm ---------------------------------------------------------------------------
-@register
 class FedDiffuse(Algorithm):
     """FEDDIFF (seed 001, Algorithm 3) with the USPLIT, ULATDEC and UDEC training methods of
     its section 4, chosen by ``algorithm.split``.
