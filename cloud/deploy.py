@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch, which `estuary deploy` does not need to import
 
     from shared.config import RunConfig
     from shared.deploy.classifier_export import ClassifierExport
-    from shared.methods.base import FinalResult
+    from shared.methods.api import FinalResult
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def export_final_classifier(
     source: str,
 ) -> ClassifierExport:
     """Export a one-shot run's product, the classifier ``final`` (state and preset, from
-    :meth:`~shared.methods.base.Algorithm.finalize`), into ``out_dir`` for deployment:
+    :meth:`~shared.methods.api.Finalizer.finalize`), into ``out_dir`` for deployment:
     the parity-gated ONNX export (:func:`parity_batch`'s images, ``deploy.parity_threshold``
     on the logits, every argmax the same), a card naming the source run and carrying the
     final report (:func:`report_for_card`), and a manifest signed with ``signing_key``
@@ -277,8 +277,9 @@ def deploy_when_trained(
     final generator once training ends, then wait (``deploy.wait_s`` at most) for every
     registered online device to sample from it or refuse it before declaring the run done.
 
-    A one-shot algorithm (``cloud.algorithm.one_shot``: FedDEO) deploys the classifier its
-    final step made (``cloud.final``, :func:`export_final_classifier`) instead, through the
+    A method whose cloud makes the product (a finalizer, ``traffic.product = "cloud_made"``:
+    FedDEO) deploys the classifier its final step made (``cloud.final``,
+    :func:`export_final_classifier`) instead, through the
     same signed path; the devices classify their own test split with it and report
     (``classified``, with their accuracy, or ``refused``).
 
@@ -351,7 +352,7 @@ def deploy_when_trained(
 
     def on_trained() -> None:
         try:
-            if cloud.algorithm.one_shot:
+            if cloud.algorithm.finalizer is not None:
                 export_classifier()
             else:
                 export_generator()

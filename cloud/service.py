@@ -28,7 +28,7 @@ from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import model_from_state
-from shared.methods.base import Algorithm, FinalResult, Fold, Update
+from shared.methods.api import Finalizer, FinalResult, Fold, Method, Update, origin_of
 from shared.models.checkpoint import CheckpointWriter, model_digest, save_checkpoint
 from shared.models.init import init_fingerprint
 from shared.models.plan import ChannelPlan, build_model, dense_plan, plan_digest, plan_doc
@@ -138,7 +138,7 @@ class RoundSummary:
     trained_arch: str = "dense"  # plan digest of the architecture this round trained on
     #: the run's last round (``run.rounds``, or earlier where the algorithm's budget ends it)
     final: bool = False
-    #: the algorithm's figures of the global state (:meth:`Algorithm.round_report`)
+    #: the method's figures of the global state (``aggregation.round_report``)
     algorithm: dict[str, float] = field(default_factory=dict)
     #: classifier runs: each reporting device's (before, after) test accuracy
     accuracy: dict[str, tuple[float | None, float]] = field(default_factory=dict)
@@ -153,7 +153,7 @@ class CloudServer(RoleService):
         self,
         cfg: RunConfig,
         bus: Bus,
-        algorithm: Algorithm,
+        algorithm: Method,
         *,
         initial_model: TensorDict,
         plan: ChannelPlan | None = None,
@@ -169,7 +169,7 @@ class CloudServer(RoleService):
         #: checkpoint's, None where that has none), or by default ``model.init`` as it is now
         if init == INIT_FROM_CONFIG:
             init = init_fingerprint(cfg.model.preset, cfg.model.init)
-            origin = algorithm.origin()
+            origin = origin_of(algorithm)
             init = f"{init}+{origin}" if origin is not None else init
         self.init = None if init is None or init.startswith("unreadable") else init
         self.session = session or new_session()
@@ -177,11 +177,11 @@ class CloudServer(RoleService):
         self.algorithm = algorithm
         #: the rounds this run trains: ``run.rounds``, or fewer where the algorithm's budget
         #: (a privacy budget) ends it earlier
-        self.rounds = algorithm.round_limit(cfg.run.rounds)
+        self.rounds = algorithm.aggregation.round_limit(cfg.run.rounds)
         if start_round == 0 and plan is None:
             # a fresh run: the algorithm's initial state (and FedPhD-OS prunes it here)
-            state, plan = algorithm.after_cloud_aggregate(
-                -1, algorithm.init_global(initial_model), None
+            state, plan = algorithm.aggregation.after_cloud_aggregate(
+                -1, algorithm.format.init_global(initial_model), None
             )
         else:
             state = initial_model  # resumed: already the global state of ``plan``
@@ -235,7 +235,7 @@ class CloudServer(RoleService):
         #: :meth:`complete` (the run is "deploying" until then). None: complete at once.
         self.on_trained: Callable[[], None] | None = None
         #: a one-shot algorithm's product (FedDEO's classifier), made after the last round
-        #: by :meth:`~shared.methods.base.Algorithm.finalize` in :attr:`final_job`
+        #: by :meth:`~shared.methods.api.Finalizer.finalize` in :attr:`final_job`
         self.final: FinalResult | None = None
         self.final_job: WorkerJob[FinalResult | None] | None = None
 
@@ -403,7 +403,7 @@ class CloudServer(RoleService):
         self.fresh_global = False
         self.reports = {}
         aggregates = (r + 1) % self.cfg.federation.cloud_every == 0
-        self.fold = self.algorithm.cloud_fold(self.model) if aggregates else None
+        self.fold = self.algorithm.aggregation.cloud_fold(self.model) if aggregates else None
         self.opened_at = time.perf_counter()
         opened = time.time()
         self.opened_wall = int(opened)
@@ -453,7 +453,7 @@ class CloudServer(RoleService):
             # into the round's aggregation and dropped (not kept in the blob store)
             tensors = self.fetch_tensors(
                 msg.model_ref,
-                self.algorithm.shared_spec(self.spec) or self.spec,
+                self.algorithm.format.shared_spec(self.spec) or self.spec,
                 keep=False,
                 views=self.fold is not None and self.fold.streams,
             )
@@ -480,14 +480,14 @@ class CloudServer(RoleService):
         """The devices' own uploads an edge forwarded (algorithms with per-device updates;
         empty otherwise), each checked against the model's spec; None (rejected) when one is
         not a device of that edge's report or cannot be used."""
-        if not self.algorithm.per_device_updates or not msg.forwarded:
+        if self.algorithm.traffic.cloud_sees != "every_upload" or not msg.forwarded:
             return {}
         out: dict[str, TensorDict] = {}
         for f in msg.forwarded:
             if f.device not in msg.devices or f.device in out:
                 self.reject("bad_forward", f"{msg.edge} round {msg.round + 1}: {f.device}")
                 return None
-            tensors = self.fetch_tensors(f.update_ref, self.spec)
+            tensors = self.fetch_tensors(f.update_ref, self.algorithm.format.upload_spec(self.spec))
             if tensors is None:
                 return None
             out[f.device] = tensors
@@ -497,9 +497,10 @@ class CloudServer(RoleService):
         """Why ``msg.part_samples`` cannot weight this algorithm's parts (None when it can)."""
         if msg.part_samples is None:
             return None
-        unknown = set(msg.part_samples) - set(self.algorithm.part_names)
+        unknown = set(msg.part_samples) - set(self.algorithm.format.part_names)
         if unknown:
-            return f"unknown parts {sorted(unknown)}; this run's are {self.algorithm.part_names}"
+            names = self.algorithm.format.part_names
+            return f"unknown parts {sorted(unknown)}; this run's are {names}"
         over = {p: n for p, n in msg.part_samples.items() if n > msg.n_samples}
         if over:
             return f"part samples {over} exceed the update's n_samples {msg.n_samples}"
@@ -544,7 +545,8 @@ class CloudServer(RoleService):
                 self.checkpoints.wait()  # the last checkpoint precedes any state after it
                 self.model = fold.result()  # independent of the order the edges reported in
                 del fold
-                self.model, plan = self.algorithm.after_cloud_aggregate(r, self.model, self.plan)
+                aggregation = self.algorithm.aggregation
+                self.model, plan = aggregation.after_cloud_aggregate(r, self.model, self.plan)
                 if plan_digest(plan) != plan_digest(self.plan):
                     self.plan, self.spec = plan, spec_of(self.model)
                     self.metrics.model_params.set(self.model_params())
@@ -559,6 +561,7 @@ class CloudServer(RoleService):
                 self.fresh_global, aggregated = True, True
                 self.edge_counts = {e: [0] * NUM_CLASSES for e in self.edges}  # reset (r_g)
                 self.aggregations += 1
+                self._collect(r)
                 self._checkpoint(r)
                 self.trace.event("checkpointed", r)
         summary = self._summarize(r, aggregated, agg_seconds, trained_arch)
@@ -573,10 +576,21 @@ class CloudServer(RoleService):
             self.on_round_end(summary)
         if self.round >= self.rounds:
             self._finish()
-        elif self.algorithm.per_device_updates and self.uploads:
+        elif self.algorithm.personalization is not None and self.uploads:
             self._personalize(r)
         else:
             self._open_round()
+
+    def _collect(self, r: int) -> None:
+        """Hand round ``r``'s forwarded uploads to the final step that needs them (before
+        the checkpoint, which its files join); they are its alone unless a personalization
+        uses them too."""
+        finalizer = self.algorithm.finalizer
+        if finalizer is None or not self.uploads:
+            return
+        finalizer.collect(r, dict(sorted(self.uploads.items())))
+        if self.algorithm.personalization is None:
+            self.uploads = {}
 
     def _personalize(self, r: int) -> None:
         """Run the algorithm's personalization of round ``r``'s uploads off the loop; then
@@ -595,20 +609,24 @@ class CloudServer(RoleService):
             with self._transition("opening the round"):
                 self._open_round()
 
+        personalization = self.algorithm.personalization
+        if personalization is None:  # the caller checked; a narrowing for the type checker
+            return
         self.personal_job = PersonalizeJob(
-            self.algorithm, r, uploads, self.model, self.ep.call_later, done
+            personalization, r, uploads, self.model, self.ep.call_later, done
         )
         self.personal_job.start()
 
     def _send_personal(self, models: Mapping[str, TensorDict]) -> bool:
         """Send each device its own model for the round about to open, on the path only
         that device reads; whether any was sent."""
+        personalization = self.algorithm.personalization
         for device, tensors in sorted(models.items()):
             ref = self.put_private_tensors(tensors, "personal_model", device)
+            mode = personalization.mode_of(device) if personalization is not None else "inversion"
             msg = PersonalModel(
-                round=self.round, session=self.session, device=device, model_ref=ref,
-                mode=self.algorithm.mode_of(device),
-            )  # fmt: skip
+                round=self.round, session=self.session, device=device, model_ref=ref, mode=mode
+            )
             self.send(self.topics.device_down(device), msg)
         return bool(models)
 
@@ -623,7 +641,8 @@ class CloudServer(RoleService):
                 self.init,
                 self.model_sha,
             )
-            own_state = type(self.algorithm).save_cloud_state is not Algorithm.save_cloud_state
+            view = self.algorithm.state_view
+            own_state = view is not None and view.keeps_files
 
             def write() -> None:
                 save_checkpoint(directory, r, model, self.cfg, plan=plan, init=init,
@@ -633,7 +652,8 @@ class CloudServer(RoleService):
             # inline where the algorithm writes files of its own beside it (they must match)
             # and at the end of the run (what follows reads it)
             self.checkpoints.write(write, inline=own_state or last)
-            self.algorithm.save_cloud_state(self.checkpoint_dir, r)
+            if view is not None:
+                view.save_cloud_state(self.checkpoint_dir, r)
 
     def _summarize(
         self, r: int, aggregated: bool, agg_seconds: float, trained_arch: str
@@ -660,15 +680,15 @@ class CloudServer(RoleService):
             arch=plan_digest(self.plan),
             trained_arch=trained_arch,
             final=r + 1 >= self.rounds,
-            algorithm=self.algorithm.round_report(r, self.model),
+            algorithm=self.algorithm.aggregation.round_report(r, self.model),
         )
 
     def _put_global(self) -> None:
         """Put the global model as a blob (:attr:`global_ref`) when it changed since."""
         if not self.global_put or self.global_ref is None:
             old = self.global_ref
-            shared = self.algorithm.shared_spec(self.spec)
-            if shared is None and self.algorithm.aggregation_stateless:
+            shared = self.algorithm.format.shared_spec(self.spec)
+            if shared is None and self.algorithm.aggregation.aggregation_stateless:
                 # a plain mean is never written to: the model is read in place from its
                 # blob (one copy of the global in memory, not two)
                 data = encode_tensors(self.model)
@@ -702,14 +722,15 @@ class CloudServer(RoleService):
         # the retained state of a finished run names the final model (fetchable from a cloud
         # that stays), not the last one the edges were sent
         self._put_global()
-        if self.algorithm.one_shot and self.final is None:
-            self._finalize()
+        finalizer = self.algorithm.finalizer
+        if finalizer is not None and self.final is None:
+            self._finalize(finalizer)
             return
         self._trained()
 
-    def _finalize(self) -> None:
-        """Run the algorithm's one-shot step (:meth:`Algorithm.finalize`) off the loop, then
-        deploy; a failure fails the run (nothing is deployed)."""
+    def _finalize(self, finalizer: Finalizer) -> None:
+        """Run the method's final step (:meth:`~shared.methods.api.Finalizer.finalize`) off
+        the loop, then deploy; a failure fails the run (nothing is deployed)."""
         run_dir = self.checkpoint_dir.parent if self.checkpoint_dir is not None else None
         last: dict[str, float] = {}
 
@@ -717,12 +738,12 @@ class CloudServer(RoleService):
             share = done / max(1, total)
             if share - last.get(phase, -1.0) >= 0.1 or done == total:
                 last[phase] = share
-                log.info("%s: %s %d/%d", self.algorithm.name, phase, done, total)
+                log.info("%s: %s %d/%d", self.cfg.algorithm.name, phase, done, total)
 
         def done(result: FinalResult | None, error: BaseException | None) -> None:
             self.final_job = None
             if error is not None:
-                self.failed = (f"{self.algorithm.name}'s final step failed: "
+                self.failed = (f"{self.cfg.algorithm.name}'s final step failed: "
                                f"{type(error).__name__}: {error}")  # fmt: skip
                 log.error("%s", self.failed)
                 return
@@ -730,11 +751,10 @@ class CloudServer(RoleService):
             self._trained()
 
         self.metrics.phase.state("aggregating")
-        log.info("%s: the round is in; generating and training the model to deploy",
-                 self.algorithm.name)  # fmt: skip
+        log.info("%s: the round is in; making the model to deploy", self.cfg.algorithm.name)
         state = self.model
         self.final_job = WorkerJob(
-            lambda: self.algorithm.finalize(state, run_dir, on_progress=progress),
+            lambda: finalizer.finalize(state, run_dir, on_progress=progress),
             self.ep.call_later, done, name="finalize", poll_s=1.0,
         )  # fmt: skip
         self.final_job.start()

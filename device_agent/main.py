@@ -135,12 +135,13 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 def device_test_data(cfg: RunConfig, index: int) -> ImageDataset | None:
     """A classifier's own test split (the test set split by the training split's rule, seen
     in its domain as in simulate: :func:`~shared.data.partition.split_test`), on which it
-    reports its accuracy (FedDEO's devices: with the classifier the cloud deploys); None for
-    another generator run or a dataset without a test set."""
-    from shared.config import model_kind
+    reports its accuracy (also where the run's product is a classifier made from a
+    generator run: FedDEO's devices classify with it); None for another generator run or a
+    dataset without a test set."""
+    from shared.config import classifies
     from shared.data.partition import split_test
 
-    if model_kind(cfg.model.preset) != "classifier" and cfg.algorithm.name != "feddeo":
+    if not classifies(cfg):
         return None
     test = split_test(cfg)
     return None if test is None else test[0].subset(test[1][index])

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, TransportError
-from shared.methods.base import Algorithm, Fold, Update
+from shared.methods.api import Fold, Method, Update
 from shared.models.plan import ChannelPlan, model_spec, parse_plan, plan_digest, plan_doc
 from shared.naming import is_device_of
 from shared.runtime.jobs import WorkerJob
@@ -93,7 +93,7 @@ class EdgeServer(RoleService):
 
     role = "edge"
 
-    def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Algorithm, *, edge_id: str) -> None:
+    def __init__(self, cfg: RunConfig, bus: Bus, algorithm: Method, *, edge_id: str) -> None:
         super().__init__(edge_id, cfg, bus)
         self.algorithm = algorithm
         self.plan: ChannelPlan | None = None
@@ -160,7 +160,7 @@ class EdgeServer(RoleService):
         self.carried = _no_work()
 
     def _zero_parts(self) -> dict[str, int] | None:
-        names = self.algorithm.part_names
+        names = self.algorithm.format.part_names
         return dict.fromkeys(names, 0) if names else None
 
     def joined_session(self) -> str | None:
@@ -213,14 +213,14 @@ class EdgeServer(RoleService):
         self._update_device_gauge()
 
     def _global_spec(self, plan: ChannelPlan | None) -> dict[str, TensorSpec]:
-        return self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+        return self.algorithm.format.global_spec(model_spec(self.cfg.model.preset, plan))
 
     def _set_arch(
         self, plan: ChannelPlan | None, spec: dict[str, TensorSpec] | None = None
     ) -> None:
         self.plan = plan
         self.spec = spec if spec is not None else self._global_spec(plan)
-        self.update_spec = self.algorithm.upload_spec(self.spec)
+        self.update_spec = self.algorithm.format.upload_spec(self.spec)
 
     def on_join(self, msg: DeviceJoin) -> None:
         """A participant's edge choice: ours joins the round, another's releases it."""
@@ -251,7 +251,7 @@ class EdgeServer(RoleService):
         fetch the whole state. ``ok`` is False when the shared download itself failed
         (rejected and counted): the round start is then dropped like a failed whole fetch,
         rather than waiting out a second download from the same source."""
-        shared = self.algorithm.shared_spec(self.spec)
+        shared = self.algorithm.format.shared_spec(self.spec)
         if msg.shared_ref is None or shared is None or self.model is None:
             return None, True
         part = self.fetch_tensors(msg.shared_ref, shared)
@@ -302,7 +302,7 @@ class EdgeServer(RoleService):
             if fetched and state is None:
                 # a plain mean never writes to the edge's model: it is read in place from
                 # the blob the store keeps (and serves), not copied
-                views = self.algorithm.aggregation_stateless
+                views = self.algorithm.aggregation.aggregation_stateless
                 state, whole = self.fetch_tensors(msg.global_ref, spec, views=views), True
                 if state is not None:
                     self.trace.event("global_fetched", msg.round, bytes=msg.global_ref.size)
@@ -312,7 +312,7 @@ class EdgeServer(RoleService):
                 self._set_arch(plan, spec)
             model = state
             self.model, self.model_ref, self.global_sha = model, None, msg.global_ref.sha256
-            if whole and self.algorithm.shared_spec(self.spec) is None:
+            if whole and self.algorithm.format.shared_spec(self.spec) is None:
                 # the edge serves the global's own bytes (kept in its store by the fetch)
                 # instead of encoding the same tensors again
                 self.model_ref = msg.global_ref.model_copy(
@@ -347,7 +347,7 @@ class EdgeServer(RoleService):
         self.upload = (msg.round + 1) % self.cfg.federation.edge_every == 0
         self.updates, self.reported, self.rejected_this_round = {}, {}, 0
         self.upload_parts = {}
-        self.fold = self.algorithm.edge_fold(model) if self.upload else None
+        self.fold = self.algorithm.aggregation.edge_fold(model) if self.upload else None
         self.fetching = {}  # downloads of an earlier round finish and are dropped
         self.reported_n, self.reported_loss, self.reported_seconds = 0, 0.0, 0.0
         self.dropped = {d for d in self.candidates if d in self.offline}
@@ -359,7 +359,7 @@ class EdgeServer(RoleService):
             return
         if self.model_ref is None:
             self.model_ref, self.shared_ref = self.put_state(
-                model, self.algorithm.shared_spec(self.spec), "edge_model"
+                model, self.algorithm.format.shared_spec(self.spec), "edge_model"
             )
         announce = EdgeRound(
             round=msg.round,
@@ -402,7 +402,7 @@ class EdgeServer(RoleService):
         if reason:
             self._refuse(msg, reason, f"{msg.device} round {msg.round + 1}")
             return
-        if not (self.upload and self.algorithm.uploads):
+        if not (self.upload and self.algorithm.traffic.uplink != "none"):
             self._accept(msg)
             return
         ref = msg.update_ref
@@ -419,7 +419,7 @@ class EdgeServer(RoleService):
             return
         # never wait on one device's blob past the round's own deadline
         left = max(1.0, self.deadline_at - self.ep.now())
-        spec, partial = self.update_spec, self.algorithm.partial_uploads
+        spec, partial = self.update_spec, self.algorithm.traffic.uplink == "parts"
 
         # folded and dropped: the blob is not kept, and a streaming fold reads it in place
         views = self.fold is not None and self.fold.streams
@@ -516,9 +516,10 @@ class EdgeServer(RoleService):
                 log.exception("%s: folding the update of %s failed", self.name, where)
                 self._refuse(msg, "bad_update", f"{where}: {type(err).__name__}: {err}")
                 return
-        keep = self.algorithm.per_device_updates  # forwarded to the cloud at the close
+        # forwarded to the cloud at the close where the cloud sees every upload
+        keep = self.algorithm.traffic.cloud_sees == "every_upload"
         self.updates[msg.device] = update if keep else replace(update, tensors={})
-        self.upload_parts[msg.device] = self.algorithm.upload_parts(tensors)
+        self.upload_parts[msg.device] = self.algorithm.format.upload_parts(tensors)
         # from a worker, the close (which may follow) runs once this callback has returned:
         # nothing up the stack then keeps the folded upload's bytes alive through it
         self._accept(msg, defer_close=job is not None)
@@ -693,8 +694,8 @@ class EdgeServer(RoleService):
                         acc_parts[part] += n
         cloud_round = (self.round + 1) % self.cfg.federation.cloud_every == 0
         ref = None
-        if cloud_round and acc[0] and self.algorithm.uploads:
-            shared = self.algorithm.shared_spec(self.spec)  # the rest is the global's
+        if cloud_round and acc[0] and self.algorithm.traffic.uplink != "none":
+            shared = self.algorithm.format.shared_spec(self.spec)  # the rest is the global's
             ref = self.put_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
             )
@@ -728,8 +729,8 @@ class EdgeServer(RoleService):
 
     def _forward(self, contributors: dict[str, DeviceUpdate]) -> list[Forwarded] | None:
         """Each contributor's own upload, served by this edge, for an algorithm whose cloud
-        keeps every device's model (``Algorithm.per_device_updates``)."""
-        if not self.algorithm.per_device_updates:
+        sees every device's upload (``traffic.cloud_sees = "every_upload"``)."""
+        if self.algorithm.traffic.cloud_sees != "every_upload":
             return None
         return [
             Forwarded(

@@ -120,7 +120,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from shared.config import with_overrides
     from shared.diffusion.training import resolve_device
     from shared.evaluation.evaluator import Evaluator, model_from_state
-    from shared.methods.registry import make_algorithm
     from shared.models.checkpoint import checkpoint_of, load_checkpoint
 
     path = checkpoint_of(Path(args.run_dir))
@@ -141,7 +140,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         **metrics,
         "level": "global",
     }
-    if make_algorithm(cfg).local_parts:
+    if cfg.algorithm.config().traffic().device_keeps == "local_parts":
         print(f"estuary: note: this is the global model of a {cfg.algorithm.name} run, its "
               "device-local parts at their initialization; `estuary simulate` and `estuary "
               "compare` report the client-level FID the paper uses", file=sys.stderr)  # fmt: skip

@@ -1,5 +1,7 @@
 """The bases of typed settings: :class:`Section`, every configuration section's, and
-:class:`AlgorithmConfig`, one method's settings (its keys under ``[algorithm]``).
+:class:`AlgorithmConfig`, one method's settings (its keys under ``[algorithm]``), with what a
+method declares without any of its code: what travels (:class:`Traffic`), the model its run
+delivers, and how it is described in tables and progress bars.
 
 They live apart from the run config (:mod:`shared.config`) so that each method's own
 settings (``shared/methods/<name>/config.py``), which the run config assembles, import
@@ -8,7 +10,8 @@ nothing of it. Torch-free: every process, a sampling-only device included, reads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Self
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -21,6 +24,32 @@ class Section(BaseModel):
     silently ignored setting."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a method's rounds move, declared as data: the roles switch on it, never on the
+    method's name.
+
+    - ``uplink``: ``"state"`` (each upload holds the whole upload spec), ``"parts"`` (a part
+      of it, the edges counting samples per part: FedDiffuse USPLIT) or ``"none"`` (devices
+      report without an upload: Local-only);
+    - ``blob_kind``: the kind an upload's blob is counted under (accounting);
+    - ``cloud_sees``: ``"edge_aggregates"``, or ``"every_upload"``: at a cloud round the
+      edges forward each device's own upload, which the cloud hands to the method;
+    - ``downlink``: ``"broadcast"`` (devices train their edge's model) or ``"per_device"``
+      (the cloud may send a device a model of its own, on the device's private topic);
+    - ``device_keeps``: ``"local_parts"`` where part of the model never leaves the devices;
+    - ``product``: what the run delivers: the cloud's ``"global_model"``, the devices' own
+      ``"device_models"``, or a model the cloud makes after the last round
+      (``"cloud_made"``)."""
+
+    uplink: Literal["state", "parts", "none"] = "state"
+    blob_kind: str = "device_update"
+    cloud_sees: Literal["edge_aggregates", "every_upload"] = "edge_aggregates"
+    downlink: Literal["broadcast", "per_device"] = "broadcast"
+    device_keeps: Literal["nothing", "local_parts"] = "nothing"
+    product: Literal["global_model", "device_models", "cloud_made"] = "global_model"
 
 
 class AlgorithmConfig(Section):
@@ -39,6 +68,28 @@ class AlgorithmConfig(Section):
         """This algorithm's settings as ``cfg`` holds them (whichever algorithm it names)."""
         section = cfg.algorithm
         return cls.model_validate({key: getattr(section, key) for key in cls.model_fields})
+
+    #: what the demo's progress bar says while the cloud is in a phase (``aggregating``,
+    #: ``deploying``) doing this method's own work; other phases get the generic text
+    phase_text: ClassVar[dict[str, str]] = {}
+
+    def traffic(self) -> Traffic:
+        """What this method's rounds move (:class:`Traffic`)."""
+        return Traffic()
+
+    def product_preset(self, cfg: RunConfig) -> str:
+        """The preset of the model the run delivers: ``model.preset``, unless the method's
+        product is another model (FedDEO: the classifier its cloud trains)."""
+        return cfg.model.preset
+
+    def describe(self) -> str:
+        """The settings that set this run apart, in a few words for the comparison tables
+        (after the method's name and schedule); "" for none."""
+        return ""
+
+    def check_centralized(self) -> None:
+        """Rules for a centralized ceiling trained under these settings (the pooled data,
+        no rounds); raise ValueError saying what to change."""
 
     @property
     def prunes(self) -> bool:

@@ -218,7 +218,8 @@ def test_a_personal_model_for_another_device_is_refused() -> None:
     })  # fmt: skip
     device.on_personal(msg)
     assert not device.personal
-    assert make_algorithm(cfg).per_device_updates
+    traffic = make_algorithm(cfg).traffic
+    assert traffic.cloud_sees == "every_upload" and traffic.downlink == "per_device"
 
 
 def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path: Any) -> None:

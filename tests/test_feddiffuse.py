@@ -262,7 +262,7 @@ def test_full_and_usplit_load_the_whole_edge_model() -> None:
         state = build_unet("fmnist-tiny", seed=2).state_dict()
         algo.device_load(ctx, model, state)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-        assert algo.partial_uploads
+        assert algo.traffic.uplink == ("parts" if split == "usplit" else "state")
         assert algo.upload_spec(state_spec("fmnist-tiny")) == state_spec("fmnist-tiny")
 
 

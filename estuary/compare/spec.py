@@ -17,7 +17,6 @@ from shared.config import RunConfig, apply_env_overrides, config_from_dict, mode
 from shared.data.partition import split_dataset
 from shared.diffusion.training import num_local_steps
 from shared.errors import ConfigError
-from shared.methods.fedphd.config import FedPhDConfig
 from shared.metrics.accounting import Distances
 from shared.models.plan import ChannelPlan
 from shared.naming import device_name
@@ -167,22 +166,17 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
-    algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
-    if (
-        centralized
-        and model_kind(cfg.model.preset) == "classifier"
-        and (ema or algo.prune_ratio > 0)
-    ):
+    settings = cfg.algorithm.config()  # a pruned ceiling takes its method's pruning
+    if centralized and model_kind(cfg.model.preset) == "classifier" and (ema or settings.prunes):
         raise ConfigError(
             f"{path}: method {label!r}: a centralized classifier (cross-entropy on the pooled "
-            "data) takes no 'ema' and no algorithm.prune_ratio"
+            "data) takes no 'ema' and no pruning"
         )
-    if centralized and algo.prune_ratio > 0 and algo.prune_at != "init":
-        raise ConfigError(
-            f"{path}: method {label!r}: centralized training has no sparse rounds, so it "
-            "prunes only before its first step: set algorithm.prune_at = 'init' (and "
-            "algorithm.sparse_rounds = 0)"
-        )
+    if centralized:
+        try:
+            settings.check_centralized()
+        except ValueError as err:
+            raise ConfigError(f"{path}: method {label!r}: {err}") from None
     return Method(label, slug, cfg, centralized, float(ema))
 
 

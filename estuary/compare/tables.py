@@ -21,10 +21,6 @@ import numpy as np
 
 from estuary.compare.spec import CompareSpec, Method, MethodRun
 from shared.atomic import atomic_write
-from shared.methods.feddeo.config import FedDEOConfig
-from shared.methods.feddiffuse.config import FedDiffuseConfig
-from shared.methods.fedphd.config import FedPhDConfig
-from shared.methods.registry import make_algorithm
 from shared.metrics import accounting as acc
 from shared.models.plan import build_model
 from shared.models.presets import model_info
@@ -160,7 +156,7 @@ def _final_accuracy(run: MethodRun) -> dict[str, Any]:
 def _upload_key(m: Method) -> str:
     """The traffic counter of what the method's devices upload: ``received:`` the blob kind
     of its algorithm's upload (``device_update``; FedDEO's ``description``)."""
-    return "received:" + make_algorithm(m.cfg).upload_kind
+    return "received:" + m.cfg.algorithm.config().traffic().blob_kind
 
 
 def _per_device_bytes(run: MethodRun) -> dict[str, Any]:
@@ -197,20 +193,14 @@ def _quality(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _algorithm(m: Method) -> str:
-    name, a, f = m.cfg.algorithm.name, FedPhDConfig.of(m.cfg), m.cfg.federation
-    if m.centralized:
+    settings, f = m.cfg.algorithm.config(), m.cfg.federation
+    if m.centralized:  # the settings matter only where they prune the ceiling's model
         text = f"centralized ema={m.ema!r}" if m.ema else "centralized"
-        return text + (f" s_p={a.prune_ratio} OS" if a.prune_ratio > 0 else "")
-    text = f"{name} r_e={f.edge_every} r_g={f.cloud_every}"
-    if name == "feddiffuse":
-        text += f" {FedDiffuseConfig.of(m.cfg).split}"
-    if name == "feddeo" and not FedDEOConfig.of(m.cfg).feddeo_use_descriptions:
-        text += " prompts-only"
-    if a.prune_ratio > 0 and name == "fedphd":
-        text += f" s_p={a.prune_ratio} " + (
-            "OS" if a.prune_at == "init" else f"R_s={a.sparse_rounds}"
-        )
-    return text
+        note = settings.describe() if settings.prunes else ""
+    else:
+        text = f"{m.cfg.algorithm.name} r_e={f.edge_every} r_g={f.cloud_every}"
+        note = settings.describe()
+    return f"{text} {note}" if note else text
 
 
 def _per_participant_steps(run: MethodRun) -> float:
@@ -314,7 +304,8 @@ def summarize(runs: list[MethodRun], spec: CompareSpec) -> list[dict[str, Any]]:
             "torch_threads": run.threads,
             "deterministic": run.deterministic,
             "run_dir": run.run_dir.name,
-            "local_parts": not run.method.centralized and make_algorithm(cfg).local_parts,
+            "local_parts": not run.method.centralized
+            and cfg.algorithm.config().traffic().device_keeps == "local_parts",
         }
         if "device_round_bytes" in row and "device_up_bytes" in row:
             row["device_down_bytes"] = row["device_round_bytes"] - row["device_up_bytes"]

@@ -259,6 +259,13 @@ def model_kind(preset: str) -> str:
     return "classifier" if preset in CLASSIFIER_PRESETS else "unet"
 
 
+def classifies(cfg: RunConfig) -> bool:
+    """Whether the devices judge a classifier on their own test split: the run trains one
+    (``model.preset``) or delivers one (its method's product, FedDEO's)."""
+    product = cfg.algorithm.config().product_preset(cfg)
+    return "classifier" in (model_kind(cfg.model.preset), model_kind(product))
+
+
 class ModelSection(Section):
     """Which generator preset to train (a U-Net or a one-shot generator), and where its
     first weights come from."""

@@ -18,7 +18,7 @@ images in 1 channel; a model trained on CIFAR-10 is not scored at all
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,12 +30,14 @@ from shared.diffusion.training import placed
 from shared.errors import ConfigError, DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
-from shared.methods.base import Algorithm
 from shared.methods.registry import make_algorithm
 from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
+
+if TYPE_CHECKING:  # the interface is a floor above: only its type is needed here
+    from shared.methods.api import Method
 
 
 def model_from_state(
@@ -43,19 +45,19 @@ def model_from_state(
     state: dict[str, torch.Tensor],
     plan: ChannelPlan | None = None,
     *,
-    algorithm: Algorithm | None = None,
+    algorithm: Method | None = None,
 ) -> torch.nn.Module:
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
     variate) are ignored; every module tensor must be present. The configured algorithm
-    materializes the state first (:meth:`~shared.methods.base.Algorithm.materialize`:
+    materializes the state first (:meth:`~shared.methods.api.StateFormat.materialize`:
     PRISM's probabilities become the dense weights of one fixed mask). A one-shot
     generator's batch norms then get their running statistics from latents drawn from the
     run seed (:func:`~shared.models.oneshot.recalibrate_bn`), so that the eval-mode module
     maps each latent to one image whatever the batch."""
     model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
     keys = set(model.state_dict())
-    tensors = (algorithm or make_algorithm(cfg)).materialize(state)
+    tensors = (algorithm or make_algorithm(cfg)).format.materialize(state)
     model.load_state_dict({k: v for k, v in tensors.items() if k in keys})
     if is_oneshot(model):
         recalibrate_bn(model, cfg.run.seed)

@@ -13,8 +13,12 @@ seeded RNG and falls back to the most probable online edge when the drawn one is
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
 
 
 def distribution(counts: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -77,3 +81,9 @@ def choose_edge(
 def selection_rng(seed: int, device_index: int, round_: int) -> np.random.Generator:
     """The device's own RNG for its edge choice in ``round_``."""
     return np.random.default_rng([seed, device_index, round_, 0x5E1EC7])
+
+
+def selection_settings(cfg: RunConfig) -> tuple[float, float, list[float] | None]:
+    """Eq. 25's ``a``, ``b`` and target ``q_u`` (None: uniform) as ``cfg`` holds them."""
+    section: Any = cfg.algorithm  # the [algorithm] section holds every method's keys
+    return float(section.a), float(section.b), list(section.target_distribution) or None

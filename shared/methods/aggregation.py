@@ -1,4 +1,5 @@
-"""Aggregation maths over tensor dicts (no messaging).
+"""Aggregation maths over tensor dicts (no messaging), and the folds that feed it one update
+at a time (:class:`HeldFold`, :class:`MeanFold`).
 
 FedAvg (McMahan et al. 2017): theta = sum_k (n_k / sum n) theta_k. Aggregators fold each
 update into a :class:`WeightedSum` as it arrives and drop it, so a role holds one running
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from shared.errors import EstuaryError
+from shared.methods.api import Fold, Update
 
 #: a model state (or any named tensors) as aggregation sees it
 TensorDict = dict[str, torch.Tensor]
@@ -215,3 +217,45 @@ def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, weight: f
         h.sub_(bb).add_(p)  # the rounding error of s, written over this chunk of hi
         lo[i : i + FOLD_CHUNK].add_(h)
         h.copy_(s)
+
+
+# -- folds: an aggregation fed one update at a time ------------------------------------------
+class HeldFold(Fold):
+    """An aggregation that cannot stream: it holds every update and hands them, sorted by
+    source (an order independent of arrival), to ``combine``."""
+
+    streams = False
+
+    def __init__(self, combine: Callable[[Sequence[Update]], TensorDict]) -> None:
+        super().__init__()
+        self.combine = combine
+        self.updates: list[Update] = []
+
+    def _add(self, update: Update) -> None:
+        self.updates.append(update)
+
+    def result(self) -> TensorDict:
+        return self.combine(sorted(self.updates, key=lambda u: u.source))
+
+
+class MeanFold(Fold):
+    """FedAvg's aggregation streamed: the sample-weighted mean of the updates' tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sum = WeightedSum()
+
+    def _add(self, update: Update) -> None:
+        self.sum.add(update.tensors, float(update.n_samples), key=update.source)
+
+    def result(self) -> TensorDict:
+        out = self.sum.mean()
+        self.sum.recycle()  # its buffers serve the next round's sum
+        return out
+
+
+def fold_all(fold: Fold, updates: Sequence[Update]) -> TensorDict:
+    """``fold`` fed every update of ``updates``: its result."""
+    for u in updates:
+        fold.add(u)
+    return fold.result()

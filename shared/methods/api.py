@@ -20,14 +20,15 @@ what it declares and call the parts it has, never asking which method it is:
 
 What travels is a *state*: the model's tensors plus whatever the method keeps beside them
 (SCAFFOLD's server control variate), or tensors that stand for the model (PRISM's
-probabilities). Every role derives the state's names and shapes from the model's spec with
-:meth:`StateFormat.global_spec`, so validation needs no trust in the sender.
+probabilities); every role derives its names and shapes from the model's spec
+(:meth:`StateFormat.global_spec`), so validation needs no trust in the sender. The method's
+settings declare its :class:`Traffic` (torch-free, :mod:`shared.settings`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -37,31 +38,10 @@ from torch import nn
 
 from shared.diffusion.training import TrainResult
 from shared.models.plan import ChannelPlan
+from shared.settings import AlgorithmConfig, Traffic
 from shared.wire.codec import TensorSpec
 
 TensorDict = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """What a method's rounds move, declared as data (the roles switch on it).
-
-    ``uplink``: ``"state"`` (each upload holds the whole upload spec), ``"parts"`` (a subset
-    of it, counted per part: FedDiffuse USPLIT) or ``"none"`` (devices report without an
-    upload: Local-only). ``blob_kind``: the kind an upload's blob is counted under.
-    ``cloud_sees``: ``"edge_aggregates"``, or ``"every_upload"`` (edges forward each device's
-    own upload to the cloud at a cloud round). ``downlink``: ``"broadcast"`` (everyone trains
-    the edge's model), or ``"per_device"`` (the cloud may send a device its own model).
-    ``device_keeps``: ``"local_parts"`` when part of the model never leaves the devices.
-    ``product``: what the run delivers: ``"global_model"``, ``"device_models"`` (each device
-    serves its own), or ``"cloud_made"`` (the cloud makes it after the last round)."""
-
-    uplink: Literal["state", "parts", "none"] = "state"
-    blob_kind: str = "device_update"
-    cloud_sees: Literal["edge_aggregates", "every_upload"] = "edge_aggregates"
-    downlink: Literal["broadcast", "per_device"] = "broadcast"
-    device_keeps: Literal["nothing", "local_parts"] = "nothing"
-    product: Literal["global_model", "device_models", "cloud_made"] = "global_model"
 
 
 @dataclass(frozen=True)
@@ -174,6 +154,10 @@ class StateFormat(Protocol):
     def upload_parts(self, tensors: Mapping[str, Any]) -> frozenset[str]:
         """The parts (of :attr:`part_names`) an upload covers."""
 
+    def part_uplink(self, model_spec: Mapping[str, TensorSpec], per_edge: Sequence[int]) -> float:
+        """Parameters a round's uploads carry in all with uplink "parts" (``per_edge``: the
+        devices training at each edge), for the accounting's prediction."""
+
     def materialize(self, state: TensorDict) -> TensorDict:
         """The model's tensors a state stands for (evaluation, export and deployment build
         the module from them); extra tensors are ignored."""
@@ -182,9 +166,10 @@ class StateFormat(Protocol):
 class DeviceStep(Protocol):
     """A device's part of a round."""
 
-    #: entries of ``DeviceContext.state`` that are caches, rebuilt when missing (a device's
-    #: state file leaves them out)
-    device_cache_keys: frozenset[str]
+    @property
+    def device_cache_keys(self) -> frozenset[str]:
+        """Entries of ``DeviceContext.state`` that are caches, rebuilt when missing (a
+        device's state file leaves them out)."""
 
     def needs_download(self, ctx: DeviceContext) -> bool:
         """Whether the device downloads the edge's model this round."""
@@ -214,9 +199,10 @@ class DeviceStep(Protocol):
 class Aggregation(Protocol):
     """The edges' and the cloud's aggregation."""
 
-    #: a plain weighted mean that never reads the roles' own state: they may read their
-    #: model in place from the blob they serve it from
-    aggregation_stateless: bool
+    @property
+    def aggregation_stateless(self) -> bool:
+        """A plain weighted mean that never reads the roles' own state: they may read their
+        model in place from the blob they serve it from."""
 
     def edge_fold(self, current: TensorDict) -> Fold:
         """The edge's aggregation of one round (``current``: the edge's state)."""
@@ -253,6 +239,10 @@ class Personalization(Protocol):
 class Finalizer(Protocol):
     """The product the cloud makes after the last round (product "cloud_made")."""
 
+    def collect(self, round_: int, uploads: Mapping[str, TensorDict]) -> None:
+        """Keep what the final step needs of round ``round_``'s uploads (cloud_sees
+        "every_upload"): called at the cloud's aggregation, before its checkpoint."""
+
     def finalize(
         self,
         state: TensorDict,
@@ -266,6 +256,9 @@ class Finalizer(Protocol):
 
 class StateView(Protocol):
     """What the cloud's state is beyond its tensors: its origin and its own files."""
+
+    #: :meth:`save_cloud_state` writes files (the checkpoint is then written with them)
+    keeps_files: bool
 
     def origin(self) -> str | None:
         """What the first state derives from besides ``model.init`` (recorded in every
@@ -292,7 +285,10 @@ class Preparation(Protocol):
 class Method(Protocol):
     """A federated method as the roles see it (module docstring)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
+
+    settings: AlgorithmConfig
     traffic: Traffic
     personalization: Personalization | None
     finalizer: Finalizer | None
@@ -307,3 +303,10 @@ class Method(Protocol):
 
     @property
     def aggregation(self) -> Aggregation: ...
+
+
+def origin_of(method: Method) -> str | None:
+    """What ``method``'s first state derives from besides ``model.init`` (its state view's
+    origin), None when nothing else."""
+    view = method.state_view
+    return view.origin() if view is not None else None

@@ -1,27 +1,26 @@
-"""The algorithm interface: device, edge and cloud parts of one algorithm in one class.
+"""The base a method's class builds on: the method interface (:mod:`shared.methods.api`)
+implemented by one class holding the method's device, edge and cloud parts, with defaults
+for every part a method leaves alone, and the device's local training.
 
-Services own the rounds and the wire; algorithms own the maths. A subclass lives in its
-method's package (``shared/methods/<name>/``) and is named in the registry
-(:mod:`shared.methods.registry`).
+A subclass lives in its method's package (``shared/methods/<name>/``) and is named in the
+registry (:mod:`shared.methods.registry`). It is its own :attr:`Algorithm.format`,
+:attr:`Algorithm.device` and :attr:`Algorithm.aggregation`; it sets a capability
+(``personalization``, ``finalizer``, ``state_view``, ``preparation``) to the object that
+provides it (itself, or a helper of its package) where it has one.
 
-What travels is a *state*: the model's tensors plus whatever extra tensors the algorithm
-keeps beside them (SCAFFOLD's server control variate, under its own prefix). The cloud
-starts from :meth:`Algorithm.init_global`; every role derives the state's names and shapes
-from the model spec with :meth:`Algorithm.global_spec`, so validation needs no trust in the
-sender. A device loads the state into its module with :meth:`Algorithm.device_load` and
-keeps anything that must survive between rounds (local model parts, control variates, the
-previous local model) in ``DeviceContext.state``, which the device agent owns.
+A device loads the state into its module with :meth:`Algorithm.device_load` and keeps
+anything that must survive between rounds (local model parts, control variates, the previous
+local model) in ``DeviceContext.state``, which the device agent owns.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -37,12 +36,44 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
-from shared.methods.aggregation import TensorDict, WeightedSum
+from shared.methods.aggregation import HeldFold, MeanFold, TensorDict, fold_all
+from shared.methods.api import (
+    Accuracy,
+    Aggregation,
+    DeviceContext,
+    DeviceStep,
+    Finalizer,
+    FinalResult,
+    Fold,
+    LocalResult,
+    Method,
+    Personalization,
+    Preparation,
+    StateFormat,
+    StateView,
+    Update,
+)
 from shared.models.classifier import accuracy, is_classifier
 from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim
 from shared.models.plan import ChannelPlan
-from shared.settings import AlgorithmConfig
+from shared.settings import AlgorithmConfig, Traffic
 from shared.wire.codec import TensorSpec
+
+__all__ = [  # what a method's module takes from here (the interface's types included)
+    "Accuracy",
+    "Algorithm",
+    "DeviceContext",
+    "FinalResult",
+    "Fold",
+    "HeldFold",
+    "LocalResult",
+    "MeanFold",
+    "TensorDict",
+    "Update",
+    "fold_all",
+    "model_state",
+    "optimizer_state_on_cpu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,138 +81,6 @@ log = logging.getLogger(__name__)
 #: ``DeviceContext.state`` key of the kept optimizer state (``train.optimizer_state = "keep"``):
 #: (trainable parameter shapes, the optimizer's state dict on the CPU)
 OPTIMIZER_STATE = "optimizer.state"
-
-
-@dataclass(frozen=True)
-class Update:
-    """One contribution to an aggregation: tensors plus the weights' ingredients."""
-
-    source: str
-    tensors: TensorDict
-    n_samples: int
-    label_counts: tuple[int, ...]
-    #: samples behind each model part (:meth:`Algorithm.upload_parts`); None: ``n_samples``
-    #: for every part
-    part_samples: Mapping[str, int] | None = None
-
-
-class Fold(ABC):
-    """One aggregation fed an update at a time (:meth:`Algorithm.edge_fold`,
-    :meth:`Algorithm.cloud_fold`): an aggregator adds each verified update as it arrives
-    and asks for the result when its round closes. The result must not depend on the order
-    of the updates (the same seed gives the same model on every bus)."""
-
-    #: updates are folded as they come and dropped; False: every update is held until
-    #: :meth:`result` (an aggregation that cannot stream)
-    streams: ClassVar[bool] = True
-
-    def __init__(self) -> None:
-        self.sources: list[str] = []
-
-    def add(self, update: Update) -> None:
-        """Fold ``update`` in."""
-        self._add(update)
-        self.sources.append(update.source)
-
-    @abstractmethod
-    def _add(self, update: Update) -> None: ...
-
-    @abstractmethod
-    def result(self) -> TensorDict:
-        """The aggregate of the updates added (at least one)."""
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-
-class HeldFold(Fold):
-    """An aggregation that cannot stream: it holds every update and hands them, sorted by
-    source (an order independent of arrival), to ``combine``."""
-
-    streams = False
-
-    def __init__(self, combine: Callable[[Sequence[Update]], TensorDict]) -> None:
-        super().__init__()
-        self.combine = combine
-        self.updates: list[Update] = []
-
-    def _add(self, update: Update) -> None:
-        self.updates.append(update)
-
-    def result(self) -> TensorDict:
-        return self.combine(sorted(self.updates, key=lambda u: u.source))
-
-
-class MeanFold(Fold):
-    """FedAvg's aggregation streamed: the sample-weighted mean of the updates' tensors."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sum = WeightedSum()
-
-    def _add(self, update: Update) -> None:
-        self.sum.add(update.tensors, float(update.n_samples), key=update.source)
-
-    def result(self) -> TensorDict:
-        out = self.sum.mean()
-        self.sum.recycle()  # its buffers serve the next round's sum
-        return out
-
-
-def fold_all(fold: Fold, updates: Sequence[Update]) -> TensorDict:
-    """``fold`` fed every update of ``updates``: its result."""
-    for u in updates:
-        fold.add(u)
-    return fold.result()
-
-
-@dataclass
-class DeviceContext:
-    """Everything a device's local step may use: its private data, its own RNG, the round's
-    placement and the algorithm's per-device state (kept by the device across rounds)."""
-
-    device: str
-    data: torch.Tensor
-    labels: torch.Tensor
-    generator: torch.Generator
-    round: int = 0
-    edge: str = ""
-    peers: list[str] = field(default_factory=list)  # devices training at this edge (sorted)
-    seed: int = 0
-    state: dict[str, Any] = field(default_factory=dict)
-    #: the device's own test split (classifiers report their accuracy on it); None: none
-    test_data: torch.Tensor | None = None
-    test_labels: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Accuracy:
-    """A classifier's accuracy on its device's test split before and after a local round
-    (``before`` is None when the round started from no model worth measuring)."""
-
-    before: float | None
-    after: float
-
-
-@dataclass(frozen=True)
-class LocalResult:
-    """Outcome of a device round; ``tensors`` is None when the round uploads nothing."""
-
-    tensors: TensorDict | None
-    train: TrainResult
-    #: a classifier's accuracy on the device's test split (None for generators)
-    accuracy: Accuracy | None = None
-
-
-@dataclass
-class FinalResult:
-    """What a one-shot algorithm's cloud makes after its last round
-    (:meth:`Algorithm.finalize`): the model it deploys (a classifier's state for FedDEO),
-    that model's preset, and a report (accuracy per domain, ...)."""
-
-    model: TensorDict
-    preset: str
-    report: dict[str, Any] = field(default_factory=dict)
 
 
 def optimizer_state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +129,6 @@ class Algorithm(ABC):
     #: the class of this algorithm's settings (its keys under ``[algorithm]``), the one the
     #: registry names for :attr:`name`
     config_class: ClassVar[type[AlgorithmConfig]]
-    #: devices may upload a subset of the upload spec (FedDiffuse USPLIT)
-    partial_uploads: ClassVar[bool] = False
     #: entries of a device's ``ctx.state`` that are caches, rebuilt when missing: a device
     #: agent's state file (``--state-dir``) leaves them out; every other entry is stored
     device_cache_keys: ClassVar[frozenset[str]] = frozenset()
@@ -241,26 +138,37 @@ class Algorithm(ABC):
     #: cannot sets False and trains on the CPU (with a warning) whatever the setting.
     supports_cuda: ClassVar[bool] = True
 
-    #: devices upload their model each aggregation round; False (Local-only): nothing
-    #: travels up, and edges accept reports without a model
-    uploads: ClassVar[bool] = True
-    #: the blob kind of a device's upload (accounting counts bytes per kind)
-    upload_kind: ClassVar[str] = "device_update"
-    #: the cloud needs every device's own upload, not only the edges' averages (pFedGPA):
-    #: edges forward each one (``EdgeUpdate.forwarded``) and the cloud hands them to
-    #: :meth:`personalize`
-    per_device_updates: ClassVar[bool] = False
-    #: how :meth:`personalize` made the devices' models (``PersonalModel.mode``)
-    personal_mode: Literal["inversion", "generation", "guidance"] = "inversion"
-
     #: this algorithm's settings, as the run config holds them
     settings: AlgorithmConfig
+    #: what its rounds move, as its settings declare it
+    traffic: Traffic
+    #: the optional capabilities (None: the method has none)
+    personalization: Personalization | None = None
+    finalizer: Finalizer | None = None
+    state_view: StateView | None = None
+    preparation: Preparation | None = None
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.settings = self.config_class.of(cfg)
+        self.traffic = self.settings.traffic()
         self.scheduler = make_train_scheduler(cfg.diffusion)
         self._device: torch.device | None = None  # resolved at the first local round
+
+    @property
+    def format(self) -> StateFormat:
+        """The names and shapes of what travels (this object)."""
+        return self
+
+    @property
+    def device(self) -> DeviceStep:
+        """The device's round (this object)."""
+        return self
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """The edges' and the cloud's aggregation (this object)."""
+        return self
 
     def train(self, ctx: DeviceContext, model: nn.Module, **hooks: Any) -> TrainResult:
         """:func:`~shared.diffusion.training.train_local` on the device's images and labels with
@@ -374,19 +282,15 @@ class Algorithm(ABC):
         return dict(model_spec)
 
     def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
-        """Names/shapes a device may upload (all of them when ``partial_uploads``)."""
+        """Names/shapes a device may upload (a subset of them with uplink "parts")."""
         return dict(global_spec)
-
-    #: part of the model stays on each device and is never federated (FedDiffuse
-    #: ULATDEC/UDEC): only :meth:`shared_spec` travels once a role holds the rest, and a
-    #: device's model (:meth:`client_state`) differs from the global one
-    local_parts: bool = False
 
     def shared_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec] | None:
         """The tensors federation changes, when that is a strict subset of the state: the
         rest keeps its initial value on the cloud and the edges and lives on each device
-        (:attr:`local_parts`). Roles that already hold the rest download and upload only
-        these. None (without local parts): the whole state travels."""
+        (``traffic.device_keeps = "local_parts"``). Roles that already hold the rest
+        download and upload only these. None (without local parts): the whole state
+        travels."""
         return None
 
     def device_holds_rest(self, ctx: DeviceContext, global_spec: Mapping[str, TensorSpec]) -> bool:
@@ -404,6 +308,12 @@ class Algorithm(ABC):
     #: the model parts whose samples the edges count (``EdgeUpdate.part_samples``), when
     #: devices upload parts of the state; empty: every upload covers the whole state
     part_names: tuple[str, ...] = ()
+
+    def part_uplink(self, model_spec: Mapping[str, TensorSpec], per_edge: Sequence[int]) -> float:
+        """Parameters a round's uploads carry with uplink "parts"; the whole upload spec of
+        every device by default."""
+        spec = self.upload_spec(self.global_spec(model_spec))
+        return float(sum(per_edge) * sum(math.prod(s.shape) for s in spec.values()))
 
     def upload_parts(self, tensors: Mapping[str, Any]) -> frozenset[str]:
         """The parts (of :attr:`part_names`) a device's upload covers. The edge sums each
@@ -457,18 +367,6 @@ class Algorithm(ABC):
         default: the state itself (it holds the model's tensors; extra ones are ignored)."""
         return state
 
-    def origin(self) -> str | None:
-        """What the first global state derives from besides ``model.init`` (PRISM: its
-        key, by fingerprint), recorded in checkpoints: a resume under another origin is
-        refused. None: nothing else."""
-        return None
-
-    def card_entry(self, module: nn.Module) -> dict[str, Any]:
-        """What this algorithm records about a model it produced in the model card, under
-        its name (PRISM: bits per weight, mask density, the key's fingerprint); nothing by
-        default."""
-        return {}
-
     def round_report(self, round_: int, state: TensorDict) -> dict[str, float]:
         """Figures of the cloud's state at the end of round ``round_``, recorded per round
         (the run's metrics, its summary and Prometheus); none by default."""
@@ -479,48 +377,9 @@ class Algorithm(ABC):
         budget (a privacy budget) ends the run earlier; all of them by default."""
         return rounds
 
-    def personalize(
-        self, round_: int, uploads: Mapping[str, TensorDict], state: TensorDict
-    ) -> Mapping[str, TensorDict] | None:
-        """With :attr:`per_device_updates`: each device's own model for the next round from
-        the devices' uploads of round ``round_`` (sorted by device) and the new global
-        ``state``, sent to each device privately (``Topics.device_down``); None: the
-        devices train the global model. Called on the cloud after :meth:`cloud_aggregate`;
-        it may take long (a worker runs it off the cloud's message loop)."""
-        return None
-
-    def mode_of(self, device: str) -> Literal["inversion", "generation", "guidance"]:
-        """How :meth:`personalize` made ``device``'s last model (``PersonalModel.mode``)."""
-        return self.personal_mode
-
-    def save_cloud_state(self, directory: Path, round_: int) -> None:  # noqa: B027
-        """Write what the cloud's part of this algorithm keeps besides the global state (an
-        algorithm's own files in ``directory``, beside the checkpoint of ``round_``),
-        atomically; nothing by default. Never exported or published."""
-
-    def load_cloud_state(self, directory: Path, round_: int) -> None:  # noqa: B027
-        """Take back what :meth:`save_cloud_state` wrote with the checkpoint of ``round_``
-        (a resumed cloud); nothing by default."""
-
     def device_personal(self, ctx: DeviceContext, model: nn.Module, tensors: TensorDict) -> None:
         """Load the personal model the cloud sent this device (instead of the edge's)."""
         model.load_state_dict(tensors)
-
-    #: the cloud calls :meth:`finalize` after the last round, before it deploys
-    one_shot: ClassVar[bool] = False
-
-    def finalize(
-        self,
-        state: TensorDict,
-        out_dir: Path | None,
-        *,
-        on_progress: Callable[[str, int, int], None] | None = None,
-    ) -> FinalResult | None:
-        """With :attr:`one_shot`: the model the run deploys, made on the cloud from the
-        final ``state`` (FedDEO: a classifier trained on images generated from the devices'
-        descriptions); files for people in ``out_dir``; ``on_progress(phase, done, total)``
-        as it goes. Runs in a worker thread, off the cloud's message loop. None by default."""
-        return None
 
     def after_cloud_aggregate(
         self, round_: int, state: TensorDict, plan: ChannelPlan | None
@@ -529,3 +388,8 @@ class Algorithm(ABC):
         called with ``round_ = -1`` on the initial state before round 0. Returns the state
         and the architecture plan (None = the dense preset)."""
         return state, plan
+
+
+def _implements(method: Algorithm) -> Method:
+    """The base implements the method interface (checked by the type checker)."""
+    return method

@@ -221,7 +221,7 @@ def _check_fits(
 
     preset = cfg.model.preset
     spec = model_spec(preset, plan)
-    state = make_algorithm(cfg).global_spec(spec)
+    state = make_algorithm(cfg).format.global_spec(spec)
     if not set(spec) <= set(state):  # a state standing for the model: its own tensors
         spec = state
     try:

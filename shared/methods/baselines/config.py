@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from shared.settings import AlgorithmConfig
+from shared.settings import AlgorithmConfig, Traffic
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -51,6 +51,10 @@ class LocalConfig(AlgorithmConfig):
     from the common initial one and nothing is aggregated or uploaded."""
 
     model_kinds = ("unet", "oneshot", "classifier")
+
+    def traffic(self) -> Traffic:
+        """Nothing travels up; each device's own model is the product."""
+        return Traffic(uplink="none", product="device_models")
 
 
 def check_classifier_rounds(name: str, cfg: RunConfig) -> None:

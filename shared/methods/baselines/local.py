@@ -35,7 +35,6 @@ class Local(Algorithm):
 
     name = "local"
     config_class: ClassVar[type[AlgorithmConfig]] = LocalConfig
-    uploads = False
 
     def needs_download(self, ctx: DeviceContext) -> bool:
         return OWN_MODEL not in ctx.state

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from shared.settings import AlgorithmConfig
+from shared.settings import AlgorithmConfig, Traffic
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -64,6 +64,22 @@ class FedDEOConfig(AlgorithmConfig):
     feddeo_grid_per_class: int = Field(
         4, ge=0, le=64, description="images per class in each device's grid (0 = no grids)"
     )
+
+    phase_text: ClassVar[dict[str, str]] = {
+        "aggregating": "generating the synthetic set and training the classifier",
+        "deploying": "classifier to ONNX, parity check, signing, devices classifying",
+    }
+
+    def traffic(self) -> Traffic:
+        """Descriptions go up once, each one forwarded to the cloud, which makes the
+        classifier the run deploys."""
+        return Traffic(blob_kind="description", cloud_sees="every_upload", product="cloud_made")
+
+    def product_preset(self, cfg: RunConfig) -> str:
+        return self.feddeo_classifier
+
+    def describe(self) -> str:
+        return "" if self.feddeo_use_descriptions else "prompts-only"
 
     def check_run(self, cfg: RunConfig) -> None:
         if cfg.model.preset not in FEDDEO_PRESETS:

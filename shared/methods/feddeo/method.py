@@ -4,9 +4,9 @@ One round. Every device trains one *description* per class it holds: a vector in
 frozen class-conditional generator's class-embedding space, initialized from the class's own
 row (the paper's CLIP text features of the class name) and trained with the noise-prediction
 loss (eq. 4) while no weight of the generator changes. It uploads them once, a few hundred
-bytes per class. The edges and the cloud *slot* the descriptions by sender, never average
-them: the slot of device ``devNNN`` is filled only from ``devNNN``'s own upload at its edge,
-and the cloud takes each edge's slots for its own devices only.
+bytes per class. Nothing is averaged: each edge checks the uploads it receives and forwards
+each one to the cloud (``cloud_sees = "every_upload"``, the path pFedGPA's uploads take), and
+the cloud keeps every device's own descriptions (:meth:`FedDEO.collect`).
 
 The cloud then (:meth:`FedDEO.finalize`, off its message loop) generates
 ``feddeo_images_per_class`` images for every (device, described class) with eq. 5's
@@ -15,9 +15,9 @@ image so that a smaller N is a prefix of a larger one), trains a fresh classifie
 synthetic set only, scores it on the real test split seen in every device's domain and
 writes a grid of each device's images. The classifier is the product: the cloud deploys it.
 
-Descriptions never leave the cloud: the state it publishes (the global blob, checkpoints)
-has every slot zeroed once the round is aggregated; the descriptions themselves stay in the
-algorithm's memory and in a file beside the checkpoint that is never published.
+Descriptions never leave the cloud: the state it publishes (the global blob, checkpoints) is
+the frozen generator alone; the descriptions stay in the method's memory and in a file
+beside the checkpoint that is never published.
 
 Prompts-Only (``feddeo_use_descriptions = false``) is the same pipeline without the
 descriptions: devices upload only which classes they hold (their mask), and the cloud
@@ -44,22 +44,26 @@ from torch import nn
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
+from shared.data.partition import domain_test_sets
 from shared.diffusion.schedule import draw_noise
 from shared.diffusion.training import TrainResult, placed, train_classifier
 from shared.errors import ConfigError
+from shared.evaluation.domains import accuracy_by_domain
 from shared.methods.base import (
     Algorithm,
     DeviceContext,
     FinalResult,
+    Fold,
     LocalResult,
     TensorDict,
     Update,
+    fold_all,
 )
 from shared.methods.feddeo.config import FedDEOConfig
 from shared.methods.feddeo.guidance import class_table, eps_with_embedding, guided_ddim
-from shared.models.classifier import accuracy, build_classifier
-from shared.models.plan import ChannelPlan
-from shared.naming import device_index, device_name, home_edge
+from shared.models.classifier import build_classifier
+from shared.models.presets import build_unet, state_spec
+from shared.naming import device_index, device_name
 from shared.settings import AlgorithmConfig
 from shared.wire.codec import TensorSpec, decode_tensors, encode_tensors
 
@@ -244,53 +248,43 @@ def fit_classifier(
     return model.eval(), loss
 
 
-def accuracy_by_domain(
-    model: nn.Module, tests: Mapping[str, tuple[np.ndarray, np.ndarray]]
-) -> dict[str, float]:
-    """``model``'s top-1 accuracy on each domain's test set (uint8 images, labels), with
-    their unweighted ``mean``."""
-    from shared.data.datasets import to_model_input
+class DescriptionCheck(Fold):
+    """An edge's "aggregation" of FedDEO's uploads: each one is checked as it arrives (a
+    refused one is not forwarded to the cloud); the edge's state, the frozen generator,
+    stays as it was."""
 
-    out = {
-        name: round(accuracy(model, to_model_input(images, 1), torch.from_numpy(labels)), 4)
-        for name, (images, labels) in tests.items()
-    }
-    out["mean"] = round(sum(out.values()) / len(out), 4) if out else float("nan")
-    return out
+    #: the edge keeps each upload to forward it, so it is never read in place from its blob
+    streams = False
 
+    def __init__(self, method: FedDEO, current: TensorDict) -> None:
+        super().__init__()
+        self.method, self.current = method, current
 
-def score_by_domain(cfg: RunConfig, model: nn.Module) -> dict[str, Any] | None:
-    """A classifier's final figures as a one-shot run's summary reports them, for any
-    classifier (the FedAvg classifier, the Ceiling): ``preset``, ``accuracy`` (domain ->
-    top-1 on the whole test split seen in that domain, ``identity`` alone without
-    ``data.domains``; :func:`~shared.data.partition.domain_test_sets`) and ``mean_accuracy``
-    (unweighted over the domains); None when the data have no test split."""
-    from shared.data.partition import domain_test_sets
+    def _add(self, update: Update) -> None:
+        problem = self.method._valid(update.source, update.tensors)
+        if problem is not None:
+            raise ValueError(f"feddeo: {update.source}'s upload refused: {problem}")
 
-    tests = domain_test_sets(cfg)
-    if not tests:
-        return None
-    scores = accuracy_by_domain(model.eval(), tests)
-    mean = scores.pop("mean")
-    return {"preset": cfg.model.preset, "accuracy": scores, "mean_accuracy": mean}
+    def result(self) -> TensorDict:
+        return self.current
 
 
 class FedDEO(Algorithm):
-    """Descriptions on the devices, slots on the aggregators, generation and a classifier
-    on the cloud (:meth:`finalize`)."""
+    """Descriptions on the devices, forwarded by the edges, generation and a classifier on
+    the cloud (:meth:`finalize`)."""
 
     name = "feddeo"
     config_class: ClassVar[type[AlgorithmConfig]] = FedDEOConfig
     settings: FedDEOConfig
-    #: the cloud runs :meth:`finalize` after the last round, before it deploys
-    one_shot: ClassVar[bool] = True
-    #: descriptions travel as a blob kind of their own (counted apart from models)
-    upload_kind: ClassVar[str] = "description"
+    #: the descriptions are kept beside the cloud's checkpoints
+    keeps_files = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
+        self.finalizer = self
+        self.state_view = self
         self.devices = [device_name(i) for i in range(cfg.federation.num_devices)]
-        #: the cloud's descriptions once aggregated: device -> (descriptions, mask)
+        #: the cloud's descriptions once collected: device -> (descriptions, mask)
         self.held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- shapes -------------------------------------------------------------------------------
@@ -300,36 +294,16 @@ class FedDEO(Algorithm):
             raise ConfigError("feddeo needs a class-conditional U-Net (class_embedding.weight)")
         return NUM_CLASSES, int(spec.shape[1])
 
-    def global_spec(self, model_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
-        c, d = self._dims(model_spec)
-        out = dict(model_spec)
-        for dev in self.devices:
-            out[slot(DESC, dev)] = TensorSpec((c, d), torch.float32)
-            out[slot(MASK, dev)] = TensorSpec((c,), torch.float32)
-        return out
-
-    def init_global(self, model: TensorDict) -> TensorDict:
-        c, d = NUM_CLASSES, int(model["class_embedding.weight"].shape[1])
-        out = dict(model)
-        for dev in self.devices:
-            out[slot(DESC, dev)] = torch.zeros(c, d)
-            out[slot(MASK, dev)] = torch.zeros(c)
-        return out
-
     def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
-        dev = self.devices[0]
-        out = {MASK: global_spec[slot(MASK, dev)]}
+        """A mask of the classes described (C,) and, unless Prompts-Only, their
+        descriptions (C, D) in the generator's class-embedding space."""
+        c, d = self._dims(global_spec)
+        out = {MASK: TensorSpec((c,), torch.float32)}
         if self.settings.feddeo_use_descriptions:
-            out[DESC] = global_spec[slot(DESC, dev)]
+            out[DESC] = TensorSpec((c, d), torch.float32)
         return out
-
-    def materialize(self, state: TensorDict) -> TensorDict:
-        return {k: v for k, v in state.items() if not k.startswith("feddeo.")}
 
     # -- device -------------------------------------------------------------------------------
-    def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
-        model.load_state_dict(self.materialize(state))
-
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
@@ -347,7 +321,7 @@ class FedDEO(Algorithm):
 
     # -- edge and cloud -----------------------------------------------------------------------
     def _valid(self, source: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
-        """Why ``source``'s upload cannot fill its slot (None: it can)."""
+        """Why ``source``'s upload cannot be used (None: it can)."""
         if source not in self.devices:
             return "not a device of this federation"
         mask = tensors.get(MASK)
@@ -358,55 +332,39 @@ class FedDEO(Algorithm):
             return f"description entries beyond {MAX_DESC_ABS:g}"
         return None
 
+    def edge_fold(self, current: TensorDict) -> Fold:
+        """Each upload checked (:class:`DescriptionCheck`); the generator unchanged."""
+        return DescriptionCheck(self, current)
+
     def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        """The edge's state with each sender's own slot filled from its upload (the model
-        and every other slot as they were)."""
-        out = dict(current)
-        for u in updates:
-            problem = self._valid(u.source, u.tensors)
-            if problem is not None:
-                log.warning("feddeo: %s's upload fills no slot: %s", u.source, problem)
-                continue
-            out[slot(MASK, u.source)] = u.tensors[MASK].float().clone()
-            if DESC in u.tensors:
-                out[slot(DESC, u.source)] = u.tensors[DESC].float().clone()
-        return out
+        return fold_all(self.edge_fold(current), updates)
 
     def cloud_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
-        """The global state with the slots of each edge's own devices (those whose home
-        edge it is) taken from that edge's state; the generator stays the cloud's."""
-        out = dict(current)
-        for u in updates:
-            for i, dev in enumerate(self.devices):
-                if home_edge(i, self.cfg) != u.source:
-                    continue
-                mask = u.tensors.get(slot(MASK, dev))
-                if mask is None or not bool(mask.any()):
-                    continue
-                tensors = {MASK: mask, DESC: u.tensors[slot(DESC, dev)]}
-                problem = self._valid(dev, tensors)
-                if problem is not None:
-                    log.warning("feddeo: %s's slot from %s refused: %s", dev, u.source, problem)
-                    continue
-                out[slot(MASK, dev)] = mask.float().clone()
-                out[slot(DESC, dev)] = tensors[DESC].float().clone()
-        return out
+        """The generator stays the cloud's (the descriptions come forwarded)."""
+        return current
 
-    def after_cloud_aggregate(
-        self, round_: int, state: TensorDict, plan: ChannelPlan | None
-    ) -> tuple[TensorDict, ChannelPlan | None]:
-        """After the round: the descriptions move into the cloud's memory (:attr:`held`)
-        and the state that is published, checkpointed and served has every slot zeroed."""
-        if round_ < 0:
-            return state, plan
-        out = dict(state)
-        for dev in self.devices:
-            mask = state[slot(MASK, dev)]
-            if bool(mask.any()):
-                self.held[dev] = (state[slot(DESC, dev)].clone(), mask.clone())
-            out[slot(DESC, dev)] = torch.zeros_like(state[slot(DESC, dev)])
-            out[slot(MASK, dev)] = torch.zeros_like(mask)
-        return out, plan
+    def collect(self, round_: int, uploads: Mapping[str, TensorDict]) -> None:
+        """Keep each device's own descriptions and mask (checked again here: a forwarded
+        upload is the edge's word); a Prompts-Only device's descriptions are the zeros
+        nothing reads."""
+        c, d = self._dims(state_spec(self.cfg.model.preset))
+        for dev, tensors in sorted(uploads.items()):
+            problem = self._valid(dev, tensors)
+            if problem is not None:
+                log.warning("feddeo: %s's upload not kept: %s", dev, problem)
+                continue
+            mask = tensors[MASK].float().clone()
+            desc = tensors[DESC].float().clone() if DESC in tensors else torch.zeros(c, d)
+            self.held[dev] = (desc, mask)
+
+    # -- the cloud's own file (beside its checkpoints; never exported or published) ------
+    def origin(self) -> str | None:
+        """Nothing but ``model.init``: the first state is the frozen generator."""
+        return None
+
+    def card_entry(self, module: nn.Module) -> dict[str, Any]:
+        """Nothing: the product's card carries the final step's report."""
+        return {}
 
     def save_cloud_state(self, directory: Path, round_: int) -> None:
         """The descriptions, beside the checkpoint (never published)."""
@@ -435,14 +393,11 @@ class FedDEO(Algorithm):
     ) -> FinalResult:
         """Generate the synthetic set from the held descriptions, train the classifier on
         it, score it on every domain's real test split; grids in ``out_dir``."""
-        from shared.data.partition import domain_test_sets
-        from shared.models.presets import build_unet
-
         s, cfg = self.settings, self.cfg
         if not self.held:
             raise ConfigError("feddeo: no device's upload reached the cloud; nothing to generate")
         unet = build_unet(cfg.model.preset)
-        unet.load_state_dict(self.materialize(state))
+        unet.load_state_dict(state)
         unet.eval()
         device = self.training_device
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from shared.settings import AlgorithmConfig
+from shared.settings import AlgorithmConfig, Traffic
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -16,6 +16,15 @@ class FedDiffuseConfig(AlgorithmConfig):
     digest_defaults = True
 
     split: Literal["full", "usplit", "ulatdec", "udec"] = "full"
+
+    def traffic(self) -> Traffic:
+        """USPLIT devices upload parts; ULATDEC and UDEC keep parts on the devices."""
+        if self.split in ("ulatdec", "udec"):
+            return Traffic(device_keeps="local_parts")
+        return Traffic(uplink="parts" if self.split == "usplit" else "state")
+
+    def describe(self) -> str:
+        return self.split
 
     def check_run(self, cfg: RunConfig) -> None:
         if self.split == "usplit" and cfg.federation.assignment != "static":

@@ -290,7 +290,6 @@ class FedDiffuse(Algorithm):
     name = "feddiffuse"
     config_class = FedDiffuseConfig
     settings: FedDiffuseConfig
-    partial_uploads = True  # USPLIT devices report parts; the other variants report all
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -328,6 +327,11 @@ class FedDiffuse(Algorithm):
         if not self.local_parts or local is None or not self._local_fits(local, global_state):
             return None
         return {**global_state, **local}
+
+    def part_uplink(self, model_spec: Mapping[str, TensorSpec], per_edge: Sequence[int]) -> float:
+        """USPLIT's uplink as the paper counts it (:func:`communicated_params`)."""
+        counted = communicated_params(self.split, model_spec, list(per_edge))
+        return float(counted["uplink_per_round"])
 
     def upload_parts(self, tensors: Mapping[str, object]) -> frozenset[str]:
         """The parts an upload holds (a USPLIT device reports its assigned parts)."""

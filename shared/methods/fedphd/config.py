@@ -44,6 +44,20 @@ class FedPhDConfig(AlgorithmConfig):
     def prunes(self) -> bool:
         return self.prune_ratio > 0
 
+    def describe(self) -> str:
+        if not self.prunes:
+            return ""
+        return f"s_p={self.prune_ratio} " + (
+            "OS" if self.prune_at == "init" else f"R_s={self.sparse_rounds}"
+        )
+
+    def check_centralized(self) -> None:
+        if self.prunes and self.prune_at != "init":
+            raise ValueError(
+                "centralized training has no sparse rounds, so it prunes only before its first "
+                "step: set algorithm.prune_at = 'init' (and algorithm.sparse_rounds = 0)"
+            )
+
     def check_waste(self, cfg: RunConfig) -> None:
         if self.prune_ratio <= 0:
             return

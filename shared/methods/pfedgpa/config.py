@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from shared.methods.baselines.config import check_classifier_rounds
-from shared.settings import AlgorithmConfig
+from shared.settings import AlgorithmConfig, Traffic
 
 if TYPE_CHECKING:
     from shared.config import RunConfig
@@ -70,6 +70,10 @@ class PFedGPAConfig(AlgorithmConfig):
     pfedgpa_guide_from: int = Field(
         100, ge=1, le=10_000, description="the noise level (timestep) guidance starts from"
     )
+
+    def traffic(self) -> Traffic:
+        """The cloud sees every upload and sends each device its own parameters."""
+        return Traffic(cloud_sees="every_upload", downlink="per_device", product="device_models")
 
     def check_run(self, cfg: RunConfig) -> None:
         check_classifier_rounds("pfedgpa", cfg)

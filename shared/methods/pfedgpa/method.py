@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -95,13 +95,18 @@ class PFedGPA(Algorithm):
 
     name = "pfedgpa"
     config_class: ClassVar[type[AlgorithmConfig]] = PFedGPAConfig
-    per_device_updates = True
     settings: PFedGPAConfig
+
+    #: the cloud's files beside its checkpoints (the store and the diffusion model)
+    keeps_files = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
+        self.personalization = self
+        self.state_view = self
         s = self.settings
-        self.personal_mode = s.pfedgpa_mode
+        #: how :meth:`personalize` makes the devices' models (``PersonalModel.mode``)
+        self.personal_mode: Literal["inversion", "generation", "guidance"] = s.pfedgpa_mode
         self.names = generated_names(
             cfg.model.preset, s.pfedgpa_layers, resolve_device(cfg.compute.device)
         )
@@ -239,6 +244,14 @@ class PFedGPA(Algorithm):
         return self._splice(uploads, made)
 
     # -- the cloud's own files (beside its checkpoints; never exported or published) ------
+    def origin(self) -> str | None:
+        """Nothing but ``model.init``: the first state is the initial model."""
+        return None
+
+    def card_entry(self, module: nn.Module) -> dict[str, Any]:
+        """Nothing: the devices serve their own classifiers, not a card's model."""
+        return {}
+
     def save_cloud_state(self, directory: Path, round_: int) -> None:
         """``pfedgpa/store.safetensors`` (the stored uploads' generated layers, the first
         round each device was seen) and ``pfedgpa/dm.safetensors`` (the last diffusion

@@ -36,7 +36,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     cfg = ckpt.config
     if cfg.algorithm.name != "prism":
         raise ConfigError(f"{path} is a {cfg.algorithm.name} run; only PRISM models pack")
-    dense = make_algorithm(cfg).materialize(ckpt.model)
+    dense = make_algorithm(cfg).format.materialize(ckpt.model)
     tensors = compact_tensors(dense)
     key = load_key()
     meta = {

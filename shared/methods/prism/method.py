@@ -43,6 +43,7 @@ import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -77,6 +78,7 @@ from shared.methods.prism.masking import (
     logit,
     masked_names,
     output_side,
+    provide_key_file,
     state_spec,
 )
 from shared.models.plan import model_spec
@@ -156,6 +158,21 @@ def mask_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], 
     return 1.0 - dot / (na * nb) if na and nb else 1.0
 
 
+class KeyPreparation:
+    """PRISM's run preparation: the run's key."""
+
+    def prepare(self, run_dir: Path, *, show: bool) -> None:
+        """Give the run a key (``run_dir/prism.key``, kept for a resumed run) when none is
+        configured, and say where it is (never what it is)."""
+        path = provide_key_file(run_dir)
+        if path is not None:
+            fingerprint = load_key().fingerprint
+            log.info("PRISM key: %s (fingerprint %s)", path, fingerprint)
+            if show:
+                print(f"PRISM key: {path} (fingerprint {fingerprint}; keep it to resume or "
+                      "deploy)")  # fmt: skip
+
+
 class Prism(Algorithm):
     """Masks over frozen random weights; 1-bit uploads; MADA at the cloud."""
 
@@ -163,9 +180,13 @@ class Prism(Algorithm):
     config_class: ClassVar[type[AlgorithmConfig]] = PrismConfig
     device_cache_keys = frozenset({WINIT})
     settings: PrismConfig
+    #: the state view keeps no files of its own (the key is never written by the roles)
+    keeps_files = False
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
+        self.state_view = self  # the state derives from the key (origin, model card)
+        self.preparation = KeyPreparation()
         self._key: MaskKey | None = None
         #: the cloud's last MADA lambda (None before the first aggregation, or MADA off)
         self.last_lambda: float | None = None
@@ -240,6 +261,12 @@ class Prism(Algorithm):
 
     def origin(self) -> str:
         return f"prism-key:{self.key.fingerprint}"
+
+    def save_cloud_state(self, directory: Path, round_: int) -> None:
+        """Nothing: the state is all there is (the key stays where it was configured)."""
+
+    def load_cloud_state(self, directory: Path, round_: int) -> None:
+        """Nothing to take back."""
 
     def card_entry(self, module: nn.Module) -> dict[str, Any]:
         """Bits per weight of the compact form, the kept fraction of the masked weights
