@@ -46,6 +46,7 @@ METHODS: dict[str, Entry] = {
     "local": Entry("baselines.config:LocalConfig", "baselines.local:Local"),
     "pfedgpa": Entry("pfedgpa.config:PFedGPAConfig", "pfedgpa.method:PFedGPA"),
     "feddeo": Entry("feddeo.config:FedDEOConfig", "feddeo.method:FedDEO"),
+    "fedadam": Entry("fedadam.config:FedAdamConfig", "fedadam.method:FedAdam"),
 }
 
 
