@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.atomic import atomic_write
-from shared.config import model_kind
 from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
@@ -33,6 +32,7 @@ from shared.deploy.signing import (
     version_of,
 )
 from shared.errors import EstuaryError, ExportError
+from shared.families import family_of
 from shared.runtime.service import RoleService
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
@@ -289,7 +289,7 @@ def deploy_when_trained(
     cfg = cloud.cfg
     if not cfg.deploy.enabled:
         return
-    if model_kind(cfg.model.preset) == "classifier":
+    if family_of(cfg.model.preset).served_by == "devices":
         collect_own_classifiers(cloud, run_dir)
         return
     if not cfg.deploy.signing_key:

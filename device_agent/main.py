@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
-from shared.config import model_kind
+from shared.families import family_of
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
     Serve,
@@ -79,7 +79,7 @@ def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
         return lambda: code
     device, bus = _training_agent(args, cfg, cache)
     receiver = None
-    if cfg.deploy.enabled and model_kind(cfg.model.preset) == "classifier":
+    if cfg.deploy.enabled and family_of(cfg.model.preset).served_by == "devices":
         from device_agent.own_classifier import OwnClassifier
 
         device.after_last_round = OwnClassifier(device, out_dir)

@@ -18,9 +18,10 @@ from typing import Any
 
 from estuary.launcher import Hierarchy
 from shared.atomic import atomic_write
-from shared.config import RunConfig, config_from_dict, load_config, model_kind
+from shared.config import RunConfig, config_from_dict, load_config
 from shared.errors import EstuaryError
 from shared.evaluation.report import read_metrics
+from shared.families import family_of
 from shared.methods.registry import make_algorithm
 from shared.progress import progress_bar
 from shared.runtime.process import interrupts_as_keyboard
@@ -232,14 +233,15 @@ def phase_text(
     if state == "aggregating" and state in own:
         return f"round {r}: {own[state]}"
     if state == "aggregating":
-        every = cfg.eval.every if evaluate and model_kind(cfg.model.preset) != "classifier" else 0
+        fid = evaluate and family_of(cfg.model.preset).quality == "fid"
+        every = cfg.eval.every if fid else 0
         if every and (r % every == 0 or r == cfg.run.rounds):
             return f"round {r}: aggregating and evaluating (FID on {cfg.eval.num_samples} samples)"
         return f"round {r}: aggregating"
     if state == "deploying":
         if state in own:
             return f"deploying: {own[state]}"
-        if model_kind(cfg.model.preset) == "classifier":
+        if family_of(cfg.model.preset).served_by == "devices":
             return "deploying: each device exports its own classifier to ONNX and tests it"
         return "deploying: export to ONNX, parity check, signing, devices sampling"
     return "finishing"

@@ -25,7 +25,7 @@ from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from shared.atomic import atomic_write
-from shared.config import RunConfig, classifies, model_kind
+from shared.config import RunConfig, classifies
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
 from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
@@ -34,6 +34,7 @@ from shared.evaluation.domains import score_by_domain
 from shared.evaluation.evaluator import check_evaluable
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import headline, plot_report
+from shared.families import family_of
 from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.models.plan import ChannelPlan, plan_doc
@@ -170,7 +171,7 @@ def simulate(
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
     # first: a refused split or evaluation leaves no run directory
-    if evaluate and cfg.eval.every and model_kind(cfg.model.preset) != "classifier":
+    if evaluate and cfg.eval.every and family_of(cfg.model.preset).quality == "fid":
         check_evaluable(cfg)
     data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)
@@ -225,7 +226,7 @@ def simulate(
     final: dict[str, Any] | None = None
     if cloud.final is not None:  # a one-shot algorithm's product and its figures
         final = {"preset": cloud.final.preset, **cloud.final.report}
-    elif model_kind(cfg.model.preset) == "classifier" and cfg.data.domains:
+    elif family_of(cfg.model.preset).quality == "accuracy" and cfg.data.domains:
         # the final global classifier on the whole test set seen in every domain: the
         # figure a one-shot method reports, so feature-skew comparisons share one measure
         final = score_by_domain(cfg, cloud.global_module())

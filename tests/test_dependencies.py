@@ -37,7 +37,8 @@ PACKAGES = ("shared", "cloud", "edge_node", "device_agent", "estuary")
 ROLES = ("cloud", "edge_node", "device_agent")
 #: shared's floors, lowest first: a module imports only from its own floor and lower ones
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings"),
+    ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings",
+     "shared.families"),
     ("shared.config", "shared.methods.registry"),
     ("shared.wire",),
     ("shared.transport",),

@@ -26,7 +26,7 @@ from estuary.compare.spec import (
 )
 from estuary.compare.tables import summarize, write_plots, write_tables
 from shared.atomic import atomic_write
-from shared.config import RunConfig, model_kind
+from shared.config import RunConfig
 from shared.data.datasets import ImageDataset, to_model_input
 from shared.data.partition import split_dataset
 from shared.diffusion.schedule import make_train_scheduler
@@ -43,6 +43,7 @@ from shared.evaluation.domains import score_by_domain
 from shared.evaluation.evaluator import Evaluator, check_evaluable
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
+from shared.families import family_of
 from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import save_checkpoint
 from shared.models.init import initial_model
@@ -84,7 +85,7 @@ def run_centralized(
     set_deterministic(cfg.compute.deterministic)
     prepare_run_dir(cfg, run_dir)
     data, parts = split_dataset(cfg, progress=progress)
-    if model_kind(cfg.model.preset) == "classifier":
+    if family_of(cfg.model.preset).quality == "accuracy":
         return _centralized_classifier(cfg, run_dir, data, parts, progress=progress, init=init)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))], cfg.data.input_channels)
     steps = steps_per_round(cfg, [len(p) for p in parts])

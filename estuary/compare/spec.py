@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from cloud.service import sample_participants
-from shared.config import RunConfig, apply_env_overrides, config_from_dict, model_kind
+from shared.config import RunConfig, apply_env_overrides, config_from_dict
 from shared.data.partition import split_dataset
 from shared.diffusion.training import num_local_steps
 from shared.errors import ConfigError
+from shared.families import family_of
 from shared.metrics.accounting import Distances
 from shared.models.plan import ChannelPlan
 from shared.naming import device_name
@@ -167,7 +168,8 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
     settings = cfg.algorithm.config()  # a pruned ceiling takes its method's pruning
-    if centralized and model_kind(cfg.model.preset) == "classifier" and (ema or settings.prunes):
+    classifier = family_of(cfg.model.preset).quality == "accuracy"
+    if centralized and classifier and (ema or settings.prunes):
         raise ConfigError(
             f"{path}: method {label!r}: a centralized classifier (cross-entropy on the pooled "
             "data) takes no 'ema' and no pruning"

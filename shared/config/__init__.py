@@ -38,6 +38,7 @@ from shared.config.algorithms import (
     digest_later_keys,
 )
 from shared.errors import ConfigError, did_you_mean
+from shared.families import FAMILIES, family_of
 from shared.settings import Section
 
 ENV_PREFIX = "ESTUARY__"
@@ -236,34 +237,26 @@ class DataSection(Section):
         return names
 
 
-#: presets of one-shot generators (shared.models.oneshot): an image from a latent in one
-#: forward pass, trained with the feature-matching loss instead of the DDPM loss
-ONESHOT_PRESETS = ("resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64",
-                   "resnetg-cifar10-64")  # fmt: skip
-
-
-#: presets of classifiers (shared.models.classifier): trained with cross-entropy, judged by
-#: accuracy on each device's own test split (pFedGPA and its baselines)
-CLASSIFIER_PRESETS = ("fmnist-cnn",)
+#: presets of one-shot generators and of classifiers (the model families: shared.families)
+ONESHOT_PRESETS = FAMILIES["oneshot"].presets
+CLASSIFIER_PRESETS = FAMILIES["classifier"].presets
 
 #: what each model kind is, for error messages
-KIND_NAMES = {"unet": "a U-Net", "oneshot": "a one-shot generator", "classifier": "a classifier"}
-KIND_PLURALS = {"unet": "U-Nets", "oneshot": "one-shot generators", "classifier": "classifiers"}
+KIND_NAMES = {kind: family.name for kind, family in FAMILIES.items()}
+KIND_PLURALS = {kind: family.plural for kind, family in FAMILIES.items()}
 
 
 def model_kind(preset: str) -> str:
-    """``"oneshot"`` for a one-shot generator's preset, ``"classifier"`` for a classifier's,
-    ``"unet"`` otherwise."""
-    if preset in ONESHOT_PRESETS:
-        return "oneshot"
-    return "classifier" if preset in CLASSIFIER_PRESETS else "unet"
+    """The model family of ``preset``: ``"unet"``, ``"oneshot"`` or ``"classifier"``
+    (:mod:`shared.families`)."""
+    return family_of(preset).kind
 
 
 def classifies(cfg: RunConfig) -> bool:
     """Whether the devices judge a classifier on their own test split: the run trains one
     (``model.preset``) or delivers one (its method's product, FedDEO's)."""
     product = cfg.algorithm.config().product_preset(cfg)
-    return "classifier" in (model_kind(cfg.model.preset), model_kind(product))
+    return "accuracy" in (family_of(cfg.model.preset).quality, family_of(product).quality)
 
 
 class ModelSection(Section):
