@@ -65,9 +65,14 @@ class AlgorithmConfig(Section):
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Self:
-        """This algorithm's settings as ``cfg`` holds them (whichever algorithm it names)."""
+        """This method's settings as ``cfg`` holds them (its table, or its defaults),
+        whichever method ``cfg`` names."""
         section = cfg.algorithm
-        return cls.model_validate({key: getattr(section, key) for key in cls.model_fields})
+        for name in type(section).model_fields:
+            table = getattr(section, name)
+            if type(table) is cls:
+                return table
+        return cls()
 
     #: what the demo's progress bar says while the cloud is in a phase (``aggregating``,
     #: ``deploying``) doing this method's own work; other phases get the generic text

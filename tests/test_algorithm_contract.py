@@ -210,7 +210,7 @@ def _aggregate_of(algo: Method, tier: str, out: dict[str, torch.Tensor], k: str)
     [eps, 1 - eps]; undone here)."""
     v = out[k].reshape(-1)
     if isinstance(algo.settings, PrismConfig) and tier == "cloud":
-        eps = algo.settings.prism_mask_eps
+        eps = algo.settings.mask_eps
         v = (v - eps) / (1 - 2 * eps)
     return v
 

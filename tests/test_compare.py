@@ -156,7 +156,8 @@ def test_unknown_override_key_is_named() -> None:
             {
                 "label": "A",
                 "centralized": True,
-                "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.sparse_rounds": 1},
+                "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
+                              "algorithm.fedphd.sparse_rounds": 1},
             },
             "prunes only before its first step",
         ),
@@ -354,7 +355,7 @@ def test_centralized_training_with_a_weight_average(
 
 
 def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
-    """A centralized method with ``prune_ratio`` (``prune_at = "init"``) trains the pruned
+    """A centralized method of FedPhD with ``prune_ratio`` (``prune_at = "init"``) trains the pruned
     architecture (FedPhD-OS's ceiling): its plan reaches the record, the table's params and
     the checkpoint, and a record of the same config trained dense (earlier versions ignored
     the ratio) is not reused."""
@@ -365,7 +366,8 @@ def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
     pruned = {
         "label": "Centralized (s_p=0.44)",
         "centralized": True,
-        "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.prune_at": "init"},
+        "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
+                      "algorithm.fedphd.prune_at": "init"},
     }
     raw = _raw(method=[{"label": "FedAvg"}, {"label": "Centralized", "centralized": True}, pruned])
     spec = parse_compare(raw, Path("x.toml"))

@@ -145,8 +145,8 @@ def test_the_shipped_feddeo_comparisons(name: str) -> None:
     for label in ("FedDEO", "Prompts-Only"):
         cfg = methods[label].cfg
         assert (cfg.algorithm.name, cfg.run.rounds, cfg.model.init) == ("feddeo", 1, "pretrained")
-    assert FedDEOConfig.of(methods["FedDEO"].cfg).feddeo_use_descriptions
-    assert not FedDEOConfig.of(methods["Prompts-Only"].cfg).feddeo_use_descriptions
+    assert FedDEOConfig.of(methods["FedDEO"].cfg).use_descriptions
+    assert not FedDEOConfig.of(methods["Prompts-Only"].cfg).use_descriptions
     avg, ceiling = methods["FedAvg classifier"].cfg, methods["Ceiling"].cfg
     assert methods["Ceiling"].centralized and ceiling.model.preset == avg.model.preset
     epochs = avg.run.rounds * avg.train.local_epochs

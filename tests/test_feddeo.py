@@ -187,7 +187,7 @@ def test_config_refuses_more_rounds_and_a_generator_without_null_class() -> None
         feddeo_config(run={"rounds": 2})
     with pytest.raises(ConfigError, match="null class"):
         feddeo_config(model={"preset": "fmnist-tiny-cond"})
-    with pytest.raises(ConfigError, match="feddeo_eval_n"):
+    with pytest.raises(ConfigError, match=r"feddeo\.eval_n"):
         feddeo_config(algorithm={"feddeo_eval_n": [10]})
 
 

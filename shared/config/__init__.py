@@ -12,6 +12,7 @@ The ``[algorithm]`` section is assembled from each algorithm's own settings clas
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -19,7 +20,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     Field,
@@ -31,12 +32,8 @@ from pydantic import (
     model_validator,
 )
 
-from shared.config.algorithms import (
-    AlgorithmSection,
-    algorithm_names,
-    config_class,
-    digest_later_keys,
-)
+from shared.config import legacy
+from shared.config.algorithms import AlgorithmSection, algorithm_names, config_class
 from shared.errors import ConfigError, did_you_mean
 from shared.families import FAMILIES, family_of
 from shared.settings import Section
@@ -71,9 +68,19 @@ class FederationSection(Section):
         description="static: devices train at their home edge; select: each device picks "
         "an edge per round by FedPhD eq. 25; random: each device picks one uniformly",
     )
+    #: statistical homogeneity (FedPhD eqs. 18-25): edge selection's (eq. 25) and FedPhD's
+    #: weights (eqs. 22, 24) ``ReLU(n + a mu + b)``, ``mu = 2 - ||q - q_u||_2``
+    sh_a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
+    sh_b: float = Field(0.0, description="offset inside the ReLU of eqs. 22, 24, 25")
+    sh_target: list[float] = Field(
+        default_factory=list, description="q_u over the 10 labels; empty = uniform"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FederationSection:
+        q = self.sh_target
+        if q and (len(q) != 10 or any(x < 0 for x in q) or abs(sum(q) - 1.0) > 1e-6):
+            raise ValueError("sh_target must be 10 non-negative numbers summing to 1")
         if self.cloud_every % self.edge_every != 0:
             raise ValueError(
                 f"cloud_every (r_g={self.cloud_every}) must be a multiple of "
@@ -242,8 +249,8 @@ ONESHOT_PRESETS = FAMILIES["oneshot"].presets
 CLASSIFIER_PRESETS = FAMILIES["classifier"].presets
 
 #: what each model kind is, for error messages
-KIND_NAMES = {kind: family.name for kind, family in FAMILIES.items()}
-KIND_PLURALS = {kind: family.plural for kind, family in FAMILIES.items()}
+KIND_NAMES: dict[str, str] = {kind: family.name for kind, family in FAMILIES.items()}
+KIND_PLURALS: dict[str, str] = {kind: family.plural for kind, family in FAMILIES.items()}
 
 
 def model_kind(preset: str) -> str:
@@ -590,25 +597,18 @@ PER_PROCESS_KEYS = (
     ("data", "local_dir"),
     ("eval", "reference_dir"),
 )
-#: keys added after digests were first recorded: left out of the digest at their default, so
-#: configs that do not set them keep the digests earlier versions computed
-LATER_KEYS = (
-    ("train", "ama_lr"),
-    ("train", "precision"),
-    ("train", "cuda_graph"),
-    ("train", "cuda_graph_reuse"),
-    ("data", "local_dir"),
-    ("data", "class_names"),
-    ("data", "gray_to_rgb"),
-    ("data", "domains"),
-    ("data", "public_size"),
-    ("eval", "reference_dir"),
-)
+#: the config format this code writes (:mod:`shared.config.legacy` reads format 1)
+FORMAT: Literal[2] = 2
 
 
 class RunConfig(Section):
     """The whole configuration of one federated run."""
 
+    #: the config's format: 2 (``[algorithm.<name>]`` tables), or 1 (one flat, prefixed
+    #: ``[algorithm]`` table, read by :mod:`shared.config.legacy`; its digest is format 1's).
+    #: A config that does not say is format 1 when its ``[algorithm]`` holds a flat key,
+    #: else 2.
+    format: Literal[1, 2] = FORMAT
     run: RunSection = RunSection()
     federation: FederationSection = FederationSection()
     data: DataSection = DataSection()
@@ -621,6 +621,20 @@ class RunConfig(Section):
     metrics: MetricsSection = MetricsSection()
     deploy: DeploySection = DeploySection()
     compute: ComputeSection = ComputeSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any, info: ValidationInfo) -> Any:
+        """Format 1's flat ``[algorithm]`` keys moved to their tables (said once per key,
+        not for a stored config); ``format`` inferred where the config does not say."""
+        if not isinstance(data, dict):
+            return data
+        algorithm = data.get("algorithm")
+        flat = isinstance(algorithm, dict) and bool(legacy.flat_keys_of(algorithm))
+        note = not (info.context or {}).get("stored")
+        out = legacy.nest(data, note=note) if flat else dict(data)
+        out.setdefault("format", 1 if flat else FORMAT)
+        return out
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> RunConfig:
@@ -690,19 +704,23 @@ class RunConfig(Section):
 
     def digest(self) -> str:
         """Short sha256 of the canonical JSON without the deployment sections (broker,
-        metrics, deploy, compute), with the per-process keys (``train.threads``,
-        ``data.local_dir``, ``eval.reference_dir``) at their defaults and the later keys left
-        out at their defaults: identifies the experiment on the wire, wherever each role
-        connects from and whatever it runs on."""
-        data = {k: v for k, v in self.to_dict().items() if k not in DEPLOYMENT_SECTIONS}
-        # per-process keys count at their defaults, so digests of configs that leave them
-        # unset are the ones earlier versions computed (compare records, checkpoints)
+        metrics, deploy, compute) and with the per-process keys (``train.threads``,
+        ``data.local_dir``, ``eval.reference_dir``, ...) at their defaults, of which
+        ``[algorithm]`` counts only the named method's table: identifies the experiment on
+        the wire, wherever each role connects from and whatever it runs on. A format 1
+        config keeps format 1's digest (:func:`shared.config.legacy.legacy_digest`)."""
+        data = {
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in DEPLOYMENT_SECTIONS and k != "format"
+        }
+        # per-process keys count at their defaults, whatever this process set
         for section, key in PER_PROCESS_KEYS:
             data[section] = {**data[section], key: _default(self, section, key)}
-        later = (*LATER_KEYS, *(("algorithm", key) for key in digest_later_keys()))
-        for section, key in later:
-            if data[section][key] == _default(self, section, key):
-                data[section] = {k: v for k, v in data[section].items() if k != key}
+        if self.format == 1:
+            return legacy.legacy_digest(self, data)
+        name = self.algorithm.name
+        data["algorithm"] = {"name": name, name: data["algorithm"][name]}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -719,6 +737,8 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
         if field is None:
             return []
         model = field.annotation
+        # a method's table is optional: its model is the union's member that has fields
+        model = next((m for m in get_args(model) if hasattr(m, "model_fields")), model)
     return list(getattr(model, "model_fields", {}))
 
 
@@ -748,21 +768,26 @@ def _parse_env_value(raw: str) -> Any:
 
 
 def apply_env_overrides(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with ``ESTUARY__SECTION__KEY`` values applied."""
-    merged: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    """Return a copy of ``data`` with ``ESTUARY__SECTION__KEY`` values applied (a method's
+    table: ``ESTUARY__ALGORITHM__<NAME>__KEY``)."""
+    merged: dict[str, Any] = copy.deepcopy(dict(data))
     for name, raw in sorted(env.items()):
         if not name.startswith(ENV_PREFIX):
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
-        if len(parts) != 2 or not all(parts):
+        table = len(parts) == 3 and parts[0] == "algorithm"  # a method's table
+        if not (len(parts) == 2 or table) or not all(parts):
             raise ConfigError(
-                f"environment override {name} must look like {ENV_PREFIX}SECTION__KEY"
+                f"environment override {name} must look like {ENV_PREFIX}SECTION__KEY (or "
+                f"{ENV_PREFIX}ALGORITHM__<METHOD>__KEY)"
             )
-        section, key = parts
-        merged.setdefault(section, {})
-        if not isinstance(merged[section], dict):
-            raise ConfigError(f"environment override {name}: {section} is not a section")
-        merged[section][key] = _parse_env_value(raw)
+        *path, key = parts
+        target = merged
+        for part in path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"environment override {name}: {part} is not a section")
+        target[key] = _parse_env_value(raw)
     return merged
 
 
@@ -790,12 +815,17 @@ def with_overrides(
     source: str = "overrides",
     stored: bool = False,
 ) -> RunConfig:
-    """``cfg`` with ``{section: {key: value}}`` replaced, validated like a loaded config
-    (a ConfigError naming ``source`` if a value is out of range); ``stored`` as in
+    """``cfg`` with ``{section: {key: value}}`` replaced (a method's table merged key by key:
+    ``{"algorithm": {"prism": {"lr": 0.2}}}``), validated like a loaded config (a
+    ConfigError naming ``source`` if a value is out of range); ``stored`` as in
     :func:`config_from_dict`."""
     data = cfg.to_dict()
     for section, values in updates.items():
-        data.setdefault(section, {}).update(values)
+        target = data.setdefault(section, {})
+        for key, value in values.items():
+            old = target.get(key)
+            merge = isinstance(value, Mapping) and isinstance(old, dict)
+            target[key] = {**old, **value} if merge else value
     return config_from_dict(data, source=source, stored=stored)
 
 

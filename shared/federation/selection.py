@@ -6,14 +6,14 @@ distribution (counts / n) and ``q_u`` the target (uniform unless configured). A 
 its edge for a round by eq. 25: for each edge, ``mu_e`` and ``n_e`` *after tentatively adding*
 the device; ``P(e) ∝ ReLU(a * mu_e - n_e + b)``; the device **samples** its edge with its own
 seeded RNG and falls back to the most probable online edge when the drawn one is offline.
-``a``, ``b`` and ``q_u`` are FedPhD's settings (``[algorithm]``'s ``a``, ``b``,
-``target_distribution``), read whichever method runs. Numpy only.
+``a``, ``b`` and ``q_u`` are the federation's ``sh_a``, ``sh_b`` and ``sh_target`` (FedPhD
+weighs its aggregations with the same ones). Numpy only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -85,5 +85,5 @@ def selection_rng(seed: int, device_index: int, round_: int) -> np.random.Genera
 
 def selection_settings(cfg: RunConfig) -> tuple[float, float, list[float] | None]:
     """Eq. 25's ``a``, ``b`` and target ``q_u`` (None: uniform) as ``cfg`` holds them."""
-    section: Any = cfg.algorithm  # the [algorithm] section holds every method's keys
-    return float(section.a), float(section.b), list(section.target_distribution) or None
+    fed = cfg.federation
+    return fed.sh_a, fed.sh_b, list(fed.sh_target) or None

@@ -27,7 +27,7 @@ class FedProxConfig(AlgorithmConfig):
     digest_defaults = True
     model_kinds = ("unet", "oneshot")
 
-    prox_mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
+    mu: float = Field(1.0, ge=0.0, description="FedProx mu (mu/2 ||w - w_g||^2)")
 
 
 class ScaffoldConfig(AlgorithmConfig):
@@ -42,8 +42,8 @@ class MoonConfig(AlgorithmConfig):
 
     digest_defaults = True
 
-    moon_mu: float = Field(1.0, ge=0.0, description="MOON contrastive loss weight")
-    moon_tau: float = Field(0.5, gt=0.0, description="MOON temperature")
+    mu: float = Field(1.0, ge=0.0, description="MOON contrastive loss weight")
+    tau: float = Field(0.5, gt=0.0, description="MOON temperature")
 
 
 class LocalConfig(AlgorithmConfig):

@@ -1,7 +1,7 @@
 """FedProx (Li et al., MLSys 2020, eq. 2) for DDPM training.
 
 A device minimizes ``h(w) = L_DDPM(w) + mu/2 ||w - w_g||^2``, where ``w_g`` is the model it
-received from its edge (the anchor of the proximal term) and ``mu = algorithm.prox_mu``
+received from its edge (the anchor of the proximal term) and ``mu = algorithm.mu``
 (FedPhD's appendix: mu = 1, the FedProx paper's recommendation). Aggregation at edge and
 cloud is FedAvg. The anchor is taken when the device loads a received state
 (:meth:`FedProx.device_load`) and kept in ``DeviceContext.state``, so between edge
@@ -66,7 +66,7 @@ class FedProx(FedAvg):
         # a caller that put the edge model into ``model`` without device_load: anchor on it
         if ANCHOR not in ctx.state:
             ctx.state[ANCHOR] = trainable_snapshot(model)
-        mu = self.settings.prox_mu
+        mu = self.settings.mu
         # the anchor where training runs: copied once per round (``to`` copies nothing on
         # the CPU); the one in ``ctx.state`` stays on the CPU
         device = self.training_device

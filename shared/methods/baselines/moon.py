@@ -5,8 +5,8 @@ Device loss: ``L_DDPM + mu * l_con`` with (eq. 2)
 
     l_con = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + exp(sim(z, z_prev)/tau)) )
 
-``sim`` is cosine similarity, ``mu = algorithm.moon_mu`` (FedPhD's appendix grid:
-0.01, 0.1, 1, 10), ``tau = algorithm.moon_tau``.
+``sim`` is cosine similarity, ``mu = algorithm.mu`` (FedPhD's appendix grid:
+0.01, 0.1, 1, 10), ``tau = algorithm.tau``.
 
 Which features: the U-Net has no projection head, so ``z`` is the output of the U-Net's
 bottleneck (``model.mid_block``: resnet - attention - resnet at the lowest resolution,
@@ -156,13 +156,13 @@ class Moon(FedAvg):
         cfg = self.settings
         prev_state: TensorDict | None = ctx.state.get(PREVIOUS)
         glob = prev = None
-        if prev_state is not None and cfg.moon_mu > 0:  # else l_con is skipped: no copies
+        if prev_state is not None and cfg.mu > 0:  # else l_con is skipped: no copies
             # built once per round where training runs (the CPU states stay in ctx.state)
             device = self.training_device
             glob = frozen_copy(model, ctx.state[GLOBAL], device)
             prev = frozen_copy(model, prev_state, device)
         result = self.train(
-            ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.moon_mu, cfg.moon_tau)
+            ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.mu, cfg.tau)
         )
         glob = prev = None  # free the frozen copies (GPU memory) before the upload's copies
         if not upload:

@@ -25,5 +25,4 @@ class FedAdamConfig(AlgorithmConfig):
     variant: Literal["adam", "yogi"] = Field("adam", description="second moment: Adam or Yogi")
 
     def describe(self) -> str:
-        name = "FedYogi" if self.variant == "yogi" else "FedAdam"
-        return f"{name} eta={self.eta:g}"
+        return f"eta={self.eta:g}" + (" yogi" if self.variant == "yogi" else "")

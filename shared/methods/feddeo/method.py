@@ -9,7 +9,7 @@ each one to the cloud (``cloud_sees = "every_upload"``, the path pFedGPA's uploa
 the cloud keeps every device's own descriptions (:meth:`FedDEO.collect`).
 
 The cloud then (:meth:`FedDEO.finalize`, off its message loop) generates
-``feddeo_images_per_class`` images for every (device, described class) with eq. 5's
+``images_per_class`` images for every (device, described class) with eq. 5's
 compositional guidance (null class + w_t x class row + w_d x description, DDIM, one seed per
 image so that a smaller N is a prefix of a larger one), trains a fresh classifier on that
 synthetic set only, scores it on the real test split seen in every device's domain and
@@ -19,7 +19,7 @@ Descriptions never leave the cloud: the state it publishes (the global blob, che
 the frozen generator alone; the descriptions stay in the method's memory and in a file
 beside the checkpoint that is never published.
 
-Prompts-Only (``feddeo_use_descriptions = false``) is the same pipeline without the
+Prompts-Only (``use_descriptions = false``) is the same pipeline without the
 descriptions: devices upload only which classes they hold (their mask), and the cloud
 generates from the class rows alone.
 """
@@ -132,23 +132,23 @@ def train_descriptions(
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, TrainResult]:
     """Eq. 4 on a device: one description per class it holds at least
-    ``feddeo_min_class_images`` of, started at the class's row of the frozen ``unet`` and
+    ``min_class_images`` of, started at the class's row of the frozen ``unet`` and
     trained with Adam on ``images`` (every image conditions on its class's description) for
-    ``feddeo_desc_epochs`` passes. Returns (descriptions (C, D), mask (C,), the training
+    ``desc_epochs`` passes. Returns (descriptions (C, D), mask (C,), the training
     figures); rows of classes it does not describe stay the class rows, with mask 0."""
     table = class_table(unet)
     counts = torch.bincount(labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
-    mask = (counts >= s.feddeo_min_class_images).float()
+    mask = (counts >= s.min_class_images).float()
     desc = table[:NUM_CLASSES].clone().float()
     keep = mask[labels.long()] > 0
     x_all, y_all = images[keep], labels[keep].long()
     if not len(x_all):
         return desc, mask, TrainResult(0.0, 0, 0.0)
     device = device or torch.device("cpu")
-    batch = min(s.feddeo_desc_batch, len(x_all))
-    steps = max(1, math.ceil(s.feddeo_desc_epochs * len(x_all) / batch))
+    batch = min(s.desc_batch, len(x_all))
+    steps = max(1, math.ceil(s.desc_epochs * len(x_all) / batch))
     param = nn.Parameter(desc.to(device))
-    opt = torch.optim.Adam([param], lr=s.feddeo_desc_lr)
+    opt = torch.optim.Adam([param], lr=s.desc_lr)
     flags = [p.requires_grad for p in unet.parameters()]
     was_training = unet.training
     unet.requires_grad_(False)
@@ -191,7 +191,7 @@ def synthesize(
 ) -> Synthetic:
     """``n`` images for every (device, class) of ``slots`` (device -> (descriptions, mask);
     the classes with mask 1) with eq. 5: null + w_t x class row (+ w_d x the device's
-    description when ``use_descriptions``), DDIM with ``feddeo_sample_steps``, the start
+    description when ``use_descriptions``), DDIM with ``sample_steps``, the start
     noise of each image from :func:`image_seed`. ``on_progress(done, total)`` counts
     images after each batch."""
     s = FedDEOConfig.of(cfg)
@@ -205,10 +205,10 @@ def synthesize(
                 jobs.extend((dev, index, c, i) for i in range(n))
     conf: Any = unet.config
     shape = (int(conf.in_channels), int(conf.sample_size), int(conf.sample_size))
-    weights = [s.feddeo_w_t, s.feddeo_w_d] if use_descriptions else [s.feddeo_w_t]
+    weights = [s.w_t, s.w_d] if use_descriptions else [s.w_t]
     out: list[torch.Tensor] = []
     device = next(unet.parameters()).device
-    batch = s.feddeo_sample_batch
+    batch = s.sample_batch
     for lo in range(0, len(jobs), batch):
         part = jobs[lo : lo + batch]
         noise = start_noise([image_seed(cfg.run.seed, k, c, i) for _, k, c, i in part], shape)
@@ -217,7 +217,7 @@ def synthesize(
         if use_descriptions:
             conds.append(torch.stack([slots[d][0][c] for d, _, c, _ in part]).float())
         x = guided_ddim(
-            unet, noise.to(device), conds, weights, cfg.diffusion, steps=s.feddeo_sample_steps
+            unet, noise.to(device), conds, weights, cfg.diffusion, steps=s.sample_steps
         ).cpu()
         out.append(((x + 1) * 127.5).round() / 127.5 - 1)  # 8-bit images, as a real set
         if on_progress is not None:
@@ -234,14 +234,14 @@ def synthesize(
 def fit_classifier(
     data: Synthetic, cfg: RunConfig, *, device: torch.device | None = None
 ) -> tuple[nn.Module, float]:
-    """A fresh ``feddeo_classifier`` (init from the run's seed) trained with cross-entropy
-    on ``data`` only (SGD, momentum 0.9, the ``feddeo_clf_*`` settings); (model, last loss)."""
+    """A fresh ``classifier`` (init from the run's seed) trained with cross-entropy
+    on ``data`` only (SGD, momentum 0.9, the ``clf_*`` settings); (model, last loss)."""
     s = FedDEOConfig.of(cfg)
-    model = build_classifier(s.feddeo_classifier, seed=cfg.run.seed)
+    model = build_classifier(s.classifier, seed=cfg.run.seed)
     train = cfg.train.model_copy(
-        update={"optimizer": "sgd", "lr": s.feddeo_clf_lr, "momentum": 0.9,
-                "weight_decay": 5e-4, "batch_size": s.feddeo_clf_batch,
-                "local_epochs": s.feddeo_clf_epochs, "local_steps": 0, "grad_clip": 0.0}
+        update={"optimizer": "sgd", "lr": s.clf_lr, "momentum": 0.9,
+                "weight_decay": 5e-4, "batch_size": s.clf_batch,
+                "local_epochs": s.clf_epochs, "local_steps": 0, "grad_clip": 0.0}
     )  # fmt: skip
     gen = torch.Generator().manual_seed(cfg.run.seed + 0xC1F)
     loss, _, _ = train_classifier(model, data.images, data.labels, train, gen, device=device)
@@ -299,7 +299,7 @@ class FedDEO(Algorithm):
         descriptions (C, D) in the generator's class-embedding space."""
         c, d = self._dims(global_spec)
         out = {MASK: TensorSpec((c,), torch.float32)}
-        if self.settings.feddeo_use_descriptions:
+        if self.settings.use_descriptions:
             out[DESC] = TensorSpec((c, d), torch.float32)
         return out
 
@@ -308,9 +308,9 @@ class FedDEO(Algorithm):
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
         s = self.settings
-        if not s.feddeo_use_descriptions:  # Prompts-Only: which classes it holds, nothing else
+        if not s.use_descriptions:  # Prompts-Only: which classes it holds, nothing else
             counts = torch.bincount(ctx.labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
-            mask = (counts >= s.feddeo_min_class_images).float()
+            mask = (counts >= s.min_class_images).float()
             return LocalResult({MASK: mask} if upload else None, TrainResult(0.0, 0, 0.0))
         desc, mask, result = train_descriptions(
             model, ctx.data, ctx.labels, s, self.scheduler, ctx.generator,
@@ -411,26 +411,26 @@ class FedDEO(Algorithm):
 
         with placed(unet, device):
             synthetic = synthesize(
-                unet, self.held, cfg, n=s.feddeo_images_per_class,
-                use_descriptions=s.feddeo_use_descriptions, on_progress=progress("generating"),
+                unet, self.held, cfg, n=s.images_per_class,
+                use_descriptions=s.use_descriptions, on_progress=progress("generating"),
             )  # fmt: skip
         gen_s = time.perf_counter() - t0
         tests = domain_test_sets(cfg)
         by_n: dict[str, dict[str, float]] = {}
         model: nn.Module | None = None
         t1 = time.perf_counter()
-        sizes = sorted({*s.feddeo_eval_n, s.feddeo_images_per_class})
+        sizes = sorted({*s.eval_n, s.images_per_class})
         for k, n in enumerate(sizes):
             clf, _ = fit_classifier(synthetic.first(n), cfg, device=device)
             by_n[str(n)] = accuracy_by_domain(clf, tests)
             progress("training classifiers")(k + 1, len(sizes))
-            if n == s.feddeo_images_per_class:
+            if n == s.images_per_class:
                 model = clf
         assert model is not None
         train_s = time.perf_counter() - t1
-        if out_dir is not None and s.feddeo_grid_per_class:
+        if out_dir is not None and s.grid_per_class:
             self._grids(synthetic, out_dir / "synthetic")
-        final = by_n[str(s.feddeo_images_per_class)]
+        final = by_n[str(s.images_per_class)]
         report = {
             "accuracy": {k: v for k, v in final.items() if k != "mean"},
             "mean_accuracy": final["mean"],
@@ -439,12 +439,12 @@ class FedDEO(Algorithm):
             "synthetic_images": len(synthetic.labels),
             "synthetic_sha256": synthetic.sha256(),
             "described": {d: int(m.sum()) for d, (_, m) in sorted(self.held.items())},
-            "use_descriptions": s.feddeo_use_descriptions,
-            "w_t": s.feddeo_w_t,
-            "w_d": s.feddeo_w_d if s.feddeo_use_descriptions else 0.0,
-            "images_per_class": s.feddeo_images_per_class,
-            "sample_steps": s.feddeo_sample_steps,
-            "classifier": s.feddeo_classifier,
+            "use_descriptions": s.use_descriptions,
+            "w_t": s.w_t,
+            "w_d": s.w_d if s.use_descriptions else 0.0,
+            "images_per_class": s.images_per_class,
+            "sample_steps": s.sample_steps,
+            "classifier": s.classifier,
             "generate_s": round(gen_s, 1),
             "classifier_s": round(train_s, 1),
         }
@@ -453,11 +453,11 @@ class FedDEO(Algorithm):
         log.info("feddeo: %d synthetic images in %.0fs; classifier mean accuracy %.4f over %s",
                  len(synthetic.labels), gen_s, final["mean"], list(tests))  # fmt: skip
         state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return FinalResult(state_dict, s.feddeo_classifier, report)
+        return FinalResult(state_dict, s.classifier, report)
 
     def _grids(self, data: Synthetic, directory: Path) -> None:
-        """One PNG per device: ``feddeo_grid_per_class`` images of each class it described."""
-        per = self.settings.feddeo_grid_per_class
+        """One PNG per device: ``grid_per_class`` images of each class it described."""
+        per = self.settings.grid_per_class
         devices = np.array(data.devices)
         for dev in sorted(set(data.devices)):
             sel = np.flatnonzero((devices == dev) & (data.index.numpy() < per))

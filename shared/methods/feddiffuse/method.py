@@ -3,7 +3,7 @@
 
 The U-Net is cut into three parts by :func:`part_of`: the encoder ``theta_enc``, the
 bottleneck (latent bridge) ``theta_bot`` and the decoder ``theta_dec``, so that
-``theta = theta_enc ^ theta_bot ^ theta_dec``. Four variants (``algorithm.split``):
+``theta = theta_enc ^ theta_bot ^ theta_dec``. Four variants (``algorithm.feddiffuse.split``):
 
 - ``full``: FedAvg (Algorithm 3). Devices train and report the whole U-Net.
 - ``usplit``: devices receive and train the whole U-Net but report only the parts assigned
@@ -278,7 +278,7 @@ def _as_part_sizes(
 # -- the algorithm ---------------------------------------------------------------------------
 class FedDiffuse(Algorithm):
     """FEDDIFF (seed 001, Algorithm 3) with the USPLIT, ULATDEC and UDEC training methods of
-    its section 4, chosen by ``algorithm.split``.
+    its section 4, chosen by ``algorithm.feddiffuse.split``.
 
     Device: load the edge's state (only its federated parts after the first round when
     parts are local), minimize L_simple (eq. 8) over the whole U-Net for the configured

@@ -13,16 +13,13 @@ if TYPE_CHECKING:
 
 
 class FedPhDConfig(AlgorithmConfig):
-    """FedPhD (seed 000): SH-weighted aggregation (eqs. 22, 24), edge selection (eq. 25),
-    sparse training (eqs. 16-17) and structured pruning."""
+    """FedPhD (seed 000): SH-weighted aggregation (eqs. 22, 24), sparse training (eqs.
+    16-17) and structured pruning. The SH weights' ``a``, ``b`` and target are the
+    federation's (``federation.sh_a``, ``sh_b``, ``sh_target``), which edge selection (eq.
+    25) reads for every method."""
 
     digest_defaults = True
 
-    a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
-    b: float = Field(0.0, description="offset inside the ReLU of eqs. 22, 24, 25")
-    target_distribution: list[float] = Field(
-        default_factory=list, description="q_u over the 10 labels; empty = uniform"
-    )
     sparse_rounds: int = Field(0, ge=0, description="R_s: sparse training for rounds < R_s")
     lambda0: float = Field(1e-4, ge=0.0, description="lambda_0 of the group penalty")
     prune_ratio: float = Field(0.0, ge=0.0, lt=0.95, description="s_p: params removed")
@@ -33,11 +30,11 @@ class FedPhDConfig(AlgorithmConfig):
 
     @model_validator(mode="after")
     def _check(self) -> FedPhDConfig:
-        q = self.target_distribution
-        if q and (len(q) != 10 or any(x < 0 for x in q) or abs(sum(q) - 1.0) > 1e-6):
-            raise ValueError("target_distribution must be 10 non-negative numbers summing to 1")
         if self.prune_ratio > 0 and self.prune_at == "sparse" and self.sparse_rounds == 0:
-            raise ValueError("prune_at = 'sparse' prunes at r = R_s: set sparse_rounds >= 1")
+            raise ValueError(
+                "algorithm.fedphd.prune_at = 'sparse' prunes at r = R_s: set "
+                "algorithm.fedphd.sparse_rounds >= 1"
+            )
         return self
 
     @property
@@ -55,7 +52,7 @@ class FedPhDConfig(AlgorithmConfig):
         if self.prunes and self.prune_at != "init":
             raise ValueError(
                 "centralized training has no sparse rounds, so it prunes only before its first "
-                "step: set algorithm.prune_at = 'init' (and algorithm.sparse_rounds = 0)"
+                "step: set algorithm.fedphd.prune_at = 'init' (and sparse_rounds = 0)"
             )
 
     def check_waste(self, cfg: RunConfig) -> None:
@@ -64,19 +61,19 @@ class FedPhDConfig(AlgorithmConfig):
         rounds, r_g, r_s = cfg.run.rounds, cfg.federation.cloud_every, self.sparse_rounds
         if self.prune_at == "init" and r_s:
             raise ValueError(
-                f"algorithm.prune_at = 'init' (FedPhD-OS) prunes before the first round, so "
+                f"algorithm.fedphd.prune_at = 'init' (FedPhD-OS) prunes before the first round, so "
                 f"sparse_rounds (R_s={r_s}) would add the group penalty to the pruned "
                 "model and never prune again; set sparse_rounds = 0"
             )
         if self.prune_at == "sparse" and r_s % r_g:
             raise ValueError(
-                f"algorithm.sparse_rounds (R_s={r_s}) is not a multiple of "
+                f"algorithm.fedphd.sparse_rounds (R_s={r_s}) is not a multiple of "
                 f"federation.cloud_every (r_g={r_g}): the cloud prunes after a central "
                 f"aggregation, so rounds {r_s + 1}..{r_s - r_s % r_g + r_g} would train "
                 "the dense model without the penalty; use a multiple of r_g"
             )
         if self.prune_at == "sparse" and r_s >= rounds:
             raise ValueError(
-                f"algorithm.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
+                f"algorithm.fedphd.sparse_rounds (R_s={r_s}) must be below run.rounds ({rounds}): "
                 "the pruned model would never be trained (or never pruned)"
             )

@@ -5,7 +5,7 @@ The maths are pure functions over label counts (the SH score is
 :func:`~shared.federation.selection.sh_score`):
 
 * SH score (eqs. 18, 20): ``mu = 2 - ||q - q_u||_2`` with ``q`` the label distribution
-  (counts / n) and ``q_u`` the target (uniform unless ``algorithm.target_distribution``).
+  (counts / n) and ``q_u`` the target (uniform unless ``federation.sh_target``).
 * Edge weights on the cloud (eq. 22) and device weights on an edge (eq. 24):
   ``rho_i ∝ ReLU(n_i + a * mu_i + b)``. The cloud's ``n_e`` and ``q_e`` are the label counts
   the edge accumulated from the devices it served since the last cloud aggregation (eq. 19
@@ -279,7 +279,7 @@ class FedPhD(Algorithm):
     device_cache_keys = frozenset({PENALTY_KEY})
 
     def _target(self) -> list[float] | None:
-        return list(self.settings.target_distribution) or None
+        return list(self.cfg.federation.sh_target) or None
 
     # -- device ------------------------------------------------------------------------
     def device_round(
@@ -303,9 +303,9 @@ class FedPhD(Algorithm):
 
     # -- aggregation ---------------------------------------------------------------------
     def _aggregate(self, updates: Sequence[Update]) -> TensorDict:
-        algo = self.settings
+        fed = self.cfg.federation  # the SH weights' a, b (and target) are the federation's
         weights = sh_weights(
-            [(u.n_samples, u.label_counts) for u in updates], algo.a, algo.b, self._target()
+            [(u.n_samples, u.label_counts) for u in updates], fed.sh_a, fed.sh_b, self._target()
         )
         return weighted_average([u.tensors for u in updates], weights)
 

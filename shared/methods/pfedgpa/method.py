@@ -2,7 +2,7 @@
 personalized federated learning.
 
 Devices train a small classifier with cross-entropy (the paper's LocalUpdate, Alg. 1) and
-upload it. The cloud keeps every device's uploads of the last ``pfedgpa_store_rounds``
+upload it. The cloud keeps every device's uploads of the last ``store_rounds``
 rounds, trains a latent diffusion model over their flattened parameters (a p-diff
 autoencoder plus a latent DDPM, :mod:`shared.methods.pfedgpa.param_diffusion`) and sends each device
 its own parameters: its upload inverted through the diffusion model (eqs. 11-16), or, as
@@ -11,7 +11,7 @@ the sample-weighted average, so the store holds FedAvg-FT models, as the paper's
 rounds" implies (docs/algorithms.md lists what the lost appendix leaves open and how each
 open reading is a setting here).
 
-The layers the diffusion model generates are ``pfedgpa_layers`` (the whole model where a GPU
+The layers the diffusion model generates are ``layers`` (the whole model where a GPU
 trains the diffusion model, the last layer on a CPU); the rest of a device's parameters stay
 its own upload.
 """
@@ -60,7 +60,7 @@ STATE_DIR = "pfedgpa"
 MAX_STORE_BYTES = 2 << 30
 
 
-#: what ``pfedgpa_layers = ["auto"]`` generates on a CPU: the last layer
+#: what ``layers = ["auto"]`` generates on a CPU: the last layer
 CPU_LAYERS = ("fc2",)
 
 
@@ -77,7 +77,7 @@ def generated_names(preset: str, layers: Sequence[str], device: torch.device) ->
     if unknown or not chosen:
         modules = sorted({k.rsplit(".", 1)[0] for k in names})
         raise ConfigError(
-            f"algorithm.pfedgpa_layers: {sorted(unknown) or list(layers)} are not layers of "
+            f"algorithm.pfedgpa.layers: {sorted(unknown) or list(layers)} are not layers of "
             f"{preset!r}; choose among {modules}, or ['*'] for the whole model"
         )
     return chosen
@@ -106,9 +106,9 @@ class PFedGPA(Algorithm):
         self.state_view = self
         s = self.settings
         #: how :meth:`personalize` makes the devices' models (``PersonalModel.mode``)
-        self.personal_mode: Literal["inversion", "generation", "guidance"] = s.pfedgpa_mode
+        self.personal_mode: Literal["inversion", "generation", "guidance"] = s.mode
         self.names = generated_names(
-            cfg.model.preset, s.pfedgpa_layers, resolve_device(cfg.compute.device)
+            cfg.model.preset, s.layers, resolve_device(cfg.compute.device)
         )
         spec = state_spec(cfg.model.preset)
         self.shapes = [tuple(spec[k].shape) for k in self.names]
@@ -127,9 +127,9 @@ class PFedGPA(Algorithm):
         """The diffusion model's settings, from ``[algorithm]``."""
         s = self.settings
         return ParamDMConfig(
-            ae_size=s.pfedgpa_ae_size, denoiser_width=s.pfedgpa_denoiser_width,
-            ae_steps=s.pfedgpa_ae_steps, dm_steps=s.pfedgpa_dm_steps,
-            batch_size=s.pfedgpa_batch, lr=s.pfedgpa_lr, timesteps=s.pfedgpa_timesteps,
+            ae_size=s.ae_size, denoiser_width=s.denoiser_width,
+            ae_steps=s.ae_steps, dm_steps=s.dm_steps,
+            batch_size=s.batch, lr=s.lr, timesteps=s.timesteps,
         )  # fmt: skip
 
     # -- device -----------------------------------------------------------------------------
@@ -148,17 +148,17 @@ class PFedGPA(Algorithm):
 
     def diffusion_round(self, round_: int) -> bool:
         """Whether the cloud trains the diffusion model after ``round_`` (and personalizes
-        the next round): every ``pfedgpa_dm_every`` rounds, and always before the last."""
-        every = self.settings.pfedgpa_dm_every
+        the next round): every ``dm_every`` rounds, and always before the last."""
+        every = self.settings.dm_every
         before_last = round_ == self.cfg.run.rounds - 2
         return before_last or (every > 0 and (round_ + 1) % every == 0)
 
     def remember(self, round_: int, uploads: Mapping[str, TensorDict]) -> None:
         """Add round ``round_``'s uploads to the store; drop rounds older than
-        ``pfedgpa_store_rounds`` (and the oldest beyond :data:`MAX_STORE_BYTES`)."""
+        ``store_rounds`` (and the oldest beyond :data:`MAX_STORE_BYTES`)."""
         for device, tensors in sorted(uploads.items()):
             self.store[(round_, device)] = flatten_params(tensors, self.names)
-        oldest = round_ - self.settings.pfedgpa_store_rounds + 1
+        oldest = round_ - self.settings.store_rounds + 1
         for key in [k for k in self.store if k[0] < oldest]:
             del self.store[key]
         while len(self.store) > self.max_stored:
@@ -190,13 +190,13 @@ class PFedGPA(Algorithm):
         devices = sorted(uploads)
         own = torch.stack([flatten_params(uploads[d], self.names) for d in devices])
         gen = dm_seed(self.cfg.run.seed, round_, 2)
-        if self.settings.pfedgpa_mode == "inversion":
-            t0_depth = self.settings.pfedgpa_invert_from or None
+        if self.settings.mode == "inversion":
+            t0_depth = self.settings.invert_from or None
             made = invert(self.dm, own, gen, t0=t0_depth, device=device)
         else:
             made = generate(self.dm, len(devices), gen, device=device)
         log.info("pfedgpa: %s for %d devices after %.1fs (round %d)",
-                 self.settings.pfedgpa_mode, len(devices), time.perf_counter() - t0,
+                 self.settings.mode, len(devices), time.perf_counter() - t0,
                  round_ + 1)  # fmt: skip
         self.modes = dict.fromkeys(devices, self.personal_mode)
         return self._splice(uploads, dict(zip(devices, made, strict=True)))
@@ -215,15 +215,15 @@ class PFedGPA(Algorithm):
         previous: Mapping[str, torch.Tensor | None],
     ) -> Mapping[str, TensorDict] | None:  # fmt: skip
         """Global guidance (eq. 10) for the devices that joined within the last
-        ``pfedgpa_guide_rounds`` rounds, once a diffusion model exists: their last two
-        uploads steer a short denoising from ``pfedgpa_guide_from`` (our reading of Alg. 1's
+        ``guide_rounds`` rounds, once a diffusion model exists: their last two
+        uploads steer a short denoising from ``guide_from`` (our reading of Alg. 1's
         lost operators, docs/algorithms.md). None when no device is guided."""
         s = self.settings
-        if self.dm is None or not s.pfedgpa_guide_rounds:
+        if self.dm is None or not s.guide_rounds:
             return None
         new = [
             d for d in sorted(uploads)
-            if round_ - self.first_seen[d] < s.pfedgpa_guide_rounds and previous[d] is not None
+            if round_ - self.first_seen[d] < s.guide_rounds and previous[d] is not None
         ]  # fmt: skip
         if not new:
             return None
@@ -236,8 +236,8 @@ class PFedGPA(Algorithm):
                 continue
             made[d] = guide(
                 self.dm, prev, flatten_params(uploads[d], self.names), gen,
-                omega=s.pfedgpa_guide_omega, steps=s.pfedgpa_guide_steps,
-                start_t=s.pfedgpa_guide_from, device=device,
+                omega=s.guide_omega, steps=s.guide_steps,
+                start_t=s.guide_from, device=device,
             )  # fmt: skip
         self.modes = dict.fromkeys(made, "guidance")
         log.info("pfedgpa: guided %d new device(s) in round %d", len(made), round_ + 1)

@@ -22,43 +22,43 @@ class PrismConfig(AlgorithmConfig):
 
     model_kinds = ("unet", "oneshot")
 
-    prism_estimator: Literal["scaled", "identity"] = Field(
+    estimator: Literal["scaled", "identity"] = Field(
         "scaled",
         description="gradient through the Bernoulli draw: scaled = theta times the mask's "
         "gradient (the authors' code), identity = plain straight-through",
     )
-    prism_lr: float = Field(0.1, gt=0.0, le=10.0, description="Adam learning rate on scores")
-    prism_beta1: float = Field(0.5, ge=0.0, lt=1.0, description="Adam beta1 on scores")
-    prism_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam beta2 on scores")
-    prism_local_iters: int = Field(100, ge=1, le=1_000_000, description="local steps a round")
-    prism_mask_eps: float = Field(
+    lr: float = Field(0.1, gt=0.0, le=10.0, description="Adam learning rate on scores")
+    beta1: float = Field(0.5, ge=0.0, lt=1.0, description="Adam beta1 on scores")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam beta2 on scores")
+    local_iters: int = Field(100, ge=1, le=1_000_000, description="local steps a round")
+    mask_eps: float = Field(
         0.01, gt=0.0, lt=0.5, description="the cloud maps mean masks into [eps, 1 - eps]"
     )
-    prism_mada: bool = Field(True, description="MADA (eq. 2, Alg. 1); false = PRISM-dagger")
-    prism_mada_space: Literal["score", "prob"] = Field(
+    mada: bool = Field(True, description="MADA (eq. 2, Alg. 1); false = PRISM-dagger")
+    mada_space: Literal["score", "prob"] = Field(
         "score", description="mix scores (Alg. 1, the authors' code) or probabilities (eq. 2)"
     )
-    prism_mada_distance: Literal["hamming", "cosine"] = Field(
+    mada_distance: Literal["hamming", "cosine"] = Field(
         "hamming", description="lambda between two seeded Bernoulli samples (App. L: cosine)"
     )
-    prism_alpha: float = Field(
+    alpha: float = Field(
         0.0, ge=0.0, le=100.0,
         description="PRISM*: the last alpha % of the masked layers in depth order (output "
         "side) upload their probabilities as float32 instead of masks; 0 = PRISM",
     )  # fmt: skip
-    prism_weighting: Literal["masks", "samples"] = Field(
+    weighting: Literal["masks", "samples"] = Field(
         "masks", description="average masks one per device (eq. 2) or by sample counts"
     )
-    prism_dp_noise: float = Field(
+    dp_noise: float = Field(
         0.0, ge=0.0, le=1e6,
         description="Gaussian noise multiplier z on theta (sigma = z x the L2 sensitivity); "
         "0 = no differential privacy",
     )  # fmt: skip
-    prism_dp_epsilon: float = Field(
+    dp_epsilon: float = Field(
         10.0, gt=0.0, le=1e6, description="privacy budget: the run stops before exceeding it"
     )
-    prism_dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="delta of (eps, delta)-DP")
-    prism_dp_clip: float = Field(
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="delta of (eps, delta)-DP")
+    dp_clip: float = Field(
         0.1, ge=0.0, lt=0.5, description="c: theta is clipped to [c, 1 - c] around the noise"
     )
 

@@ -11,7 +11,7 @@ and send is a probability per masked weight:
 - **device upload**: ``prism.mask``, one bit per masked weight (the tensors in sorted name
   order, each flattened in C order) packed little bit order into one uint8 vector
   (:func:`~shared.wire.codec.pack_bits`); a padding bit set is rejected as bad input.
-  PRISM* (``prism_alpha``): the last alpha % of the layers in depth order
+  PRISM* (``alpha``): the last alpha % of the layers in depth order
   (:func:`~shared.methods.prism.masking.output_side`) send ``prism.prob/<weight>`` (float32
   probabilities) instead, and the mask holds the rest.
 
@@ -26,14 +26,14 @@ the fraction of differing bits; or one minus their cosine), and the new state is
 ``lambda * new + (1 - lambda) * previous`` in score space (Alg. 1, the default) or
 probability space (eq. 2). PRISM-dagger is MADA off.
 
-Differential privacy (``prism_dp_noise > 0``): each device clips ``theta`` to
+Differential privacy (``dp_noise > 0``): each device clips ``theta`` to
 ``[c, 1 - c]``, adds ``N(0, sigma^2)`` per weight with ``sigma = z * Delta`` and
 ``Delta = (1 - 2c) sqrt(D)`` (the L2 sensitivity of the clipped vector of ``D`` masked
 weights: any change of the device's data moves each coordinate by at most ``1 - 2c``),
 clips again and samples its mask from the result. One round is one Gaussian mechanism per
 device; the privacy loss of ``T`` rounds is Opacus's RDP accountant at sampling rate 1
 (no amplification is claimed). The cloud ends the run before a round would exceed
-``prism_dp_epsilon``, and a device refuses to release past it whatever the cloud says.
+``dp_epsilon``, and a device refuses to release past it whatever the cloud says.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class Prism(Algorithm):
 
     def _prob_layers(self) -> frozenset[str]:
         """PRISM*'s output-side layers (empty for PRISM)."""
-        alpha = self.settings.prism_alpha
+        alpha = self.settings.alpha
         return output_side(self.cfg.model.preset, alpha) if alpha > 0 else frozenset()
 
     def upload_spec(self, global_spec: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
@@ -295,29 +295,29 @@ class Prism(Algorithm):
         if self.last_lambda is not None:
             out["mada_lambda"] = round(self.last_lambda, 6)
         st = self.settings
-        if st.prism_dp_noise > 0:
-            spent = dp_epsilon(st.prism_dp_noise, round_ + 1, st.prism_dp_delta)
+        if st.dp_noise > 0:
+            spent = dp_epsilon(st.dp_noise, round_ + 1, st.dp_delta)
             out["dp_epsilon"] = round(spent, 6)
         return out
 
     def round_limit(self, rounds: int) -> int:
         st = self.settings
-        if st.prism_dp_noise <= 0:
+        if st.dp_noise <= 0:
             return rounds
-        allowed = dp_rounds(st.prism_dp_noise, st.prism_dp_epsilon, st.prism_dp_delta, rounds)
+        allowed = dp_rounds(st.dp_noise, st.dp_epsilon, st.dp_delta, rounds)
         if allowed == 0:
-            one = dp_epsilon(st.prism_dp_noise, 1, st.prism_dp_delta)
+            one = dp_epsilon(st.dp_noise, 1, st.dp_delta)
             raise ConfigError(
-                f"the privacy budget epsilon = {st.prism_dp_epsilon:g} does not cover one "
-                f"round: one release at noise multiplier {st.prism_dp_noise:g} costs "
-                f"epsilon = {one:.4g} (delta = {st.prism_dp_delta:g}); raise "
-                "algorithm.prism_dp_noise or algorithm.prism_dp_epsilon"
+                f"the privacy budget epsilon = {st.dp_epsilon:g} does not cover one "
+                f"round: one release at noise multiplier {st.dp_noise:g} costs "
+                f"epsilon = {one:.4g} (delta = {st.dp_delta:g}); raise "
+                "algorithm.prism.dp_noise or algorithm.prism.dp_epsilon"
             )
         if allowed < rounds:
             log.warning(
                 "the privacy budget epsilon = %g (delta = %g, noise multiplier %g) allows %d "
                 "of the %d rounds; the run stops there",
-                st.prism_dp_epsilon, st.prism_dp_delta, st.prism_dp_noise, allowed, rounds,
+                st.dp_epsilon, st.dp_delta, st.dp_noise, allowed, rounds,
             )  # fmt: skip
         return allowed
 
@@ -354,7 +354,7 @@ class Prism(Algorithm):
         started. Returns the optimizer and the entry it started from."""
         st = self.settings
         opt = torch.optim.Adam(
-            list(net.scores), lr=st.prism_lr, betas=(st.prism_beta1, st.prism_beta2)
+            list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2)
         )
         shapes = tuple(tuple(p.shape) for p in net.scores)
         kept = ctx.state.get(ADAM)
@@ -369,17 +369,17 @@ class Prism(Algorithm):
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
         st = self.settings
-        dp = st.prism_dp_noise > 0
+        dp = st.dp_noise > 0
         released = int(ctx.state.get(RELEASES, 0))
         if (
             dp
             and upload
-            and dp_epsilon(st.prism_dp_noise, released + 1, st.prism_dp_delta)
-            > (st.prism_dp_epsilon)
+            and dp_epsilon(st.dp_noise, released + 1, st.dp_delta)
+            > (st.dp_epsilon)
         ):
             log.warning(
                 "%s: one more release would exceed the privacy budget epsilon = %g: "
-                "nothing trained or uploaded", ctx.device, st.prism_dp_epsilon,
+                "nothing trained or uploaded", ctx.device, st.dp_epsilon,
             )  # fmt: skip
             return LocalResult(None, TrainResult(0.0, 0, 0.0))
         theta = ctx.state.get(LOADED)
@@ -388,9 +388,9 @@ class Prism(Algorithm):
         frozen = self._frozen(
             ctx, {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         )
-        scores = {n: logit(theta[n], st.prism_mask_eps) for n in frozen}
+        scores = {n: logit(theta[n], st.mask_eps) for n in frozen}
         seed = int(torch.randint(0, 2**62, (), generator=ctx.generator))
-        net = MaskedModule(model, frozen, scores, estimator=st.prism_estimator, seed=seed)
+        net = MaskedModule(model, frozen, scores, estimator=st.estimator, seed=seed)
         train_cfg = self.cfg.train.model_copy(update={"grad_clip": 0.0})
         device = self.training_device
         match = self.objective(ctx, model, device)  # one-shot: feature matching, eq. 1
@@ -400,7 +400,7 @@ class Prism(Algorithm):
             opt, started = self._optimizer(ctx, net, round_)
             result = train_local(
                 net, ctx.data, train_cfg, self.scheduler, ctx.generator,
-                steps=st.prism_local_iters, device=device, optimizer=opt,
+                steps=st.local_iters, device=device, optimizer=opt,
                 loss_fn=match or ddpm_loss,  # an explicit loss keeps the step eager
             )  # fmt: skip
         if match is not None:
@@ -417,7 +417,7 @@ class Prism(Algorithm):
             return LocalResult(None, result)
         probs = net.probabilities()
         if dp:
-            probs = privatize(probs, noise=st.prism_dp_noise, clip=st.prism_dp_clip,
+            probs = privatize(probs, noise=st.dp_noise, clip=st.dp_clip,
                               generator=ctx.generator)  # fmt: skip
             ctx.state[RELEASES] = released + 1
         sent_as_probs = self._prob_layers()
@@ -433,7 +433,7 @@ class Prism(Algorithm):
     # -- edge and cloud -----------------------------------------------------------------------
     def edge_aggregate(self, updates: Sequence[Update], current: TensorDict) -> TensorDict:
         """Weighted mean of the devices' masks; ``prism.masks`` their total weight."""
-        by_samples = self.settings.prism_weighting == "samples"
+        by_samples = self.settings.weighting == "samples"
         weights = [float(u.n_samples) if by_samples else 1.0 for u in updates]
         total = sum(weights)
         sent_as_probs = self._prob_layers()
@@ -466,7 +466,7 @@ class Prism(Algorithm):
         if sum(counts) <= 0:
             counts = [1.0] * len(updates)
         total = sum(counts)
-        eps = st.prism_mask_eps
+        eps = st.mask_eps
         agg = {}
         for key in current:
             if key.startswith(THETA):
@@ -476,12 +476,12 @@ class Prism(Algorithm):
                 agg[key] = (eps + (1.0 - 2.0 * eps) * mean / total).float()
         step = int(current[STEP])
         out: TensorDict = {}
-        if st.prism_mada:
+        if st.mada:
             lam = self._mada_lambda(current, agg, step)
             self.last_lambda = lam
             for key, new in agg.items():
                 old = current[key].float()
-                if st.prism_mada_space == "score":
+                if st.mada_space == "score":
                     mixed = lam * logit(new, eps) + (1.0 - lam) * logit(old, 1e-6)
                     out[key] = torch.sigmoid(mixed)
                 else:
@@ -501,4 +501,4 @@ class Prism(Algorithm):
             v = torch.from_numpy(rng.random(new[key].numel(), dtype=np.float32))
             a[key] = (u < old[key].reshape(-1)).float()
             b[key] = (v < new[key].reshape(-1)).float()
-        return mask_distance(a, b, self.settings.prism_mada_distance)
+        return mask_distance(a, b, self.settings.mada_distance)
