@@ -13,7 +13,8 @@ import torch
 
 from estuary.cli import main
 from estuary.compare import Method, load_compare, parse_compare, run_compare
-from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _curves, _quality, markdown
+from estuary.compare.plots import _curves
+from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _quality, markdown
 from shared.errors import ConfigError
 from shared.methods.fedphd.config import FedPhDConfig
 from shared.metrics.accounting import Distances

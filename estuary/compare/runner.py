@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from estuary.compare.jobs import run_jobs
+from estuary.compare.plots import write_plots
 from estuary.compare.record import NO_RECORD, RECORD, fingerprint, load_record, save_record
 from estuary.compare.spec import (
     CompareResult,
@@ -24,7 +25,7 @@ from estuary.compare.spec import (
     device_sizes,
     steps_per_round,
 )
-from estuary.compare.tables import summarize, write_plots, write_tables
+from estuary.compare.tables import summarize, write_tables
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.data.datasets import ImageDataset, to_model_input
