@@ -7,8 +7,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from shared import seeds
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES
 from shared.errors import ConfigError
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 def sample_participants(devices: list[str], kappa: float, seed: int, round_: int) -> list[str]:
     """ceil(kappa * N) devices drawn without replacement by a per-round seeded RNG
     (derived from (seed, round) so a resumed run draws the same devices)."""
-    rng = np.random.default_rng([seed, round_, 0xC10D])
+    rng = seeds.rng("participants", seed, round=round_)
     k = max(1, math.ceil(kappa * len(devices) - 1e-9))
     chosen = rng.choice(len(devices), size=min(k, len(devices)), replace=False)
     return sorted(devices[i] for i in chosen)

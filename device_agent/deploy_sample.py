@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
 from device_agent.served import Admitted, Fetched, Served
+from shared import seeds
 from shared.atomic import atomic_write
 from shared.config import DeploySection
 from shared.deploy.onnx_classifier import (
@@ -43,8 +42,7 @@ def grid_seed(seed: int, device: str) -> int:
     """The seed of the grid a device samples when a deployment arrives: from the run's seed
     and the device's name, so that each device draws its own images (one seed for all draws
     the same grid on every device running the same model)."""
-    name = int.from_bytes(hashlib.sha256(device.encode()).digest()[:8], "big")
-    return int(np.random.SeedSequence([seed, name, 0x6121D]).generate_state(1)[0])
+    return seeds.integer("device.grid", seed, device=seeds.name_key(device))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from device_agent.state import DeviceState, read_state, save_state, set_aside, state_path
+from shared import seeds
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, StateError
@@ -60,7 +61,7 @@ MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
     """Per-device, per-round seed for the device's torch.Generator."""
-    return int(np.random.SeedSequence([seed, index, round_, 0xDE71CE]).generate_state(1)[0])
+    return seeds.integer("device.round", seed, device=index, round=round_)
 
 
 class DeviceAgent(RoleService):

@@ -38,7 +38,7 @@ ROLES = ("cloud", "edge_node", "device_agent")
 #: shared's floors, lowest first: a module imports only from its own floor and lower ones
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings",
-     "shared.families"),
+     "shared.families", "shared.seeds"),
     ("shared.config", "shared.methods.registry"),
     ("shared.wire",),
     ("shared.transport",),

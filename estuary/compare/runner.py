@@ -26,6 +26,7 @@ from estuary.compare.spec import (
     steps_per_round,
 )
 from estuary.compare.tables import summarize, write_tables
+from shared import seeds
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.data.datasets import ImageDataset, to_model_input
@@ -145,7 +146,7 @@ def _first_model(cfg: RunConfig) -> tuple[nn.Module, ChannelPlan | None]:
 
 def _centralized_seed(cfg: RunConfig) -> int:
     """The seed of a centralized run's batch (and noise) draws."""
-    return int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
+    return seeds.integer("centralized", cfg.run.seed)
 
 
 def _write_rows(rows: list[dict[str, Any]], run_dir: Path, cfg: RunConfig) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from shared import seeds
 from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
@@ -79,7 +80,7 @@ def sample_images(
     (``steps`` unused), in eval mode."""
     refuse_classifier(model, "sampling")
     gen = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
+        seeds.integer("eval.samples", cfg.run.seed, salt=salt)
     )
     if is_oneshot(model):
         return oneshot_sample(model, n, gen, device=device)
@@ -167,7 +168,7 @@ def reference_indices(size: int, n: int) -> np.ndarray:
     """Which ``n`` of ``size`` real images :func:`reference_images` takes (sorted; all of them,
     in order, when ``n >= size``)."""
     count = min(size, n)
-    return np.sort(np.random.default_rng([0xF1D, size]).choice(size, count, replace=False))
+    return np.sort(seeds.rng("eval.reference", None, size=size).choice(size, count, replace=False))
 
 
 class Evaluator:

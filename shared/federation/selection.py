@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shared import seeds
+
 if TYPE_CHECKING:
     from shared.config import RunConfig
 
@@ -80,7 +82,7 @@ def choose_edge(
 
 def selection_rng(seed: int, device_index: int, round_: int) -> np.random.Generator:
     """The device's own RNG for its edge choice in ``round_``."""
-    return np.random.default_rng([seed, device_index, round_, 0x5E1EC7])
+    return seeds.rng("edge.select", seed, device=device_index, round=round_)
 
 
 def selection_settings(cfg: RunConfig) -> tuple[float, float, list[float] | None]:

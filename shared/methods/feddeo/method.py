@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared import seeds
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
@@ -88,7 +89,7 @@ def slot(prefix: str, device: str) -> str:
 def image_seed(seed: int, device: int, cls: int, i: int) -> int:
     """The seed of synthetic image ``i`` of (device, class): independent of N and of the
     order of generation, so the first n images of N are the draw of n."""
-    return int(np.random.SeedSequence([seed, device, cls, i, 0xDE0]).generate_state(1)[0])
+    return seeds.integer("feddeo.image", seed, device=device, cls=cls, image=i)
 
 
 def start_noise(seeds: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
@@ -243,7 +244,7 @@ def fit_classifier(
                 "weight_decay": 5e-4, "batch_size": s.clf_batch,
                 "local_epochs": s.clf_epochs, "local_steps": 0, "grad_clip": 0.0}
     )  # fmt: skip
-    gen = torch.Generator().manual_seed(cfg.run.seed + 0xC1F)
+    gen = torch.Generator().manual_seed(seeds.integer("feddeo.classifier", cfg.run.seed))
     loss, _, _ = train_classifier(model, data.images, data.labels, train, gen, device=device)
     return model.eval(), loss
 

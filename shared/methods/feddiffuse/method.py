@@ -26,7 +26,6 @@ upload, and download from the cloud, only the federated parts too.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shared import seeds
 from shared.config import RunConfig
 from shared.errors import ConfigError, EstuaryError
 from shared.methods.aggregation import weighted_average
@@ -86,7 +86,6 @@ _PART_OF_ROOT: dict[str, Part] = {
     "conv_out": "decoder",
 }
 
-_USPLIT_TAG = 0xFEDD1FF  # separates the pairing RNG stream from every other seeded stream
 
 
 def part_of(name: str) -> Part:
@@ -117,8 +116,7 @@ def part_sizes(spec: Mapping[str, TensorSpec] | Mapping[str, torch.Tensor]) -> d
 # -- USPLIT task assignment ----------------------------------------------------------------
 def usplit_rng(seed: int, round_: int, edge: str) -> np.random.Generator:
     """The pairing RNG of ``edge`` in ``round_``; every device of the edge derives the same."""
-    edge_key = int.from_bytes(hashlib.sha256(edge.encode()).digest()[:8], "big")
-    return np.random.default_rng(np.random.SeedSequence([seed, round_, edge_key, _USPLIT_TAG]))
+    return seeds.rng("feddiffuse.usplit", seed, round=round_, edge=seeds.name_key(edge))
 
 
 def usplit_groups(

@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
+from shared import seeds
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.diffusion.training import resolve_device
@@ -85,8 +85,7 @@ def generated_names(preset: str, layers: Sequence[str], device: torch.device) ->
 
 def dm_seed(seed: int, round_: int, salt: int) -> torch.Generator:
     """A generator of the diffusion step of ``round_`` (``salt`` tells its uses apart)."""
-    state = np.random.SeedSequence([seed, round_, 0x9FED, salt]).generate_state(1)[0]
-    return torch.Generator().manual_seed(int(state))
+    return torch.Generator().manual_seed(seeds.integer("pfedgpa.dm", seed, round=round_, use=salt))
 
 
 class PFedGPA(Algorithm):

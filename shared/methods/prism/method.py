@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shared import seeds
 from shared.config import RunConfig
 from shared.diffusion.schedule import ddpm_loss
 from shared.diffusion.training import TrainResult, placed, train_local
@@ -494,7 +495,7 @@ class Prism(Algorithm):
 
     def _mada_lambda(self, old: TensorDict, new: TensorDict, step: int) -> float:
         """Distance between a seeded Bernoulli sample of ``old`` and one of ``new``."""
-        rng = np.random.default_rng([self.cfg.run.seed, step, 0x4D414441])  # "MADA"
+        rng = seeds.rng("prism.mada", self.cfg.run.seed, step=step)
         a, b = {}, {}
         for key in sorted(new):  # a resumed state comes back in sorted order
             u = torch.from_numpy(rng.random(new[key].numel(), dtype=np.float32))
