@@ -162,6 +162,14 @@ def test_unknown_override_key_is_named() -> None:
             },
             "prunes only before its first step",
         ),
+        (
+            {
+                "label": "A",
+                "centralized": True,
+                "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.prune_at": "init"},
+            },
+            "a pruned centralized ceiling names fedphd",
+        ),
     ],
 )
 def test_bad_methods_rejected(method: dict[str, Any], match: str) -> None:

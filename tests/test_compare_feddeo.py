@@ -126,11 +126,13 @@ def test_a_reused_record_keeps_the_final_figures(compared: Path) -> None:
 def test_a_centralized_classifier_takes_no_weight_average_or_pruning() -> None:
     raw = tomllib.loads(QUICK.read_text())
     ceiling = next(e for e in raw["method"] if e["label"] == "Ceiling")
-    for extra in ({"ema": 0.9}, {"overrides": {"algorithm.prune_ratio": 0.4,
-                                               "algorithm.prune_at": "init"}}):  # fmt: skip
+    pruned = {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.4,
+              "algorithm.fedphd.prune_at": "init"}  # fmt: skip
+    for extra, match in (({"ema": 0.9}, "centralized classifier"),
+                         ({"overrides": pruned}, "trains U-Nets")):  # fmt: skip
         ceiling_bad = {**ceiling, **extra}
         bad = {**raw, "method": [m if m is not ceiling else ceiling_bad for m in raw["method"]]}
-        with pytest.raises(ConfigError, match="centralized classifier"):
+        with pytest.raises(ConfigError, match=match):
             parse_compare(bad, QUICK)
 
 

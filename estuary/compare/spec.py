@@ -191,6 +191,13 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
             f"{path}: method {label!r}: a centralized classifier (cross-entropy on the pooled "
             "data) takes no 'ema' and no pruning"
         )
+    flat_ratio = data.get("algorithm", {}).get("prune_ratio", 0)  # format 1's flat key
+    if centralized and not settings.prunes and isinstance(flat_ratio, (int, float)) and flat_ratio:
+        raise ConfigError(
+            f"{path}: method {label!r}: algorithm.prune_ratio is FedPhD's setting "
+            "(algorithm.fedphd.prune_ratio): a pruned centralized ceiling names fedphd "
+            "(\"algorithm.name\" = \"fedphd\")"
+        )
     if centralized:
         try:
             settings.check_centralized()

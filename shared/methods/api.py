@@ -2,27 +2,15 @@
 of a federated method.
 
 Services own the rounds and the wire; a method owns its maths. The registry
-(:mod:`shared.methods.registry`) builds the method a run config names; the roles then read
-what it declares and call the parts it has, never asking which method it is:
-
-- :attr:`Method.traffic`, a :class:`Traffic` value: what travels up and down, what the cloud
-  sees, what a device keeps and what the run's product is;
-- :attr:`Method.format` (:class:`StateFormat`): the names and shapes of the global state and
-  of an upload, and the model a state stands for;
-- :attr:`Method.device` (:class:`DeviceStep`): a device's round;
-- :attr:`Method.aggregation` (:class:`Aggregation`): the edges' and the cloud's folds, and
-  the cloud's step after an aggregation;
-- optional capabilities, None where the method has none: :attr:`Method.personalization`
-  (each device's own model from the cloud), :attr:`Method.finalizer` (the cloud makes the
-  product after the last round), :attr:`Method.state_view` (what a checkpoint keeps besides
-  the state, and what the state derives from) and :attr:`Method.preparation` (what a run
-  needs before it starts, such as a key).
+(:mod:`shared.methods.registry`) builds the method a run config names; the roles read what it
+declares (:attr:`Method.traffic`, a :class:`Traffic` value) and call the parts it has
+(:attr:`Method.format`, :attr:`Method.device`, :attr:`Method.aggregation`, and the optional
+capabilities, None where it has none), never asking which method it is.
 
 What travels is a *state*: the model's tensors plus whatever the method keeps beside them
 (SCAFFOLD's server control variate), or tensors that stand for the model (PRISM's
 probabilities); every role derives its names and shapes from the model's spec
-(:meth:`StateFormat.global_spec`), so validation needs no trust in the sender. The method's
-settings declare its :class:`Traffic` (torch-free, :mod:`shared.settings`).
+(:meth:`StateFormat.global_spec`), so validation needs no trust in the sender.
 """
 
 from __future__ import annotations
