@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.atomic import atomic_write
-from shared.config import model_kind
 from shared.deploy.signing import (
     MODEL_BLOB_KIND,
     SHARED_BLOB_KIND,
@@ -33,15 +32,16 @@ from shared.deploy.signing import (
     version_of,
 )
 from shared.errors import EstuaryError, ExportError
+from shared.families import family_of
 from shared.runtime.service import RoleService
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
 if TYPE_CHECKING:  # torch, which `estuary deploy` does not need to import
     import torch
 
-    from shared.algorithms.base import FinalResult
     from shared.config import RunConfig
     from shared.deploy.classifier_export import ClassifierExport
+    from shared.methods.api import FinalResult
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def export_final_classifier(
     source: str,
 ) -> ClassifierExport:
     """Export a one-shot run's product, the classifier ``final`` (state and preset, from
-    :meth:`~shared.algorithms.base.Algorithm.finalize`), into ``out_dir`` for deployment:
+    :meth:`~shared.methods.api.Finalizer.finalize`), into ``out_dir`` for deployment:
     the parity-gated ONNX export (:func:`parity_batch`'s images, ``deploy.parity_threshold``
     on the logits, every argmax the same), a card naming the source run and carrying the
     final report (:func:`report_for_card`), and a manifest signed with ``signing_key``
@@ -277,8 +277,9 @@ def deploy_when_trained(
     final generator once training ends, then wait (``deploy.wait_s`` at most) for every
     registered online device to sample from it or refuse it before declaring the run done.
 
-    A one-shot algorithm (``cloud.algorithm.one_shot``: FedDEO) deploys the classifier its
-    final step made (``cloud.final``, :func:`export_final_classifier`) instead, through the
+    A method whose cloud makes the product (a finalizer, ``traffic.product = "cloud_made"``:
+    FedDEO) deploys the classifier its final step made (``cloud.final``,
+    :func:`export_final_classifier`) instead, through the
     same signed path; the devices classify their own test split with it and report
     (``classified``, with their accuracy, or ``refused``).
 
@@ -288,7 +289,7 @@ def deploy_when_trained(
     cfg = cloud.cfg
     if not cfg.deploy.enabled:
         return
-    if model_kind(cfg.model.preset) == "classifier":
+    if family_of(cfg.model.preset).served_by == "devices":
         collect_own_classifiers(cloud, run_dir)
         return
     if not cfg.deploy.signing_key:
@@ -351,7 +352,7 @@ def deploy_when_trained(
 
     def on_trained() -> None:
         try:
-            if cloud.algorithm.one_shot:
+            if cloud.algorithm.finalizer is not None:
                 export_classifier()
             else:
                 export_generator()

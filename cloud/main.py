@@ -19,13 +19,14 @@ from pathlib import Path
 
 from cloud.deploy import deploy_when_trained
 from cloud.service import CloudServer, RoundSummary, check_round_start_fits
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.diffusion.training import set_deterministic
 from shared.errors import CodecError, ConfigError, EstuaryError
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir
 from shared.evaluation.report import headline, last_quality, plot_report
+from shared.methods.api import origin_of
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.init import init_fingerprint, initial_model
 from shared.models.plan import ChannelPlan, model_spec, plan_doc
@@ -104,7 +105,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
                 "record what the run started from; use the old model.init, another --out, "
                 "or --fresh"
             )
-        origin = make_algorithm(cfg).origin()
+        origin = origin_of(make_algorithm(cfg))
         now = now if origin is None else f"{now}+{origin}"
         if ckpt.init != now:
             raise EstuaryError(
@@ -115,13 +116,13 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> ResumePoint | None:
     # the state is the algorithm's (the model's tensors and its extras, or what stands for
     # the model): what the edges will check every download against
     algorithm = make_algorithm(cfg)
-    origin = algorithm.origin()
+    origin = origin_of(algorithm)
     if origin is not None and not (ckpt.init or "").endswith(f"+{origin}"):
         raise EstuaryError(
             f"{path} was not trained from {origin} (it records {ckpt.init!r}): resuming "
             "would mix two runs; use the run's own key, another --out or --fresh"
         )
-    spec = algorithm.global_spec(model_spec(cfg.model.preset, ckpt.plan))
+    spec = algorithm.format.global_spec(model_spec(cfg.model.preset, ckpt.plan))
     try:
         check_spec(ckpt.model, spec)
     except CodecError as err:
@@ -139,7 +140,7 @@ def fresh_start(cfg: RunConfig) -> ResumePoint:
     model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
     if init_fingerprint(cfg.model.preset, cfg.model.init) != before:
         raise ConfigError(f"model.init {cfg.model.init} changed while it was read; start again")
-    origin = make_algorithm(cfg).origin()  # recorded beside model.init in every checkpoint
+    origin = origin_of(make_algorithm(cfg))  # recorded beside model.init in every checkpoint
     init = f"{before}+{origin}" if origin is not None else before
     return ResumePoint(dict(model.state_dict()), None, 0, init)
 
@@ -219,10 +220,11 @@ def _serve(
         on_round_end=on_round_end,
         init=start.init,
     )
-    if resumed:
-        cloud.algorithm.load_cloud_state(run_dir / "checkpoints", start_round - 1)
+    view = cloud.algorithm.state_view
+    if resumed and view is not None:
+        view.load_cloud_state(run_dir / "checkpoints", start_round - 1)
     recorder.model_fn = cloud.global_module
-    if recorder.evaluator is not None and cloud.algorithm.local_parts:
+    if recorder.evaluator is not None and cloud.algorithm.traffic.device_keeps == "local_parts":
         log.warning(
             "%s keeps model parts on the devices: the FID logged here is the global model's, "
             "with those parts at their initialization; the client-level FID the paper "

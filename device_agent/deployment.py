@@ -49,29 +49,32 @@ numpy, pillow, paho-mqtt and prometheus-client alone, classifiers included.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import re
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
-from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
-from shared.atomic import atomic_write
+from device_agent.deploy_classify import (
+    CLASSIFIED_FILE,
+    CLASSIFY_FALLBACK_IMAGES,
+    IMAGE_FOLDER,
+    NO_IMAGES,
+    TEST_SPLIT,
+    TRAINING_IMAGES,
+    ClassifyTask,
+    LocalImages,
+    local_images,
+)
+from device_agent.deploy_sample import Personalize, PersonalModel, SampleTask, grid_seed
+from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE
+from device_agent.served import Admitted, Fetched, Served
 from shared.config import RunConfig
 from shared.deploy.onnx_classifier import (
-    CARD_FILE,
     ClassifyResult,
-    OnnxClassifier,
-    read_image_folder,
 )
-from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
+from shared.deploy.onnx_sampler import SampleStats
 from shared.deploy.signing import (
     CLASSIFY_TASK,
     MODEL_BLOB_KIND,
@@ -86,7 +89,6 @@ from shared.deploy.signing import (
     task_of,
     verify_manifest,
     version_of,
-    write_signed,
 )
 from shared.errors import (
     CodecError,
@@ -106,9 +108,26 @@ from shared.wire.messages import (
     home_of,
 )
 
-log = logging.getLogger(__name__)
+__all__ = [  # each task's handler is its module's; their names are read here too
+    "CLASSIFIED_FILE",
+    "CLASSIFY_FALLBACK_IMAGES",
+    "DEPLOY_SOURCE",
+    "IMAGE_FOLDER",
+    "NO_IMAGES",
+    "TEST_SPLIT",
+    "TRAINING_IMAGES",
+    "DeploymentReceiver",
+    "LocalImages",
+    "PersonalModel",
+    "Personalize",
+    "SamplingAgent",
+    "Served",
+    "device_out_dir",
+    "grid_seed",
+    "local_images",
+]
 
-_SAFE = re.compile(r"[^A-Za-z0-9_-]")
+log = logging.getLogger(__name__)
 
 #: where a device fetches a deployment's files: the subtree of the cloud, which publishes
 #: deployments (the ``src`` of a blob reference is not covered by the signature)
@@ -121,141 +140,6 @@ FIRST_JOIN_S = 0.1
 JOIN_S = 0.02
 #: deployments that may wait while another one is fetched (beyond: the oldest is refused)
 MAX_WAITING = 4
-#: training images a deployed classifier classifies on a device without a test split (the
-#: first ones), and the images read from a sampling-only device's folder
-CLASSIFY_FALLBACK_IMAGES = 256
-#: which of its images a device classified with a deployed classifier (the report's
-#: ``request_id``)
-TEST_SPLIT = "own-test-split"
-TRAINING_IMAGES = "own-training-images"
-IMAGE_FOLDER = "own-image-folder"
-NO_IMAGES = "no-images"
-#: the figures of the last classification, beside the deployed classifier
-CLASSIFIED_FILE = "classified.json"
-
-
-def grid_seed(seed: int, device: str) -> int:
-    """The seed of the grid a device samples when a deployment arrives: from the run's seed
-    and the device's name, so that each device draws its own images (one seed for all draws
-    the same grid on every device running the same model)."""
-    name = int.from_bytes(hashlib.sha256(device.encode()).digest()[:8], "big")
-    return int(np.random.SeedSequence([seed, name, 0x6121D]).generate_state(1)[0])
-
-
-@dataclass(frozen=True)
-class PersonalModel:
-    """A device's own generator: ONNX bytes and the parity check they passed."""
-
-    onnx: bytes
-    parity: dict[str, Any]
-
-
-class Personalize(Protocol):
-    """Builds the device's own model (:class:`device_agent.personalize.Personalizer`)."""
-
-    def holds_local_parts(self) -> bool:
-        """Whether the device holds local parts (else the global model is its model)."""
-
-    def __call__(self, shared: bytes, card: dict[str, Any]) -> PersonalModel:
-        """The own model from a deployment's verified shared tensors and its card; raises
-        :class:`PersonalizeError` when it cannot be built or fails parity."""
-
-
-@dataclass
-class Served:
-    """The model in service: the deployment ``sha256``, and ``personal`` (the sha256 of the
-    device's own ONNX model) when the generator is the device's own; ``version``: the
-    deployment's version (None: not known). A generator deployment has its ``generator``; a
-    classifier deployment (task ``"classify"``) its ``classifier`` and no generator."""
-
-    sha256: str
-    generator: OnnxGenerator | None
-    manifest: dict[str, Any]
-    path: Path
-    personal: str | None = None
-    version: DeploymentVersion | None = None
-    classifier: OnnxClassifier | None = None
-
-    @property
-    def provider(self) -> str:
-        """The execution provider the model in service runs on."""
-        model = self.generator if self.generator is not None else self.classifier
-        return model.providers[0] if model is not None else ""
-
-
-@dataclass(frozen=True)
-class LocalImages:
-    """The images a device classifies with a deployed classifier: uint8 (N, H, W) pixels or
-    prepared floats (N, 1, 32, 32), their labels (None: unlabelled), and which set they are
-    (:data:`TEST_SPLIT`, :data:`TRAINING_IMAGES`, :data:`IMAGE_FOLDER`)."""
-
-    images: np.ndarray
-    labels: np.ndarray | None
-    source: str
-
-
-def _as_numpy(x: Any) -> np.ndarray:
-    """A torch tensor (without importing torch) or an array as a numpy array."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
-def local_images(service: RoleService) -> LocalImages | None:
-    """What ``service`` (a device) classifies a deployed classifier on: its own test split
-    (a training device's ``test_data`` / ``test_labels``), else the first
-    :data:`CLASSIFY_FALLBACK_IMAGES` of its training images (``data`` / ``labels``), else the
-    image folder ``data.local_dir`` (or its ``<device id>`` subfolder) read without torch,
-    labelled by its class folders; None when it has none of them. A read that fails raises
-    (:class:`~shared.errors.DataError`)."""
-    test = getattr(service, "test_data", None)
-    if test is not None:
-        labels = getattr(service, "test_labels", None)
-        return LocalImages(
-            _as_numpy(test), None if labels is None else _as_numpy(labels), TEST_SPLIT
-        )
-    data = getattr(service, "data", None)
-    if data is not None:
-        labels = getattr(service, "labels", None)
-        n = CLASSIFY_FALLBACK_IMAGES
-        return LocalImages(
-            _as_numpy(data[:n]), None if labels is None else _as_numpy(labels[:n]),
-            TRAINING_IMAGES,
-        )  # fmt: skip
-    d = service.cfg.data
-    if not d.local_dir:
-        return None
-    folder = Path(d.local_dir)
-    if (folder / service.name).is_dir():
-        folder = folder / service.name
-    found = read_image_folder(folder, class_names=d.class_names, limit=CLASSIFY_FALLBACK_IMAGES)
-    return LocalImages(found.images, found.labels, IMAGE_FOLDER)
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A deployment that passed the checks made before its files are fetched: signature,
-    manifest, version and blob references; ``shared``: whether the shared tensors are
-    fetched too (the device builds its own model from them)."""
-
-    msg: Deployment
-    manifest: dict[str, Any]
-    version: DeploymentVersion
-    digest: str
-    shared: bool
-
-    @property
-    def sha256(self) -> str:
-        """The signed model's sha256."""
-        return str(self.manifest["model"]["sha256"])
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A deployment's files, checked against its manifest."""
-
-    model: bytes
-    shared: bytes | None
 
 
 class FetchJob(WorkerJob[Fetched]):
@@ -276,7 +160,7 @@ class FetchJob(WorkerJob[Fetched]):
         )  # fmt: skip
 
 
-class DeploymentReceiver:
+class DeploymentReceiver(SampleTask, ClassifyTask):
     """Handles deployments and sample requests for ``service`` (a device)."""
 
     def __init__(
@@ -490,69 +374,12 @@ class DeploymentReceiver:
             self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}")
 
     def _install(self, item: Admitted, fetched: Fetched) -> Served:
-        """Load the model into ONNX Runtime, build the device's own model when the shared
-        tensors came, and keep a verified copy of the deployment under
-        ``out_dir/models/<sha16>``; the model to serve. A classifier deployment goes to
-        :meth:`_install_classifier`."""
+        """The deployment's model to serve, installed by the handler of its task (the
+        signed manifest's ``task``): a generator's (:class:`~device_agent.deploy_sample.SampleTask`)
+        or a classifier's (:class:`~device_agent.deploy_classify.ClassifyTask`)."""
         if task_of(item.manifest) == CLASSIFY_TASK:
             return self._install_classifier(item, fetched)
-        msg, manifest, want = item.msg, item.manifest, item.manifest["model"]
-        card = manifest["card"]
-        generator = OnnxGenerator(
-            fetched.model, card, provider=self.cfg.provider, threads=self.cfg.threads
-        )
-        own, own_sha = None, None
-        if fetched.shared is not None and self.personalize is not None:
-            own = self.personalize(fetched.shared, card)
-            own_sha = hashlib.sha256(own.onnx).hexdigest()
-            generator = OnnxGenerator(
-                own.onnx, card, provider=self.cfg.provider, threads=self.cfg.threads
-            )
-        path = self.out_dir / "models" / want["sha256"][:16]
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / want["file"], fetched.model)
-        if own is None:  # an own model of an earlier load (before a restart) is not served
-            for name in (OWN_MODEL_FILE, OWN_RECORD_FILE):
-                (path / name).unlink(missing_ok=True)
-        else:
-            atomic_write(path / OWN_MODEL_FILE, own.onnx)
-            record = {"sha256": own_sha, "size": len(own.onnx), "deployment": want["sha256"],
-                      "shared": manifest["shared"]["sha256"], "parity": own.parity}  # fmt: skip
-            atomic_write(path / OWN_RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
-        # the signed manifest last: the copy that says which version was served (read back
-        # after a restart) is complete once it is there
-        write_signed(path, msg.manifest, msg.signature, msg.key_id)
-        return Served(
-            want["sha256"], generator, manifest, path, personal=own_sha, version=item.version
-        )
-
-    def _install_classifier(self, item: Admitted, fetched: Fetched) -> Served:
-        """A ``"classify"`` deployment: its card must be a classifier's naming the signed
-        file's sha256 (else ``bad_manifest``) and ONNX Runtime must load the bytes (else
-        ``bad_model``); a verified copy (the model, ``card.json``, the signed manifest) is
-        kept under ``out_dir/models/<sha16>``, which ``estuary classify`` reads. No torch."""
-        msg, manifest, want = item.msg, item.manifest, item.manifest["model"]
-        card = manifest["card"]
-        if card.get("sha256") != want["sha256"]:
-            named = str(card.get("sha256"))[:16]
-            raise SignatureError("bad_manifest", f"the classifier's card names another model "
-                                 f"({named}) than the signed file")  # fmt: skip
-        if fetched.shared is not None:
-            raise SignatureError("bad_manifest", "a classifier deployment carries no shared "
-                                 "tensors")  # fmt: skip
-        classifier = OnnxClassifier.from_bytes(
-            fetched.model, card, provider=self.cfg.provider, threads=self.cfg.threads
-        )
-        path = self.out_dir / "models" / want["sha256"][:16]
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / want["file"], fetched.model)
-        atomic_write(path / CARD_FILE, (json.dumps(card, indent=2) + "\n").encode())
-        for name in (OWN_MODEL_FILE, OWN_RECORD_FILE, CLASSIFIED_FILE):
-            (path / name).unlink(missing_ok=True)
-        write_signed(path, msg.manifest, msg.signature, msg.key_id)  # last, as for generators
-        return Served(
-            want["sha256"], None, manifest, path, version=item.version, classifier=classifier
-        )
+        return self._install_generator(item, fetched)
 
     def _in_service(self, item: Admitted, served: Served) -> None:
         """Put ``served`` in service: remember its version, update the metrics, report it
@@ -587,84 +414,9 @@ class DeploymentReceiver:
         self._report("refused", sha, reason=f"{reason}: {detail}"[:500])
 
     # -- sampling ------------------------------------------------------------------------
-    def on_sample_request(self, msg: SampleRequest) -> None:
-        """Sample for a request addressed to this device (or to every device)."""
-        if msg.devices and self.service.name not in msg.devices:
-            return
-        if self.served is None:
-            self._report("refused", None, reason="no_model: no deployment in service",
-                         request_id=msg.request_id)  # fmt: skip
-            return
-        if self.served.generator is None:
-            reason = "no_generator: the deployment in service is a classifier"
-            self._report("refused", self.served.sha256, reason=reason, request_id=msg.request_id)
-            return
-        n = min(msg.n, self.cfg.max_request_images)
-        self._sample(n, msg.steps, msg.seed, msg.request_id)
 
-    def _sample(self, n: int, steps: int, seed: int, tag: str) -> None:
-        served = self.served
-        if served is None or served.generator is None:
-            return
-        try:
-            images, stats = served.generator.sample(n, steps=steps, seed=seed)
-        except Exception as err:  # EstuaryError, or anything else: the requester hears why
-            detail = str(err) if isinstance(err, EstuaryError) else f"{type(err).__name__}: {err}"
-            self._report("refused", served.sha256, reason=f"sampling failed: {detail}"[:500],
-                         request_id=tag)  # fmt: skip
-            return
-        grid = save_grid(images, self.out_dir / "samples" / f"{_SAFE.sub('_', tag)}.png")
-        self.grids.append(grid)
-        self.last_stats = stats
-        m = self.service.metrics
-        m.images_generated.inc(n)
-        m.sampling_seconds.observe(stats.latency_s)
-        m.images_per_second.set(stats.images_per_s)
-        log.info(
-            "%s: %d images, %d steps: %.2f images/s, %.3f s per batch -> %s",
-            self.service.name, n, steps, stats.images_per_s, stats.latency_s, grid,
-        )  # fmt: skip
-        self._report("sampled", served.sha256, request_id=tag, stats=stats, grid=str(grid))
 
     # -- classifying ----------------------------------------------------------------------
-    def _classify(self) -> None:
-        """Classify the device's own images (:func:`local_images`) with the classifier in
-        service and report ``classified`` (accuracy when they are labelled), or ``refused``
-        with the reason when that fails; the device goes on either way."""
-        served = self.served
-        if served is None or served.classifier is None:
-            return
-        sha = served.sha256
-        try:
-            local = local_images(self.service)
-            if local is None:
-                log.warning("%s: no images of its own to classify with %s", self.service.name,
-                            sha[:12])  # fmt: skip
-                self._report("classified", sha, request_id=NO_IMAGES,
-                             reason="no images: no test split, training images or "
-                             "data.local_dir")  # fmt: skip
-                return
-            result = served.classifier.classify(local.images, local.labels)
-        except Exception as err:  # EstuaryError, or anything else: the cloud hears why
-            detail = str(err) if isinstance(err, EstuaryError) else f"{type(err).__name__}: {err}"
-            log.error("%s: classifying with %s failed: %s", self.service.name, sha[:12], detail)
-            self._report("refused", sha, reason=f"classifying failed: {detail}"[:500],
-                         request_id=f"classify-{sha[:12]}")  # fmt: skip
-            return
-        acc = result.accuracy
-        accuracy = None if math.isnan(acc) else acc
-        figures = {"deployment": sha, "set": local.source, **result.to_dict()}
-        figures.pop("predictions")
-        try:
-            text = json.dumps(figures, indent=2) + "\n"
-            atomic_write(served.path / CLASSIFIED_FILE, text.encode())
-        except OSError as err:  # the figures are reported all the same
-            log.warning("%s: cannot write %s: %s", self.service.name, CLASSIFIED_FILE, err)
-        log.info("%s: classified %d images (%s) with %s: accuracy %s, %.0f images/s",
-                 self.service.name, len(result.predictions), local.source, sha[:12],
-                 "-" if accuracy is None else f"{accuracy:.4f}", result.images_per_s)  # fmt: skip
-        self._report("classified", sha, request_id=local.source, classified=result,
-                     accuracy=accuracy)  # fmt: skip
 
     def _report(
         self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",

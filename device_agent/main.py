@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_agent.deployment import DeploymentReceiver, SamplingAgent, device_out_dir
-from shared.config import model_kind
+from shared.families import family_of
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.process import (
     Serve,
@@ -79,7 +79,7 @@ def _start(args: argparse.Namespace, cfg: RunConfig) -> Serve:
         return lambda: code
     device, bus = _training_agent(args, cfg, cache)
     receiver = None
-    if cfg.deploy.enabled and model_kind(cfg.model.preset) == "classifier":
+    if cfg.deploy.enabled and family_of(cfg.model.preset).served_by == "devices":
         from device_agent.own_classifier import OwnClassifier
 
         device.after_last_round = OwnClassifier(device, out_dir)
@@ -101,9 +101,9 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
     import torch
 
     from device_agent.service import DeviceAgent
-    from shared.algorithms import make_algorithm
     from shared.data.datasets import to_model_input
     from shared.diffusion.training import set_deterministic
+    from shared.methods.registry import make_algorithm
     from shared.naming import device_index, home_edge
 
     index = device_index(args.id, cfg)
@@ -135,12 +135,13 @@ def _training_agent(args: argparse.Namespace, cfg: Any, cache: Path | None) -> t
 def device_test_data(cfg: RunConfig, index: int) -> ImageDataset | None:
     """A classifier's own test split (the test set split by the training split's rule, seen
     in its domain as in simulate: :func:`~shared.data.partition.split_test`), on which it
-    reports its accuracy (FedDEO's devices: with the classifier the cloud deploys); None for
-    another generator run or a dataset without a test set."""
-    from shared.config import model_kind
+    reports its accuracy (also where the run's product is a classifier made from a
+    generator run: FedDEO's devices classify with it); None for another generator run or a
+    dataset without a test set."""
+    from shared.config import classifies
     from shared.data.partition import split_test
 
-    if model_kind(cfg.model.preset) != "classifier" and cfg.algorithm.name != "feddeo":
+    if not classifies(cfg):
         return None
     test = split_test(cfg)
     return None if test is None else test[0].subset(test[1][index])

@@ -4,10 +4,10 @@
 The cloud's deployed ONNX model is the global model, whose device-local parts are still at
 their initialization: it is not the model any device trained. A training device that holds
 local parts builds its own from the deployment's signed ``shared`` file (the global model's
-federated tensors) over its local parts (:meth:`Algorithm.client_state`, the model the
-paper evaluates "on client level"), exports it to ONNX on the device and checks it against
-torch with the parity gate the cloud's export passed. Only the device's own parts, which
-never left it, and signed tensors go into it.
+federated tensors) over its local parts (:meth:`~shared.methods.api.DeviceStep.client_state`,
+the model the paper evaluates "on client level"), exports it to ONNX on the device and
+checks it against torch with the parity gate the cloud's export passed. Only the device's
+own parts, which never left it, and signed tensors go into it.
 
 Needs torch (training devices have it); the sampling-only agent never imports this.
 """
@@ -39,7 +39,7 @@ class Personalizer:
         """Whether the device keeps local parts (it has trained under an algorithm that
         keeps them); without them the global model is the device's model."""
         agent = self.agent
-        state = agent.algorithm.client_state(agent.model.state_dict(), agent.algo_state)
+        state = agent.algorithm.device.client_state(agent.model.state_dict(), agent.algo_state)
         return state is not None
 
     def __call__(self, shared: bytes, card: dict[str, Any]) -> PersonalModel:
@@ -56,9 +56,9 @@ class Personalizer:
                 f"the deployed architecture {card.get('arch')!r} is not the one this device "
                 f"trained its local parts on ({arch!r})"
             )
-        spec = agent.algorithm.shared_spec(agent.spec)
+        spec = agent.algorithm.format.shared_spec(agent.spec)
         if spec is None:
-            raise PersonalizeError(f"{agent.algorithm.name} keeps no local parts")
+            raise PersonalizeError(f"{agent.cfg.algorithm.name} keeps no local parts")
         try:
             tensors = decode_tensors(shared, expected=spec)
         except EstuaryError as err:
@@ -74,7 +74,7 @@ class Personalizer:
 
     def _export(self, global_state: dict[str, Any], card: dict[str, Any]) -> PersonalModel:
         agent, cfg = self.agent, self.agent.cfg
-        state = agent.algorithm.client_state(global_state, agent.algo_state)
+        state = agent.algorithm.device.client_state(global_state, agent.algo_state)
         if state is None:
             raise PersonalizeError("the device holds no local parts for this model")
         model = build_model(cfg.model.preset, agent.plan, seed=cfg.run.seed)

@@ -20,12 +20,17 @@ import numpy as np
 import torch
 
 from device_agent.state import DeviceState, read_state, save_state, set_aside, state_path
-from shared.algorithms import Algorithm, DeviceContext, LocalResult
-from shared.algorithms.fedphd import choose_edge, selection_probs, selection_rng
+from shared import seeds
 from shared.config import RunConfig
-from shared.config.algorithms import FedPhDConfig
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, ConfigError, StateError
+from shared.federation.selection import (
+    choose_edge,
+    selection_probs,
+    selection_rng,
+    selection_settings,
+)
+from shared.methods.api import DeviceContext, LocalResult, Method
 from shared.models.plan import (
     ChannelPlan,
     Plan,
@@ -56,7 +61,7 @@ MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
     """Per-device, per-round seed for the device's torch.Generator."""
-    return int(np.random.SeedSequence([seed, index, round_, 0xDE71CE]).generate_state(1)[0])
+    return seeds.integer("device.round", seed, device=index, round=round_)
 
 
 class DeviceAgent(RoleService):
@@ -68,7 +73,7 @@ class DeviceAgent(RoleService):
         self,
         cfg: RunConfig,
         bus: Bus,
-        algorithm: Algorithm,
+        algorithm: Method,
         *,
         device_id: str,
         index: int,
@@ -98,7 +103,7 @@ class DeviceAgent(RoleService):
         self.labels = labels
         self.plan: ChannelPlan | None = None
         self.model = build_model(cfg.model.preset, None, seed=cfg.run.seed)
-        self.spec = algorithm.global_spec(model_spec(cfg.model.preset, None))
+        self.spec = algorithm.format.global_spec(model_spec(cfg.model.preset, None))
         self.algo_state: dict[str, Any] = {}  # the algorithm's per-device state, kept here
         self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
         self.last_update: DeviceUpdate | None = None
@@ -132,7 +137,7 @@ class DeviceAgent(RoleService):
         publish the retained registration."""
         self.restore_state()
         self.on(f"{self.topics.base}/edge/+/round", EdgeRound, self.on_edge_round, "msg_edge_round")
-        if self.algorithm.per_device_updates:
+        if self.algorithm.traffic.downlink == "per_device":
             self.on(self.topics.device_down(self.name), PersonalModel, self.on_personal,
                     "msg_personal_model")  # fmt: skip
         if self.selecting:
@@ -259,9 +264,8 @@ class DeviceAgent(RoleService):
         if self.cfg.federation.assignment == "random":
             probs = {e: 1.0 / len(edges) for e in edges}
         else:
-            algo = FedPhDConfig.of(self.cfg)  # eq. 25's a, b and target
-            target = list(algo.target_distribution) or None
-            probs = selection_probs(edge_counts, self.label_counts, algo.a, algo.b, target)
+            a, b, target = selection_settings(self.cfg)
+            probs = selection_probs(edge_counts, self.label_counts, a, b, target)
         online = {e for e in edges if e not in self.offline_edges}
         return choose_edge(probs, online, rng)
 
@@ -370,7 +374,7 @@ class DeviceAgent(RoleService):
             choices=[(s, r, e) for (s, r), e in self.choices.items()],
         )
         try:
-            size = save_state(self.state_file, state, self.algorithm.device_cache_keys)
+            size = save_state(self.state_file, state, self.algorithm.device.device_cache_keys)
         except (StateError, OSError) as err:
             # the round still counts: only a restart would lose what is not on disk
             self.metrics.device_state.labels(event="save_failed").inc()
@@ -457,23 +461,23 @@ class DeviceAgent(RoleService):
             tensors = self.fetch_tensors(personal.model_ref, model_spec(self.cfg.model.preset,
                                                                          self.plan))  # fmt: skip
             if tensors is not None:
-                self.algorithm.device_personal(ctx, self.model, tensors)
+                self.algorithm.device.device_personal(ctx, self.model, tensors)
                 return True
-        if not self.algorithm.needs_download(ctx):
-            self.algorithm.device_load(ctx, self.model, {})
+        if not self.algorithm.device.needs_download(ctx):
+            self.algorithm.device.device_load(ctx, self.model, {})
             return True
-        shared = self.algorithm.shared_spec(self.spec)
+        shared = self.algorithm.format.shared_spec(self.spec)
         if (
             msg.shared_ref is not None
             and shared is not None
-            and self.algorithm.device_holds_rest(ctx, self.spec)
+            and self.algorithm.device.device_holds_rest(ctx, self.spec)
         ):  # the device has the rest (its local parts): only the shared tensors travel
             state = self.fetch_tensors(msg.shared_ref, shared)
         else:
             state = self.fetch_tensors(msg.model_ref, self.spec)
         if state is None:
             return False  # the edge's deadline covers the missing update
-        self.algorithm.device_load(ctx, self.model, state)
+        self.algorithm.device.device_load(ctx, self.model, state)
         return True
 
     def _adopt_announced(self, doc: Plan | None) -> bool:
@@ -495,7 +499,7 @@ class DeviceAgent(RoleService):
             return
         self.plan = plan
         self.model = build_model(self.cfg.model.preset, plan, seed=self.cfg.run.seed)
-        self.spec = self.algorithm.global_spec(model_spec(self.cfg.model.preset, plan))
+        self.spec = self.algorithm.format.global_spec(model_spec(self.cfg.model.preset, plan))
         self.algo_state.clear()  # per-device state of the old architecture no longer fits
         self.kept_local = None
         log.info("%s: architecture %s", self.name, plan_digest(plan))
@@ -556,7 +560,7 @@ class DeviceAgent(RoleService):
             return
         self.kept_local = None  # set again below once this round's training is known good
         self.trace.event("downloaded", msg.round, bytes=0 if continuing else msg.model_ref.size)
-        result = self.algorithm.device_round(ctx, self.model, msg.round, upload=msg.upload)
+        result = self.algorithm.device.device_round(ctx, self.model, msg.round, upload=msg.upload)
         self.trace.event("trained", msg.round, train_s=result.train.seconds)
         reason = self._divergence(result)
         if reason:
@@ -572,7 +576,7 @@ class DeviceAgent(RoleService):
             self.kept_local = (msg.session, msg.round, msg.edge, msg.model_ref.sha256)
         ref = None
         if result.tensors is not None:
-            ref = self.put_tensors(result.tensors, self.algorithm.upload_kind)
+            ref = self.put_tensors(result.tensors, self.algorithm.traffic.blob_kind)
         update = DeviceUpdate(
             round=msg.round,
             session=msg.session,

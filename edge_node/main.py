@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 
 from edge_node.service import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.config import RunConfig
 from shared.errors import ConfigError
+from shared.methods.registry import make_algorithm
 from shared.naming import edge_ids
 from shared.runtime.cpu import set_torch_threads
 from shared.runtime.memory import tune_allocator

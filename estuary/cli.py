@@ -117,7 +117,6 @@ def _role_main(module: str, argv: list[str]) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from shared.algorithms import make_algorithm
     from shared.config import with_overrides
     from shared.diffusion.training import resolve_device
     from shared.evaluation.evaluator import Evaluator, model_from_state
@@ -141,7 +140,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         **metrics,
         "level": "global",
     }
-    if make_algorithm(cfg).local_parts:
+    if cfg.algorithm.config().traffic().device_keeps == "local_parts":
         print(f"estuary: note: this is the global model of a {cfg.algorithm.name} run, its "
               "device-local parts at their initialization; `estuary simulate` and `estuary "
               "compare` report the client-level FID the paper uses", file=sys.stderr)  # fmt: skip
@@ -210,16 +209,6 @@ def _print_model_info(info: dict[str, Any], args: argparse.Namespace) -> int:
             f"({info['weight_gmacs']} G weight multiply-accumulates), {info['fp32_mib']} MiB fp32, "
             f"{info['masked_weights']:,} maskable weights ({kind})"
         )
-    return 0
-
-
-def _cmd_keygen(args: argparse.Namespace) -> int:
-    from shared.models.masking import KEY_FILE_ENV, generate_key_file
-
-    path = Path(args.path)
-    key = generate_key_file(path)
-    print(f"wrote {path} (fingerprint {key.fingerprint}); give it to the cloud and the "
-          f"training devices as {KEY_FILE_ENV}={path.resolve()}")  # fmt: skip
     return 0
 
 
@@ -303,13 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_cmd_model_info)
 
-    k = sub.add_parser(
-        "keygen",
-        help="write a fresh 256-bit PRISM key file (hex, mode 0600) and print its fingerprint",
-    )
-    k.add_argument("path", help="the key file to create (never overwritten)")
-    k.set_defaults(func=_cmd_keygen)
-
     sd = sub.add_parser(
         "split-data",
         help="write a config's split as per-device image folders (to try --data DIR)",
@@ -320,12 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from estuary.classify_cli import add_parser as add_classify_parser
     from estuary.deploy_cli import add_parsers
-    from estuary.prism_cli import add_parsers as add_prism_parsers
     from estuary.status import add_parser as add_status_parser
+    from shared.methods.registry import cli_modules
 
     add_parsers(sub)
     add_classify_parser(sub)
-    add_prism_parsers(sub)
+    for module in cli_modules():  # the methods' own verbs (estuary prism pack|unpack, ...)
+        module.add_parsers(sub)
     add_status_parser(sub)
     for name, command in sub.choices.items():
         if name not in ROLE_COMMANDS:  # the roles parse their own arguments

@@ -18,9 +18,11 @@ from typing import Any
 
 from estuary.launcher import Hierarchy
 from shared.atomic import atomic_write
-from shared.config import RunConfig, config_from_dict, load_config, model_kind
+from shared.config import RunConfig, config_from_dict, load_config
 from shared.errors import EstuaryError
 from shared.evaluation.report import read_metrics
+from shared.families import family_of
+from shared.methods.registry import make_algorithm
 from shared.progress import progress_bar
 from shared.runtime.process import interrupts_as_keyboard
 from shared.transport.local_broker import BrokerKind, LocalBroker
@@ -113,10 +115,9 @@ def run_demo(
     cfg = cfg.model_copy(update={"broker": broker_section})
     config_path = run_dir / "launch_config.json"
     atomic_write(config_path, cfg.to_json().encode())
-    if cfg.algorithm.name == "prism":
-        from estuary.simulate import announce_prism_key  # torch: only where PRISM runs
-
-        announce_prism_key(run_dir / "keys", show=progress)  # the processes inherit it
+    method = make_algorithm(cfg)
+    if method.preparation is not None:  # the processes inherit what it provides (a key)
+        method.preparation.prepare(run_dir / "keys", show=progress)
     hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
     scrapes: dict[str, dict[str, float]] = {}
     with interrupts_as_keyboard():
@@ -228,17 +229,19 @@ def phase_text(
     r = int(cloud.get("estuary_round", rows)) + 1
     if state == "training":
         return f"round {r}: devices training"
-    if state == "aggregating" and cfg.algorithm.name == "feddeo":
-        return f"round {r}: generating the synthetic set and training the classifier"
+    own = cfg.algorithm.config().phase_text  # the method's own work in a phase, if any
+    if state == "aggregating" and state in own:
+        return f"round {r}: {own[state]}"
     if state == "aggregating":
-        every = cfg.eval.every if evaluate and model_kind(cfg.model.preset) != "classifier" else 0
+        fid = evaluate and family_of(cfg.model.preset).quality == "fid"
+        every = cfg.eval.every if fid else 0
         if every and (r % every == 0 or r == cfg.run.rounds):
             return f"round {r}: aggregating and evaluating (FID on {cfg.eval.num_samples} samples)"
         return f"round {r}: aggregating"
     if state == "deploying":
-        if cfg.algorithm.name == "feddeo":
-            return "deploying: classifier to ONNX, parity check, signing, devices classifying"
-        if model_kind(cfg.model.preset) == "classifier":
+        if state in own:
+            return f"deploying: {own[state]}"
+        if family_of(cfg.model.preset).served_by == "devices":
             return "deploying: each device exports its own classifier to ONNX and tests it"
         return "deploying: export to ONNX, parity check, signing, devices sampling"
     return "finishing"

@@ -24,18 +24,19 @@ from torch import nn
 from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config import RunConfig, model_kind
+from shared.config import RunConfig, classifies
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
 from shared.data.partition import label_count_matrix, split_dataset, split_test
 from shared.diffusion.training import set_deterministic
 from shared.errors import EstuaryError
+from shared.evaluation.domains import score_by_domain
 from shared.evaluation.evaluator import check_evaluable
 from shared.evaluation.recorder import RunRecorder, prepare_run_dir, save_label_counts
 from shared.evaluation.report import headline, plot_report
+from shared.families import family_of
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
-from shared.models.masking import load_key, provide_key_file
 from shared.models.plan import ChannelPlan, plan_doc
 from shared.naming import device_name, edge_ids, home_edge
 from shared.progress import progress_bar
@@ -123,13 +124,14 @@ def build_federation(
 
 def client_modules(fed: Federation, limit: int) -> dict[str, nn.Module]:
     """The models of the first ``limit`` devices (by name): the cloud's current global state
-    with each device's own parts (:meth:`~shared.algorithms.base.Algorithm.client_state`),
+    with each device's own parts (:meth:`~shared.methods.api.DeviceStep.client_state`),
     or the global model for a device that holds none yet (it is what that device would be
     deployed), so the evaluated set stays the same from round to round; empty while none of
     those devices holds local parts (every one of their models is the global one)."""
     cloud = fed.cloud
     chosen = sorted(fed.devices, key=lambda d: d.name)[:limit]
-    states = {d.name: cloud.algorithm.client_state(cloud.model, d.algo_state) for d in chosen}
+    step = cloud.algorithm.device
+    states = {d.name: step.client_state(cloud.model, d.algo_state) for d in chosen}
     if all(state is None for state in states.values()):
         return {}
     out = dict[str, nn.Module]()
@@ -147,8 +149,8 @@ def device_test_splits(
 ) -> tuple[ImageDataset, list[np.ndarray]] | None:
     """A classifier run's per-device test splits (:func:`split_test`), their label counts
     saved as ``label_counts_test.csv`` (and printed with ``show``); None for generators,
-    except FedDEO's, whose devices classify with the classifier the cloud deploys."""
-    if model_kind(cfg.model.preset) != "classifier" and cfg.algorithm.name != "feddeo":
+    except where the run delivers a classifier (FedDEO's devices classify with it)."""
+    if not classifies(cfg):
         return None
     test = split_test(cfg)
     if test is None:
@@ -161,17 +163,6 @@ def device_test_splits(
     return test
 
 
-def announce_prism_key(directory: Path, *, show: bool) -> None:
-    """Give a PRISM run a key (``directory/prism.key``, kept for a resumed run) when none is
-    configured, and say where it is (never what it is)."""
-    path = provide_key_file(directory)
-    if path is not None:
-        fingerprint = load_key().fingerprint
-        log.info("PRISM key: %s (fingerprint %s)", path, fingerprint)
-        if show:
-            print(f"PRISM key: {path} (fingerprint {fingerprint}; keep it to resume or deploy)")
-
-
 def simulate(
     cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
 ) -> SimulationResult:
@@ -180,14 +171,15 @@ def simulate(
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
     # first: a refused split or evaluation leaves no run directory
-    if evaluate and cfg.eval.every and model_kind(cfg.model.preset) != "classifier":
+    if evaluate and cfg.eval.every and family_of(cfg.model.preset).quality == "fid":
         check_evaluable(cfg)
     data, parts = split_dataset(cfg, progress=progress)
     run_dir = prepare_run_dir(cfg, out)
-    if cfg.algorithm.name == "prism":
-        announce_prism_key(run_dir, show=progress)
-    if progress and cfg.algorithm.name in ("pfedgpa", "feddeo"):  # minutes of work: say so
-        logging.getLogger(f"shared.algorithms.{cfg.algorithm.name}").setLevel(logging.INFO)
+    method = make_algorithm(cfg)
+    if method.preparation is not None:  # what the run needs first (PRISM: its key)
+        method.preparation.prepare(run_dir, show=progress)
+    if progress and (method.personalization or method.finalizer):  # minutes of cloud work
+        logging.getLogger(type(method).__module__.rpartition(".")[0]).setLevel(logging.INFO)
         logging.getLogger("cloud.service").setLevel(logging.INFO)
     device_names = [device_name(i) for i in range(len(parts))]
     matrix = label_count_matrix(data.labels, parts, NUM_CLASSES)
@@ -207,7 +199,7 @@ def simulate(
     )
     cloud = fed.cloud
     recorder.model_fn = cloud.global_module
-    if cloud.algorithm.local_parts:
+    if cloud.algorithm.traffic.device_keeps == "local_parts":
         recorder.client_models_fn = functools.partial(client_modules, fed)
     fed.start()
     bar_args = {"total": cfg.run.rounds, "desc": cfg.run.name, "unit": "round"}
@@ -234,11 +226,9 @@ def simulate(
     final: dict[str, Any] | None = None
     if cloud.final is not None:  # a one-shot algorithm's product and its figures
         final = {"preset": cloud.final.preset, **cloud.final.report}
-    elif model_kind(cfg.model.preset) == "classifier" and cfg.data.domains:
+    elif family_of(cfg.model.preset).quality == "accuracy" and cfg.data.domains:
         # the final global classifier on the whole test set seen in every domain: the
         # figure a one-shot method reports, so feature-skew comparisons share one measure
-        from shared.algorithms.feddeo import score_by_domain
-
         final = score_by_domain(cfg, cloud.global_module())
     if final is not None:
         summary["final"] = final

@@ -31,10 +31,10 @@ from paho.mqtt.properties import Properties
 from cloud import CloudServer, RoundSummary
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
 from shared.data.datasets import load_dataset, to_model_input
 from shared.data.partition import make_partition
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.runtime.process import follow_cloud

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from cloud import CloudServer
-from shared.algorithms import make_algorithm
 from shared.config import RunConfig
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.models.presets import build_unet
 from shared.runtime.service import RoleService

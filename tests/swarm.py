@@ -68,10 +68,10 @@ from pydantic import ValidationError
 
 from cloud import CloudServer, RoundSummary
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES
 from shared.errors import CodecError, MessageError
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.transport.blob_transfer import chunk_count
@@ -616,7 +616,7 @@ class Swarm:
     def _report(self, dev: _Device, msg: EdgeRound, model: Mapping[str, Any]) -> None:
         """Train (offset the model a little) and send the device's update for ``msg``."""
         ref = None
-        if msg.upload and self.algorithm.uploads:
+        if msg.upload and self.algorithm.traffic.uplink != "none":
             data = encode_tensors(self._update_tensors(dev, model))
             sha = sha256_hex(data)
             dev.served = {sha: data}  # the latest update only
@@ -640,7 +640,7 @@ class Swarm:
     def _update_tensors(self, dev: _Device, model: Mapping[str, Any]) -> dict[str, Any]:
         """The algorithm's upload of ``model``, its first floating tensor offset by a
         device-specific amount (every update a different blob)."""
-        names = self.algorithm.upload_spec(spec_of(model))
+        names = self.algorithm.format.upload_spec(spec_of(model))
         out = {k: model[k] for k in sorted(names)}
         for k, t in out.items():
             if t.is_floating_point():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from estuary.simulate import simulate
-from shared.algorithms.feddiffuse import communicated_params, part_of, part_sizes
 from shared.config import FederationSection
+from shared.methods.feddiffuse.method import communicated_params, part_of, part_sizes
 from shared.metrics import accounting as acc
 from shared.models.presets import state_spec
 from tests.conftest import tiny_config

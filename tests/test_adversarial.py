@@ -27,8 +27,8 @@ import pytest
 from cloud import CloudServer
 from edge_node import EdgeServer
 from estuary.launcher import Hierarchy
-from shared.algorithms import make_algorithm
 from shared.evaluation.report import read_metrics
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.runtime.process import follow_cloud
 from shared.transport.bus import MemoryBus

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.algorithms.aggregation import fedavg, normalize, weighted_average
 from shared.errors import EstuaryError
+from shared.methods.aggregation import fedavg, normalize, weighted_average
 
 
 def test_fedavg_hand_computed() -> None:

@@ -13,16 +13,17 @@ import torch
 from torch import nn
 
 from estuary.simulate import build_federation
-from shared.algorithms import Algorithm, DeviceContext, Update, base, make_algorithm
-from shared.algorithms import fedprox as fp
-from shared.algorithms import moon as mn
-from shared.algorithms import scaffold as sc
-from shared.algorithms.base import model_state
 from shared.config import RunConfig
 from shared.data.datasets import load_dataset
 from shared.data.partition import make_partition
 from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
 from shared.diffusion.training import TrainResult, make_optimizer, train_local
+from shared.methods import base
+from shared.methods.base import Algorithm, DeviceContext, Update, model_state
+from shared.methods.baselines import fedprox as fp
+from shared.methods.baselines import moon as mn
+from shared.methods.baselines import scaffold as sc
+from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet, state_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import TensorSpec, encode_tensors
@@ -189,7 +190,7 @@ def test_scaffold_option_ii_recovers_the_gradient_only_without_momentum(
         opt.step()
     zero = {"w": torch.zeros(3)}
     c_new = sc.control_update(zero, zero, zero, {"w": w.detach()}, steps, cfg.train.lr)["w"]
-    with caplog.at_level("WARNING", logger="shared.algorithms.scaffold"):
+    with caplog.at_level("WARNING", logger="shared.methods.baselines.scaffold"):
         make_algorithm(cfg)
     if momentum == 0:
         assert torch.allclose(c_new, g, atol=1e-5)
@@ -609,7 +610,7 @@ def test_kept_optimizer_state_continues_one_adam_across_a_devices_rounds(
 
     stale = ctx_for(data, seed=3)
     stale.state[base.OPTIMIZER_STATE] = (((2, 2),), first[1])  # another architecture's
-    with caplog.at_level("INFO", logger="shared.algorithms.base"):
+    with caplog.at_level("INFO", logger="shared.methods.base"):
         keep.device_round(stale, TinyConvDenoiser(), 0, upload=True)
     assert "optimizer state starts afresh" in caplog.text
     assert {int(e["step"]) for e in _kept_opt(stale)[1]["state"].values()} == {3}

@@ -145,7 +145,7 @@ def test_the_cloud_records_the_init_it_started_from(tmp_path: Path) -> None:
     the run started from)."""
     from cloud.main import fresh_start
     from cloud.service import CloudServer
-    from shared.algorithms import make_algorithm
+    from shared.methods.registry import make_algorithm
     from shared.models.init import init_fingerprint
     from shared.transport.bus import MemoryBus
 

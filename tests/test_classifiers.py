@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from shared.algorithms import make_algorithm
-from shared.algorithms.pfedgpa import PFedGPA
 from shared.config import RunConfig
 from shared.data.partition import dominant_groups, make_partition, split_test
 from shared.diffusion.training import train_classifier
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import sample_images
 from shared.evaluation.recorder import accuracy_figures
+from shared.methods.pfedgpa.method import PFedGPA
+from shared.methods.registry import make_algorithm
 from shared.models.classifier import accuracy, build_classifier
 from shared.models.presets import kind_of, model_info, state_spec
 from shared.transport.bus import MemoryBus
@@ -218,7 +218,8 @@ def test_a_personal_model_for_another_device_is_refused() -> None:
     })  # fmt: skip
     device.on_personal(msg)
     assert not device.personal
-    assert make_algorithm(cfg).per_device_updates
+    traffic = make_algorithm(cfg).traffic
+    assert traffic.cloud_sees == "every_upload" and traffic.downlink == "per_device"
 
 
 def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path: Any) -> None:

@@ -264,9 +264,9 @@ def test_devices_train_ddpm_cifar10_on_three_channel_tensors(tmp_path: Path, sou
     """The devices of an in-process federation hold ``(N, 3, 32, 32)`` tensors of their own
     share of the images, and one real local FedAvg step of ddpm-cifar10 runs on them."""
     from estuary.simulate import build_federation
-    from shared.algorithms import make_algorithm
-    from shared.algorithms.base import DeviceContext
     from shared.data.partition import split_dataset
+    from shared.methods.base import DeviceContext
+    from shared.methods.registry import make_algorithm
     from shared.transport.bus import MemoryBus
 
     if source == "cifar10":

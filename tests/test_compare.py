@@ -14,9 +14,10 @@ import torch
 
 from estuary.cli import main
 from estuary.compare import CompareResult, Method, load_compare, parse_compare, run_compare
-from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _curves, _quality, markdown
-from shared.config.algorithms import FedPhDConfig
+from estuary.compare.plots import _curves
+from estuary.compare.tables import COLUMNS, LAST_EVALS, _algorithm, _quality, markdown
 from shared.errors import ConfigError
+from shared.methods.fedphd.config import FedPhDConfig
 from shared.metrics.accounting import Distances
 
 TINY = """
@@ -177,9 +178,18 @@ def test_unknown_override_key_is_named() -> None:
             {
                 "label": "A",
                 "centralized": True,
-                "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.sparse_rounds": 1},
+                "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
+                              "algorithm.fedphd.sparse_rounds": 1},
             },
             "prunes only before its first step",
+        ),
+        (
+            {
+                "label": "A",
+                "centralized": True,
+                "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.prune_at": "init"},
+            },
+            "a pruned centralized ceiling names fedphd",
         ),
     ],
 )
@@ -374,7 +384,7 @@ def test_centralized_training_with_a_weight_average(
 
 
 def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
-    """A centralized method with ``prune_ratio`` (``prune_at = "init"``) trains the pruned
+    """A centralized method of FedPhD with ``prune_ratio`` (``prune_at = "init"``) trains the pruned
     architecture (FedPhD-OS's ceiling): its plan reaches the record, the table's params and
     the checkpoint, and a record of the same config trained dense (earlier versions ignored
     the ratio) is not reused."""
@@ -385,7 +395,8 @@ def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
     pruned = {
         "label": "Centralized (s_p=0.44)",
         "centralized": True,
-        "overrides": {"algorithm.prune_ratio": 0.44, "algorithm.prune_at": "init"},
+        "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
+                      "algorithm.fedphd.prune_at": "init"},
     }
     raw = _raw(method=[{"label": "FedAvg"}, {"label": "Centralized", "centralized": True}, pruned])
     spec = parse_compare(raw, Path("x.toml"))

@@ -14,8 +14,8 @@ import pytest
 
 from estuary.compare import load_compare, parse_compare, run_compare
 from estuary.compare.record import RECORD, load_record
-from shared.config.algorithms import FedDEOConfig
 from shared.errors import ConfigError
+from shared.methods.feddeo.config import FedDEOConfig
 
 # its module-scoped fixtures are built once: every test of the module on one pytest worker
 pytestmark = pytest.mark.xdist_group("compare_feddeo")
@@ -129,11 +129,13 @@ def test_a_reused_record_keeps_the_final_figures(compared: Path) -> None:
 def test_a_centralized_classifier_takes_no_weight_average_or_pruning() -> None:
     raw = tomllib.loads(QUICK.read_text())
     ceiling = next(e for e in raw["method"] if e["label"] == "Ceiling")
-    for extra in ({"ema": 0.9}, {"overrides": {"algorithm.prune_ratio": 0.4,
-                                               "algorithm.prune_at": "init"}}):  # fmt: skip
+    pruned = {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.4,
+              "algorithm.fedphd.prune_at": "init"}  # fmt: skip
+    for extra, match in (({"ema": 0.9}, "centralized classifier"),
+                         ({"overrides": pruned}, "trains U-Nets")):  # fmt: skip
         ceiling_bad = {**ceiling, **extra}
         bad = {**raw, "method": [m if m is not ceiling else ceiling_bad for m in raw["method"]]}
-        with pytest.raises(ConfigError, match="centralized classifier"):
+        with pytest.raises(ConfigError, match=match):
             parse_compare(bad, QUICK)
 
 
@@ -148,8 +150,8 @@ def test_the_shipped_feddeo_comparisons(name: str) -> None:
     for label in ("FedDEO", "Prompts-Only"):
         cfg = methods[label].cfg
         assert (cfg.algorithm.name, cfg.run.rounds, cfg.model.init) == ("feddeo", 1, "pretrained")
-    assert FedDEOConfig.of(methods["FedDEO"].cfg).feddeo_use_descriptions
-    assert not FedDEOConfig.of(methods["Prompts-Only"].cfg).feddeo_use_descriptions
+    assert FedDEOConfig.of(methods["FedDEO"].cfg).use_descriptions
+    assert not FedDEOConfig.of(methods["Prompts-Only"].cfg).use_descriptions
     avg, ceiling = methods["FedAvg classifier"].cfg, methods["Ceiling"].cfg
     assert methods["Ceiling"].centralized and ceiling.model.preset == avg.model.preset
     epochs = avg.run.rounds * avg.train.local_epochs

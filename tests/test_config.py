@@ -82,7 +82,7 @@ def test_cross_field_rule() -> None:
             "deploy.sample_steps \\(200\\) exceeds",
         ),
         # NaN passed every range check (each comparison with NaN is False)
-        ({"algorithm": {"b": float("nan")}}, "algorithm.b: Input should be a finite number"),
+        ({"federation": {"sh_b": float("nan")}}, "federation.sh_b: Input should be a finite"),
         ({"train": {"weight_decay": float("inf")}}, "train.weight_decay: Input should be a finite"),
         # the last rounds trained and were thrown away
         (

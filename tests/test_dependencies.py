@@ -10,7 +10,11 @@ imported), so a forbidden import fails here before it fails a user:
 - what a sampling-only device runs (the wire format, the transport, the ONNX sampler,
   signing, the config, the role runtime and the device's own sampling modules) imports no
   module of the training extra (torch, diffusers, ...) when it is loaded;
-- only ``shared.transport`` imports paho.
+- only ``shared.transport`` imports paho;
+- outside the methods' packages a method is known only through its interface and the
+  registry: no module imports another part of ``shared.methods``, none compares
+  ``algorithm.name`` with a name, and each role reads at most :data:`MAX_MEMBERS` members of
+  the method interface.
 
 Each rule is a function over a source tree that returns its violations; the tests run them
 on this repository (no violation) and on small trees made to break each rule (the rule
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +37,16 @@ PACKAGES = ("shared", "cloud", "edge_node", "device_agent", "estuary")
 ROLES = ("cloud", "edge_node", "device_agent")
 #: shared's floors, lowest first: a module imports only from its own floor and lower ones
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("shared", "shared.errors", "shared.atomic", "shared.lifetime"),
-    ("shared.config",),
+    ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings",
+     "shared.families", "shared.seeds"),
+    ("shared.config", "shared.methods.registry"),
     ("shared.wire",),
     ("shared.transport",),
-    ("shared.models", "shared.naming"),
+    ("shared.models", "shared.naming", "shared.federation"),
     ("shared.data",),
     ("shared.diffusion",),
-    ("shared.algorithms",),
     ("shared.evaluation",),
+    ("shared.methods",),
     ("shared.metrics",),
     ("shared.runtime",),
     ("shared.deploy",),
@@ -157,8 +163,16 @@ def role_violations(root: Path) -> list[str]:
     return out
 
 
+#: each method's settings (``shared.methods.<name>.config``) sit on the config floor with the
+#: registry: every process reads them, torch-free, to parse a run config
+SETTINGS_MODULE = re.compile(r"^shared\.methods\.\w+\.config$")
+
+
 def floor_of(module: str) -> int | None:
-    """The floor of a ``shared`` module (the longest matching prefix), None outside it."""
+    """The floor of a ``shared`` module (the longest matching prefix; a method's settings:
+    the config floor), None outside it."""
+    if SETTINGS_MODULE.match(module):
+        module = "shared.config"
     best: tuple[int, int] | None = None
     for level, prefixes in enumerate(FLOORS):
         for prefix in prefixes:
@@ -272,7 +286,84 @@ def paho_violations(root: Path) -> list[str]:
     ]
 
 
+#: what the rest of the code may import of ``shared.methods``
+METHOD_INTERFACE = ("shared.methods", "shared.methods.api", "shared.methods.registry")
+#: the most members of the method interface one role reads
+MAX_MEMBERS = 6
+
+
+def interface_violations(root: Path) -> list[str]:
+    """Imports of a method's package (or any part of ``shared.methods`` other than the
+    interface and the registry) from outside ``shared.methods``."""
+    return [
+        f"{imp.source}:{imp.line} imports {imp.target}"
+        for imp in all_imports(root)
+        if _within(imp.target, "shared.methods")
+        and imp.target not in METHOD_INTERFACE
+        and not _within(imp.source, "shared.methods")
+    ]
+
+
+#: ``algorithm.name`` compared with a method's name
+NAME_CHECK = re.compile(r"algorithm\.name ?(==|!=| in )")
+
+
+def name_check_violations(root: Path) -> list[str]:
+    """Lines outside the methods' packages that ask which method runs."""
+    out = []
+    for name, path in modules(root).items():
+        if _within(name, "shared.methods"):
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if NAME_CHECK.search(line):
+                out.append(f"{name}:{i}: {line.strip()}")
+    return out
+
+
+#: the objects whose ``algorithm`` is the method (a service, or a service held by a helper),
+#: as opposed to the config section ``cfg.algorithm`` or a summary's figures
+HOLDERS = frozenset({"self", "cloud", "edge", "agent", "device", "d"})
+
+
+def _is_method(node: ast.expr) -> bool:
+    """Whether ``node`` is the method object a role holds: ``algorithm`` (a parameter) or
+    ``<holder>.algorithm``."""
+    if isinstance(node, ast.Name):
+        return node.id == "algorithm"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "algorithm"
+        and isinstance(node.value, ast.Name)
+        and node.value.id in HOLDERS
+    )
+
+
+def members_read(root: Path) -> dict[str, set[str]]:
+    """The members of the method object each role reads."""
+    out: dict[str, set[str]] = {role: set() for role in ROLES}
+    for name, path in modules(root).items():
+        role = name.split(".")[0]
+        if role not in ROLES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and _is_method(node.value):
+                out[role].add(node.attr)
+    return out
+
+
+def member_violations(root: Path) -> list[str]:
+    """Roles reading more than :data:`MAX_MEMBERS` members of the method interface."""
+    return [
+        f"{role} reads {len(found)} members of the method: {sorted(found)}"
+        for role, found in members_read(root).items()
+        if len(found) > MAX_MEMBERS
+    ]
+
+
 RULES = {
+    "interface": interface_violations,
+    "names": name_check_violations,
+    "members": member_violations,
     "roles": role_violations,
     "floors": floor_violations,
     "cycles": lambda root: [" -> ".join(c) for c in cycles(root)],
@@ -287,6 +378,11 @@ RULES = {
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_the_repository_keeps_the_rule(rule: str) -> None:
     assert RULES[rule](ROOT) == []
+
+
+def test_each_role_reads_few_members_of_the_method() -> None:
+    read = members_read(ROOT)
+    assert all(0 < len(found) <= MAX_MEMBERS for found in read.values()), read
 
 
 def test_every_shared_module_has_a_floor() -> None:
@@ -344,6 +440,19 @@ BROKEN = {
         "loading shared.deploy.signing imports torch",
     ),
     "paho": ({"edge_node/service.py": "import paho.mqtt.client as mqtt\n"}, "edge_node.service:1"),
+    "interface": (
+        {"shared/methods/prism/method.py": "x = 1\n",
+         "estuary/simulate.py": "from shared.methods.prism.method import x\n"},
+        "estuary.simulate:1 imports shared.methods.prism.method",
+    ),
+    "names": (
+        {"cloud/main.py": "if cfg.algorithm.name == 'prism':\n    pass\n"},
+        "cloud.main:1",
+    ),
+    "members": (
+        {"edge_node/service.py": "".join(f"self.algorithm.m{i}\n" for i in range(7))},
+        "edge_node reads 7 members",
+    ),
 }
 
 

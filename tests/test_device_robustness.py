@@ -19,8 +19,8 @@ import torch
 
 import device_agent.service as device_service
 from device_agent.service import DeviceAgent
-from shared.algorithms import make_algorithm
 from shared.config import RunConfig
+from shared.methods.registry import make_algorithm
 from shared.runtime.service import RoleService
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import DeviceJoin, DeviceUpdate, EdgeRound, RoundStart, decode

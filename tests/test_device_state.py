@@ -292,7 +292,7 @@ def test_a_state_that_cannot_be_written_is_counted_and_training_goes_on(tmp_path
 
 
 def _agent(cfg: RunConfig, state_dir: Path, name: str = "dev001") -> DeviceAgent:
-    from shared.algorithms import make_algorithm
+    from shared.methods.registry import make_algorithm
 
     return DeviceAgent(
         cfg, MemoryBus(), make_algorithm(cfg), device_id=name, index=int(name[3:]),

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
+from shared.methods.registry import make_algorithm
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import EdgeRound, Presence, decode, home_of
 from tests.conftest import tiny_config

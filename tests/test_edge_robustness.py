@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.data.datasets import NUM_CLASSES
+from shared.methods.registry import make_algorithm
 from shared.models.plan import dense_plan
 from shared.runtime.service import RoleService
 from shared.transport.bus import MemoryBus

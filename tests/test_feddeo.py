@@ -1,5 +1,6 @@
-"""FedDEO: descriptions against a frozen generator, slots instead of averages, guided
-generation with nested seeds, and the one-shot run end to end (in-process)."""
+"""FedDEO: descriptions against a frozen generator, each device's own upload forwarded to
+the cloud instead of averaged, guided generation with nested seeds, and the one-shot run end
+to end (in-process)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,27 @@ from typing import Any
 import pytest
 import torch
 
-from shared.algorithms import Update, make_algorithm
-from shared.algorithms.feddeo import (
-    DESC,
-    MASK,
-    image_seed,
-    slot,
-    start_noise,
-    train_descriptions,
-)
 from shared.config import RunConfig, config_from_dict
-from shared.config.algorithms import FedDEOConfig
-from shared.diffusion.guidance import (
+from shared.diffusion.schedule import make_train_scheduler
+from shared.errors import ConfigError
+from shared.methods.base import Update
+from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddeo.guidance import (
     class_table,
     compose_eps,
     eps_with_embedding,
     guided_ddim,
     null_row,
 )
-from shared.diffusion.schedule import make_train_scheduler
-from shared.errors import ConfigError
+from shared.methods.feddeo.method import (
+    DESC,
+    MASK,
+    image_seed,
+    start_noise,
+    train_descriptions,
+)
+from shared.methods.registry import make_algorithm
+from shared.models.plan import model_spec
 from shared.models.presets import build_unet, null_class, num_classes_of
 
 # its module-scoped fixtures are built once: every test of the module on one pytest worker
@@ -131,52 +133,55 @@ def _upload(desc_value: float, mask: list[float] | None = None) -> dict[str, tor
     return {DESC: torch.full((10, 64), desc_value), MASK: torch.tensor(mask or [1.0] * 10)}
 
 
-def test_slots_are_filled_by_their_own_sender_and_never_averaged() -> None:
+def test_each_upload_is_checked_at_its_edge_and_kept_by_the_cloud_as_sent() -> None:
     cfg = feddeo_config()
     algo = make_algorithm(cfg)
-    state = algo.init_global(build_unet("fmnist-tiny-cfg").state_dict())
-    ups = [
-        Update("dev000", _upload(1.0), 10, (1,) * 10),
-        Update("dev002", _upload(2.0), 10, (1,) * 10),
-        Update("dev099", _upload(9.0), 10, (1,) * 10),  # not a device of this federation
-        Update("dev001", _upload(3.0, [1, 0.5] + [0] * 8), 10, (1,) * 10),  # bad mask
-    ]
-    edge = algo.edge_aggregate(ups, state)
-    assert float(edge[slot(DESC, "dev000")].mean()) == 1.0
-    assert float(edge[slot(DESC, "dev002")].mean()) == 2.0
-    assert not edge[slot(MASK, "dev001")].any()
-    assert "feddeo.desc.dev099" not in edge
-    for k in state:
-        if not k.startswith("feddeo."):
-            assert edge[k] is state[k]  # the generator is never touched
-    # the cloud takes each edge's slots for that edge's own devices only (edge0: dev000,
-    # dev002; edge1: dev001, dev003), so a slot filled at the wrong edge is dropped
-    wrong = algo.edge_aggregate([Update("dev001", _upload(4.0), 10, (1,) * 10)], state)
-    glob = algo.cloud_aggregate(
-        [Update("edge0", edge, 20, (2,) * 10), Update("edge0", wrong, 10, (1,) * 10)], state
-    )
-    assert float(glob[slot(DESC, "dev000")].mean()) == 1.0
-    assert not glob[slot(MASK, "dev001")].any()
+    assert algo.traffic.cloud_sees == "every_upload" and algo.traffic.product == "cloud_made"
+    state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
+    fold = algo.aggregation.edge_fold(state)
+    fold.add(Update("dev000", _upload(1.0), 10, (1,) * 10))
+    fold.add(Update("dev002", _upload(2.0), 10, (1,) * 10))
+    with pytest.raises(ValueError, match="not a device of this federation"):
+        fold.add(Update("dev099", _upload(9.0), 10, (1,) * 10))
+    with pytest.raises(ValueError, match="mask entries"):
+        fold.add(Update("dev001", _upload(3.0, [1, 0.5] + [0] * 8), 10, (1,) * 10))
+    assert fold.sources == ["dev000", "dev002"]
+    assert fold.result() is state  # the generator is never touched, nothing is averaged
+    # the cloud keeps each device's own upload (forwarded by its edge), checked again
+    finalizer = algo.finalizer
+    assert finalizer is not None
+    finalizer.collect(0, {
+        "dev000": _upload(1.0), "dev002": _upload(2.0), "dev099": _upload(9.0),
+        "dev001": _upload(3.0, [1, 0.5] + [0] * 8),
+    })  # fmt: skip
+    held = algo.held  # type: ignore[attr-defined]
+    assert sorted(held) == ["dev000", "dev002"]
+    assert float(held["dev000"][0].mean()) == 1.0 and float(held["dev002"][0].mean()) == 2.0
 
 
-def test_a_description_too_large_fills_no_slot() -> None:
+def test_a_description_too_large_is_refused() -> None:
     algo = make_algorithm(feddeo_config())
-    state = algo.init_global(build_unet("fmnist-tiny-cfg").state_dict())
-    edge = algo.edge_aggregate([Update("dev000", _upload(1e6), 10, (1,) * 10)], state)
-    assert not edge[slot(MASK, "dev000")].any()
+    state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
+    with pytest.raises(ValueError, match="description entries beyond"):
+        algo.aggregation.edge_fold(state).add(Update("dev000", _upload(1e6), 10, (1,) * 10))
+    finalizer = algo.finalizer
+    assert finalizer is not None
+    finalizer.collect(0, {"dev000": _upload(1e6)})
+    assert not algo.held  # type: ignore[attr-defined]
 
 
 def test_the_published_state_carries_no_description(tmp_path: Path) -> None:
     cfg = feddeo_config()
     algo = make_algorithm(cfg)
-    state = algo.init_global(build_unet("fmnist-tiny-cfg").state_dict())
-    state = algo.edge_aggregate([Update("dev000", _upload(1.5), 10, (1,) * 10)], state)
-    published, _ = algo.after_cloud_aggregate(0, state, None)
-    assert not any(published[k].any() for k in published if k.startswith("feddeo."))
-    assert float(algo.held["dev000"][0].mean()) == 1.5  # type: ignore[attr-defined]
-    algo.save_cloud_state(tmp_path, 0)
+    mspec = model_spec(cfg.model.preset, None)
+    assert algo.format.global_spec(mspec) == mspec  # the generator alone: no description
+    finalizer, view = algo.finalizer, algo.state_view
+    assert finalizer is not None and view is not None and view.keeps_files
+    finalizer.collect(0, {"dev000": _upload(1.5)})
+    view.save_cloud_state(tmp_path, 0)
     again = make_algorithm(cfg)
-    again.load_cloud_state(tmp_path, 0)
+    assert again.state_view is not None
+    again.state_view.load_cloud_state(tmp_path, 0)
     torch.testing.assert_close(again.held["dev000"][0], algo.held["dev000"][0])  # type: ignore[attr-defined]
 
 
@@ -185,7 +190,7 @@ def test_config_refuses_more_rounds_and_a_generator_without_null_class() -> None
         feddeo_config(run={"rounds": 2})
     with pytest.raises(ConfigError, match="null class"):
         feddeo_config(model={"preset": "fmnist-tiny-cond"})
-    with pytest.raises(ConfigError, match="feddeo_eval_n"):
+    with pytest.raises(ConfigError, match=r"feddeo\.eval_n"):
         feddeo_config(algorithm={"feddeo_eval_n": [10]})
 
 

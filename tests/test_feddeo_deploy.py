@@ -33,7 +33,6 @@ from device_agent.deployment import (
     SamplingAgent,
 )
 from estuary.simulate import build_federation, device_test_splits
-from shared.algorithms.base import FinalResult
 from shared.config import RunConfig
 from shared.data.datasets import load_dataset, to_model_input, write_image_folder
 from shared.data.partition import make_partition
@@ -49,6 +48,7 @@ from shared.deploy.signing import (
     verify_manifest,
 )
 from shared.errors import EstuaryError, ExportError
+from shared.methods.base import FinalResult
 from shared.models.classifier import build_classifier
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import Deployment, DeploymentReport, SampleRequest

@@ -13,9 +13,14 @@ import torch
 from diffusers import UNet2DModel
 
 from estuary.simulate import build_federation
-from shared.algorithms import DeviceContext, Update, make_algorithm
-from shared.algorithms.aggregation import fedavg
-from shared.algorithms.feddiffuse import (
+from shared.config import RunConfig
+from shared.data.datasets import load_dataset
+from shared.data.partition import make_partition
+from shared.errors import ConfigError, EstuaryError
+from shared.methods.aggregation import fedavg
+from shared.methods.base import DeviceContext, Update
+from shared.methods.feddiffuse.config import FedDiffuseConfig
+from shared.methods.feddiffuse.method import (
     FEDERATED_PARTS,
     LOCAL_STATE_KEY,
     PARTS,
@@ -27,11 +32,7 @@ from shared.algorithms.feddiffuse import (
     usplit_assignment,
     usplit_groups,
 )
-from shared.config import RunConfig
-from shared.config.algorithms import FedDiffuseConfig
-from shared.data.datasets import load_dataset
-from shared.data.partition import make_partition
-from shared.errors import ConfigError, EstuaryError
+from shared.methods.registry import make_algorithm
 from shared.models.presets import PRESETS, build_unet, state_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import encode_tensors, spec_of
@@ -215,7 +216,7 @@ def test_two_tier_usplit_weights_each_part_by_its_reporters() -> None:
 
 
 def test_partial_fedavg_of_complete_states_is_fedavg() -> None:
-    """FULL: every state complete -> exactly shared.algorithms.aggregation.fedavg."""
+    """FULL: every state complete -> exactly shared.methods.aggregation.fedavg."""
     g = torch.Generator().manual_seed(0)
     states = [{"w": torch.randn(3, 3, generator=g), "b": torch.randn(3, generator=g)} for _ in "ab"]
     states.append({"w": torch.ones(3, 3), "b": torch.zeros(3)})
@@ -261,7 +262,7 @@ def test_full_and_usplit_load_the_whole_edge_model() -> None:
         state = build_unet("fmnist-tiny", seed=2).state_dict()
         algo.device_load(ctx, model, state)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-        assert algo.partial_uploads
+        assert algo.traffic.uplink == ("parts" if split == "usplit" else "state")
         assert algo.upload_spec(state_spec("fmnist-tiny")) == state_spec("fmnist-tiny")
 
 

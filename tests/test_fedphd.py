@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.algorithms import Update
-from shared.algorithms.fedphd import (
-    FedPhD,
-    choose_edge,
-    selection_probs,
-    selection_rng,
-    sh_score,
-    sh_weights,
-)
 from shared.config import config_from_dict
+from shared.federation.selection import choose_edge, selection_probs, selection_rng, sh_score
+from shared.methods.base import Update
+from shared.methods.fedphd.method import FedPhD, sh_weights
 
 TWO_CLASS = [50, 50, 0, 0, 0, 0, 0, 0, 0, 0]
 

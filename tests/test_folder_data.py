@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-import shared.data.datasets as data_mod
+import shared.data.images as data_mod
 from device_agent.main import device_data
 from estuary.launcher import Hierarchy
 from estuary.simulate import simulate

@@ -14,7 +14,8 @@ from types import ModuleType
 import pytest
 
 from estuary.compare import parse_compare, steps_per_round
-from shared.config.algorithms import FedDiffuseConfig, FedPhDConfig
+from shared.methods.feddiffuse.config import FedDiffuseConfig
+from shared.methods.fedphd.config import FedPhDConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,10 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from shared.algorithms import DeviceContext, make_algorithm
-from shared.algorithms import scaffold as sc
-from shared.algorithms.base import model_state
-from shared.algorithms.fedprox import proximal_term
 from shared.config import RunConfig
 from shared.diffusion import cuda_graph as graphed
 from shared.diffusion import training
@@ -39,6 +35,10 @@ from shared.diffusion.training import (
     resident_settings,
     train_local,
 )
+from shared.methods.base import DeviceContext, model_state
+from shared.methods.baselines import scaffold as sc
+from shared.methods.baselines.fedprox import proximal_term
+from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet
 from tests.conftest import tiny_config
 

@@ -95,7 +95,7 @@ def test_unusable_files_are_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_pruned_checkpoint_is_refused(tmp_path: Path) -> None:
-    from shared.algorithms.fedphd import prune_state
+    from shared.methods.fedphd.method import prune_state
 
     state, plan = prune_state(
         "fmnist-tiny", build_unet("fmnist-tiny").state_dict(), 0.3, method="l2", seed=0

@@ -81,9 +81,10 @@ def test_model_info_cli(capsys: pytest.CaptureFixture[str]) -> None:
 def test_compute_device_resolution_and_every_algorithm_trains_there(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from shared.algorithms import base, make_algorithm, registered
     from shared.config import config_from_dict
     from shared.diffusion.training import resolve_device
+    from shared.methods import base
+    from shared.methods.registry import make_algorithm, registered
 
     assert resolve_device("cpu").type == "cpu"
     # a per-process setting: GPU and CPU devices share one federation (same digest)

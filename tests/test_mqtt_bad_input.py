@@ -33,9 +33,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud import CloudServer
 from edge_node import EdgeServer
-from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
 from shared.errors import TransportError
+from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet
 from shared.runtime.service import REJECT_LOG_BURST, LogLimiter
 from shared.transport.bus import MemoryBus

@@ -15,11 +15,11 @@ from cloud import CloudServer
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from estuary.simulate import build_federation
-from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
 from shared.data.datasets import load_dataset, to_model_input
 from shared.data.partition import make_partition
 from shared.errors import TransportError
+from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
 from shared.transport.blob_transfer import chunk_count

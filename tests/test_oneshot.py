@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from shared.algorithms import DeviceContext, make_algorithm
-from shared.algorithms.prism import MASK, STEP, THETA
 from shared.config import RunConfig
 from shared.deploy.onnx_sampler import OnnxGenerator
 from shared.errors import EstuaryError
 from shared.evaluation.evaluator import model_from_state, sample_images
-from shared.models.masking import fan_in, is_masked
+from shared.methods.base import DeviceContext
+from shared.methods.prism.masking import fan_in, is_masked
+from shared.methods.prism.method import MASK, STEP, THETA
+from shared.methods.registry import make_algorithm
 from shared.models.oneshot import (
     MATCH_STATE,
     FeatureMatch,

@@ -20,7 +20,6 @@ from device_agent.personalize import Personalizer
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, load_generator
 from estuary.cli import main as cli_main
 from estuary.simulate import Federation, build_federation
-from shared.algorithms.feddiffuse import LOCAL_STATE_KEY
 from shared.config import RunConfig
 from shared.data.datasets import load_dataset
 from shared.data.partition import make_partition
@@ -28,6 +27,7 @@ from shared.deploy.export import SHARED_FILE, EpsModel, example_inputs
 from shared.deploy.onnx_sampler import OnnxGenerator
 from shared.deploy.signing import generate_keys, load_private_key, load_public_key, sign_manifest
 from shared.errors import PersonalizeError, SignatureError
+from shared.methods.feddiffuse.method import LOCAL_STATE_KEY
 from shared.models.plan import ChannelPlan, build_model
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import Deployment, DeploymentReport

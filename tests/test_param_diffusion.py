@@ -1,4 +1,4 @@
-"""pFedGPA's parameter DM (shared/models/param_diffusion.py): the forward-chain maths in
+"""pFedGPA's parameter DM (shared/methods/pfedgpa/param_diffusion.py): the forward-chain maths in
 float64, the sampler against an oracle denoiser, per-sample timesteps, shapes, files and
 determinism, and, on a tiny trained DM, inversion against direct generation."""
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.errors import CodecError
-from shared.models.param_diffusion import (
+from shared.methods.pfedgpa.param_diffusion import (
     LatentDenoiser,
     ParamAutoencoder,
     ParamDM,

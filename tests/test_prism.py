@@ -14,25 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from shared.algorithms import DeviceContext, Update, make_algorithm
-from shared.algorithms.prism import (
-    COUNT,
-    MASK,
-    RELEASES,
-    STEP,
-    THETA,
-    Prism,
-    dp_epsilon,
-    dp_rounds,
-    mask_distance,
-    privatize,
-    sensitivity,
-)
 from shared.config import RunConfig, with_overrides
 from shared.data.datasets import load_dataset, to_model_input
 from shared.errors import CodecError, ConfigError
 from shared.evaluation.evaluator import model_from_state
-from shared.models.masking import (
+from shared.methods.base import DeviceContext, Update
+from shared.methods.prism.masking import (
     KEY_ENV,
     KEY_FILE_ENV,
     MaskedModule,
@@ -45,6 +32,20 @@ from shared.models.masking import (
     load_key,
     masked_names,
 )
+from shared.methods.prism.method import (
+    COUNT,
+    MASK,
+    RELEASES,
+    STEP,
+    THETA,
+    Prism,
+    dp_epsilon,
+    dp_rounds,
+    mask_distance,
+    privatize,
+    sensitivity,
+)
+from shared.methods.registry import make_algorithm
 from shared.models.plan import model_spec
 from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
@@ -459,8 +460,8 @@ def test_the_compact_artifact_round_trips_and_a_resume_needs_the_same_key(
 def test_prism_star_sends_the_output_side_layers_as_probabilities() -> None:
     """alpha = 80: the last 80 % of the layers in depth order upload float32 probabilities
     (averaged as they are, clamped into [0, 1]); the rest upload mask bits."""
-    from shared.algorithms.prism import PROB
-    from shared.models.masking import depth_order, output_side
+    from shared.methods.prism.masking import depth_order, output_side
+    from shared.methods.prism.method import PROB
 
     order = depth_order("fmnist-tiny")
     assert order[-1] == "conv_out.weight" and order.index("conv_in.weight") < 5

@@ -17,9 +17,9 @@ import torch
 from cloud import CloudServer
 from estuary.provision import acl_text
 from estuary.status import observer_topics
-from shared.algorithms import make_algorithm
 from shared.config import BrokerSection, RunConfig
 from shared.errors import TransportError
+from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet
 from shared.runtime.service import RoleService
 from shared.transport.blob_transfer import BlobContext, BlobServer

@@ -22,8 +22,8 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from estuary.cli import main
-from shared.algorithms.fedphd import Q_FLOOR, SparsityPenalty, forward_order
 from shared.errors import ConfigError
+from shared.methods.fedphd.method import Q_FLOOR, SparsityPenalty, forward_order
 from shared.models.plan import (
     PLAN_FORMAT,
     ChannelPlan,

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from shared.algorithms import Update, make_algorithm
-from shared.algorithms.aggregation import WeightedSum, fedavg, weighted_average
-from shared.algorithms.base import HeldFold, MeanFold
 from shared.errors import EstuaryError
+from shared.methods.aggregation import WeightedSum, fedavg, weighted_average
+from shared.methods.base import HeldFold, MeanFold, Update
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import CheckpointWriter
 from shared.runtime.trace import ENV_DIR, Trace
 from shared.transport import blobs

@@ -223,8 +223,9 @@ def compare_toml(p: dict[str, Any], *, preset: str, batch: int, lr: float, num_s
     e5 = (f'"run.rounds" = {r5}, "train.local_epochs" = 5, "eval.every" = {k5}, '
           f'"eval.sample_every" = {k5}')  # fmt: skip
     fedphd = ('"algorithm.name" = "fedphd", "federation.assignment" = "select", '
-              '"federation.cloud_every" = 5, "algorithm.a" = 18000.0, "algorithm.b" = 0.0, '
-              '"algorithm.prune_ratio" = 0.44, "algorithm.prune_method" = "l2"')  # fmt: skip
+              '"federation.cloud_every" = 5, "federation.sh_a" = 18000.0, '
+              '"federation.sh_b" = 0.0, "algorithm.fedphd.prune_ratio" = 0.44, '
+              '"algorithm.fedphd.prune_method" = "l2"')  # fmt: skip
     return f"""# Written by benchmarks/gpu/gpu_compare.py from a calibration on this machine: {p}
 # FedPhD's comparison (Tables I and IV): N = 20 devices with 2 Fashion-MNIST classes each,
 # N_e = 2 edges, kappa = 0.2 (C = 4 per round), r_g = 5 (FedPhD), r_e = 1, batch {batch}, Adam.
@@ -293,11 +294,11 @@ overrides = {{"algorithm.name" = "fedavg"}}
 
 [[method]]
 label = "FedPhD"
-overrides = {{{fedphd}, "algorithm.sparse_rounds" = 5, "algorithm.lambda0" = 1e-4, "algorithm.prune_at" = "sparse"}}
+overrides = {{{fedphd}, "algorithm.fedphd.sparse_rounds" = 5, "algorithm.fedphd.lambda0" = 1e-4, "algorithm.fedphd.prune_at" = "sparse"}}
 
 [[method]]
 label = "FedPhD (OS)"
-overrides = {{{fedphd}, "algorithm.prune_at" = "init"}}
+overrides = {{{fedphd}, "algorithm.fedphd.prune_at" = "init"}}
 
 [[method]]
 label = "FedDiffuse (USPLIT)"

@@ -25,7 +25,8 @@ The config is TOML: a base run config and a list of methods, each a label plus o
     [[method]]
     label = "Centralized (s_p=0.44)"
     centralized = true     # the ceiling of a pruned architecture: pruned once at init
-    overrides = {"algorithm.prune_ratio" = 0.44, "algorithm.prune_at" = "init"}
+    overrides = {"algorithm.name" = "fedphd", "algorithm.fedphd.prune_ratio" = 0.44,
+                 "algorithm.fedphd.prune_at" = "init"}
 
 Overrides are dotted ``section.key`` names (an ``[method.overrides]`` sub-table, or nested
 tables, work too); an unknown section or key is a :class:`ConfigError` naming it.

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from estuary.compare.spec import Method, MethodRun
-from shared.algorithms import make_algorithm
 from shared.atomic import atomic_write
-from shared.config.algorithms import FedPhDConfig
 from shared.errors import ConfigError
+from shared.methods.api import origin_of
+from shared.methods.registry import make_algorithm
 from shared.models.init import init_fingerprint
 from shared.models.plan import parse_plan, plan_doc
 from shared.models.pruning import PRUNING_RECIPE
@@ -39,9 +39,7 @@ def _training_key(m: Method) -> dict[str, Any]:
     key: dict[str, Any] = {"precision": m.cfg.train.precision}
     if m.centralized:
         key["centralized_training"] = {"optimizer": "one per run", "ema": m.ema}
-    if FedPhDConfig.of(m.cfg).prune_ratio > 0 and (
-        m.centralized or m.cfg.algorithm.name == "fedphd"
-    ):
+    if m.cfg.algorithm.config().prunes:
         # a record of another recipe (or of a centralized method that versions before the
         # pruned ceiling trained dense) lacks this key or differs in it, so reruns
         key["pruning"] = PRUNING_RECIPE
@@ -69,7 +67,7 @@ def fingerprint(m: Method) -> str:
     with what else its first state derives from (PRISM: the key's fingerprint), so a run
     trained under another key is not reused."""
     init = init_fingerprint(m.cfg.model.preset, m.cfg.model.init)
-    origin = None if m.centralized else make_algorithm(m.cfg).origin()
+    origin = None if m.centralized else origin_of(make_algorithm(m.cfg))
     return init if origin is None else f"{init}+{origin}"
 
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from estuary.compare.jobs import run_jobs
+from estuary.compare.plots import write_plots
 from estuary.compare.record import NO_RECORD, RECORD, fingerprint, load_record, save_record
 from estuary.compare.spec import (
     CompareResult,
@@ -23,11 +25,10 @@ from estuary.compare.spec import (
     device_sizes,
     steps_per_round,
 )
-from estuary.compare.tables import summarize, write_plots, write_tables
-from shared.algorithms.feddeo import score_by_domain
+from estuary.compare.tables import summarize, write_tables
+from shared import seeds
 from shared.atomic import atomic_write
-from shared.config import RunConfig, model_kind
-from shared.config.algorithms import FedPhDConfig
+from shared.config import RunConfig
 from shared.data.datasets import ImageDataset, to_model_input
 from shared.data.partition import split_dataset
 from shared.diffusion.schedule import make_train_scheduler
@@ -40,14 +41,16 @@ from shared.diffusion.training import (
     train_local,
 )
 from shared.errors import ConfigError
+from shared.evaluation.domains import score_by_domain
 from shared.evaluation.evaluator import Evaluator, check_evaluable
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
+from shared.families import family_of
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import save_checkpoint
 from shared.models.init import initial_model
-from shared.models.plan import ChannelPlan
+from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import check_trainable
-from shared.models.pruning import prune_unet
 from shared.runtime.cpu import set_torch_threads
 
 
@@ -65,10 +68,10 @@ def run_centralized(
     the rows, the steps per round, the channel plan (None: dense) and the final figures
     (a classifier's, see below; None for a generator).
 
-    With ``algorithm.prune_ratio`` > 0 (``prune_at = "init"``) the initial model is pruned
-    first, as FedPhD-OS prunes it (``algorithm.prune_method``, seed ``run.seed``): the
-    ceiling of that architecture, which separates what pruning costs from what federating
-    costs.
+    Where the named method's settings prune the model before the first round (FedPhD-OS:
+    ``prune_ratio`` > 0, ``prune_at = "init"``), the ceiling trains the architecture the
+    method starts from (its cloud's step on the initial state, ``after_cloud_aggregate(-1,
+    ...)``): what pruning costs, apart from what federating costs.
 
     It is ordinary centralized training: one optimizer for the whole run (its state carries
     over the evaluation points). With ``ema`` > 0 the evaluated and checkpointed model is the
@@ -84,18 +87,11 @@ def run_centralized(
     set_deterministic(cfg.compute.deterministic)
     prepare_run_dir(cfg, run_dir)
     data, parts = split_dataset(cfg, progress=progress)
-    if model_kind(cfg.model.preset) == "classifier":
+    if family_of(cfg.model.preset).quality == "accuracy":
         return _centralized_classifier(cfg, run_dir, data, parts, progress=progress, init=init)
     pooled = to_model_input(data.images[np.unique(np.concatenate(parts))], cfg.data.input_channels)
     steps = steps_per_round(cfg, [len(p) for p in parts])
-    model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
-    plan: ChannelPlan | None = None
-    algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
-    if algo.prune_ratio > 0:
-        with torch.no_grad():
-            model = prune_unet(model, algo.prune_ratio, method=algo.prune_method,
-                               seed=cfg.run.seed)  # fmt: skip
-        plan = ChannelPlan.of_module(model, preset=cfg.model.preset)
+    model, plan = _first_model(cfg)
     scheduler = make_train_scheduler(cfg.diffusion)
     device = resolve_device(cfg.compute.device)
     gen = torch.Generator().manual_seed(_centralized_seed(cfg))
@@ -132,9 +128,25 @@ def run_centralized(
     return rows, steps, plan, None
 
 
+def _first_model(cfg: RunConfig) -> tuple[nn.Module, ChannelPlan | None]:
+    """The model a ceiling starts from: ``model.init``, or, where the method's settings
+    prune before the first round, the architecture its cloud makes of it (and its plan)."""
+    model = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed)
+    if not cfg.algorithm.config().prunes:
+        return model, None
+    method = make_algorithm(cfg)
+    first = method.format.init_global({k: v.detach() for k, v in model.state_dict().items()})
+    state, plan = method.aggregation.after_cloud_aggregate(-1, first, None)
+    if plan is None:
+        return model, None
+    pruned = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
+    pruned.load_state_dict(method.format.materialize(state))
+    return pruned, plan
+
+
 def _centralized_seed(cfg: RunConfig) -> int:
     """The seed of a centralized run's batch (and noise) draws."""
-    return int(np.random.SeedSequence([cfg.run.seed, 0xCE7]).generate_state(1)[0])
+    return seeds.integer("centralized", cfg.run.seed)
 
 
 def _write_rows(rows: list[dict[str, Any]], run_dir: Path, cfg: RunConfig) -> None:
@@ -255,12 +267,15 @@ def run_compare(
         if evaluate and m.cfg.eval.every:
             check_evaluable(m.cfg)
     out.mkdir(parents=True, exist_ok=True)
-    if any(m.cfg.algorithm.name == "prism" for m in spec.methods):
-        from estuary.simulate import announce_prism_key
-
-        # one key for every PRISM method (the same frozen weights and first scores), kept
-        # in ``out`` so reused and resumed methods share it; jobs inherit the environment
-        announce_prism_key(out, show=progress)
+    # what the methods need before they run (PRISM's key: one for every PRISM method, the
+    # same frozen weights and first scores, kept in ``out`` so reused and resumed methods
+    # share it; jobs inherit the environment), once per kind
+    prepared: set[type] = set()
+    for m in spec.methods:
+        preparation = None if m.centralized else make_algorithm(m.cfg).preparation
+        if preparation is not None and type(preparation) not in prepared:
+            prepared.add(type(preparation))
+            preparation.prepare(out, show=progress)
     n = len(spec.methods)
     done: dict[str, MethodRun] = {}
     todo: list[tuple[int, Method, str]] = []  # (position, method, init fingerprint)

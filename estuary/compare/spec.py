@@ -4,6 +4,7 @@ and seed they share, and what running them produces (:class:`MethodRun`,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -13,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from cloud.service import sample_participants
-from shared.config import RunConfig, apply_env_overrides, config_from_dict, model_kind
-from shared.config.algorithms import FedPhDConfig
+from shared.config import RunConfig, apply_env_overrides, config_from_dict
+from shared.config.algorithms import config_class
+from shared.config.legacy import FLAT_KEYS
 from shared.data.partition import split_dataset
 from shared.diffusion.training import num_local_steps
 from shared.errors import ConfigError
+from shared.families import family_of
 from shared.metrics.accounting import Distances
 from shared.models.plan import ChannelPlan
 from shared.naming import device_name
@@ -85,23 +88,37 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def apply_overrides(base: dict[str, Any], overrides: dict[str, Any], label: str) -> dict[str, Any]:
-    """A copy of ``base`` with dotted ``section.key`` overrides set; unknown keys are errors."""
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    """A copy of ``base`` with dotted ``section.key`` overrides set (a method's settings:
+    ``algorithm.<name>.key``); unknown keys are errors."""
+    merged = copy.deepcopy(base)
     for key, value in _flatten(overrides).items():
         section, _, name = key.partition(".")
         fields = RunConfig.model_fields
-        if section not in fields or not name or "." in name:
+        if section not in fields or not name:
             raise ConfigError(
                 f"method {label!r}: unknown override key {key!r}; use 'section.key' with a "
                 f"section of {sorted(fields)}"
             )
+        target = merged.setdefault(section, {})
+        table, _, table_key = name.partition(".")
         known = fields[section].annotation.model_fields  # type: ignore[union-attr]
-        if name not in known:
+        if section == "algorithm" and table_key and table in known:  # a method's table
+            cls = config_class(table)
+            if table_key not in cls.model_fields:
+                raise ConfigError(
+                    f"method {label!r}: unknown override key {key!r} (no {table_key!r} in "
+                    f"[algorithm.{table}]; known: {', '.join(sorted(cls.model_fields))})"
+                )
+            target = target.setdefault(table, {})
+            target[table_key] = value
+            continue
+        legacy = section == "algorithm" and name in FLAT_KEYS  # format 1's flat key
+        if "." in name or (name not in known and not legacy):
             raise ConfigError(
                 f"method {label!r}: unknown override key {key!r} (no {name!r} in [{section}]; "
                 f"known: {', '.join(sorted(known))})"
             )
-        merged.setdefault(section, {})[name] = value
+        target[name] = value
     return merged
 
 
@@ -167,22 +184,25 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
     slug = _slug(label, taken)
     data = apply_overrides(base, {"run.name": slug, **overrides}, label)
     cfg = config_from_dict(data, source=f"{path} method {label!r}")
-    algo = FedPhDConfig.of(cfg)  # a pruned ceiling takes FedPhD's pruning settings
-    if (
-        centralized
-        and model_kind(cfg.model.preset) == "classifier"
-        and (ema or algo.prune_ratio > 0)
-    ):
+    settings = cfg.algorithm.config()  # a pruned ceiling takes its method's pruning
+    classifier = family_of(cfg.model.preset).quality == "accuracy"
+    if centralized and classifier and (ema or settings.prunes):
         raise ConfigError(
             f"{path}: method {label!r}: a centralized classifier (cross-entropy on the pooled "
-            "data) takes no 'ema' and no algorithm.prune_ratio"
+            "data) takes no 'ema' and no pruning"
         )
-    if centralized and algo.prune_ratio > 0 and algo.prune_at != "init":
+    flat_ratio = data.get("algorithm", {}).get("prune_ratio", 0)  # format 1's flat key
+    if centralized and not settings.prunes and isinstance(flat_ratio, (int, float)) and flat_ratio:
         raise ConfigError(
-            f"{path}: method {label!r}: centralized training has no sparse rounds, so it "
-            "prunes only before its first step: set algorithm.prune_at = 'init' (and "
-            "algorithm.sparse_rounds = 0)"
+            f"{path}: method {label!r}: algorithm.prune_ratio is FedPhD's setting "
+            "(algorithm.fedphd.prune_ratio): a pruned centralized ceiling names fedphd "
+            "(\"algorithm.name\" = \"fedphd\")"
         )
+    if centralized:
+        try:
+            settings.check_centralized()
+        except ValueError as err:
+            raise ConfigError(f"{path}: method {label!r}: {err}") from None
     return Method(label, slug, cfg, centralized, float(ema))
 
 

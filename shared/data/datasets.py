@@ -25,21 +25,30 @@ pickles (unpickling a file can run code).
 
 from __future__ import annotations
 
-import gzip
 import logging
 import math
 import os
-import struct
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
 from PIL import Image
 
+from shared.data.images import (
+    FASHION_MNIST_CLASSES,
+    IMAGE_SUFFIXES,
+    MAX_IDX_BYTES,
+    NUM_CLASSES,
+    UNREADABLE,
+    class_folders,
+    class_slug,
+    list_image_folder,
+    read_idx,
+    read_image,
+)
 from shared.errors import DataError
 from shared.progress import progress_bar
 
@@ -53,20 +62,8 @@ FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-)  # fmt: skip
-NUM_CLASSES = 10
+CLASSES = FASHION_MNIST_CLASSES
 IMAGE_SIZE = 32  # model resolution (28x28 padded by 2 on each side)
-MAX_IDX_BYTES = 200 * 2**20
-#: image files an image folder may hold (28x28 bytes each in memory: 784 MB at the limit)
-MAX_FOLDER_IMAGES = 1_000_000
-#: largest image file read from an image folder
-MAX_IMAGE_FILE_BYTES = 64 * 2**20
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".pgm")
-#: the side of the stored images (before padding to ``IMAGE_SIZE``)
-STORED_SIZE = 28
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 #: the directory the archive extracts to
@@ -130,27 +127,6 @@ class ImageDataset:
         return ImageDataset(self.images[indices], self.labels[indices], self.name, self.skipped)
 
 
-def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
-    """Parse one gzipped IDX file (magic, dims, big-endian sizes, raw uint8 data)."""
-    try:
-        with gzip.open(path, "rb") as fh:
-            raw = fh.read(MAX_IDX_BYTES + 1)
-    except (OSError, EOFError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
-    if len(raw) > MAX_IDX_BYTES:
-        raise DataError(f"{path} is larger than {MAX_IDX_BYTES} bytes; not an IDX file?")
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic)")
-    ndim = raw[3]
-    if ndim != expect_dims:
-        raise DataError(f"{path}: expected {expect_dims} dimensions, file says {ndim}")
-    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(shape)):
-        raise DataError(f"{path}: header says {shape} but holds {data.size} bytes")
-    return data.reshape(shape).copy()
-
-
 def _candidate_dirs(path: str | Path | None) -> list[Path]:
     dirs = []
     if path:
@@ -202,8 +178,8 @@ def load_fashion_mnist(
         raise DataError(f"unknown split {split!r}; use 'train' or 'test'")
     root = find_fashion_mnist(path, download=download)
     img_file, lbl_file = FILES[split]
-    images = _read_idx(root / img_file, 3)
-    labels = _read_idx(root / lbl_file, 1).astype(np.int64)
+    images = read_idx(root / img_file, 3)
+    labels = read_idx(root / lbl_file, 1).astype(np.int64)
     if labels.max(initial=0) >= NUM_CLASSES:
         raise DataError(f"{root / lbl_file}: label {labels.max()} out of range")
     return ImageDataset(images, labels, f"fashion-mnist/{split}")
@@ -333,101 +309,6 @@ def load_dataset(
     raise DataError(f"unknown dataset {name!r}")
 
 
-def class_slug(name: str) -> str:
-    """A class name as a folder name: lower case, runs of other characters as one ``-``
-    (``"T-shirt/top"`` -> ``"t-shirt-top"``)."""
-    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
-
-
-def class_folders(class_names: Sequence[str] = ()) -> dict[str, int]:
-    """Folder name -> label of an image folder. With ``class_names`` (at most
-    ``NUM_CLASSES``), exactly those names, in label order; without, the digits ``0``-``9`` and
-    Fashion-MNIST's class names as :func:`class_slug` writes them (``t-shirt-top``, ...,
-    ``ankle-boot``)."""
-    if class_names:
-        if len(class_names) > NUM_CLASSES:
-            raise DataError(f"{len(class_names)} class names; at most {NUM_CLASSES}")
-        return {name: label for label, name in enumerate(class_names)}
-    folders = {str(label): label for label in range(NUM_CLASSES)}
-    folders.update({class_slug(name): label for label, name in enumerate(CLASSES)})
-    return folders
-
-
-def _list_image_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, int]]:
-    """Every image file under ``root``'s class folders with its label, in name order
-    (file name, then path), bounded by ``MAX_FOLDER_IMAGES``."""
-    if not root.is_dir():
-        raise DataError(f"image folder {root} does not exist (or is not a directory)")
-
-    def unlistable(err: OSError) -> NoReturn:  # os.walk would skip it without a word
-        raise DataError(f"cannot list {err.filename}: {err.strerror}")
-
-    found: list[tuple[str, str, Path, int]] = []
-    try:
-        entries = sorted(root.iterdir())
-    except OSError as err:
-        unlistable(err)
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue
-        if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
-            raise DataError(
-                f"{entry} is not in a class folder: put each image in {root}/<class>/, "
-                f"<class> one of {sorted(folders, key=folders.__getitem__)}"
-            )
-        if not entry.is_dir():
-            continue
-        if entry.name not in folders:
-            raise DataError(
-                f"{entry}: {entry.name!r} is not a class; class folders are named "
-                f"{sorted(folders, key=folders.__getitem__)} (set data.class_names to name "
-                "your own classes)"
-            )
-        label = folders[entry.name]
-        # os.walk does not follow links to directories (no cycles)
-        for dirpath, dirnames, filenames in os.walk(entry, onerror=unlistable):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in filenames:
-                if name.startswith(".") or Path(name).suffix.lower() not in IMAGE_SUFFIXES:
-                    continue
-                path = Path(dirpath) / name
-                found.append((name, str(path.relative_to(root)), path, label))
-                if len(found) > MAX_FOLDER_IMAGES:
-                    raise DataError(
-                        f"{root} holds more than {MAX_FOLDER_IMAGES} images; set "
-                        "data.max_samples_per_device to train on a sample of them"
-                    )
-    found.sort(key=lambda f: (f[0], f[1]))
-    return [(path, label) for _, _, path, label in found]
-
-
-def _read_image(path: Path) -> np.ndarray:
-    """One image file as uint8 ``(STORED_SIZE, STORED_SIZE)`` grayscale: converted to 8-bit
-    luminance, centre-cropped to a square, resized (an image of that size already in 8-bit
-    grayscale is read unchanged)."""
-    size = path.stat().st_size
-    if size > MAX_IMAGE_FILE_BYTES:
-        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
-    with Image.open(path) as im:
-        im.draft("L", (STORED_SIZE, STORED_SIZE))  # JPEG: decode at a reduced size
-        if im.mode in ("I", "F") or im.mode.startswith("I;16"):
-            # 16-bit (and 32-bit) grayscale: Pillow's convert("L") would clip at 255
-            a = np.asarray(im, dtype=np.float64)
-            a = a * 255.0 if im.mode == "F" and a.max(initial=0.0) <= 1.0 else a
-            a = a / 257.0 if im.mode != "F" else a  # 0..65535 -> 0..255
-            gray = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
-        else:
-            gray = im.convert("L")
-    w, h = gray.size
-    side = min(w, h)
-    if (w, h) != (side, side):
-        left, top = (w - side) // 2, (h - side) // 2
-        gray = gray.crop((left, top, left + side, top + side))
-    if side != STORED_SIZE:
-        gray = gray.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BOX)
-    return np.asarray(gray, dtype=np.uint8)
-
-
 def load_image_folder(
     root: str | Path,
     *,
@@ -441,7 +322,7 @@ def load_image_folder(
     drawn with ``seed`` (before any file is decoded). A file that cannot be read as an image
     is skipped and reported; a folder with no readable image is an error."""
     root = Path(root)
-    files = _list_image_folder(root, class_folders(class_names))
+    files = list_image_folder(root, class_folders(class_names))
     if max_images and len(files) > max_images:
         keep = np.sort(np.random.default_rng(seed).permutation(len(files))[:max_images])
         files = [files[i] for i in keep]
@@ -454,11 +335,11 @@ def load_image_folder(
     )  # fmt: skip
     for path, label in bar:
         try:
-            images.append(_read_image(path))
-        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+            images.append(read_image(path))
+        except UNREADABLE as err:
             skipped.append(f"{path}: {err}")
             continue
-        labels.append(label)
+        labels.append(int(label or 0))  # class folders only: every file has its label
     if skipped:
         log.warning(
             "%s: skipped %d of %d files that are not readable images (first: %s)",

@@ -26,6 +26,7 @@ from typing import get_args
 
 import numpy as np
 
+from shared import seeds
 from shared.config import DomainName
 from shared.errors import ConfigError, did_you_mean
 
@@ -57,7 +58,7 @@ def domain_seed(seed: int, index: int, *, test: bool = False) -> np.random.Gener
     """The generator of device ``index``'s random domain (noise) in a run of ``seed``;
     ``test``: the stream of its test split, independent of its training images' stream."""
     return np.random.default_rng(
-        np.random.SeedSequence([seed, index, 0xD0, 0x7E57 if test else 0x3A1])
+        seeds.sequence("data.domain.test" if test else "data.domain.device", seed, device=index)
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared import seeds
 from shared.config import DataSection, RunConfig
 from shared.data.datasets import ImageDataset, load_dataset, load_image_folder
 from shared.data.domains import DOMAINS, apply_domain, device_domain_images, public_split
@@ -189,7 +190,7 @@ def make_partition(
     image may serve several devices)."""
     if n > len(labels):
         raise ConfigError(f"{n} devices but only {len(labels)} samples")
-    rng = np.random.default_rng([seed, 0x7E57 if test else 0x9A27])
+    rng = seeds.rng("data.split.test" if test else "data.split", seed)
     if cfg.partition == "dominant_groups":
         size = cfg.test_samples_per_device if test else cfg.samples_per_device
         parts = dominant_groups(
@@ -355,7 +356,7 @@ def domain_test_sets(cfg: RunConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name in dict.fromkeys(d.domains or ["identity"]):
         rng = np.random.default_rng(
-            np.random.SeedSequence([cfg.run.seed, DOMAINS.index(name), 0xD0, 0xC10D])
+            seeds.sequence("data.domain", cfg.run.seed, domain=DOMAINS.index(name))
         )
         out[name] = apply_domain(data.images, name, rng), data.labels
     return out
@@ -374,7 +375,7 @@ def device_folder(
         folder,
         class_names=cfg.data.class_names,
         max_images=cfg.data.max_samples_per_device,
-        seed=cfg.run.seed + index,
+        seed=seeds.integer("data.folder", cfg.run.seed, device=index),
         progress=progress,
     )
     if not (domains and cfg.data.domains):

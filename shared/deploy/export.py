@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from shared import __version__
-from shared.algorithms import Algorithm, make_algorithm
 from shared.atomic import atomic_write
 from shared.config import DiffusionSection, RunConfig
 from shared.deploy.onnx_sampler import DdimSchedule, OnnxGenerator
@@ -46,6 +45,8 @@ from shared.diffusion.schedule import ddim_sample
 from shared.errors import ExportError
 from shared.evaluation.evaluator import model_from_state
 from shared.evaluation.report import last_quality, read_metrics
+from shared.methods.api import Method
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
 from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents
@@ -405,14 +406,14 @@ def export_generator(
 
 
 def _write_shared(
-    algorithm: Algorithm, unet: nn.Module, out_dir: Path, card: dict[str, Any]
+    algorithm: Method, unet: nn.Module, out_dir: Path, card: dict[str, Any]
 ) -> dict[str, Any] | None:
     """FedDiffuse ULATDEC/UDEC: write the global model's federated tensors as
     :data:`SHARED_FILE` and say in ``card`` that devices holding their own local parts
     generate with those over their parts; the manifest entry of the file, or None (and no
     such file) when every device generates with the global model."""
     state = unet.state_dict()
-    spec = algorithm.shared_spec(spec_of(state))
+    spec = algorithm.format.shared_spec(spec_of(state))
     if spec is None:
         (out_dir / SHARED_FILE).unlink(missing_ok=True)
         return None
@@ -443,7 +444,7 @@ def export_module(
     signing_key: Any = None,
     quality: dict[str, Any] | None = None,
     start: float | None = None,
-    algorithm: Algorithm | None = None,
+    algorithm: Method | None = None,
 ) -> ExportResult:
     """:func:`export_generator` for a module in hand (the cloud after training, which
     passes its ``algorithm``; else the one ``cfg`` names). ``round_``: the model's last
@@ -474,9 +475,10 @@ def export_module(
         )
     card["parity"] = parity.to_dict()
     algorithm = algorithm or make_algorithm(cfg)
-    entry = algorithm.card_entry(unet)
+    view = algorithm.state_view
+    entry = view.card_entry(unet) if view is not None else {}
     if entry:
-        card[algorithm.name] = entry
+        card[cfg.algorithm.name] = entry
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = _write_shared(algorithm, unet, out_dir, card)
     model_path = out_dir / "model.onnx"

@@ -13,21 +13,19 @@ cloud deploys (FedDEO's) is signed instead: the device verifies its manifest
 
 Inputs are prepared the way training prepares them (:mod:`shared.data.datasets`, which
 imports torch and is therefore not imported here): 8-bit grayscale 28x28 images, padded by
-two pixels to 32x32 and mapped to ``x / 127.5 - 1`` in float32. :func:`read_image_folder`
-decodes files exactly as ``load_image_folder`` does (8-bit luminance, centre crop to a
-square, box-resized to 28x28), so an image folder written by ``write_image_folder`` gives
-the pixels the device trained on; :func:`read_fashion_mnist_test` parses the gzipped IDX
-test split with numpy. Only numpy, onnxruntime and (for image files) Pillow are imported.
+two pixels to 32x32 and mapped to ``x / 127.5 - 1`` in float32. Files are decoded by the
+same readers training uses (:mod:`shared.data.images`, numpy and Pillow only), so an image
+folder written by ``write_image_folder`` gives the pixels the device trained on;
+:func:`read_fashion_mnist_test` reads the IDX test split with them. Only numpy, onnxruntime
+and Pillow are imported.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import math
 import os
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,8 +34,26 @@ from typing import Any
 
 import numpy as np
 
+from shared.data.images import (
+    FASHION_MNIST_CLASSES,
+    IMAGE_SUFFIXES,
+    MAX_FOLDER_IMAGES,
+    UNREADABLE,
+    class_folders,
+    class_slug,
+    list_image_folder,
+    read_idx,
+    read_image,
+)
 from shared.deploy.onnx_sampler import make_session
 from shared.errors import DataError, EstuaryError
+
+__all__ = [  # the image readers are shared.data.images'; a device names them here too
+    "FASHION_MNIST_CLASSES",
+    "class_folders",
+    "class_slug",
+    "read_image",
+]
 
 #: the card's ``kind`` of a classifier export, and its format tag
 CLASSIFIER_KIND = "classifier"
@@ -47,20 +63,11 @@ CARD_FILE = "card.json"
 #: ONNX input and output names
 INPUT_NAME = "images"
 OUTPUT_NAME = "logits"
-#: model input (C, H, W), and the side of the stored images before padding
+#: model input (C, H, W)
 IMAGE_SHAPE = (1, 32, 32)
-STORED_SIZE = 28
 MAX_CARD_BYTES = 256 * 1024
 MAX_MODEL_BYTES = 512 * 2**20
-MAX_IDX_BYTES = 200 * 2**20
-MAX_IMAGE_FILE_BYTES = 64 * 2**20
-MAX_FOLDER_IMAGES = 1_000_000
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".pgm")
-#: Fashion-MNIST's class names (label order) and its test split's files
-FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-)  # fmt: skip
+#: Fashion-MNIST's test split's files
 FASHION_MNIST_TEST = ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 FASHION_MNIST_DIRS = (
     Path("/usr/share/datasets/fashion-mnist"),
@@ -97,28 +104,6 @@ def model_input(images: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
-    """One IDX file of unsigned bytes (gzipped or plain), as ``shared.data.datasets`` reads it."""
-    try:
-        with path.open("rb") as fh:
-            gz = fh.read(2) == b"\x1f\x8b"
-        with gzip.open(path, "rb") if gz else path.open("rb") as fh:
-            raw = fh.read(MAX_IDX_BYTES + 1)
-    except (OSError, EOFError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
-    if len(raw) > MAX_IDX_BYTES:
-        raise DataError(f"{path} is larger than {MAX_IDX_BYTES} bytes; not an IDX file?")
-    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08":
-        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic)")
-    if raw[3] != expect_dims or len(raw) < 4 + 4 * expect_dims:
-        raise DataError(f"{path}: expected {expect_dims} dimensions, file says {raw[3]}")
-    shape = struct.unpack(f">{expect_dims}I", raw[4 : 4 + 4 * expect_dims])
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * expect_dims)
-    if data.size != math.prod(shape):
-        raise DataError(f"{path}: header says {shape} but holds {data.size} bytes")
-    return data.reshape(shape).copy()
-
-
 def find_fashion_mnist_test(path: str | Path | None = None) -> Path:
     """The first directory holding Fashion-MNIST's two test files: ``path``, then
     ``$ESTUARY_FMNIST_DIR``, Debian's ``/usr/share/datasets/fashion-mnist``, then
@@ -140,54 +125,11 @@ def find_fashion_mnist_test(path: str | Path | None = None) -> Path:
 def read_fashion_mnist_test(path: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Fashion-MNIST's test split: uint8 images (N, 28, 28) and int64 labels (N,)."""
     root = find_fashion_mnist_test(path)
-    images = _read_idx(root / FASHION_MNIST_TEST[0], 3)
-    labels = _read_idx(root / FASHION_MNIST_TEST[1], 1).astype(np.int64)
+    images = read_idx(root / FASHION_MNIST_TEST[0], 3)
+    labels = read_idx(root / FASHION_MNIST_TEST[1], 1).astype(np.int64)
     if len(images) != len(labels):
         raise DataError(f"{root}: {len(images)} test images but {len(labels)} labels")
     return images, labels
-
-
-def class_slug(name: str) -> str:
-    """A class name as a folder name, as ``shared.data.datasets.class_slug`` writes it."""
-    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
-
-
-def class_folders(class_names: Sequence[str] = ()) -> dict[str, int]:
-    """Folder name -> label: ``class_names`` in label order, or else the digits and
-    Fashion-MNIST's class slugs (the names ``shared.data.datasets.class_folders`` accepts)."""
-    if class_names:
-        return {name: label for label, name in enumerate(class_names)}
-    folders = {str(label): label for label in range(len(FASHION_MNIST_CLASSES))}
-    folders.update({class_slug(n): label for label, n in enumerate(FASHION_MNIST_CLASSES)})
-    return folders
-
-
-def read_image(path: Path) -> np.ndarray:
-    """One image file as uint8 (28, 28) grayscale, decoded as training decodes it
-    (``shared.data.datasets._read_image``): 8-bit luminance, centre crop to a square, box
-    resize."""
-    from PIL import Image
-
-    size = path.stat().st_size
-    if size > MAX_IMAGE_FILE_BYTES:
-        raise ValueError(f"{size} bytes, more than {MAX_IMAGE_FILE_BYTES}")
-    with Image.open(path) as im:
-        im.draft("L", (STORED_SIZE, STORED_SIZE))
-        if im.mode in ("I", "F") or im.mode.startswith("I;16"):
-            a = np.asarray(im, dtype=np.float64)
-            a = a * 255.0 if im.mode == "F" and a.max(initial=0.0) <= 1.0 else a
-            a = a / 257.0 if im.mode != "F" else a
-            gray = Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), mode="L")
-        else:
-            gray = im.convert("L")
-    w, h = gray.size
-    side = min(w, h)
-    if (w, h) != (side, side):
-        left, top = (w - side) // 2, (h - side) // 2
-        gray = gray.crop((left, top, left + side, top + side))
-    if side != STORED_SIZE:
-        gray = gray.resize((STORED_SIZE, STORED_SIZE), Image.Resampling.BOX)
-    return np.asarray(gray, dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -201,57 +143,14 @@ class FolderImages:
     skipped: list[str] = field(default_factory=list)
 
 
-def _is_image(path: Path) -> bool:
-    return not path.name.startswith(".") and path.suffix.lower() in IMAGE_SUFFIXES
-
-
-def _list_folder(root: Path, folders: dict[str, int]) -> list[tuple[Path, int | None]]:
-    """Image files of ``root`` with their labels: class folders (any depth below each, in
-    ``load_image_folder``'s order: file name, then path) or flat (files of ``root`` only)."""
-    if not root.is_dir():
-        raise DataError(f"image folder {root} does not exist (or is not a directory)")
-    try:
-        entries = sorted(e for e in root.iterdir() if not e.name.startswith("."))
-        flat = [e for e in entries if e.is_file() and _is_image(e)]
-        dirs = [e for e in entries if e.is_dir()]
-    except OSError as err:
-        raise DataError(f"cannot list {root}: {err}") from None
-    if flat and dirs:
-        raise DataError(f"{root} holds both image files and folders: use either class "
-                        "folders (labelled) or a flat folder of images (unlabelled)")  # fmt: skip
-    if flat:
-        return [(p, None) for p in flat[: MAX_FOLDER_IMAGES + 1]]
-
-    def unlistable(err: OSError) -> None:  # os.walk would skip it without a word
-        raise DataError(f"cannot list {err.filename}: {err.strerror}")
-
-    found: list[tuple[str, str, Path, int | None]] = []
-    for entry in dirs:
-        if entry.name not in folders:
-            raise DataError(f"{entry}: {entry.name!r} is not a class; class folders are named "
-                            f"{sorted(folders, key=folders.__getitem__)}")  # fmt: skip
-        for dirpath, dirnames, filenames in os.walk(entry, onerror=unlistable):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in filenames:
-                path = Path(dirpath) / name
-                if _is_image(path):
-                    found.append((name, str(path.relative_to(root)), path, folders[entry.name]))
-            if len(found) > MAX_FOLDER_IMAGES:
-                raise DataError(f"{root} holds more than {MAX_FOLDER_IMAGES} images")
-    found.sort(key=lambda f: (f[0], f[1]))
-    return [(path, label) for _, _, path, label in found]
-
-
 def read_image_folder(
     root: str | Path, *, class_names: Sequence[str] = (), limit: int = 0
 ) -> FolderImages:
     """The images of ``root``: ``root/<class>/...`` gives labels (class folders named as
     :func:`class_folders` says), ``root/<image files>`` none. ``limit`` > 0 keeps the first
     that many files. Unreadable files are skipped and listed; none readable is an error."""
-    from PIL import Image
-
     root = Path(root)
-    files = _list_folder(root, class_folders(class_names))
+    files = list_image_folder(root, class_folders(class_names), flat=True)
     if len(files) > MAX_FOLDER_IMAGES:
         raise DataError(f"{root} holds more than {MAX_FOLDER_IMAGES} images")
     files = files[:limit] if limit > 0 else files
@@ -259,7 +158,7 @@ def read_image_folder(
     for path, label in files:
         try:
             images.append(read_image(path))
-        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+        except UNREADABLE as err:
             skipped.append(f"{path}: {err}")
             continue
         labels.append(label)

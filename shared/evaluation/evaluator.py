@@ -18,12 +18,12 @@ images in 1 channel; a model trained on CIFAR-10 is not scored at all
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from shared.algorithms import Algorithm, make_algorithm
+from shared import seeds
 from shared.config import RunConfig
 from shared.data.datasets import from_model_output, load_dataset, load_image_folder, to_model_input
 from shared.diffusion.schedule import ddim_sample
@@ -31,10 +31,14 @@ from shared.diffusion.training import placed
 from shared.errors import ConfigError, DataError
 from shared.evaluation import quality
 from shared.evaluation.report import save_grid
+from shared.methods.registry import make_algorithm
 from shared.models.classifier import refuse_classifier
 from shared.models.oneshot import is_oneshot, latent_dim, latents, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import image_shape
+
+if TYPE_CHECKING:  # the interface is a floor above: only its type is needed here
+    from shared.methods.api import Method
 
 
 def model_from_state(
@@ -42,19 +46,19 @@ def model_from_state(
     state: dict[str, torch.Tensor],
     plan: ChannelPlan | None = None,
     *,
-    algorithm: Algorithm | None = None,
+    algorithm: Method | None = None,
 ) -> torch.nn.Module:
     """The configured preset (pruned by ``plan`` when given) holding ``state``, in eval mode.
     Tensors the module does not have (an algorithm's extra state, e.g. SCAFFOLD's control
     variate) are ignored; every module tensor must be present. The configured algorithm
-    materializes the state first (:meth:`~shared.algorithms.base.Algorithm.materialize`:
+    materializes the state first (:meth:`~shared.methods.api.StateFormat.materialize`:
     PRISM's probabilities become the dense weights of one fixed mask). A one-shot
     generator's batch norms then get their running statistics from latents drawn from the
     run seed (:func:`~shared.models.oneshot.recalibrate_bn`), so that the eval-mode module
     maps each latent to one image whatever the batch."""
     model = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
     keys = set(model.state_dict())
-    tensors = (algorithm or make_algorithm(cfg)).materialize(state)
+    tensors = (algorithm or make_algorithm(cfg)).format.materialize(state)
     model.load_state_dict({k: v for k, v in tensors.items() if k in keys})
     if is_oneshot(model):
         recalibrate_bn(model, cfg.run.seed)
@@ -76,7 +80,7 @@ def sample_images(
     (``steps`` unused), in eval mode."""
     refuse_classifier(model, "sampling")
     gen = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([cfg.run.seed, 0x5A4D, salt]).generate_state(1)[0])
+        seeds.integer("eval.samples", cfg.run.seed, salt=salt)
     )
     if is_oneshot(model):
         return oneshot_sample(model, n, gen, device=device)
@@ -164,7 +168,7 @@ def reference_indices(size: int, n: int) -> np.ndarray:
     """Which ``n`` of ``size`` real images :func:`reference_images` takes (sorted; all of them,
     in order, when ``n >= size``)."""
     count = min(size, n)
-    return np.sort(np.random.default_rng([0xF1D, size]).choice(size, count, replace=False))
+    return np.sort(seeds.rng("eval.reference", None, size=size).choice(size, count, replace=False))
 
 
 class Evaluator:

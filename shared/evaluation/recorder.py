@@ -18,11 +18,12 @@ from torch import nn
 from tqdm import tqdm
 
 from shared.atomic import atomic_write
-from shared.config import RunConfig, model_kind
+from shared.config import RunConfig
 from shared.data.partition import format_label_counts
 from shared.diffusion.training import resolve_device
 from shared.evaluation.evaluator import Evaluator, write_grid
 from shared.evaluation.report import read_metrics
+from shared.families import family_of
 from shared.models.checkpoint import latest_checkpoint_path
 from shared.transport.telemetry import Traffic, diff_counts
 
@@ -73,7 +74,7 @@ class RunRecorder:
             Evaluator(cfg, self.device) if evaluate and cfg.eval.every else None
         )
         #: a classifier run: judged by the devices' accuracies, never sampled
-        self.classifier = model_kind(cfg.model.preset) == "classifier"
+        self.classifier = family_of(cfg.model.preset).quality == "accuracy"
         if self.classifier:
             self.evaluator = None
         self.bar: tqdm[Any] | None = None

@@ -53,11 +53,9 @@ from typing import Any, Literal
 
 import torch
 
-from shared.algorithms import make_algorithm
-from shared.algorithms.feddiffuse import communicated_params
 from shared.config import FederationSection, RunConfig
-from shared.config.algorithms import FedDiffuseConfig
 from shared.errors import ConfigError
+from shared.methods.registry import make_algorithm
 from shared.models.plan import ChannelPlan, model_spec
 from shared.wire.codec import TensorSpec, encode_tensors, spec_bytes
 
@@ -245,28 +243,27 @@ def payloads(cfg: RunConfig, plan: ChannelPlan | None = None) -> Payloads:
     """What one device fetch / device upload / edge report / global download carries for the
     configured algorithm on ``model.preset`` under ``plan`` (the algorithm's own specs).
 
-    USPLIT (``partial_uploads``) uploads are counted with FedDiffuse's own
-    :func:`~shared.algorithms.feddiffuse.communicated_params`, the participants split evenly
-    over the edges (pairs form within an edge). Where the algorithm has a
-    :meth:`~shared.algorithms.base.Algorithm.shared_spec` (FedDiffuse ULATDEC/UDEC) the
+    Uploads of parts (``traffic.uplink = "parts"``: FedDiffuse USPLIT) are counted as the
+    method counts them (:meth:`~shared.methods.api.StateFormat.part_uplink`), the
+    participants split evenly over the edges (pairs form within an edge). Where the method
+    has a :meth:`~shared.methods.api.StateFormat.shared_spec` (FedDiffuse ULATDEC/UDEC) the
     downloads and edge reports carry only it: the steady state, after each device's one
     download of the whole model."""
     algo = make_algorithm(cfg)
     mspec = model_spec(cfg.model.preset, plan)
-    gspec = algo.global_spec(mspec)
-    uspec = algo.upload_spec(gspec)
+    gspec = algo.format.global_spec(mspec)
+    uspec = algo.format.upload_spec(gspec)
     g, u = encoded_bytes(gspec), encoded_bytes(uspec)
     params = sum(math.prod(s.shape) for s in mspec.values())
     # in fp32 parameters' worth of bytes: a packed bit vector (PRISM) is 1/32 of its weights
     up_params = spec_bytes(uspec) / FP32_BYTES
-    if algo.partial_uploads and cfg.algorithm.name == "feddiffuse":
+    if algo.traffic.uplink == "parts":
         c, e = participants_per_round(cfg.federation), cfg.federation.num_edges
         groups = [c // e + (1 if i < c % e else 0) for i in range(e)]
-        split = FedDiffuseConfig.of(cfg).split
-        sent = communicated_params(split, mspec, groups)["uplink_per_round"]
+        sent = algo.format.part_uplink(mspec, groups)
         fraction = sent / (c * up_params)
         u, up_params = round(u * fraction), up_params * fraction
-    shared = algo.shared_spec(gspec)
+    shared = algo.format.shared_spec(gspec)
     if shared is not None:  # only the shared tensors travel once a role holds the rest
         g = encoded_bytes(shared)
     return Payloads(g, u, g, g, params, up_params)

@@ -21,7 +21,6 @@ import torch
 from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict
 from shared.errors import CodecError, EstuaryError
-from shared.models import masking
 from shared.models.plan import ChannelPlan, model_spec, parse_plan
 from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
 
@@ -206,24 +205,25 @@ def decode_checkpoint(data: bytes, path: Path) -> Checkpoint:
         plan = parse_plan(cfg.model.preset, doc)
     except EstuaryError as err:
         raise CodecError(f"{path}: bad architecture plan: {err}") from None
-    _check_fits(model, cfg.model.preset, plan, path, cfg.algorithm.name)
+    _check_fits(model, cfg, plan, path)
     init = meta.get("init")
     return Checkpoint(round_, model, state, cfg, digest, path, plan, init)
 
 
 def _check_fits(
-    model: Mapping[str, torch.Tensor],
-    preset: str,
-    plan: ChannelPlan | None,
-    path: Path,
-    algorithm: str = "",
+    model: Mapping[str, torch.Tensor], cfg: RunConfig, plan: ChannelPlan | None, path: Path
 ) -> None:
-    """CodecError unless ``model`` holds every tensor of ``preset`` under ``plan`` with its
-    shape (an algorithm's extra global tensors may follow); for PRISM, every probability of
-    :func:`~shared.models.masking.state_spec` instead."""
+    """CodecError unless ``model`` holds every tensor of ``cfg``'s preset under ``plan`` with
+    its shape (a method's extra global tensors may follow); for a method whose state stands
+    for the model instead of holding its tensors (PRISM's probabilities), every tensor of its
+    global state (:meth:`~shared.methods.api.StateFormat.global_spec`)."""
+    from shared.methods.registry import make_algorithm
+
+    preset = cfg.model.preset
     spec = model_spec(preset, plan)
-    if algorithm == "prism":  # a state standing for the model: its probabilities
-        spec = masking.state_spec(spec)
+    state = make_algorithm(cfg).format.global_spec(spec)
+    if not set(spec) <= set(state):  # a state standing for the model: its own tensors
+        spec = state
     try:
         check_spec({k: v for k, v in model.items() if k in spec}, spec)
     except CodecError as err:

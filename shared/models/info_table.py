@@ -30,10 +30,9 @@ def load_table(path: Path = TABLE_PATH) -> dict[str, dict[str, Any]]:
 def masked_weight_count(preset: str) -> int:
     """What PRISM masks of a dense ``preset`` (one bit each on the wire): every weight of two
     or more dimensions (torch)."""
-    from shared.models.masking import is_masked
-    from shared.models.presets import state_spec
+    from shared.models.presets import is_weight, state_spec
 
-    return sum(math.prod(s.shape) for n, s in state_spec(preset).items() if is_masked(n, s.shape))
+    return sum(math.prod(s.shape) for n, s in state_spec(preset).items() if is_weight(n, s.shape))
 
 
 def compute_table() -> dict[str, dict[str, Any]]:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
+
+from shared import seeds
 
 #: preset -> (nz, ngf, nc); Fashion-MNIST images are padded 28 -> 32 as for the U-Nets
 ONESHOT_PRESETS: dict[str, dict[str, int]] = {
@@ -130,7 +131,7 @@ def recalibrate_bn(
         m.reset_running_stats()
         m.momentum = None  # cumulative average over the calibration batches
     gen = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([seed, 0xB4]).generate_state(1)[0])
+        seeds.integer("oneshot.bn", seed)
     )
     first = next(model.parameters())
     model.train()

@@ -26,6 +26,7 @@ from diffusers import UNet2DModel
 from torch import nn
 
 from shared.errors import ConfigError, did_you_mean
+from shared.families import FAMILIES, family_of
 from shared.models.classifier import CLASSIFIER_PRESETS, build_classifier, is_classifier
 from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
@@ -84,18 +85,23 @@ CFG_PRESETS: frozenset[str] = frozenset({"fmnist-tiny-cfg", "fmnist-small-cfg"})
 
 #: every preset name: U-Nets, one-shot generators and classifiers
 ALL_PRESETS: tuple[str, ...] = (*PRESETS, *ONESHOT_PRESETS, *CLASSIFIER_PRESETS)
+#: each family's presets are the ones built here (the families declare them torch-free)
+if {f.kind: set(f.presets) for f in FAMILIES.values()} != {
+    "unet": set(PRESETS), "oneshot": set(ONESHOT_PRESETS), "classifier": set(CLASSIFIER_PRESETS)
+}:  # fmt: skip
+    raise TypeError("shared.families declares other presets than shared.models builds")
 
 
 def kind_of(preset: str) -> str:
-    """``"unet"``, ``"oneshot"`` or ``"classifier"`` (ConfigError for an unknown preset)."""
-    if preset in PRESETS:
-        return "unet"
-    if preset in ONESHOT_PRESETS:
-        return "oneshot"
-    if preset in CLASSIFIER_PRESETS:
-        return "classifier"
-    raise ConfigError(f"unknown model preset {preset!r}{did_you_mean(preset, ALL_PRESETS)}; "
-                      f"choose one of {sorted(ALL_PRESETS)}")  # fmt: skip
+    """``"unet"``, ``"oneshot"`` or ``"classifier"``: the preset's family
+    (:mod:`shared.families`; ConfigError for an unknown preset)."""
+    try:
+        return family_of(preset).kind
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {preset!r}{did_you_mean(preset, ALL_PRESETS)}; "
+            f"choose one of {sorted(ALL_PRESETS)}"
+        ) from None
 
 
 def build_net(preset: str, *, seed: int = 0) -> nn.Module:
@@ -130,6 +136,12 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         else:
             model = UNet2DModel(**PRESETS[preset])
         return spec_of(model.state_dict())
+
+
+def is_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the state-dict tensor ``name`` of ``shape`` is a weight matrix or kernel (two
+    or more dimensions): what PRISM masks, one bit each on the wire."""
+    return name.endswith(".weight") and len(shape) >= 2
 
 
 def module_device(model: nn.Module) -> torch.device | None:

@@ -136,22 +136,24 @@ def interrupts_as_keyboard() -> Iterator[None]:
 
 def blob_bytes(cfg: RunConfig) -> tuple[int, bool]:
     """The largest blob a round of ``cfg`` moves (bytes of the algorithm's global state or
-    of a device's upload, for the dense model), and whether the algorithm keeps one blob
-    per device (``per_device_updates``). Falls back to the dense model's bytes when the
-    algorithm cannot be made here (a tool on a machine without the run's GPU)."""
-    from shared.algorithms import make_algorithm
+    of a device's upload, for the dense model), and whether a round moves one blob per
+    device through the cloud (forwarded uploads, personal models). Falls back to the dense
+    model's bytes when the algorithm cannot be made here (a tool on a machine without the
+    run's GPU)."""
+    from shared.methods.registry import make_algorithm
     from shared.models.plan import model_spec
 
     dense = model_spec(cfg.model.preset, None)
     try:
         algorithm = make_algorithm(cfg)
-        state = algorithm.global_spec(dense)
-        upload = algorithm.upload_spec(state)
+        state = algorithm.format.global_spec(dense)
+        upload = algorithm.format.upload_spec(state)
     except EstuaryError as err:
         log.debug("blob limits from the model alone (%s)", err)
         return spec_bytes(dense), False
     largest = max(spec_bytes(dense), spec_bytes(state), spec_bytes(upload))
-    return largest, algorithm.per_device_updates
+    traffic = algorithm.traffic
+    return largest, traffic.cloud_sees == "every_upload" or traffic.downlink == "per_device"
 
 
 def role_broker_settings(

@@ -130,7 +130,7 @@ class RoleService:
         self, state: Mapping[str, Any], shared: Mapping[str, Any] | None, kind: str
     ) -> tuple[BlobRef, BlobRef | None]:
         """Put ``state`` as a blob and, when ``shared`` names a subset of it
-        (:meth:`~shared.algorithms.base.Algorithm.shared_spec`), that subset as a second
+        (:meth:`~shared.methods.base.Algorithm.shared_spec`), that subset as a second
         blob, for receivers that hold the rest."""
         ref = self.put_tensors(state, kind)
         if shared is None:

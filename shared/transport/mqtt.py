@@ -34,13 +34,10 @@ messages sent to a role during a short disconnect are queued by the broker.
 from __future__ import annotations
 
 import heapq
-import ipaddress
 import itertools
 import logging
 import math
-import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -58,9 +55,18 @@ from shared.logs import LogLimiter
 from shared.transport.blob_transfer import BlobContext, BlobFetcher, BlobServer
 from shared.transport.blobs import BlobStore
 from shared.transport.bus import Bus, Handler, HeapTimer, Timer, topic_matches
+from shared.transport.connection import (
+    PASSWORD_ENV,
+    _is_loopback,
+    _set_nodelay,
+    max_packet_bytes,
+    read_password,
+)
 from shared.transport.paho_lean import client_class
 from shared.transport.telemetry import Traffic
 from shared.wire.messages import MAX_MESSAGE_BYTES, Topics
+
+__all__ = ["PASSWORD_ENV", "QOS", "MqttBus", "max_packet_bytes", "read_password"]
 
 log = logging.getLogger(__name__)
 
@@ -68,61 +74,10 @@ QOS: Final = 1
 """The one QoS used for every publish and subscription: at-least-once delivery. Duplicates
 are harmless because every receiver is idempotent (rounds, sessions and hashes)."""
 
-PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
 
 _CONTROL_QUEUE: Final = 100_000
 _CONTROL_PUT_TIMEOUT_S: Final = 5.0
-#: what an MQTT 5 packet may add to its payload (fixed header, topic of up to 64 KiB,
-#: packet id, properties) in the Maximum Packet Size this client announces
-_PACKET_OVERHEAD: Final = 70 << 10
 _WANT_MAX_BYTES: Final = 256 << 10  # a blob request asks for at most 4,096 runs of chunks
-
-
-def max_packet_bytes(settings: BrokerSection) -> int:
-    """The largest packet an MQTT 5 client of ours accepts (announced on CONNECT as its
-    Maximum Packet Size, so the broker drops bigger ones instead of sending them): a blob
-    chunk or the largest message, plus headers."""
-    return max(settings.chunk_bytes, MAX_MESSAGE_BYTES) + _PACKET_OVERHEAD
-
-
-def read_password(settings: BrokerSection) -> str | None:
-    """The broker password from ``password_file`` or ``$ESTUARY_MQTT_PASSWORD`` (else None)."""
-    if settings.password_file:
-        try:
-            return Path(settings.password_file).read_text(encoding="utf-8").strip()
-        except OSError as err:
-            raise TransportError(f"cannot read broker password file: {err}") from None
-    return os.environ.get(PASSWORD_ENV)
-
-
-def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
-    """Turn Nagle's algorithm off on a TCP connection (paho leaves it on).
-
-    With it on, a small packet sent while an earlier one is unacknowledged waits for the
-    peer's delayed ACK (40 ms on Linux): a SUBACK-then-request exchange before every blob
-    fetch stalled that long about half the time. Not every socket is TCP (paho also speaks
-    over websockets and unix sockets), so a failure is ignored."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface (a name is resolved)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-        return bool(infos) and all(
-            ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos
-        )
-    except (OSError, ValueError):
-        return False
 
 
 class MqttBus(Bus):

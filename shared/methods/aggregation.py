@@ -1,0 +1,261 @@
+"""Aggregation maths over tensor dicts (no messaging), and the folds that feed it one update
+at a time (:class:`HeldFold`, :class:`MeanFold`).
+
+FedAvg (McMahan et al. 2017): theta = sum_k (n_k / sum n) theta_k. Aggregators fold each
+update into a :class:`WeightedSum` as it arrives and drop it, so a role holds one running
+sum, not every update. The sum is kept as an unevaluated pair (hi + lo, Knuth's TwoSum):
+``hi`` a float64 tensor, ``lo`` the float32 sum of hi's rounding errors. Each product
+``n_k * theta_k`` of a float32 tensor and an integer weight below 2**29 is exact in float64,
+and the pair carries the sum to about 77 bits, so the mean rounded back to float32 is the
+same whatever order the updates arrive in (two orders could differ only where the exact mean
+lies within about 2**-70 of a float32 rounding boundary). 12 bytes per element.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from shared.errors import EstuaryError
+from shared.methods.api import Fold, Update
+
+#: a model state (or any named tensors) as aggregation sees it
+TensorDict = dict[str, torch.Tensor]
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights scaled to sum to one; all-zero or negative weights are an error."""
+    if not weights:
+        raise EstuaryError("cannot aggregate zero updates")
+    if any(w < 0 for w in weights):
+        raise EstuaryError(f"negative aggregation weight in {list(weights)}")
+    total = float(sum(weights))
+    if total <= 0:
+        raise EstuaryError("aggregation weights sum to zero")
+    return [float(w) / total for w in weights]
+
+
+def weighted_average(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> TensorDict:
+    """sum_k w_k * state_k / sum_k w_k, key by key; every state must have the same keys."""
+    if len(states) != len(weights):
+        raise EstuaryError(f"{len(states)} states but {len(weights)} weights")
+    w = normalize(weights)
+    keys = list(states[0])
+    for s in states[1:]:
+        if list(s) != keys and set(s) != set(keys):
+            raise EstuaryError("states to average have different tensor names")
+    out: TensorDict = {}
+    for k in keys:
+        ref = states[0][k]
+        if not ref.is_floating_point():
+            out[k] = ref.clone()  # integer buffers (e.g. counters) are not averaged
+            continue
+        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
+        for wi, s in zip(w, states, strict=True):
+            acc.add_(s[k].to(torch.float64), alpha=wi)
+        out[k] = acc.to(ref.dtype)
+    return out
+
+
+def fedavg(states: Sequence[Mapping[str, torch.Tensor]], n_samples: Sequence[int]) -> TensorDict:
+    """FedAvg: average weighted by local sample counts (a :class:`WeightedSum` of the
+    states: the same result in any order, the result of the streaming aggregators)."""
+    acc = WeightedSum()
+    for i, (state, n) in enumerate(zip(states, n_samples, strict=True)):
+        acc.add(state, float(n), key=f"{i:012d}")
+    return acc.mean()
+
+
+class WeightedSum:
+    """``sum_k w_k * state_k`` (and the mean, divided by ``sum_k w_k``) folded one state at
+    a time, independent of the order the states come in (see the module docstring).
+
+    Floating-point tensors are summed; any other tensor (an integer counter) is taken from
+    the state added with the smallest ``key`` (the first in sorted order, as a batch
+    aggregation over sorted updates takes it). Holds 12 bytes per summed element, in two
+    flat buffers (one allocation each: freed whole, they leave no fragments in the heap);
+    the mean of each dtype is one flat buffer too."""
+
+    def __init__(self) -> None:
+        self._hi: TensorDict = {}
+        self._lo: TensorDict = {}
+        self._fixed: dict[str, tuple[str, torch.Tensor]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        #: the two buffers every summed tensor's hi and lo are views of, in ``_shapes`` order
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, state: Mapping[str, torch.Tensor], weight: float, key: str = "") -> None:
+        """Fold ``weight * state`` into the sum; every state must have the same names."""
+        if not math.isfinite(weight) or weight < 0:
+            raise EstuaryError(f"aggregation weight {weight} is not a finite number >= 0")
+        if self.count and set(state) != set(self._dtypes):
+            raise EstuaryError("states to average have different tensor names")
+        for k, t in state.items():
+            if not t.is_floating_point():
+                held = self._fixed.get(k)
+                if held is None or key < held[0]:
+                    self._fixed[k] = (key, t.detach().clone())
+                self._dtypes.setdefault(k, t.dtype)
+                continue
+            if not self.count:
+                self._dtypes[k], self._shapes[k] = t.dtype, tuple(t.shape)
+                continue
+            if tuple(t.shape) != self._shapes.get(k):
+                raise EstuaryError(
+                    f"tensor {k!r}: shape {list(t.shape)}, expected {list(self._shapes[k])}"
+                )
+            _two_sum_into(self._hi[k], self._lo[k], t.detach().reshape(-1), weight)
+        if not self.count:  # the first state: the buffers, holding weight * state
+            self._allocate()
+            for k, t in state.items():
+                if k in self._shapes:
+                    self._hi[k].copy_(t.detach().reshape(-1)).mul_(weight)
+        self.total += weight
+        self.count += 1
+
+    def _allocate(self) -> None:
+        """One float64 and one float32 buffer for every summed tensor, as flat views."""
+        n = sum(math.prod(shape) for shape in self._shapes.values())
+        with _SPARE_LOCK:
+            spare = next((p for p in _SPARE if p[0].numel() == n), None)
+            if spare is not None:
+                _SPARE.remove(spare)
+        if spare is not None:  # the last sum's buffers: no fresh pages to fault in
+            hi, lo = spare
+            lo.zero_()
+        else:
+            hi = torch.empty(n, dtype=torch.float64)
+            lo = torch.zeros(n, dtype=torch.float32)
+        self._flat = (hi, lo)
+        at = 0
+        for k, shape in self._shapes.items():
+            size = math.prod(shape)
+            self._hi[k], self._lo[k] = hi[at : at + size], lo[at : at + size]
+            at += size
+
+    def sum(self) -> TensorDict:
+        """``sum_k w_k * state_k`` in float64 (non-float tensors as taken)."""
+        return {
+            k: self._fixed[k][1] if k in self._fixed
+            else (self._hi[k] + self._lo[k].double()).view(self._shapes[k])
+            for k in self._dtypes
+        }
+
+    def mean(self) -> TensorDict:
+        """The weighted mean, each tensor in its own dtype."""
+        if not self.count:
+            raise EstuaryError("cannot aggregate zero updates")
+        if self.total <= 0:
+            raise EstuaryError("aggregation weights sum to zero")
+        out: TensorDict = {k: held for k, (_, held) in self._fixed.items()}
+        dtypes = {self._dtypes[k] for k in self._shapes}
+        if len(dtypes) == 1 and self._flat is not None:  # the usual case: one flat result
+            flat = self._mean_into(*self._flat, dtypes.pop())
+            at = 0
+            for k, shape in self._shapes.items():
+                size = math.prod(shape)
+                out[k] = flat[at : at + size].view(shape)
+                at += size
+        else:
+            for k, shape in self._shapes.items():
+                out[k] = self._mean_into(self._hi[k], self._lo[k], self._dtypes[k]).view(shape)
+        return {k: out[k] for k in self._dtypes}  # in the first state's order
+
+    def recycle(self) -> None:
+        """Hand this sum's buffers to the next sum of the same size (one pair is kept, the
+        last one recycled: a role that aggregates every round reuses the same memory
+        instead of faulting in fresh pages); the sum is empty afterwards."""
+        if self._flat is not None:
+            with _SPARE_LOCK:
+                _SPARE[:] = [self._flat]
+        self._flat, self._hi, self._lo = None, {}, {}
+        self._shapes, self._dtypes, self._fixed = {}, {}, {}
+        self.total, self.count = 0.0, 0
+
+    def _mean_into(self, hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(hi + lo) / total`` as a new flat tensor of ``dtype``, through one reused
+        float64 buffer of :data:`MEAN_CHUNK` elements."""
+        out = torch.empty(hi.numel(), dtype=dtype)
+        tmp = torch.empty(min(MEAN_CHUNK, hi.numel()), dtype=torch.float64)
+        for i in range(0, hi.numel(), MEAN_CHUNK):
+            n = min(MEAN_CHUNK, hi.numel() - i)
+            part = tmp[:n]
+            torch.add(hi[i : i + n], lo[i : i + n], out=part)
+            out[i : i + n].copy_(part.div_(self.total))
+        return out
+
+
+#: the buffers of the last :meth:`WeightedSum.recycle`d sum (one pair at most)
+_SPARE: list[tuple[torch.Tensor, torch.Tensor]] = []
+_SPARE_LOCK = threading.Lock()
+
+#: elements per step of :func:`_two_sum_into`: its temporaries stay in the CPU's cache
+FOLD_CHUNK = 1 << 14
+#: elements per step of :meth:`WeightedSum.mean` (a few MiB of temporaries, reused)
+MEAN_CHUNK = 1 << 19
+
+
+def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, weight: float) -> None:
+    """``hi + lo += weight * x`` (flat tensors), keeping ``hi + lo`` exact to ~77 bits:
+    Knuth's TwoSum ``s = hi + p``, ``err = (hi - (s - bb)) + (p - bb)`` with ``bb = s - hi``,
+    then ``hi = s`` and ``lo += err``; in chunks, so it costs what a plain float64 add does."""
+    for i in range(0, hi.numel(), FOLD_CHUNK):
+        h = hi[i : i + FOLD_CHUNK]
+        p = x[i : i + FOLD_CHUNK].to(torch.float64).mul_(weight)
+        s = h + p
+        bb = s - h
+        p.sub_(bb)  # p - bb
+        bb.neg_().add_(s)  # s - bb
+        h.sub_(bb).add_(p)  # the rounding error of s, written over this chunk of hi
+        lo[i : i + FOLD_CHUNK].add_(h)
+        h.copy_(s)
+
+
+# -- folds: an aggregation fed one update at a time ------------------------------------------
+class HeldFold(Fold):
+    """An aggregation that cannot stream: it holds every update and hands them, sorted by
+    source (an order independent of arrival), to ``combine``."""
+
+    streams = False
+
+    def __init__(self, combine: Callable[[Sequence[Update]], TensorDict]) -> None:
+        super().__init__()
+        self.combine = combine
+        self.updates: list[Update] = []
+
+    def _add(self, update: Update) -> None:
+        self.updates.append(update)
+
+    def result(self) -> TensorDict:
+        return self.combine(sorted(self.updates, key=lambda u: u.source))
+
+
+class MeanFold(Fold):
+    """FedAvg's aggregation streamed: the sample-weighted mean of the updates' tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sum = WeightedSum()
+
+    def _add(self, update: Update) -> None:
+        self.sum.add(update.tensors, float(update.n_samples), key=update.source)
+
+    def result(self) -> TensorDict:
+        out = self.sum.mean()
+        self.sum.recycle()  # its buffers serve the next round's sum
+        return out
+
+
+def fold_all(fold: Fold, updates: Sequence[Update]) -> TensorDict:
+    """``fold`` fed every update of ``updates``: its result."""
+    for u in updates:
+        fold.add(u)
+    return fold.result()

@@ -1,0 +1,84 @@
+"""pFedGPA's settings (torch-free, read by every process)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from shared.methods.baselines.config import check_classifier_rounds
+from shared.settings import AlgorithmConfig, Traffic
+
+if TYPE_CHECKING:
+    from shared.config import RunConfig
+
+
+class PFedGPAConfig(AlgorithmConfig):
+    """pFedGPA (seed 004): the cloud keeps the devices' uploaded classifiers of the last
+    ``store_rounds`` rounds, trains a latent diffusion model over their (flattened)
+    parameters and sends each device its own parameters, obtained by inverting what it
+    uploaded (eqs. 11-16). Before the first diffusion round the devices train the global
+    average (FedAvg-FT); the readings the lost appendix leaves open are settings here."""
+
+    model_kinds = ("classifier",)
+
+    store_rounds: int = Field(
+        20, ge=1, le=1000, description="rounds of uploads the cloud keeps (the paper: 20)"
+    )
+    dm_every: int = Field(
+        0, ge=0, le=100_000,
+        description="train the diffusion model every this many rounds (and personalize "
+        "after it); 0 = only before the final round (the paper generates in the final round)",
+    )  # fmt: skip
+    mode: Literal["inversion", "generation"] = Field(
+        "inversion",
+        description="inversion: each device's own upload inverted (eqs. 11-16); generation: "
+        "direct sampling from noise (Table 2's 'w/o inversion' ablation)",
+    )
+    layers: list[str] = Field(
+        default_factory=lambda: ["auto"],
+        min_length=1,
+        max_length=64,
+        description="the model's layers (module names) whose parameters the diffusion model "
+        "generates; the rest stays the device's own. ['*'] = the whole model (the paper's "
+        "Fashion-MNIST setting); ['auto'] = the whole model where the cloud has a GPU "
+        "(compute.device), the last layer (fc2) on a CPU",
+    )
+    ae_size: Literal["small", "medium"] = Field(
+        "small", description="p-diff autoencoder size (small: f=k=3; medium: f=k=5)"
+    )
+    denoiser_width: int = Field(64, ge=4, le=1024, description="denoiser channels")
+    ae_steps: int = Field(2000, ge=1, le=10_000_000, description="autoencoder steps")
+    dm_steps: int = Field(2000, ge=1, le=10_000_000, description="latent DDPM steps")
+    batch: int = Field(64, ge=1, le=100_000, description="vectors per DM step")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
+    timesteps: int = Field(1000, ge=10, le=10_000, description="diffusion steps T")
+    invert_from: int = Field(
+        0, ge=0, le=10_000,
+        description="the inversion's start depth t0 (0 = T, the whole chain; not stated in "
+        "the paper)",
+    )  # fmt: skip
+
+    guide_rounds: int = Field(
+        0, ge=0, le=1000,
+        description="global guidance (eq. 10, Alg. 1 lines 7-14): a device whose first upload "
+        "is at most this many rounds old, once a diffusion model exists, gets guided "
+        "parameters instead of inverted ones; 0 = off",
+    )  # fmt: skip
+    guide_omega: float = Field(1.0, ge=0.0, le=100.0, description="guidance omega")
+    guide_steps: int = Field(10, ge=1, le=10_000, description="denoising steps s")
+    guide_from: int = Field(
+        100, ge=1, le=10_000, description="the noise level (timestep) guidance starts from"
+    )
+
+    def traffic(self) -> Traffic:
+        """The cloud sees every upload and sends each device its own parameters."""
+        return Traffic(cloud_sees="every_upload", downlink="per_device", product="device_models")
+
+    def check_run(self, cfg: RunConfig) -> None:
+        check_classifier_rounds("pfedgpa", cfg)
+        guide = (self.guide_steps, self.guide_from, self.timesteps)
+        if self.guide_rounds and not guide[0] <= guide[1] <= guide[2]:
+            raise ValueError("algorithm.pfedgpa needs guide_steps <= guide_from <= timesteps")
+        if self.invert_from > self.timesteps:
+            raise ValueError("algorithm.pfedgpa.invert_from cannot exceed timesteps")
