@@ -32,8 +32,9 @@ from shared.config.algorithms import config_class
 from shared.data.datasets import NUM_CLASSES, load_dataset, to_model_input
 from shared.methods.aggregation import fold_all
 from shared.methods.api import DeviceContext, Method, Update
+from shared.methods.base import build_algorithm
 from shared.methods.prism.config import PrismConfig
-from shared.methods.registry import make_algorithm, registered
+from shared.methods.registry import registered
 from shared.models.checkpoint import model_digest
 from shared.models.plan import model_spec
 from shared.models.presets import build_net
@@ -90,7 +91,7 @@ def contract_config(name: str) -> RunConfig:
 def test_every_algorithm_is_registered_with_its_settings() -> None:
     assert {"fedavg", "fedphd", "feddiffuse", "fedprox", "scaffold", "moon"} <= set(NAMES)
     for name in NAMES:
-        algo = make_algorithm(contract_config(name))
+        algo = build_algorithm(contract_config(name))
         assert algo.name == name and type(algo).config_class is config_class(name)
         assert isinstance(algo.settings, config_class(name))
 
@@ -101,7 +102,7 @@ def test_settings_round_trip(name: str) -> None:
     cls = config_class(name)
     settings = cls.of(cfg)
     assert cls.model_validate_json(settings.model_dump_json()) == settings
-    assert cfg.algorithm.config() == settings == make_algorithm(cfg).settings
+    assert cfg.algorithm.config() == settings == build_algorithm(cfg).settings
     stored = config_from_dict(json.loads(cfg.to_json()), stored=True)
     assert stored == cfg and stored.digest() == cfg.digest()
     with pytest.raises(Exception, match="frozen"):
@@ -131,7 +132,7 @@ def test_the_same_seed_gives_the_same_model_on_memorybus(name: str) -> None:
     sha, final, updates = _run(cfg)
     assert updates == cfg.run.rounds * cfg.federation.num_devices
     assert all(torch.isfinite(v).all() for v in final.values())
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     # without uploads (Local-only) the global model never changes, by design; a product the
     # cloud makes is a new model (FedDEO's classifier), its generator frozen
     if algo.traffic.uplink != "none" and algo.finalizer is None:
@@ -224,7 +225,7 @@ def test_aggregation_weights_are_convex(name: str) -> None:
     cfg = contract_config(name)
     if name in AVERAGE_ONLY:
         cfg = with_overrides(cfg, {"algorithm": AVERAGE_ONLY[name]})
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     if algo.traffic.uplink == "none":
         pytest.skip(f"{name} uploads and aggregates nothing (Local-only)")
     if algo.traffic.cloud_sees == "every_upload" and algo.finalizer is not None:
@@ -266,7 +267,7 @@ def _same_spec(tensors: dict[str, torch.Tensor], spec: dict[str, TensorSpec]) ->
 @pytest.mark.parametrize("name", NAMES)
 def test_names_and_shapes_are_kept(name: str) -> None:
     cfg = contract_config(name)
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     module = build_net(cfg.model.preset, seed=cfg.run.seed)
     mspec, gspec = _specs(algo, cfg.model.preset)
     state = algo.format.init_global(dict(module.state_dict()))
@@ -278,7 +279,7 @@ def test_names_and_shapes_are_kept(name: str) -> None:
         "dev000", to_model_input(data.images), torch.from_numpy(data.labels),
         torch.Generator().manual_seed(0), peers=["dev000", "dev001"],
     )  # fmt: skip
-    step = make_algorithm(cfg).device
+    step = build_algorithm(cfg).device
     step.device_load(ctx, module, state)
     result = step.device_round(ctx, module, 0, upload=True)
     assert result.tensors is not None and result.train.steps == 1
@@ -299,7 +300,7 @@ def test_names_and_shapes_are_kept(name: str) -> None:
 def test_a_device_sends_what_its_traffic_declares(name: str) -> None:
     """uplink "none": nothing; "state": every tensor of the upload spec; "parts": some."""
     cfg = contract_config(name)
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     module = build_net(cfg.model.preset, seed=cfg.run.seed)
     state = algo.format.init_global(dict(module.state_dict()))
     data = load_dataset("synthetic", size=8, seed=0)
@@ -321,7 +322,7 @@ def test_a_device_sends_what_its_traffic_declares(name: str) -> None:
 CAPABLE = [
     name for name in NAMES
     if (lambda m: m.state_view is not None or m.finalizer is not None)(
-        make_algorithm(contract_config(name))
+        build_algorithm(contract_config(name))
     )
 ]  # fmt: skip
 
@@ -345,7 +346,7 @@ def test_each_capability_keeps_its_word(name: str, tmp_path: Path) -> None:
     for sub in ("first", "again"):
         (tmp_path / sub).mkdir()
     view.save_cloud_state(tmp_path / "first", fed.cloud.round - 1)
-    fresh = make_algorithm(cfg).state_view
+    fresh = build_algorithm(cfg).state_view
     assert fresh is not None
     fresh.load_cloud_state(tmp_path / "first", fed.cloud.round - 1)
     fresh.save_cloud_state(tmp_path / "again", fed.cloud.round - 1)

@@ -19,11 +19,10 @@ from shared.data.partition import make_partition
 from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
 from shared.diffusion.training import TrainResult, make_optimizer, train_local
 from shared.methods import base
-from shared.methods.base import Algorithm, DeviceContext, Update, model_state
+from shared.methods.base import Algorithm, DeviceContext, Update, build_algorithm, model_state
 from shared.methods.baselines import fedprox as fp
 from shared.methods.baselines import moon as mn
 from shared.methods.baselines import scaffold as sc
-from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet, state_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import TensorSpec, encode_tensors
@@ -114,7 +113,7 @@ def test_fedprox_proximal_term_value_and_gradient() -> None:
 def test_fedprox_device_step_uses_the_received_anchor() -> None:
     """One SGD step: y = x - lr (g + mu (x - w_g)), with w_g the last loaded state."""
     cfg = sgd_config("fedprox", prox_mu=3.0)
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     model, ctx = TinyDenoiser(), ctx_for(DATA)
     received = {k: v + 0.25 for k, v in model.state_dict().items()}
     algo.device_load(ctx, model, received)
@@ -132,7 +131,7 @@ def test_fedprox_device_step_uses_the_received_anchor() -> None:
 
 
 def test_fedprox_aggregates_by_fedavg() -> None:
-    algo = make_algorithm(tiny_config(algorithm={"name": "fedprox"}))
+    algo = build_algorithm(tiny_config(algorithm={"name": "fedprox"}))
     ups = [Update("a", {"w": T([1.0, 2.0])}, 1, ()), Update("b", {"w": T([3.0, 6.0])}, 3, ())]
     for agg in (algo.edge_aggregate, algo.cloud_aggregate):
         assert torch.allclose(agg(ups, {"w": T([0.0, 0.0])})["w"], T([2.5, 5.0]))
@@ -140,7 +139,7 @@ def test_fedprox_aggregates_by_fedavg() -> None:
 
 # -- SCAFFOLD -------------------------------------------------------------------------------
 def test_scaffold_specs_are_twice_the_model() -> None:
-    algo = make_algorithm(tiny_config(algorithm={"name": "scaffold"}))
+    algo = build_algorithm(tiny_config(algorithm={"name": "scaffold"}))
     model_spec = state_spec("fmnist-tiny")
     gspec = algo.global_spec(model_spec)
     uspec = algo.upload_spec(gspec)
@@ -191,7 +190,7 @@ def test_scaffold_option_ii_recovers_the_gradient_only_without_momentum(
     zero = {"w": torch.zeros(3)}
     c_new = sc.control_update(zero, zero, zero, {"w": w.detach()}, steps, cfg.train.lr)["w"]
     with caplog.at_level("WARNING", logger="shared.methods.baselines.scaffold"):
-        make_algorithm(cfg)
+        build_algorithm(cfg)
     if momentum == 0:
         assert torch.allclose(c_new, g, atol=1e-5)
         assert "momentum" not in caplog.text
@@ -215,7 +214,7 @@ def _scaffold_state(model: nn.Module, c_value: float) -> dict[str, torch.Tensor]
 
 def test_scaffold_device_step_by_hand() -> None:
     """K = 1, SGD: y = x - lr (g - c_i + c); option II then gives c_i+ = g exactly."""
-    algo = make_algorithm(sgd_config("scaffold"))
+    algo = build_algorithm(sgd_config("scaffold"))
     model, ctx = TinyDenoiser(), ctx_for(DATA)
     state = _scaffold_state(model, 0.3)
     ctx.state[sc.C_LOCAL] = {k: torch.full_like(v, -0.2) for k, v in model.state_dict().items()}
@@ -233,7 +232,7 @@ def test_scaffold_device_step_by_hand() -> None:
 def test_scaffold_control_variate_persists_and_counts_steps_across_rounds() -> None:
     """Round 0 trains without upload (r_e = 2), round 1 uploads: K = 2 since the load; the
     next period starts from the c_i kept on the device."""
-    algo = make_algorithm(sgd_config("scaffold"))
+    algo = build_algorithm(sgd_config("scaffold"))
     model, ctx = TinyDenoiser(), ctx_for(DATA)
     state = _scaffold_state(model, 0.1)
     algo.device_load(ctx, model, state)
@@ -253,7 +252,7 @@ def test_scaffold_control_variate_persists_and_counts_steps_across_rounds() -> N
 
 
 def test_scaffold_edge_and_cloud_aggregation_by_hand() -> None:
-    algo = make_algorithm(
+    algo = build_algorithm(
         tiny_config(algorithm={"name": "scaffold"}, federation={"num_devices": 4})
     )
     edge_state = {"w": T([1.0, 2.0]), "scaffold.c.w": T([0.5, -0.5])}
@@ -283,7 +282,7 @@ def test_scaffold_two_tiers_keep_c_the_mean_of_all_device_variates() -> None:
         federation={"num_devices": 4},
         train={"optimizer": "sgd", "local_steps": 2, "batch_size": 2, "lr": 0.05},
     )
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     homes = {0: "e0", 1: "e0", 2: "e1", 3: "e1"}
     ctxs = {i: ctx_for(DATA + i, seed=i) for i in homes}
     cloud = algo.init_global(dict(TinyDenoiser().state_dict()))
@@ -310,7 +309,7 @@ def test_scaffold_two_tiers_keep_c_the_mean_of_all_device_variates() -> None:
 
 
 def test_scaffold_round_without_load_is_refused() -> None:
-    algo = make_algorithm(sgd_config("scaffold"))
+    algo = build_algorithm(sgd_config("scaffold"))
     with pytest.raises(Exception, match="device_load"):
         algo.device_round(ctx_for(DATA), TinyDenoiser(), 0, upload=True)
 
@@ -378,7 +377,7 @@ def moon_config(mu: float) -> RunConfig:
 
 def test_moon_previous_model_persists_and_switches_the_term_on() -> None:
     data = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    algo = make_algorithm(moon_config(1.0))
+    algo = build_algorithm(moon_config(1.0))
     model, ctx = TinyConvDenoiser(), ctx_for(data)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     algo.device_load(ctx, model, initial)
@@ -392,7 +391,7 @@ def test_moon_previous_model_persists_and_switches_the_term_on() -> None:
     for mu in (0.0, 1.0):
         c, m = ctx_for(data, seed=11), TinyConvDenoiser()
         c.state[mn.PREVIOUS] = ctx.state[mn.PREVIOUS]
-        algo = make_algorithm(moon_config(mu))
+        algo = build_algorithm(moon_config(mu))
         algo.device_load(c, m, initial)
         losses[mu] = algo.device_round(c, m, 1, upload=False).train.mean_loss
         assert c.state[mn.PREVIOUS] is ctx.state[mn.PREVIOUS]  # only an upload replaces it
@@ -401,7 +400,7 @@ def test_moon_previous_model_persists_and_switches_the_term_on() -> None:
 
 
 def test_moon_aggregates_by_fedavg() -> None:
-    algo = make_algorithm(tiny_config(algorithm={"name": "moon"}))
+    algo = build_algorithm(tiny_config(algorithm={"name": "moon"}))
     ups = [Update("a", {"w": T([1.0])}, 3, ()), Update("b", {"w": T([5.0])}, 1, ())]
     for agg in (algo.edge_aggregate, algo.cloud_aggregate):
         assert torch.allclose(agg(ups, {"w": T([0.0])})["w"], T([2.0]))
@@ -459,7 +458,7 @@ def _hooked_period(
                "batch_size": 4, "grad_clip": 0.0},
         compute={"device": device},
     )  # fmt: skip
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     model = build_unet("fmnist-tiny", seed=0)
     gen = torch.Generator().manual_seed(1)
     ctx = ctx_for(torch.rand(8, 1, 32, 32, generator=gen) * 2 - 1, seed=3)
@@ -567,7 +566,7 @@ def _adam_algo(keep: bool, device: str = "cpu") -> Algorithm:
     train = {"optimizer": "adam", "local_steps": 3, "batch_size": 4, "lr": 1e-2, "grad_clip": 0.0}
     if keep:
         train["optimizer_state"] = "keep"
-    return make_algorithm(
+    return build_algorithm(
         tiny_config(train=train, algorithm={"name": "fedavg"}, compute={"device": device})
     )
 

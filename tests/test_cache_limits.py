@@ -8,15 +8,17 @@ import json
 import pytest
 
 from shared.config import (
-    BLOB_DISK_FACTOR,
-    BLOB_DISK_FLOOR,
-    BLOB_MEMORY_BLOBS,
-    BLOB_MEMORY_FLOOR,
     AutoBytes,
     BrokerSection,
     RunConfig,
     config_from_dict,
     with_overrides,
+)
+from shared.config.deployment import (
+    BLOB_DISK_FACTOR,
+    BLOB_DISK_FLOOR,
+    BLOB_MEMORY_BLOBS,
+    BLOB_MEMORY_FLOOR,
 )
 from shared.errors import ConfigError
 from shared.runtime.process import blob_bytes, role_broker_settings

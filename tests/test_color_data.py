@@ -265,8 +265,7 @@ def test_devices_train_ddpm_cifar10_on_three_channel_tensors(tmp_path: Path, sou
     share of the images, and one real local FedAvg step of ddpm-cifar10 runs on them."""
     from estuary.simulate import build_federation
     from shared.data.partition import split_dataset
-    from shared.methods.base import DeviceContext
-    from shared.methods.registry import make_algorithm
+    from shared.methods.base import DeviceContext, build_algorithm
     from shared.transport.bus import MemoryBus
 
     if source == "cifar10":
@@ -289,7 +288,7 @@ def test_devices_train_ddpm_cifar10_on_three_channel_tensors(tmp_path: Path, sou
     device = fed.devices[0]
     ctx = DeviceContext(device.name, device.data, device.labels, torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in device.model.state_dict().items()}
-    result = make_algorithm(cfg).device_round(ctx, device.model, 0, upload=True)
+    result = build_algorithm(cfg).device_round(ctx, device.model, 0, upload=True)
     assert result.train.steps == 1 and np.isfinite(result.train.mean_loss)
     assert result.tensors is not None
     assert any(not torch.equal(result.tensors[k], before[k]) for k in before)

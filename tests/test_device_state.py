@@ -192,7 +192,7 @@ def _forget(agent: DeviceAgent) -> None:
     agent.algo_state.clear()
     agent.plan = None
     agent.model = build_model(cfg.model.preset, None, seed=cfg.run.seed)
-    agent.spec = agent.algorithm.global_spec(model_spec(cfg.model.preset, None))
+    agent.spec = agent.algorithm.format.global_spec(model_spec(cfg.model.preset, None))
     agent.kept_local = None
     agent.last_update = None
     agent.state_session = None
@@ -267,7 +267,7 @@ def test_devices_restarted_mid_run_end_at_the_uninterrupted_model(
     restored, agents = _run(cfg, tmp_path / "state", {0: True, 1: True, 2: True})
     assert restored == reference
     for name, agent in agents.items():
-        skip = agent.algorithm.device_cache_keys
+        skip = agent.algorithm.device.device_cache_keys
         kept = {k: v for k, v in agent.algo_state.items() if k not in skip}
         assert _same(kept, {k: v for k, v in ref_agents[name].algo_state.items() if k not in skip})
         assert agent.metrics.device_state.labels(event="restored")._value.get() == 3
@@ -292,10 +292,10 @@ def test_a_state_that_cannot_be_written_is_counted_and_training_goes_on(tmp_path
 
 
 def _agent(cfg: RunConfig, state_dir: Path, name: str = "dev001") -> DeviceAgent:
-    from shared.methods.registry import make_algorithm
+    from shared.methods.base import build_algorithm
 
     return DeviceAgent(
-        cfg, MemoryBus(), make_algorithm(cfg), device_id=name, index=int(name[3:]),
+        cfg, MemoryBus(), build_algorithm(cfg), device_id=name, index=int(name[3:]),
         home_edge="edge0", data=torch.zeros(4, 1, 28, 28), labels=torch.zeros(4, dtype=torch.long),
         state_dir=state_dir,
     )  # fmt: skip

@@ -108,8 +108,8 @@ def test_one_seed_per_image_makes_smaller_draws_a_prefix(unet: torch.nn.Module) 
 
 
 def test_descriptions_train_while_the_generator_stays_frozen(unet: torch.nn.Module) -> None:
-    s = FedDEOConfig(feddeo_desc_epochs=2.0, feddeo_desc_batch=8, feddeo_desc_lr=0.05,
-                     feddeo_min_class_images=2)  # fmt: skip
+    s = FedDEOConfig(desc_epochs=2.0, desc_batch=8, desc_lr=0.05,
+                     min_class_images=2)  # fmt: skip
     images = torch.rand(20, 1, 32, 32) * 2 - 1
     labels = torch.tensor([0] * 8 + [3] * 11 + [7])  # class 7 has one image: not described
     before = {k: v.clone() for k, v in unet.state_dict().items()}

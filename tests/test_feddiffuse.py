@@ -18,7 +18,7 @@ from shared.data.datasets import load_dataset
 from shared.data.partition import make_partition
 from shared.errors import ConfigError, EstuaryError
 from shared.methods.aggregation import fedavg
-from shared.methods.base import DeviceContext, Update
+from shared.methods.base import DeviceContext, Update, build_algorithm
 from shared.methods.feddiffuse.config import FedDiffuseConfig
 from shared.methods.feddiffuse.method import (
     FEDERATED_PARTS,
@@ -32,7 +32,6 @@ from shared.methods.feddiffuse.method import (
     usplit_assignment,
     usplit_groups,
 )
-from shared.methods.registry import make_algorithm
 from shared.models.presets import PRESETS, build_unet, state_spec
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import encode_tensors, spec_of
@@ -46,7 +45,7 @@ def _cfg(split: str, **overrides: dict) -> RunConfig:  # type: ignore[type-arg]
 
 
 def _algo(split: str, **overrides: dict) -> FedDiffuse:  # type: ignore[type-arg]
-    algo = make_algorithm(_cfg(split, **overrides))
+    algo = build_algorithm(_cfg(split, **overrides))
     assert isinstance(algo, FedDiffuse)
     return algo
 
@@ -428,7 +427,7 @@ def test_usplit_global_is_each_part_averaged_over_its_reporters() -> None:
     (the paper's federator), to float rounding."""
     cfg, bus, fed = _three_devices_two_edges("usplit", rounds=1)
     sent: list[tuple[dict[str, torch.Tensor], int]] = []
-    algo_cls = type(make_algorithm(cfg))
+    algo_cls = type(build_algorithm(cfg))
     original = algo_cls.device_round
 
     def spy(self, ctx, model, round_, *, upload):  # type: ignore[no-untyped-def]

@@ -35,10 +35,9 @@ from shared.diffusion.training import (
     resident_settings,
     train_local,
 )
-from shared.methods.base import DeviceContext, model_state
+from shared.methods.base import DeviceContext, build_algorithm, model_state
 from shared.methods.baselines import scaffold as sc
 from shared.methods.baselines.fedprox import proximal_term
-from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet
 from tests.conftest import tiny_config
 
@@ -422,7 +421,7 @@ def test_graphed_device_rounds_on_cuda_track_the_eager_rounds(
             algorithm={"name": name, "sparse_rounds": 2, "lambda0": 1e-2},
             compute={"device": "cuda"},
         )  # fmt: skip
-        algo = make_algorithm(cfg)
+        algo = build_algorithm(cfg)
         model = build_unet("fmnist-tiny", seed=0)
         ctx = DeviceContext("dev000", data, labels, torch.Generator().manual_seed(7))
         state = algo.init_global(model_state(model))

@@ -84,7 +84,8 @@ def test_compute_device_resolution_and_every_algorithm_trains_there(
     from shared.config import config_from_dict
     from shared.diffusion.training import resolve_device
     from shared.methods import base
-    from shared.methods.registry import make_algorithm, registered
+    from shared.methods.base import build_algorithm
+    from shared.methods.registry import registered
 
     assert resolve_device("cpu").type == "cpu"
     # a per-process setting: GPU and CPU devices share one federation (same digest)
@@ -101,7 +102,7 @@ def test_compute_device_resolution_and_every_algorithm_trains_there(
         return config_from_dict({"algorithm": {"name": name}, "model": model})
 
     configs = {n: config_of(n) for n in registered()}
-    algos = {n: make_algorithm(cfg) for n, cfg in configs.items()}
+    algos = {n: build_algorithm(cfg) for n, cfg in configs.items()}
     assert {n for n, algo in algos.items() if not algo.supports_cuda} == set()
     assert {n: a.training_device for n, a in algos.items()} == dict.fromkeys(
         algos, resolve_device("auto")
@@ -116,7 +117,7 @@ def test_compute_device_resolution_and_every_algorithm_trains_there(
         return torch.device("meta")
 
     monkeypatch.setattr(base, "resolve_device", stand_in)
-    fresh = {n: make_algorithm(cfg) for n, cfg in configs.items()}
+    fresh = {n: build_algorithm(cfg) for n, cfg in configs.items()}
     assert {n: a.training_device.type for n, a in fresh.items()} == dict.fromkeys(fresh, "meta")
     assert {n: a.training_device.type for n, a in fresh.items()} == dict.fromkeys(fresh, "meta")
     assert calls == ["auto"] * len(fresh)

@@ -17,10 +17,9 @@ from shared.config import RunConfig
 from shared.deploy.onnx_sampler import OnnxGenerator
 from shared.errors import EstuaryError
 from shared.evaluation.evaluator import model_from_state, sample_images
-from shared.methods.base import DeviceContext
+from shared.methods.base import DeviceContext, build_algorithm
 from shared.methods.prism.masking import fan_in, is_masked
 from shared.methods.prism.method import MASK, STEP, THETA
-from shared.methods.registry import make_algorithm
 from shared.models.oneshot import (
     MATCH_STATE,
     FeatureMatch,
@@ -174,7 +173,7 @@ def test_prism_masks_the_generator_and_uploads_one_bit_per_weight(tmp_path: Path
     assert masked == 418_192
     up = bus.traffic.snapshot()["bytes"]["received:device_update"]
     assert masked / 8 * 8 <= up <= (masked / 8 + 200) * 8  # 8 uploads of a packed mask
-    assert list(make_algorithm(cfg).upload_spec(fed.cloud.spec)) == [MASK]
+    assert list(build_algorithm(cfg).upload_spec(fed.cloud.spec)) == [MASK]
     assert MATCH_STATE in fed.devices[0].algo_state
     # the deployed model: one fixed mask, BN recalibrated on latents, exported with parity
     module = model_from_state(cfg, final)
@@ -207,7 +206,7 @@ def test_algorithms_with_u_net_parts_refuse_a_one_shot_generator() -> None:
 
 def test_a_device_objective_is_computed_once_and_kept() -> None:
     cfg = oneshot_config("fedavg")
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     data = torch.rand(12, 1, 32, 32) * 2 - 1
     ctx = DeviceContext("d0", data, torch.zeros(12, dtype=torch.long), torch.Generator())
     model = build_oneshot(cfg.model.preset)

@@ -18,7 +18,7 @@ from shared.config import RunConfig, with_overrides
 from shared.data.datasets import load_dataset, to_model_input
 from shared.errors import CodecError, ConfigError
 from shared.evaluation.evaluator import model_from_state
-from shared.methods.base import DeviceContext, Update
+from shared.methods.base import DeviceContext, Update, build_algorithm
 from shared.methods.prism.masking import (
     KEY_ENV,
     KEY_FILE_ENV,
@@ -45,7 +45,6 @@ from shared.methods.prism.method import (
     privatize,
     sensitivity,
 )
-from shared.methods.registry import make_algorithm
 from shared.models.plan import model_spec
 from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
@@ -218,12 +217,12 @@ def test_the_cloud_averages_by_mask_counts_maps_into_eps_and_mixes_by_mada() -> 
     current = {THETA + "w": torch.tensor([0.5, 0.5, 0.5, 0.5]), COUNT: torch.tensor(0.0),
                STEP: torch.tensor(4.0)}  # fmt: skip
     edges = [_edge_report([1.0, 0.0, 1.0, 0.0], 3.0), _edge_report([0.0, 0.0, 1.0, 1.0], 1.0)]
-    off = make_algorithm(prism_config(prism_mada=False)).cloud_aggregate(edges, current)
+    off = build_algorithm(prism_config(prism_mada=False)).cloud_aggregate(edges, current)
     mean = torch.tensor([0.75, 0.0, 1.0, 0.25])  # (3 x first + 1 x second) / 4
     assert torch.allclose(off[THETA + "w"], 0.01 + 0.98 * mean)
     assert float(off[COUNT]) == 4.0 and float(off[STEP]) == 5.0
 
-    algo = make_algorithm(prism_config(prism_mada_space="prob"))
+    algo = build_algorithm(prism_config(prism_mada_space="prob"))
     assert isinstance(algo, Prism)
     on = algo.cloud_aggregate(edges, current)
     # lambda: Hamming distance of two samples drawn with the documented seed
@@ -234,14 +233,14 @@ def test_the_cloud_averages_by_mask_counts_maps_into_eps_and_mixes_by_mada() -> 
     assert algo.last_lambda == lam
     assert torch.allclose(on[THETA + "w"], lam * new + (1 - lam) * 0.5)
 
-    score = make_algorithm(prism_config()).cloud_aggregate(edges, current)
+    score = build_algorithm(prism_config()).cloud_aggregate(edges, current)
     logit = torch.log(new) - torch.log1p(-new)  # the previous scores are 0 (theta = 1/2)
     assert torch.allclose(score[THETA + "w"], torch.sigmoid(lam * logit), atol=1e-6)
 
 
 def test_mada_lambda_tracks_mask_entropy_not_only_drift() -> None:
     """Even unchanged probabilities of 1/2 give lambda near 1/2 (the notes' caveat)."""
-    algo = make_algorithm(prism_config(prism_mada_space="prob"))
+    algo = build_algorithm(prism_config(prism_mada_space="prob"))
     assert isinstance(algo, Prism)
     current = {THETA + "w": torch.full((10_000,), 0.5), COUNT: torch.tensor(1.0),
                STEP: torch.tensor(0.0)}  # fmt: skip
@@ -263,7 +262,7 @@ def test_privatized_probabilities_are_clipped_and_noised() -> None:
 
 
 def _one_device_upload(cfg: RunConfig, seed: int) -> dict[str, torch.Tensor]:
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     module = build_unet(cfg.model.preset, seed=0)
     state = algo.init_global(dict(module.state_dict()))
     for k in state:
@@ -322,7 +321,7 @@ def test_the_run_stops_at_the_privacy_budget_and_devices_refuse_beyond_it() -> N
     # a device counts its own releases and refuses one past the budget
     device = fed.devices[0]
     assert device.algo_state[RELEASES] == 2
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     module = build_unet(cfg.model.preset, seed=0)
     ctx = DeviceContext("dev000", torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long),
                         torch.Generator().manual_seed(0), state={RELEASES: 2})  # fmt: skip
@@ -367,7 +366,7 @@ def test_the_key_is_in_no_config_message_or_log(caplog: pytest.LogCaptureFixture
 
 def test_a_role_without_the_key_says_how_to_make_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KEY_ENV)
-    algo = make_algorithm(prism_config())
+    algo = build_algorithm(prism_config())
     with pytest.raises(ConfigError, match="ESTUARY_PRISM_KEY_FILE"):
         algo.init_global(dict(build_unet("fmnist-tiny", seed=0).state_dict()))
 
@@ -377,7 +376,7 @@ def test_materialize_draws_one_fixed_mask_and_exports_with_parity(tmp_path: Path
     from shared.deploy.export import export_module
 
     cfg = prism_config()
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     state = algo.init_global(dict(build_unet(cfg.model.preset, seed=0).state_dict()))
     dense = algo.materialize(state)
     assert torch.equal(dense["conv_in.weight"], algo.materialize(state)["conv_in.weight"])
@@ -419,7 +418,7 @@ def test_a_whole_federation_trains_scores_and_uploads_bits() -> None:
     up = counts["received:device_update"]
     # 8 uploads (4 devices x 2 rounds) of one bit per masked weight plus the header
     assert masked / 8 * 8 <= up <= (masked / 8 + 200) * 8
-    assert list(make_algorithm(cfg).upload_spec(fed.cloud.spec)) == [MASK]
+    assert list(build_algorithm(cfg).upload_spec(fed.cloud.spec)) == [MASK]
 
 
 def test_the_compact_artifact_round_trips_and_a_resume_needs_the_same_key(
@@ -438,7 +437,7 @@ def test_the_compact_artifact_round_trips_and_a_resume_needs_the_same_key(
     assert cli(["prism", "unpack", str(compact), "--out", str(dense_out)]) == 0
     path = latest_checkpoint_path(tmp_path / "run" / "checkpoints")
     assert path is not None
-    want = make_algorithm(cfg).materialize(load_checkpoint(path).model)
+    want = build_algorithm(cfg).materialize(load_checkpoint(path).model)
     got = decode_tensors(dense_out.read_bytes())
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     masked = sum(v.numel() for k, v in want.items() if k in masked_names(
@@ -472,7 +471,7 @@ def test_prism_star_sends_the_output_side_layers_as_probabilities() -> None:
     assert len(late) == round(0.8 * len(order)) and "conv_out.weight" in late
     assert "conv_in.weight" not in late
     cfg = prism_config(prism_alpha=80.0, prism_local_iters=1)
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     gspec = algo.global_spec(model_spec("fmnist-tiny", None))
     uspec = algo.upload_spec(gspec)
     assert {k[len(PROB) :] for k in uspec if k.startswith(PROB)} == late

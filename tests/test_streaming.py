@@ -17,8 +17,7 @@ import torch
 
 from shared.errors import EstuaryError
 from shared.methods.aggregation import WeightedSum, fedavg, weighted_average
-from shared.methods.base import HeldFold, MeanFold, Update
-from shared.methods.registry import make_algorithm
+from shared.methods.base import HeldFold, MeanFold, Update, build_algorithm
 from shared.models.checkpoint import CheckpointWriter
 from shared.runtime.trace import ENV_DIR, Trace
 from shared.transport import blobs
@@ -101,7 +100,7 @@ def test_weighted_sum_refuses_what_cannot_be_averaged() -> None:
 def test_streaming_folds_match_in_any_order(name: str) -> None:
     """FedAvg's and SCAFFOLD's folds stream, and give one model in any order of arrival."""
     cfg = tiny_config(algorithm={"name": name}, federation={"num_devices": 4, "num_edges": 1})
-    algo = make_algorithm(cfg)
+    algo = build_algorithm(cfg)
     spec_model = {k: v.clone() for k, v in _model(cfg).items()}
     current = algo.init_global(spec_model)
     g = torch.Generator().manual_seed(1)
@@ -256,7 +255,7 @@ def test_a_stateful_fold_gets_the_edges_model() -> None:
     from tests.test_edge_robustness import _hierarchy, _open
 
     bus, edge, cloud, _, _ = _hierarchy()
-    edge.algorithm = make_algorithm(tiny_config(algorithm={"name": "scaffold"}))
+    edge.algorithm = build_algorithm(tiny_config(algorithm={"name": "scaffold"}))
     assert not edge.algorithm.aggregation_stateless
     edge._set_arch(None)
     ref = cloud.put_tensors(edge.algorithm.init_global(_model(edge.cfg)), "global_model")

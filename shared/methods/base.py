@@ -393,3 +393,15 @@ class Algorithm(ABC):
 def _implements(method: Algorithm) -> Method:
     """The base implements the method interface (checked by the type checker)."""
     return method
+
+
+def build_algorithm(cfg: RunConfig) -> Algorithm:
+    """The method ``cfg`` names as its implementation class, for code that exercises a
+    method's own steps (tests, benchmarks) rather than the roles' view of it
+    (:func:`shared.methods.registry.make_algorithm`)."""
+    from shared.methods.registry import make_algorithm
+
+    method = make_algorithm(cfg)
+    if not isinstance(method, Algorithm):
+        raise TypeError(f"{cfg.algorithm.name} is not built on shared.methods.base.Algorithm")
+    return method
