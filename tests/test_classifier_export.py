@@ -46,6 +46,9 @@ from shared.models.classifier import (
 )
 from tests.conftest import needs_fmnist
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("classifier_export")
+
 ORIGIN = {"device": "dev003", "round": 199, "algorithm": "pfedgpa"}
 
 
@@ -308,9 +311,6 @@ import sys
 import numpy as np
 from estuary.cli import main
 from shared.deploy.onnx_classifier import OnnxClassifier, read_image_folder
-
-# its module-scoped fixtures are built once: every test of the module on one pytest worker
-pytestmark = pytest.mark.xdist_group("classifier_export")
 rc = main(["classify", {str(exported.out_dir)!r}, "--images", {str(tmp_path / "imgs")!r},
            "--provider", "cpu", "--json", {str(out)!r}])
 assert rc == 0, rc

@@ -34,6 +34,9 @@ from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import DeploymentReport, SampleRequest
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("deployment")
+
 
 def _flip(text: str, index: int) -> str:
     """``text`` with one character changed (to another printable one)."""
@@ -242,9 +245,6 @@ import sys
 sys.modules["torch"] = None  # any import of torch now raises ImportError
 from estuary.cli import main
 import device_agent.main, device_agent.deployment  # the sampling-only agent's modules
-
-# its module-scoped fixtures are built once: every test of the module on one pytest worker
-pytestmark = pytest.mark.xdist_group("deployment")
 rc = main(["sample", "--model", {str(exports[0])!r}, "--n", "3", "--steps", "3",
            "--out", {str(tmp_path / "g.png")!r}, "--verify-key", {str(keys[1])!r}, "--quiet"])
 assert rc == 0, rc

@@ -58,7 +58,7 @@ def test_yogi_moves_v_by_the_sign_of_its_gap() -> None:
 
 
 def test_the_cloud_step_is_the_average_then_adam() -> None:
-    cfg = tiny_config(algorithm={"name": "fedadam", "eta": 0.05})
+    cfg = tiny_config(algorithm={"name": "fedadam", "fedadam": {"eta": 0.05}})
     algo = make_algorithm(cfg)
     assert isinstance(algo, FedAdam) and algo.state_view is algo
     current = {"w": torch.zeros(3)}

@@ -54,6 +54,9 @@ from shared.transport.bus import MemoryBus
 from shared.wire.messages import Deployment, DeploymentReport, SampleRequest
 from tests.conftest import tiny_config
 
+# its module-scoped fixtures are built once: every test of the module on one pytest worker
+pytestmark = pytest.mark.xdist_group("feddeo_deploy")
+
 REPORT = {
     "accuracy": {"identity": 0.5, "noise": 0.25},
     "mean_accuracy": 0.375,
@@ -327,9 +330,6 @@ from shared.deploy.signing import MODEL_BLOB_KIND, key_id, load_public_key, read
 from shared.runtime.service import RoleService
 from shared.transport.bus import MemoryBus
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport
-
-# its module-scoped fixtures are built once: every test of the module on one pytest worker
-pytestmark = pytest.mark.xdist_group("feddeo_deploy")
 
 class Cloud(RoleService):
     role = "cloud"
