@@ -229,7 +229,45 @@ def tiny_unet_onnx() -> Callable[[int], bytes]:
     return onnx
 
 
+#: the slowest tests outside the ``process`` marker (docs/testing.md, measured 2026-11-29),
+#: longest first: handed out right after the process-level ones
+LONG_FIRST = (
+    "test_adversarial.py::test_a_rerun_on_a_broker_holding_a_finished_run",
+    "test_folder_data.py::test_devices_reading_only_their_own_folders",
+    "test_simulate.py::test_smoke_fmnist_tiny",
+    "test_provision.py::test_federation_runs_with_per_role_credentials",
+    "test_device_state.py::test_devices_restarted_mid_run",
+    "test_compare.py::",
+    "test_folder_data.py::test_simulate_and_compare",
+    "test_attack_suite.py::",
+    "test_simulate.py::test_duplicate_and_late_updates_are_ignored",
+    "test_prometheus_rules.py::",
+    "test_deployment.py::",
+    "test_status.py::",
+    "test_onnx_export.py::",
+    "test_own_model_deployment.py::",
+    # mostly waiting (on a broker, a deadline, a scrape): run beside the long ones above,
+    # not at the end, where they would leave the cores idle
+    "test_mqtt_bad_input.py::",
+    "test_mqtt_federation.py::",
+    "test_mqtt_robustness.py::",
+    "test_client_id_binding.py::",
+    "test_private_downlink.py::",
+    "test_large_federation.py::",
+    "test_provision.py::",
+)
+
+
+def _order(item: pytest.Item) -> int:
+    """0 for process-level tests, then the rank in :data:`LONG_FIRST`, then the rest."""
+    if item.get_closest_marker("process") is not None:
+        return 0
+    return next((i + 1 for i, key in enumerate(LONG_FIRST) if key in item.nodeid),
+                len(LONG_FIRST) + 1)  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Hand out the longest tests first (those starting process hierarchies), so that two
-    pytest workers do not end the run with one of them still at a long test."""
-    items.sort(key=lambda item: item.get_closest_marker("process") is None)
+    """Hand out the longest tests first (those starting process hierarchies, then
+    :data:`LONG_FIRST`), so that the pytest workers do not end the run with one of them
+    still at a long test while the others are idle."""
+    items.sort(key=_order)
