@@ -15,6 +15,7 @@ import torch
 
 from shared.config import RunConfig
 from shared.data.partition import dominant_groups, make_partition, split_test
+from shared.deploy.classifier_export import preset_of
 from shared.diffusion.training import train_classifier
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import sample_images
@@ -82,6 +83,21 @@ def test_the_client_cnn_has_fedpacs_size() -> None:
     # conv1 16x24x24x25 + conv2 32x10x10x400 + fc1 800x128 + fc2 128x10
     assert info.params == 117_066
     assert info.weight_macs == 16 * 24 * 24 * 25 + 32 * 10 * 10 * 400 + 800 * 128 + 128 * 10
+
+
+def test_the_small_cnn_is_fedpacs_narrowed_to_11930_parameters() -> None:
+    model = build_classifier("fmnist-cnn-small")
+    sizes = {k: v.numel() for k, v in model.state_dict().items()}
+    # conv 1->6 k5, conv 6->12 k5 pad 1, fc 300->32, fc 32->10
+    assert sizes == {"conv1.weight": 150, "conv1.bias": 6, "conv2.weight": 1800,
+                     "conv2.bias": 12, "fc1.weight": 9600, "fc1.bias": 32,
+                     "fc2.weight": 320, "fc2.bias": 10}  # fmt: skip
+    assert sum(sizes.values()) == 11_930 and kind_of("fmnist-cnn-small") == "classifier"
+    assert list(state_spec("fmnist-cnn-small")) == list(model.state_dict())
+    assert model(torch.zeros(3, 1, 32, 32)).shape == (3, 10)
+    # the export path tells the two presets apart by their widths
+    assert preset_of(model) == "fmnist-cnn-small"
+    assert preset_of(build_classifier("fmnist-cnn")) == "fmnist-cnn"
 
 
 def test_cross_entropy_training_learns_and_is_seeded() -> None:
