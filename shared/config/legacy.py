@@ -46,9 +46,9 @@ _PREFIXED = {
         "mada_distance", "alpha", "weighting", "dp_noise", "dp_epsilon", "dp_delta", "dp_clip",
     ),
     "pfedgpa": (
-        "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser_width", "ae_steps",
-        "dm_steps", "batch", "lr", "timesteps", "invert_from", "guide_rounds", "guide_omega",
-        "guide_steps", "guide_from",
+        "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser", "denoiser_width",
+        "ae_steps", "dm_steps", "batch", "lr", "timesteps", "invert_from", "inversion",
+        "guide_rounds", "guide_omega", "guide_steps", "guide_from",
     ),
     "feddeo": (
         "use_descriptions", "w_t", "w_d", "images_per_class", "eval_n", "sample_steps",
