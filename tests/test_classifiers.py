@@ -191,7 +191,7 @@ def test_pfedgpa_sends_each_device_only_its_own_parameters() -> None:
         "pfedgpa", extra_algorithm={
             "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 20,
             "pfedgpa_dm_steps": 20, "pfedgpa_timesteps": 20, "pfedgpa_denoiser_width": 8,
-            "pfedgpa_batch": 8,
+            "pfedgpa_batch": 8, "pfedgpa_invert_from": 4,
         },
     )  # fmt: skip
     from estuary.simulate import build_federation
@@ -242,8 +242,9 @@ def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path:
     cfg = classifier_config(
         "pfedgpa", run={"rounds": 10}, extra_algorithm={
             "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 10, "pfedgpa_dm_steps": 10,
-            "pfedgpa_timesteps": 20, "pfedgpa_denoiser_width": 8, "pfedgpa_batch": 8,
-            "pfedgpa_dm_every": 3, "pfedgpa_guide_rounds": 2, "pfedgpa_guide_steps": 2,
+            "pfedgpa_timesteps": 20, "pfedgpa_invert_from": 4, "pfedgpa_denoiser_width": 8,
+            "pfedgpa_batch": 8, "pfedgpa_dm_every": 3, "pfedgpa_guide_rounds": 2,
+            "pfedgpa_guide_steps": 2,
             "pfedgpa_guide_from": 10,
         },
     )  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from shared.errors import CodecError
+from shared.methods.pfedgpa.config import PFedGPAConfig
 from shared.methods.pfedgpa.param_diffusion import (
     LatentDenoiser,
     LinearParamAutoencoder,
@@ -347,11 +348,12 @@ def test_kept_signal_of_the_linear_schedule() -> None:
         kept_signal(b, 1001)
 
 
-def test_inversion_from_depth_200_keeps_its_input_at_t_1000(
+def test_inversion_from_the_shipped_depth_keeps_its_input_at_t_1000(
     trained: tuple[ParamDM, Tensor, list],
 ) -> None:
     dm, store, _ = trained
-    depth = 200
+    depth = PFedGPAConfig.model_fields["invert_from"].default
+    assert 0 < depth < dm.betas.shape[0]  # the shipped inversion does go through the DM
     picks = store[torch.arange(16) * 4]  # 4 vectors of each cluster
     own = torch.arange(16) // 4
     centers = store.reshape(4, 16, D).mean(dim=1)
@@ -363,7 +365,7 @@ def test_inversion_from_depth_200_keeps_its_input_at_t_1000(
     d_gen, _ = distance_and_kept(generate(dm, 16, _gen(12)))
     d_inv, kept_inv = distance_and_kept(invert(dm, picks, _gen(11), t0=depth))
     assert d_inv < 0.5 * d_gen and kept_inv >= 0.75  # 0.29 and 0.875 with these seeds
-    # from the whole chain (T, the default) the chain keeps 0.0064 of its input:
+    # from the whole chain (T) the chain keeps 0.0064 of its input:
     # the result is a sample of the model, as far from its input as direct generation
     d_full, kept_full = distance_and_kept(invert(dm, picks, _gen(11), t0=1000))
     assert d_full > 0.7 * d_gen and kept_full <= 0.5  # 0.82 and 0.31 (chance: 0.25)

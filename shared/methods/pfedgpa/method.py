@@ -192,7 +192,7 @@ class PFedGPA(Algorithm):
         gen = dm_seed(self.cfg.run.seed, round_, 2)
         s = self.settings
         if s.mode == "inversion":
-            depth, noise = s.invert_from or self.dm.betas.shape[0], s.inversion
+            depth, noise = s.invert_from, s.inversion
             log.info("pfedgpa: inverting from t0 = %d of %d (%s noise), where the chain keeps "
                      "%.3g of each upload", depth, self.dm.betas.shape[0], noise,
                      kept_signal(self.dm.betas, depth))  # fmt: skip
