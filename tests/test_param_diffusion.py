@@ -171,14 +171,14 @@ def test_linear_autoencoder_learns_directions_the_conv_one_cannot() -> None:
     g = _gen(0)
     x = torch.randn(64, 3, generator=g) @ torch.randn(3, 300, generator=g)
     x = (x - x.mean(0)) / x.std(0)
-    cfg = dataclasses.replace(TINY, ae_steps=300, dm_steps=1, batch_size=64)
+    cfg = dataclasses.replace(TINY, ae_steps=100, dm_steps=1, batch_size=64, lr=1e-2)
     mse = {}
     for size in ("small", "linear"):
         dm = train_param_dm(x, ["w"], [(300,)], dataclasses.replace(cfg, ae_size=size), _gen(1))
         with torch.no_grad():
             z = dm.normalizer.normalize(x)
             mse[size] = float(((dm.autoencoder(z) - z) ** 2).mean())  # 1: the mean
-    assert mse["linear"] < 0.2 < mse["small"]
+    assert mse["linear"] < 0.2 < mse["small"]  # 0.05 and 0.54 (0.05-0.06, 0.51-0.70 by seed)
 
 
 @pytest.mark.parametrize("kind", ["conv", "mlp"])
