@@ -20,7 +20,9 @@ from shared.diffusion.training import train_classifier
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import sample_images
 from shared.evaluation.recorder import accuracy_figures
+from shared.methods.base import build_algorithm
 from shared.methods.pfedgpa.method import PFedGPA
+from shared.methods.pfedgpa.param_diffusion import LinearParamAutoencoder, MLPDenoiser, invert
 from shared.methods.registry import make_algorithm
 from shared.models.classifier import accuracy, build_classifier
 from shared.models.presets import kind_of, model_info, state_spec
@@ -304,3 +306,47 @@ def test_the_quick_pfedgpa_comparison_reports_accuracies_and_bytes(tmp_path: Any
     # pFedGPA and its ablation differ only in the last round's parameters
     assert rows["pFedGPA"]["acc_before"] != rows["pFedGPA, direct"]["acc_before"]
     assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "table.md").is_file()
+
+
+def _personalized(inversion: str) -> tuple[PFedGPA, dict[str, Any], dict[str, Any]]:
+    """A pFedGPA cloud with a linear autoencoder and an MLP denoiser, run over two rounds of
+    four devices' uploads (the second is the diffusion round); its personal models."""
+    cfg = classifier_config("pfedgpa", extra_algorithm={"pfedgpa": {
+        "store_rounds": 2, "ae_steps": 5, "dm_steps": 5, "timesteps": 20, "invert_from": 20,
+        "inversion": inversion, "ae_size": "linear", "denoiser": "mlp", "denoiser_width": 8,
+        "batch": 8, "layers": ["fc2"],
+    }})  # fmt: skip
+    algo = build_algorithm(cfg)
+    assert isinstance(algo, PFedGPA)
+    base = build_classifier(cfg.model.preset).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    uploads = {
+        f"dev{i:03d}": {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        for i in range(4)
+    }
+    assert algo.personalize(0, uploads, base) is None  # not a diffusion round
+    made = algo.personalize(1, uploads, base)
+    assert made is not None and algo.dm is not None
+    return algo, uploads, dict(made)
+
+
+def test_pfedgpa_inverts_with_the_configured_noise_depth_and_networks() -> None:
+    algo, uploads, made = _personalized("posterior")
+    dm = algo.dm
+    assert dm is not None
+    assert isinstance(dm.autoencoder, LinearParamAutoencoder)
+    assert isinstance(dm.denoiser, MLPDenoiser)
+    devices = sorted(uploads)
+    own = torch.stack([torch.cat([uploads[d][n].reshape(-1) for n in algo.names])
+                       for d in devices])  # fmt: skip
+    recon = invert(dm, own, torch.Generator().manual_seed(0), t0=0)
+    for d, r in zip(devices, recon, strict=True):
+        # the layers not generated are the device's own; the generated ones, inverted with
+        # the posterior noise from the whole chain, are the autoencoder's reconstruction
+        assert torch.equal(made[d]["conv1.weight"], uploads[d]["conv1.weight"])
+        got = torch.cat([made[d][n].reshape(-1) for n in algo.names])
+        torch.testing.assert_close(got, r, rtol=1e-4, atol=1e-4)
+    # eq. 15's own noises do not retrace the chain: the same run ends elsewhere
+    _, _, chain = _personalized("chain")
+    got = torch.cat([chain[devices[0]][n].reshape(-1) for n in algo.names])
+    assert (got - recon[0]).abs().max() > 1e-2
