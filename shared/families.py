@@ -54,7 +54,7 @@ FAMILIES: dict[Kind, ModelFamily] = {
     ),
     # small CNNs (shared.models.classifier), trained with cross-entropy
     "classifier": ModelFamily(
-        "classifier", "a classifier", "classifiers", ("fmnist-cnn",),
+        "classifier", "a classifier", "classifiers", ("fmnist-cnn", "fmnist-cnn-small"),
         quality="accuracy", deploy_task="classify", served_by="devices",
     ),
 }  # fmt: skip

@@ -252,7 +252,7 @@ class ModelSection(Section):
         "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "fmnist-tiny-cfg",
         "fmnist-small-cfg", "ddpm-cifar10",
         "resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64", "resnetg-cifar10-64",
-        "fmnist-cnn",
+        "fmnist-cnn", "fmnist-cnn-small",
     ] = "fmnist-tiny"  # fmt: skip
     init: str = Field(
         "random",
