@@ -164,3 +164,41 @@ def test_one_run_scores_its_guidance_controls_and_the_oracle_its_domains(tmp_pat
     result = simulate(oracle, tmp_path / "oracle", progress=False, evaluate=False)
     final = json.loads((result.run_dir / "summary.json").read_text())["final"]
     assert final["prompt_domain"] == "device" and final["use_descriptions"] is False
+
+
+def test_the_shipped_domain_comparisons_separate_the_mechanisms() -> None:
+    """compare_feddeo_dom_cpu.toml: FedDEO with its descriptions-only control, Prompts-Only
+    at w_t 3 and 6, the Oracle, the FedAvg classifier and the Ceiling, every generating row
+    on the generator with a domain axis with the same sampler, N and seeds."""
+    import tomllib
+
+    from estuary.compare.spec import parse_compare
+    from shared.config.legacy import flat_keys_of
+
+    repo = Path(__file__).resolve().parents[1]
+    for name in ("compare_feddeo_dom_cpu.toml", "compare_feddeo_dom_labelskew_cpu.toml",
+                 "compare_feddeo_dom_ablation_cpu.toml"):  # fmt: skip
+        path = repo / "configs" / "compare" / name
+        data = tomllib.loads(path.read_text())
+        assert flat_keys_of(data["base"]["algorithm"]) == []  # format 2: [algorithm.feddeo]
+        spec = parse_compare(data, path)
+        methods = {m.label: m.cfg for m in spec.methods}
+        generating = {
+            k: FedDEOConfig.of(c) for k, c in methods.items() if c.algorithm.name == "feddeo"
+        }
+        for label, s in generating.items():
+            cfg = methods[label]
+            assert cfg.model.preset == "fmnist-tiny-dom" and cfg.model.init == "pretrained"
+            assert (s.sample_eta, s.w_t, s.desc_lrs) == (
+                1.0,
+                3.0,
+                [0.02, 0.05, 0.2],
+            )
+        if name != "compare_feddeo_dom_cpu.toml":
+            continue
+        assert list(methods) == ["FedDEO", "Prompts-Only", "Oracle", "FedAvg classifier", "Ceiling"]
+        assert generating["FedDEO"].eval_guidance == [(0.0, 3.0)]
+        assert generating["Prompts-Only"].eval_guidance == [(6.0, 0.0)]
+        assert not generating["Prompts-Only"].use_descriptions
+        oracle = generating["Oracle"]
+        assert oracle.prompt_domain == "device" and not oracle.use_descriptions
