@@ -175,6 +175,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument(
+        "--emb-lr",
+        type=float,
+        default=None,
+        help="Adam rate of the class (and domain) rows (default: --lr); a domain axis "
+        "added to a pretrained generator starts at zero and needs a larger one to reach "
+        "the scale of the class rows",
+    )
     p.add_argument("--ema", type=float, default=0.999, help="decay of the weight average")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and the generators")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -248,7 +256,12 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     ema = WeightAverage(model, args.ema)  # decay min(ema, (1 + t) / (10 + t)): a short warm-up
     scheduler = make_train_scheduler(cfg.diffusion)
     gen = torch.Generator().manual_seed(args.seed)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    emb = [p for n, p in model.named_parameters() if n.startswith("class_embedding.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("class_embedding.")]
+    groups = [{"params": rest}]
+    if emb:  # the conditioning rows may learn at a rate of their own (--emb-lr)
+        groups.append({"params": emb, "lr": args.emb_lr if args.emb_lr else args.lr})
+    opt = torch.optim.Adam(groups, lr=args.lr)
     n, cursor = len(data), 0
     order = torch.randperm(n, generator=gen)
     recent: list[float] = []
@@ -264,10 +277,10 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
             y = labels[idx].clone()
             drop = torch.rand(len(y), generator=gen) < args.p_uncond
             y[drop] = CFG_NUM_EMBEDS - 1
-        if rows is not None:  # domain dropout to "unspecified" (row 0), then label + 11 row
+        if rows is not None and y is not None:  # domain dropout to "unspecified" (row 0)
             r = rows[idx].clone()
             r[torch.rand(len(r), generator=gen) < args.p_undomain] = UNSPECIFIED
-            y = encode(y, r)
+            y = encode(y, r)  # label + 11 x domain row
         loss = ddpm_loss(model, x, scheduler, gen, class_labels=y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -339,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "lr": args.lr,
+        "emb_lr": args.emb_lr if args.emb_lr else args.lr,
         "ema": args.ema,
         "seed": args.seed,
         "final_loss": round(loss, 5),
