@@ -184,6 +184,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the scale of the class rows",
     )
     p.add_argument("--ema", type=float, default=0.999, help="decay of the weight average")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="also write the weight average every this many steps to OUT.step<k>.safetensors "
+        "(no gate: a look at a long run before it ends; 0 = never)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the init and the generators")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--data", default=None, help="directory with the Fashion-MNIST IDX files")
@@ -290,6 +297,12 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
         recent = [*recent[-99:], loss.item()]
         if step % 100 == 99:
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+        done = step + 1
+        if args.snapshot_every and done % args.snapshot_every == 0 and done < args.steps:
+            snap = args.out.with_name(f"{args.out.stem}.step{done}.safetensors")
+            info = {"preset": args.preset, "steps": done, "snapshot": True,
+                    "loss": round(sum(recent) / len(recent), 5)}  # fmt: skip
+            write_asset(snap, ema.averaged().state_dict(), info)  # moved back by ema.update
     return ema.averaged(), sum(recent) / len(recent)
 
 
