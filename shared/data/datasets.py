@@ -415,9 +415,7 @@ def from_model_output(x: torch.Tensor) -> np.ndarray:
     return y.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
-def save_grid(
-    images: np.ndarray, path: Path, *, pad: int = 2, cols: int | None = None
-) -> Path:
+def save_grid(images: np.ndarray, path: Path, *, pad: int = 2, cols: int | None = None) -> Path:
     """Tile uint8 images, grayscale ``(N, H, W)`` or colour ``(N, H, W, 3)``, into a
     grid PNG (RGB for colour images): ``cols`` images a row, square-ish by default."""
     n, h, w = images.shape[:3]
