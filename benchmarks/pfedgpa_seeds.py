@@ -5,7 +5,11 @@ the paper (seed 004, Tables 1-2, Fashion-MNIST, 20 clients).
 
     python benchmarks/pfedgpa_seeds.py runs/pfedgpa-seeds --fork 150
 
-Writes ``table.md``, ``table.json`` and ``accuracy_seeds.png`` in the folder.
+Writes ``table.md``, ``table.json`` and ``accuracy_seeds.png`` in the folder. Where a seed's
+fork has no direct-generation run but an offline sweep (``seed<s>-fork/sweep/inversion.json``,
+``benchmarks/pfedgpa_inversion.py``: the same diffusion model and generation noise the cloud
+would use), the "pFedGPA, direct" row comes from the sweep, and the sweep's rows and swap
+table are averaged over the seeds too.
 """
 
 from __future__ import annotations
@@ -48,6 +52,24 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+#: the sweep's row that stands for a direct-generation run
+DIRECT_ROW = "direct generation"
+
+
+def sweep_of(out: Path, seed: int) -> dict[str, Any] | None:
+    """The offline sweep of the seed's fork, if made."""
+    path = out / f"seed{seed}-fork" / "sweep" / "inversion.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def from_sweep(row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row in :func:`last_accuracy`'s shape (fractions), marked offline."""
+    b, a = row["before"], row["after"]
+    return {"before_mean": b["mean"] / 100, "after_mean": a["mean"] / 100,
+            "after_std": a["sd"] / 100, "before_under_60": b["under_60"],
+            "after_under_60": a["under_60"], "source": "offline sweep"}  # fmt: skip
+
+
 def collect(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Per method, the last-round accuracy of every seed (in seed order)."""
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -55,10 +77,46 @@ def collect(out: Path) -> dict[str, list[dict[str, Any]]]:
         runs[label] = []
         for s in seeds_of(out):
             d = out / f"seed{s}{suffix}" / folder
+            sweep = sweep_of(out, s)
             if not (d / "metrics.jsonl").is_file():
+                if label == "pFedGPA, direct" and sweep is not None:
+                    runs[label].append({"seed": s, **from_sweep(sweep["rows"][DIRECT_ROW])})
+                    continue
                 raise SystemExit(f"{d}: not run yet (benchmarks/pfedgpa_seeds.sh)")
             runs[label].append({"seed": s, **last_accuracy(d)})
     return runs
+
+
+def sweeps_md(out: Path) -> tuple[str, dict[str, Any]]:
+    """The offline sweeps' rows and swap tables, mean ± sd over the seeds that have one."""
+    docs = [d for s in seeds_of(out) if (d := sweep_of(out, s)) is not None]
+    if not docs:
+        return "", {}
+    seeds = [d["seed"] for d in docs]
+    lines = [f"Offline sweep over seeds {', '.join(map(str, seeds))} "
+             "(benchmarks/pfedgpa_inversion.py; mean ± sd over seeds of the devices' mean "
+             "accuracy, %; devices < 60 % averaged over seeds):", "",
+             "| row | before FT | devices < 60 % | after FT | devices < 60 % after |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    agg: dict[str, Any] = {"seeds": seeds, "rows": {}, "swap": {}}
+    for label in docs[0]["rows"]:
+        b = mean_sd([d["rows"][label]["before"]["mean"] for d in docs])
+        a = mean_sd([d["rows"][label]["after"]["mean"] for d in docs])
+        ub = statistics.fmean(d["rows"][label]["before"]["under_60"] for d in docs)
+        ua = statistics.fmean(d["rows"][label]["after"]["under_60"] for d in docs)
+        agg["rows"][label] = {"before": b, "after": a, "before_under_60": ub,
+                              "after_under_60": ua}  # fmt: skip
+        lines.append(f"| {label} | {b[0]:.2f} ± {b[1]:.2f} | {ub:.1f} | {a[0]:.2f} ± {a[1]:.2f} "
+                     f"| {ua:.1f} |")  # fmt: skip
+    lines += ["", "Device i with device j's upload, before FT (mean ± sd over seeds, %):", "",
+              "| pairs | accuracy | pairs < 60 % (per seed) |", "|---|---|---|"]
+    for key in docs[0]["swap"]["cells"]:
+        m = mean_sd([d["swap"]["cells"][key]["mean"] for d in docs])
+        u = statistics.fmean(d["swap"]["cells"][key]["under_60"] for d in docs)
+        n = docs[0]["swap"]["cells"][key]["pairs"]
+        agg["swap"][key] = {"mean": m, "under_60": u, "pairs": n}
+        lines.append(f"| {key} ({n} pairs) | {m[0]:.2f} ± {m[1]:.2f} | {u:.1f} |")
+    return "\n".join(lines) + "\n", agg
 
 
 def checks(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -133,7 +191,9 @@ def table_md(
         ub = statistics.fmean(r["before_under_60"] for r in rs)
         ua = statistics.fmean(r["after_under_60"] for r in rs)
         before = "—" if label == "Local-only" else f"{b[0]:.2f} ± {b[1]:.2f}"
-        lines.append(f"| {label} | {before} | {a[0]:.2f} ± {a[1]:.2f} | {sd:.2f} | "
+        offline = sum(1 for r in rs if r.get("source"))
+        name = label + (f" (offline sweep, {offline} of {len(rs)} seeds)" if offline else "")
+        lines.append(f"| {name} | {before} | {a[0]:.2f} ± {a[1]:.2f} | {sd:.2f} | "
                      f"{ub:.1f} / {ua:.1f} |")  # fmt: skip
     lines += ["", "| check | measured | holds |", "|---|---|---|"]
     for c in found:
@@ -179,6 +239,9 @@ def main() -> None:
     runs = collect(args.out)
     found = checks(runs)
     text = table_md(runs, found, args.fork)
+    sweep_text, sweeps = sweeps_md(args.out)
+    if sweep_text:
+        text += "\n" + sweep_text
     fork_rows = fork_check(args.out)
     if fork_rows:
         text += "\nFork against a full 200-round run of the same seed (accuracy %):\n\n"
@@ -189,7 +252,8 @@ def main() -> None:
                      f"{100 * r['fork_before']:.2f} | {100 * r['full_after']:.2f} / "
                      f"{100 * r['fork_after']:.2f} |\n")  # fmt: skip
     (args.out / "table.md").write_text(text)
-    doc = {"runs": runs, "checks": found, "fork": args.fork, "fork_check": fork_rows}
+    doc = {"runs": runs, "checks": found, "fork": args.fork, "fork_check": fork_rows,
+           "sweeps": sweeps}  # fmt: skip
     (args.out / "table.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(runs, args.out / "accuracy_seeds.png")
     print(text)

@@ -51,9 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from tqdm import tqdm
 
-from shared.config import config_from_dict
-from shared.data.datasets import load_fashion_mnist, to_model_input
+from shared.config import RunConfig, config_from_dict
+from shared.data.datasets import from_model_output, load_fashion_mnist, save_grid, to_model_input
 from shared.data.domains import (
+    DOMAINS,
     PUBLIC_SEED,
     apply_mixture,
     check_domains,
@@ -64,9 +65,11 @@ from shared.diffusion.schedule import ddpm_loss, make_train_scheduler
 from shared.diffusion.training import WeightAverage
 from shared.errors import ConfigError, EstuaryError
 from shared.evaluation.evaluator import Evaluator, write_grid
+from shared.methods.feddeo.guidance import domain_grid
+from shared.models.domain_axis import UNSPECIFIED, ClassDomainEmbedding, encode
 from shared.models.init import ASSETS, PRETRAINED
-from shared.models.presets import CFG_NUM_EMBEDS, CFG_PRESETS, build_unet
-from shared.wire.codec import write_asset
+from shared.models.presets import CFG_NUM_EMBEDS, CFG_PRESETS, DOMAIN_AXIS, build_unet
+from shared.wire.codec import decode_tensors, file_sha256, write_asset
 
 MAX_FID = 60.0
 #: the FID gate of a classifier-free-guidance preset: its samples are a mixture of domains,
@@ -74,6 +77,8 @@ MAX_FID = 60.0
 MAX_FID_CFG = 250.0  # a random fmnist-tiny-cfg scores about 350, a trained one about 200
 DEFAULT_PUBLIC_SIZE = 20_000
 DEFAULT_MIXTURE = "identity=0.5,rot90=0.1,invert=0.1,lowcontrast=0.1,noise=0.1,edges=0.1"
+#: the mixture of a preset with a domain axis: identity-heavy, a default "realistic" mode
+DEFAULT_MIXTURE_AXIS = "identity=0.75,rot90=0.05,invert=0.05,lowcontrast=0.05,noise=0.05,edges=0.05"
 
 
 def parse_mixture(text: str) -> dict[str, float]:
@@ -88,11 +93,15 @@ def parse_mixture(text: str) -> dict[str, float]:
     return out
 
 
-def training_images(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The pretraining images as model input (and, for a classifier-free-guidance preset,
-    their labels): the test split, or the public share of the training split seen through
+def training_images(
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The pretraining images as model input, and for a classifier-free-guidance preset
+    their labels, and for a preset with a domain axis each image's domain row (1 + its index
+    in ``DOMAINS``): the test split, or the public share of the training split seen through
     the domain mixture (one domain per image, drawn with ``--seed``)."""
     cfg = config_from_dict({"model": {"preset": args.preset}})
+    which = None
     if args.source == "test":
         ds = load_fashion_mnist("test", args.data)
         images = ds.images
@@ -105,7 +114,13 @@ def training_images(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tenso
         images = apply_mixture(ds.images, which, rng)
     x = to_model_input(images, cfg.data.input_channels)
     labels = torch.from_numpy(ds.labels) if args.preset in CFG_PRESETS else None
-    return x, labels
+    rows = None
+    if args.preset in DOMAIN_AXIS:
+        if which is None:
+            raise ConfigError("a preset with a domain axis pretrains on the public share "
+                              "(--source public)")  # fmt: skip
+        rows = torch.from_numpy(which).long() + 1
+    return x, labels, rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,19 +151,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--domain-mixture",
-        default=DEFAULT_MIXTURE,
+        default=None,
         help="classifier-free guidance presets: domain=weight,... each image is "
-        "seen in a domain drawn from (the domain is never given to the model)",
+        "seen in a domain drawn from (given to the model only by a preset with a domain "
+        f"axis). Default: {DEFAULT_MIXTURE_AXIS} with a domain axis, {DEFAULT_MIXTURE} "
+        "otherwise",
+    )
+    p.add_argument(
+        "--p-undomain",
+        type=float,
+        default=0.5,
+        help="presets with a domain axis: chance an image's domain is dropped to "
+        "'unspecified' (independently of the label dropout)",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this safetensors file's weights instead of a random init (a "
+        "preset with a domain axis may start from its plain classifier-free-guidance "
+        "generator: its domain rows then start at zero)",
     )
     p.add_argument("--steps", type=int, default=3500, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument(
+        "--emb-lr",
+        type=float,
+        default=None,
+        help="Adam rate of the class (and domain) rows (default: --lr); a domain axis "
+        "added to a pretrained generator starts at zero and needs a larger one to reach "
+        "the scale of the class rows",
+    )
     p.add_argument("--ema", type=float, default=0.999, help="decay of the weight average")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="also write the weight average every this many steps to OUT.step<k>.safetensors "
+        "(no gate: a look at a long run before it ends; 0 = never)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the init and the generators")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--data", default=None, help="directory with the Fashion-MNIST IDX files")
     p.add_argument("--out", type=Path, default=None, help="weights file (default: the asset)")
     p.add_argument("--grid", type=Path, default=None, help="sample grid (default: beside --out)")
+    p.add_argument(
+        "--domain-grid",
+        type=Path,
+        default=None,
+        help="presets with a domain axis: a grid with one row per domain (unspecified "
+        "first), 2 images of each class a row (default: beside --grid, *_domains.png)",
+    )
     p.add_argument("--eval-samples", type=int, default=500, help="samples scored for the gate")
     p.add_argument(
         "--max-fid",
@@ -166,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.source = "public" if args.preset in CFG_PRESETS else "test"
     if not 0.0 <= args.p_uncond < 1.0:
         p.error("--p-uncond must be in [0, 1)")
+    if not 0.0 <= args.p_undomain <= 1.0:
+        p.error("--p-undomain must be in [0, 1]")
+    if args.domain_mixture is None:
+        axis = args.preset in DOMAIN_AXIS
+        args.domain_mixture = DEFAULT_MIXTURE_AXIS if axis else DEFAULT_MIXTURE
     try:
         args.mixture = parse_mixture(args.domain_mixture)
     except (ValueError, ConfigError) as err:
@@ -174,19 +233,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = ASSETS / PRETRAINED[args.preset][0]
     if args.grid is None:
         args.grid = args.out.with_suffix(".png")
+    if args.domain_grid is None:
+        args.domain_grid = args.grid.with_name(args.grid.stem + "_domains.png")
     return args
+
+
+def start_from(model: torch.nn.Module, path: Path) -> None:
+    """Load ``path``'s weights (safetensors) into ``model``: every tensor of the file must be
+    the model's; a domain axis the file lacks starts at zero, so the model starts as exactly
+    the file's generator with the domain unspecified and every domain alike."""
+    tensors = decode_tensors(path.read_bytes())
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - {"class_embedding.domain_weight"}:
+        raise ConfigError(f"--init-from {path}: missing {missing}, unexpected {unexpected}")
+    emb = getattr(model, "class_embedding", None)
+    if "class_embedding.domain_weight" in missing and isinstance(emb, ClassDomainEmbedding):
+        with torch.no_grad():
+            emb.domain_weight.zero_()
 
 
 def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
     """Train from ``--seed``; return the weight average (eval mode) and the last 100 steps'
     mean loss."""
     cfg = config_from_dict({"model": {"preset": args.preset}, "run": {"seed": args.seed}})
-    data, labels = training_images(args)
+    data, labels, rows = training_images(args)
     model = build_unet(args.preset, seed=args.seed)
+    if args.init_from is not None:
+        start_from(model, args.init_from)
     ema = WeightAverage(model, args.ema)  # decay min(ema, (1 + t) / (10 + t)): a short warm-up
     scheduler = make_train_scheduler(cfg.diffusion)
     gen = torch.Generator().manual_seed(args.seed)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    emb = [p for n, p in model.named_parameters() if n.startswith("class_embedding.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("class_embedding.")]
+    groups = [{"params": rest}]
+    if emb:  # the conditioning rows may learn at a rate of their own (--emb-lr)
+        groups.append({"params": emb, "lr": args.emb_lr if args.emb_lr else args.lr})
+    opt = torch.optim.Adam(groups, lr=args.lr)
     n, cursor = len(data), 0
     order = torch.randperm(n, generator=gen)
     recent: list[float] = []
@@ -202,6 +284,10 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
             y = labels[idx].clone()
             drop = torch.rand(len(y), generator=gen) < args.p_uncond
             y[drop] = CFG_NUM_EMBEDS - 1
+        if rows is not None and y is not None:  # domain dropout to "unspecified" (row 0)
+            r = rows[idx].clone()
+            r[torch.rand(len(r), generator=gen) < args.p_undomain] = UNSPECIFIED
+            y = encode(y, r)  # label + 11 x domain row
         loss = ddpm_loss(model, x, scheduler, gen, class_labels=y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -211,7 +297,22 @@ def train(args: argparse.Namespace) -> tuple[torch.nn.Module, float]:
         recent = [*recent[-99:], loss.item()]
         if step % 100 == 99:
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}")
+        done = step + 1
+        if args.snapshot_every and done % args.snapshot_every == 0 and done < args.steps:
+            snap = args.out.with_name(f"{args.out.stem}.step{done}.safetensors")
+            info = {"preset": args.preset, "steps": done, "snapshot": True,
+                    "loss": round(sum(recent) / len(recent), 5)}  # fmt: skip
+            write_asset(snap, ema.averaged().state_dict(), info)  # moved back by ema.update
     return ema.averaged(), sum(recent) / len(recent)
+
+
+def write_domain_grid(model: torch.nn.Module, cfg: RunConfig, path: Path, seed: int) -> Path:
+    """A generator with a domain axis drawn in each domain row (unspecified, then
+    ``DOMAINS``; 2 images per class a row, guidance 3 against the null, DDIM eta 1 in 25
+    steps, the same start noise in every row), as a PNG."""
+    images = domain_grid(model, cfg.diffusion, per_class=2, weight=3.0, steps=25, eta=1.0,
+                         seed=seed)  # fmt: skip
+    return save_grid(from_model_output(images), path, cols=20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{quality['is_mean']:.2f}")  # fmt: skip
     grid = write_grid(eval_cfg, model, args.grid)
     print(f"sample grid: {grid}")
+    if args.preset in DOMAIN_AXIS:
+        print(f"domain grid: {write_domain_grid(model, eval_cfg, args.domain_grid, args.seed)}")
     max_fid = (
         args.max_fid
         if args.max_fid is not None
@@ -262,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "lr": args.lr,
+        "emb_lr": args.emb_lr if args.emb_lr else args.lr,
         "ema": args.ema,
         "seed": args.seed,
         "final_loss": round(loss, 5),
@@ -276,6 +380,14 @@ def main(argv: list[str] | None = None) -> int:
             p_uncond=args.p_uncond,
             domain_mixture=args.mixture,
             null_class=CFG_NUM_EMBEDS - 1,
+        )
+    if args.init_from is not None:
+        info.update(init_from=f"{args.init_from.name} (sha256 {file_sha256(args.init_from)})")
+    if args.preset in DOMAIN_AXIS:
+        info.update(
+            p_undomain=args.p_undomain,
+            domain_rows=["unspecified", *DOMAINS],
+            label_encoding="class + 11 * domain_row (shared.models.domain_axis)",
         )
     digest = write_asset(args.out, model.state_dict(), info)
     print(f"wrote {args.out}")

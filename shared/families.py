@@ -42,7 +42,7 @@ FAMILIES: dict[Kind, ModelFamily] = {
     "unet": ModelFamily(
         "unet", "a U-Net", "U-Nets",
         ("fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond",
-         "fmnist-tiny-cfg", "fmnist-small-cfg", "ddpm-cifar10"),
+         "fmnist-tiny-cfg", "fmnist-small-cfg", "fmnist-tiny-dom", "ddpm-cifar10"),
         quality="fid", deploy_task="sample", served_by="cloud",
     ),
     # an image from a latent in one forward pass (shared.models.oneshot), trained with the
@@ -54,7 +54,7 @@ FAMILIES: dict[Kind, ModelFamily] = {
     ),
     # small CNNs (shared.models.classifier), trained with cross-entropy
     "classifier": ModelFamily(
-        "classifier", "a classifier", "classifiers", ("fmnist-cnn",),
+        "classifier", "a classifier", "classifiers", ("fmnist-cnn", "fmnist-cnn-small"),
         quality="accuracy", deploy_task="classify", served_by="devices",
     ),
 }  # fmt: skip

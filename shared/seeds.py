@@ -54,6 +54,8 @@ STREAMS: dict[str, Stream] = {
     "oneshot.bn": Stream((SEED, 0xB4), "latents recomputing a one-shot generator's BN"),
     "feddiffuse.usplit": Stream((SEED, "round", "edge", 0xFEDD1FF), "USPLIT's pairing"),
     "pfedgpa.dm": Stream((SEED, "round", 0x9FED, "use"), "pFedGPA's diffusion model"),
+    "pfedgpa.sweep": Stream((SEED, "device", 0xF7), "a device's LocalUpdate in pFedGPA's "
+                            "offline depth sweep (benchmarks/pfedgpa_inversion.py)"),
     "feddeo.image": Stream((SEED, "device", "cls", "image", 0xDE0), "a synthetic image"),
     "feddeo.classifier": Stream((SEED, 0xC1F), "FedDEO's classifier training", True),
     "prism.mada": Stream((SEED, "step", 0x4D414441), "MADA's two Bernoulli samples"),

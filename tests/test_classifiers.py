@@ -15,11 +15,14 @@ import torch
 
 from shared.config import RunConfig
 from shared.data.partition import dominant_groups, make_partition, split_test
+from shared.deploy.classifier_export import preset_of
 from shared.diffusion.training import train_classifier
 from shared.errors import ConfigError
 from shared.evaluation.evaluator import sample_images
 from shared.evaluation.recorder import accuracy_figures
+from shared.methods.base import build_algorithm
 from shared.methods.pfedgpa.method import PFedGPA
+from shared.methods.pfedgpa.param_diffusion import LinearParamAutoencoder, MLPDenoiser, invert
 from shared.methods.registry import make_algorithm
 from shared.models.classifier import accuracy, build_classifier
 from shared.models.presets import kind_of, model_info, state_spec
@@ -82,6 +85,21 @@ def test_the_client_cnn_has_fedpacs_size() -> None:
     # conv1 16x24x24x25 + conv2 32x10x10x400 + fc1 800x128 + fc2 128x10
     assert info.params == 117_066
     assert info.weight_macs == 16 * 24 * 24 * 25 + 32 * 10 * 10 * 400 + 800 * 128 + 128 * 10
+
+
+def test_the_small_cnn_is_fedpacs_narrowed_to_11930_parameters() -> None:
+    model = build_classifier("fmnist-cnn-small")
+    sizes = {k: v.numel() for k, v in model.state_dict().items()}
+    # conv 1->6 k5, conv 6->12 k5 pad 1, fc 300->32, fc 32->10
+    assert sizes == {"conv1.weight": 150, "conv1.bias": 6, "conv2.weight": 1800,
+                     "conv2.bias": 12, "fc1.weight": 9600, "fc1.bias": 32,
+                     "fc2.weight": 320, "fc2.bias": 10}  # fmt: skip
+    assert sum(sizes.values()) == 11_930 and kind_of("fmnist-cnn-small") == "classifier"
+    assert list(state_spec("fmnist-cnn-small")) == list(model.state_dict())
+    assert model(torch.zeros(3, 1, 32, 32)).shape == (3, 10)
+    # the export path tells the two presets apart by their widths
+    assert preset_of(model) == "fmnist-cnn-small"
+    assert preset_of(build_classifier("fmnist-cnn")) == "fmnist-cnn"
 
 
 def test_cross_entropy_training_learns_and_is_seeded() -> None:
@@ -175,7 +193,7 @@ def test_pfedgpa_sends_each_device_only_its_own_parameters() -> None:
         "pfedgpa", extra_algorithm={
             "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 20,
             "pfedgpa_dm_steps": 20, "pfedgpa_timesteps": 20, "pfedgpa_denoiser_width": 8,
-            "pfedgpa_batch": 8,
+            "pfedgpa_batch": 8, "pfedgpa_invert_from": 4,
         },
     )  # fmt: skip
     from estuary.simulate import build_federation
@@ -226,8 +244,9 @@ def test_pfedgpa_keeps_its_store_across_a_restart_and_guides_newcomers(tmp_path:
     cfg = classifier_config(
         "pfedgpa", run={"rounds": 10}, extra_algorithm={
             "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 10, "pfedgpa_dm_steps": 10,
-            "pfedgpa_timesteps": 20, "pfedgpa_denoiser_width": 8, "pfedgpa_batch": 8,
-            "pfedgpa_dm_every": 3, "pfedgpa_guide_rounds": 2, "pfedgpa_guide_steps": 2,
+            "pfedgpa_timesteps": 20, "pfedgpa_invert_from": 4, "pfedgpa_denoiser_width": 8,
+            "pfedgpa_batch": 8, "pfedgpa_dm_every": 3, "pfedgpa_guide_rounds": 2,
+            "pfedgpa_guide_steps": 2,
             "pfedgpa_guide_from": 10,
         },
     )  # fmt: skip
@@ -287,3 +306,47 @@ def test_the_quick_pfedgpa_comparison_reports_accuracies_and_bytes(tmp_path: Any
     # pFedGPA and its ablation differ only in the last round's parameters
     assert rows["pFedGPA"]["acc_before"] != rows["pFedGPA, direct"]["acc_before"]
     assert (tmp_path / "accuracy.png").is_file() and (tmp_path / "table.md").is_file()
+
+
+def _personalized(inversion: str) -> tuple[PFedGPA, dict[str, Any], dict[str, Any]]:
+    """A pFedGPA cloud with a linear autoencoder and an MLP denoiser, run over two rounds of
+    four devices' uploads (the second is the diffusion round); its personal models."""
+    cfg = classifier_config("pfedgpa", extra_algorithm={"pfedgpa": {
+        "store_rounds": 2, "ae_steps": 5, "dm_steps": 5, "timesteps": 20, "invert_from": 20,
+        "inversion": inversion, "ae_size": "linear", "denoiser": "mlp", "denoiser_width": 8,
+        "batch": 8, "layers": ["fc2"],
+    }})  # fmt: skip
+    algo = build_algorithm(cfg)
+    assert isinstance(algo, PFedGPA)
+    base = build_classifier(cfg.model.preset).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    uploads = {
+        f"dev{i:03d}": {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        for i in range(4)
+    }
+    assert algo.personalize(0, uploads, base) is None  # not a diffusion round
+    made = algo.personalize(1, uploads, base)
+    assert made is not None and algo.dm is not None
+    return algo, uploads, dict(made)
+
+
+def test_pfedgpa_inverts_with_the_configured_noise_depth_and_networks() -> None:
+    algo, uploads, made = _personalized("posterior")
+    dm = algo.dm
+    assert dm is not None
+    assert isinstance(dm.autoencoder, LinearParamAutoencoder)
+    assert isinstance(dm.denoiser, MLPDenoiser)
+    devices = sorted(uploads)
+    own = torch.stack([torch.cat([uploads[d][n].reshape(-1) for n in algo.names])
+                       for d in devices])  # fmt: skip
+    recon = invert(dm, own, torch.Generator().manual_seed(0), t0=0)
+    for d, r in zip(devices, recon, strict=True):
+        # the layers not generated are the device's own; the generated ones, inverted with
+        # the posterior noise from the whole chain, are the autoencoder's reconstruction
+        assert torch.equal(made[d]["conv1.weight"], uploads[d]["conv1.weight"])
+        got = torch.cat([made[d][n].reshape(-1) for n in algo.names])
+        torch.testing.assert_close(got, r, rtol=1e-4, atol=1e-4)
+    # eq. 15's own noises do not retrace the chain: the same run ends elsewhere
+    _, _, chain = _personalized("chain")
+    got = torch.cat([chain[devices[0]][n].reshape(-1) for n in algo.names])
+    assert (got - recon[0]).abs().max() > 1e-2

@@ -14,6 +14,7 @@ import pytest
 
 from shared.config import FORMAT, config_from_dict, load_config, with_overrides
 from shared.config.legacy import FLAT_KEYS
+from shared.errors import ConfigError
 from shared.methods.prism.config import PrismConfig
 
 #: configs stored with committed comparison results (their ``config.json``) and the digests
@@ -99,3 +100,32 @@ def test_a_method_table_key_from_the_environment() -> None:
         env={"ESTUARY__ALGORITHM__PRISM__LOCAL_ITERS": "7"},
     )
     assert cfg.algorithm.config().local_iters == 7  # type: ignore[attr-defined]
+
+
+def test_format1_pfedgpa_depth_zero_is_read_as_the_whole_chain() -> None:
+    """Format 1's ``pfedgpa_invert_from = 0``, its default, was the whole chain; format 2's 0
+    is no diffusion at all and its default 200, so a format 1 config's zero, or no depth,
+    becomes the run's ``timesteps`` (and keeps format 1's digest)."""
+    run = {"model": {"preset": "fmnist-cnn"}, "data": {"partition": "dominant_groups"},
+           "run": {"rounds": 3}}  # fmt: skip
+
+    def depth(algorithm: dict[str, Any]) -> int:
+        cfg = config_from_dict({**run, "algorithm": {"name": "pfedgpa", **algorithm}})
+        again = config_from_dict(json.loads(cfg.to_json()), stored=True)
+        assert again == cfg and again.digest() == cfg.digest()
+        return int(cfg.algorithm.config().invert_from)  # type: ignore[attr-defined]
+
+    assert depth({"pfedgpa_invert_from": 0, "pfedgpa_timesteps": 50}) == 50
+    assert depth({"pfedgpa_timesteps": 50, "pfedgpa_invert_from": 0}) == 50
+    assert depth({"pfedgpa_invert_from": 0}) == 1000
+    assert depth({"pfedgpa_batch": 8, "pfedgpa_timesteps": 50}) == 50  # format 1, no depth
+    assert depth({"pfedgpa_invert_from": 30, "pfedgpa_timesteps": 50}) == 30
+    assert depth({"pfedgpa": {"invert_from": 0}}) == 0  # format 2: the reconstruction
+    assert depth({}) == 200
+    same = [config_from_dict({**run, "algorithm": {"name": "pfedgpa", **a}}).digest()
+            for a in ({"pfedgpa_batch": 8}, {"pfedgpa_batch": 8, "pfedgpa_invert_from": 0})]
+    assert same[0] == same[1] != config_from_dict(
+        {**run, "algorithm": {"name": "pfedgpa", "pfedgpa_batch": 8, "pfedgpa_invert_from": 200}}
+    ).digest()
+    with pytest.raises(ConfigError, match=r"invert_from \(60\) cannot exceed timesteps \(50\)"):
+        depth({"pfedgpa": {"invert_from": 60, "timesteps": 50}})

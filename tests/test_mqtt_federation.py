@@ -129,8 +129,8 @@ PFEDGPA = {
     "train": {"optimizer": "sgd", "lr": 0.05, "batch_size": 50, "local_epochs": 1,
               "local_steps": 0, "grad_clip": 0.0},
     "algorithm": {"name": "pfedgpa", "pfedgpa_store_rounds": 2, "pfedgpa_ae_steps": 10,
-                  "pfedgpa_dm_steps": 10, "pfedgpa_timesteps": 20, "pfedgpa_batch": 8,
-                  "pfedgpa_denoiser_width": 8},
+                  "pfedgpa_dm_steps": 10, "pfedgpa_timesteps": 20, "pfedgpa_invert_from": 4,
+                  "pfedgpa_batch": 8, "pfedgpa_denoiser_width": 8},
 }  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """pFedGPA's parameter DM (shared/methods/pfedgpa/param_diffusion.py): the forward-chain maths in
 float64, the sampler against an oracle denoiser, per-sample timesteps, shapes, files and
-determinism, and, on a tiny trained DM, inversion against direct generation."""
+determinism, and, on a tiny DM trained with the production schedule (T = 1000), inversion
+against direct generation at the shipped depth and at the whole chain."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import torch
 from torch import Tensor, nn
 
 from shared.errors import CodecError
+from shared.methods.pfedgpa.config import PFedGPAConfig
 from shared.methods.pfedgpa.param_diffusion import (
     LatentDenoiser,
+    LinearParamAutoencoder,
+    MLPDenoiser,
     ParamAutoencoder,
     ParamDM,
     ParamDMConfig,
@@ -26,6 +30,7 @@ from shared.methods.pfedgpa.param_diffusion import (
     generate,
     guide,
     invert,
+    kept_signal,
     posterior_sigma,
     reconstruct,
     train_param_dm,
@@ -36,7 +41,8 @@ from shared.methods.pfedgpa.param_diffusion import (
 pytestmark = pytest.mark.xdist_group("param_diffusion")
 
 D = 150
-TINY = ParamDMConfig(ae_steps=300, dm_steps=200, timesteps=100, denoiser_width=16,
+#: a tiny DM on the production schedule: T = 1000 steps of the linear 1e-4 -> 2e-2 betas
+TINY = ParamDMConfig(ae_steps=300, dm_steps=200, timesteps=1000, denoiser_width=16,
                      batch_size=32)
 
 
@@ -82,6 +88,7 @@ def trained() -> tuple[ParamDM, Tensor, list[tuple[str, int, int]]]:
     ("field", "value"),
     [("ae_size", "large"), ("denoiser_width", 0), ("ae_steps", -1), ("dm_steps", 0),
      ("batch_size", 0), ("timesteps", 0), ("lr", 0.0), ("input_noise", 1.0),
+     ("denoiser", "unet"),
      ("latent_noise", -0.1), ("ema", 1.0), ("ema", 0.0)],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
@@ -144,10 +151,42 @@ def test_autoencoder_shapes(in_dim: int, size: str, latent: tuple[int, int]) -> 
         ae.encode(torch.zeros(3, in_dim + 1))
 
 
-def test_denoiser_conditions_each_sample_on_its_own_timestep() -> None:
+@pytest.mark.parametrize("in_dim", [7, 1290, 11930])
+def test_linear_autoencoder_has_the_small_latent(in_dim: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        den = LatentDenoiser((2, 8), width=8, timesteps=50).eval()
+        ae = LinearParamAutoencoder(in_dim)
+        small = ParamAutoencoder(in_dim, "small")
+    assert ae.latent_shape == small.latent_shape
+    x = torch.randn(3, in_dim, generator=_gen(1))
+    z = ae.encode(x)
+    assert z.shape == (3, *small.latent_shape) and z.abs().max().item() <= 1.0
+    assert ae.decode(z).shape == (3, in_dim)
+    with pytest.raises(ValueError, match=str(in_dim)):
+        ae.encode(torch.zeros(3, in_dim + 1))
+
+
+def test_linear_autoencoder_learns_directions_the_conv_one_cannot() -> None:
+    # 64 vectors on a random 3-d subspace of R^300: no pattern repeats along the vector
+    g = _gen(0)
+    x = torch.randn(64, 3, generator=g) @ torch.randn(3, 300, generator=g)
+    x = (x - x.mean(0)) / x.std(0)
+    cfg = dataclasses.replace(TINY, ae_steps=100, dm_steps=1, batch_size=64, lr=1e-2)
+    mse = {}
+    for size in ("small", "linear"):
+        dm = train_param_dm(x, ["w"], [(300,)], dataclasses.replace(cfg, ae_size=size), _gen(1))
+        with torch.no_grad():
+            z = dm.normalizer.normalize(x)
+            mse[size] = float(((dm.autoencoder(z) - z) ** 2).mean())  # 1: the mean
+    assert mse["linear"] < 0.2 < mse["small"]  # 0.05 and 0.54 (0.05-0.06, 0.51-0.70 by seed)
+
+
+@pytest.mark.parametrize("kind", ["conv", "mlp"])
+def test_denoiser_conditions_each_sample_on_its_own_timestep(kind: str) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        den: nn.Module = (LatentDenoiser((2, 8), width=8, timesteps=50) if kind == "conv"
+                          else MLPDenoiser((2, 8), width=16, timesteps=50)).eval()
     z = torch.randn(4, 2, 8, generator=_gen(1))
     t = torch.tensor([0, 13, 27, 49])
     with torch.no_grad():
@@ -272,7 +311,8 @@ def test_save_load_round_trip(trained: tuple[ParamDM, Tensor, list], tmp_path: P
     back = ParamDM.load(path)
     assert _same(back.state_dict(), dm.state_dict()) and back.meta() == dm.meta()
     assert back.config == dm.config and back.shapes == [(D,)] and back.names == ["w"]
-    assert torch.equal(invert(back, store[:3], _gen(9)), invert(dm, store[:3], _gen(9)))
+    assert torch.equal(invert(back, store[:3], _gen(9), t0=50),
+                       invert(dm, store[:3], _gen(9), t0=50))
     assert torch.equal(generate(back, 2, _gen(9)), generate(dm, 2, _gen(9)))
     (tmp_path / "junk.safetensors").write_bytes(b"not a dm")
     with pytest.raises(CodecError):
@@ -291,22 +331,56 @@ def test_invert_t0_zero_is_the_autoencoder_reconstruction(
 
 def test_invert_is_deterministic_and_seeded(trained: tuple[ParamDM, Tensor, list]) -> None:
     dm, store, _ = trained
-    a = invert(dm, store[:4], _gen(2))
+    a = invert(dm, store[:4], _gen(2), t0=50)
     assert a.shape == (4, D) and torch.isfinite(a).all()
-    assert torch.equal(a, invert(dm, store[:4], _gen(2)))
-    assert not torch.equal(a, invert(dm, store[:4], _gen(3)))
+    assert torch.equal(a, invert(dm, store[:4], _gen(2), t0=50))
+    assert not torch.equal(a, invert(dm, store[:4], _gen(3), t0=50))
 
 
-def test_inversion_stays_closer_to_its_input_than_direct_generation(
+def test_kept_signal_of_the_linear_schedule() -> None:
+    b = betas_linear(1000)
+    assert kept_signal(b, 0) == 1.0
+    assert kept_signal(b, 1000) == pytest.approx(0.0064, abs=1e-4)
+    assert kept_signal(b, 200) == pytest.approx(0.81, abs=0.01)
+    # the T = 100 schedule squeezes the same betas into 100 steps and keeps far more
+    assert kept_signal(betas_linear(100), 100) == pytest.approx(0.603, abs=1e-3)
+    with pytest.raises(ValueError, match="t0"):
+        kept_signal(b, 1001)
+
+
+def test_inversion_from_the_shipped_depth_keeps_its_input_at_t_1000(
     trained: tuple[ParamDM, Tensor, list],
 ) -> None:
     dm, store, _ = trained
+    depth = PFedGPAConfig.model_fields["invert_from"].default
+    assert 0 < depth < dm.betas.shape[0]  # the shipped inversion does go through the DM
     picks = store[torch.arange(16) * 4]  # 4 vectors of each cluster
-    inverted = invert(dm, picks, _gen(11))
-    generated = generate(dm, 16, _gen(12))
-    d_inv = (inverted - picks).norm(dim=1).mean()
-    d_gen = (generated - picks).norm(dim=1).mean()
-    assert d_inv < 0.9 * d_gen  # 0.2 with these seeds; at most 0.78 over 6 other seeds
+    own = torch.arange(16) // 4
+    centers = store.reshape(4, 16, D).mean(dim=1)
+
+    def distance_and_kept(x: Tensor) -> tuple[float, float]:
+        kept = (torch.cdist(x, centers).argmin(dim=1) == own).float().mean()
+        return float((x - picks).norm(dim=1).mean()), float(kept)
+
+    d_gen, _ = distance_and_kept(generate(dm, 16, _gen(12)))
+    d_inv, kept_inv = distance_and_kept(invert(dm, picks, _gen(11), t0=depth))
+    assert d_inv < 0.5 * d_gen and kept_inv >= 0.75  # 0.29 and 0.875 with these seeds
+    # from the whole chain (T) the chain keeps 0.0064 of its input:
+    # the result is a sample of the model, as far from its input as direct generation
+    d_full, kept_full = distance_and_kept(invert(dm, picks, _gen(11), t0=1000))
+    assert d_full > 0.7 * d_gen and kept_full <= 0.5  # 0.82 and 0.31 (chance: 0.25)
+
+
+def test_posterior_inversion_retraces_the_chain_to_the_reconstruction(
+    trained: tuple[ParamDM, Tensor, list],
+) -> None:
+    dm, store, _ = trained
+    recon = invert(dm, store[:4], _gen(0), t0=0)
+    for t0 in (1000, 37):
+        exact = invert(dm, store[:4], _gen(t0), t0=t0, noise="posterior")
+        torch.testing.assert_close(exact, recon, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="noise"):
+        invert(dm, store[:4], _gen(0), noise="ddim")  # type: ignore[arg-type]
 
 
 def test_generate_shapes_and_determinism(trained: tuple[ParamDM, Tensor, list]) -> None:
@@ -326,4 +400,4 @@ def test_guide_is_deterministic_and_finite(trained: tuple[ParamDM, Tensor, list]
     assert torch.equal(a, guide(dm, store[0], store[1], _gen(6), **kwargs))  # type: ignore[arg-type]
     assert not torch.equal(a, guide(dm, store[0], store[1], _gen(7), **kwargs))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_t"):
-        guide(dm, store[0], store[1], _gen(6), omega=0.5, steps=5, start_t=101)
+        guide(dm, store[0], store[1], _gen(6), omega=0.5, steps=5, start_t=1001)

@@ -45,6 +45,7 @@ def test_every_stream_draws_what_its_derivation_drew(seed: int) -> None:
         ("centralized", ()): _ss([seed, 0xCE7]),
         ("oneshot.bn", ()): _ss([seed, 0xB4]),
         ("pfedgpa.dm", (("round", r), ("use", 2))): _ss([seed, r, 0x9FED, 2]),
+        ("pfedgpa.sweep", (("device", d),)): _ss([seed, d, 0xF7]),
         ("feddeo.image", (("device", d), ("cls", 7), ("image", 11))): _ss([seed, d, 7, 11, 0xDE0]),
         ("feddeo.classifier", ()): seed + 0xC1F,
         ("eval.reference", ()): None,

@@ -144,6 +144,8 @@ class RunConfig(Section):
         note = not (info.context or {}).get("stored")
         out = legacy.nest(data, note=note) if flat else dict(data)
         out.setdefault("format", 1 if flat else FORMAT)
+        if out["format"] == 1:
+            legacy.whole_chain(out)  # format 1's pFedGPA inverted from the whole chain
         return out
 
     @model_validator(mode="after")

@@ -24,6 +24,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from shared.methods.registry import config_class
+
 if TYPE_CHECKING:
     from shared.config import RunConfig
 
@@ -46,9 +48,9 @@ _PREFIXED = {
         "mada_distance", "alpha", "weighting", "dp_noise", "dp_epsilon", "dp_delta", "dp_clip",
     ),
     "pfedgpa": (
-        "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser_width", "ae_steps",
-        "dm_steps", "batch", "lr", "timesteps", "invert_from", "guide_rounds", "guide_omega",
-        "guide_steps", "guide_from",
+        "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser", "denoiser_width",
+        "ae_steps", "dm_steps", "batch", "lr", "timesteps", "invert_from", "inversion",
+        "guide_rounds", "guide_omega", "guide_steps", "guide_from",
     ),
     "feddeo": (
         "use_descriptions", "w_t", "w_d", "images_per_class", "eval_n", "sample_steps",
@@ -68,6 +70,12 @@ FLAT_KEYS: dict[str, tuple[str, str, str]] = {
     "moon_tau": ("algorithm", "moon", "tau"),
     **{f"{m}_{k}": ("algorithm", m, k) for m, keys in _PREFIXED.items() for k in keys},
 }  # fmt: skip
+
+#: pFedGPA's inversion depth: format 1's pfedgpa_invert_from = 0, its default, was the whole
+#: chain; format 2 counts the depth in diffusion steps (0: no diffusion, timesteps: the whole
+#: chain, default 200). A format 1 config reads 0, or no value, as the run's timesteps, and
+#: its digest leaves the whole chain out, as format 1's left its default out
+WHOLE_CHAIN_KEY = ("pfedgpa", "invert_from")
 
 #: keys of other sections that format 1's digest left out at their defaults (added after
 #: digests were first recorded)
@@ -100,6 +108,7 @@ def nest(data: Mapping[str, Any], *, note: bool = True) -> dict[str, Any]:
     algorithm = out.get("algorithm")
     if not isinstance(algorithm, dict):
         return out
+    chain = False  # format 1's pfedgpa_invert_from = 0: the whole chain
     for key in flat_keys_of(algorithm):
         value = algorithm.pop(key)
         section, table, name = FLAT_KEYS[key]
@@ -110,12 +119,29 @@ def nest(data: Mapping[str, Any], *, note: bool = True) -> dict[str, Any]:
             target[table] = dict(target.get(table) or {})
             target = target[table]
         target[name] = value
+        chain = chain or ((table, name) == WHOLE_CHAIN_KEY and value == 0)
         if note and key not in _NOTED:
             _NOTED.add(key)
             where = f"{section}.{table}.{name}" if table else f"{section}.{name}"
             log.warning("config: algorithm.%s is read as %s (the key's name since format 2)",
                         key, where)  # fmt: skip
+    if chain:
+        whole_chain(out, missing_only=False)
     return out
+
+
+def whole_chain(data: dict[str, Any], *, missing_only: bool = True) -> None:
+    """Set pFedGPA's inversion depth in ``data`` (nested sections, changed in place) to the
+    whole chain, its ``timesteps``: where the depth is not given (``missing_only``, a format 1
+    config), or in any case."""
+    algorithm = data.get("algorithm", {})
+    table, name = WHOLE_CHAIN_KEY
+    settings = algorithm.get(table, {}) if isinstance(algorithm, Mapping) else None
+    if not isinstance(settings, Mapping) or (missing_only and name in settings):
+        return  # not tables: validation says so
+    default = config_class(table).model_fields["timesteps"].get_default()
+    settings = {**settings, name: settings.get("timesteps", default)}
+    data["algorithm"] = {**algorithm, table: settings}
 
 
 def _default(cfg: RunConfig, section: str, key: str) -> Any:
@@ -135,6 +161,8 @@ def legacy_digest(cfg: RunConfig, data: dict[str, Any]) -> str:
         settings = cfg.algorithm.settings_of(table)
         value = settings.model_dump(mode="json")[name]
         default = type(settings).model_fields[name].get_default(call_default_factory=True)
+        if (table, name) == WHOLE_CHAIN_KEY:  # format 1's default: the whole chain
+            default = settings.model_dump()["timesteps"]
         if LEGACY_METHODS[table] or value != default:
             algorithm[key] = value
     for section, key in NEW_KEYS:

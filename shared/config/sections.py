@@ -250,9 +250,9 @@ class ModelSection(Section):
 
     preset: Literal[
         "fmnist-tiny", "fmnist-small", "fmnist-tiny-cond", "fmnist-small-cond", "fmnist-tiny-cfg",
-        "fmnist-small-cfg", "ddpm-cifar10",
+        "fmnist-small-cfg", "fmnist-tiny-dom", "ddpm-cifar10",
         "resnetg-fmnist-16", "resnetg-fmnist-32", "resnetg-fmnist-64", "resnetg-cifar10-64",
-        "fmnist-cnn",
+        "fmnist-cnn", "fmnist-cnn-small",
     ] = "fmnist-tiny"  # fmt: skip
     init: str = Field(
         "random",

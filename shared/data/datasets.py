@@ -415,11 +415,11 @@ def from_model_output(x: torch.Tensor) -> np.ndarray:
     return y.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
-def save_grid(images: np.ndarray, path: Path, *, pad: int = 2) -> Path:
+def save_grid(images: np.ndarray, path: Path, *, pad: int = 2, cols: int | None = None) -> Path:
     """Tile uint8 images, grayscale ``(N, H, W)`` or colour ``(N, H, W, 3)``, into a
-    square-ish grid PNG (RGB for colour images)."""
+    grid PNG (RGB for colour images): ``cols`` images a row, square-ish by default."""
     n, h, w = images.shape[:3]
-    cols = math.ceil(math.sqrt(n))
+    cols = cols or math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     shape = (rows * (h + pad) + pad, cols * (w + pad) + pad, *images.shape[3:])
     canvas = np.full(shape, 255, dtype=np.uint8)

@@ -7,6 +7,10 @@ fc 800→128, fc 128→10, LeakyReLU, no normalization: 117,066 parameters. Estu
 model (N, 1, 32, 32) images in [-1, 1] (Fashion-MNIST padded by two pixels); the classifier
 crops the padding back off, so it sees the 28x28 images it was designed for.
 
+``fmnist-cnn-small`` is the same network narrowed to conv 1→6, conv 6→12 and fc 300→32:
+11,930 parameters, few enough that a diffusion model over *all* of them trains on a CPU
+(pFedGPA generates the whole Fashion-MNIST model; FedPAC's CNN is GPU-sized for that).
+
 Classifiers train with cross-entropy
 (:func:`shared.diffusion.training.train_classifier`, beside the DDPM loop: plain minibatch SGD
 as the paper's LocalUpdate, no gradient clipping unless configured) and are judged by
@@ -24,20 +28,29 @@ from torch import nn
 from shared.errors import ConfigError
 
 #: preset name -> constructor arguments; every preset classifies 10 classes of 1x32x32 images
-CLASSIFIER_PRESETS: dict[str, dict[str, Any]] = {"fmnist-cnn": {"num_classes": 10, "crop": 2}}
+CLASSIFIER_PRESETS: dict[str, dict[str, Any]] = {
+    "fmnist-cnn": {"num_classes": 10, "crop": 2, "channels": (16, 32), "hidden": 128},
+    "fmnist-cnn-small": {"num_classes": 10, "crop": 2, "channels": (6, 12), "hidden": 32},
+}
 
 
 class FmnistCNN(nn.Module):
-    """FedPAC's ``CNN_FMNIST``: two 5x5 convolutions with max-pooling, two linear layers."""
+    """FedPAC's ``CNN_FMNIST``: two 5x5 convolutions with max-pooling, two linear layers
+    (``channels`` of the convolutions, ``hidden`` units between the linear layers)."""
 
-    def __init__(self, num_classes: int = 10, crop: int = 2) -> None:
+    def __init__(
+        self, num_classes: int = 10, crop: int = 2, channels: tuple[int, int] = (16, 32),
+        hidden: int = 128,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.num_classes = num_classes
         self.crop = crop
-        self.conv1 = nn.Conv2d(1, 16, 5)
-        self.conv2 = nn.Conv2d(16, 32, 5, padding=1)
-        self.fc1 = nn.Linear(32 * 5 * 5, 128)
-        self.fc2 = nn.Linear(128, num_classes)
+        self.channels = tuple(channels)
+        self.hidden = hidden
+        self.conv1 = nn.Conv2d(1, channels[0], 5)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=1)
+        self.fc1 = nn.Linear(channels[1] * 5 * 5, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of (N, 1, 32, 32) images (the padding is cropped to 28x28 first)."""

@@ -28,6 +28,10 @@ PRETRAINED: dict[str, tuple[str, str]] = {
         "fmnist_tiny_cfg_pretrained.safetensors",
         "88bef68b340261d391bdeb49e7f5d1af9af408e68161021817949646f30ead86",
     ),
+    "fmnist-tiny-dom": (
+        "fmnist_tiny_dom_pretrained.safetensors",
+        "347d945a8aeee353985676c5302762b74340e457597322eb6af6ed96343af9c7",
+    ),
 }
 #: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
 MAX_INIT_BYTES = 1 << 30

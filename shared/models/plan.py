@@ -25,7 +25,17 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from shared.errors import ConfigError, EstuaryError
-from shared.models.presets import PRESETS, build_net, build_unet, image_shape, kind_of, state_spec
+from shared.models.domain_axis import ClassDomainEmbedding
+from shared.models.presets import (
+    DOMAIN_AXIS,
+    PRESETS,
+    build_net,
+    build_unet,
+    construct_unet,
+    image_shape,
+    kind_of,
+    state_spec,
+)
 from shared.wire.codec import TensorSpec, spec_of
 
 #: a channel plan as JSON: ``{"format": PLAN_FORMAT, "preset": ..., "modules": {...}}``
@@ -209,11 +219,13 @@ def preset_of(model: UNet2DModel) -> str:
         return list(v) if isinstance(v, (tuple, list)) else v
 
     cfg = dict(model.config)
+    axis = isinstance(getattr(model, "class_embedding", None), ClassDomainEmbedding)
     hits = [
         name
         for name, kwargs in PRESETS.items()
         if all(norm(cfg.get(k)) == norm(v) for k, v in kwargs.items())
         and cfg.get("num_class_embeds") == kwargs.get("num_class_embeds")
+        and (name in DOMAIN_AXIS) == axis
     ]
     if len(hits) != 1:
         raise ConfigError(f"model config matches presets {hits}; pass preset= explicitly")
@@ -273,7 +285,7 @@ def _meta_unet(preset: str) -> UNet2DModel:
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     with torch.device("meta"):
-        return UNet2DModel(**PRESETS[preset])
+        return construct_unet(preset)
 
 
 def validate_plan(preset: str, plan: Any) -> None:

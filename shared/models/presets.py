@@ -28,6 +28,7 @@ from torch import nn
 from shared.errors import ConfigError, did_you_mean
 from shared.families import FAMILIES, family_of
 from shared.models.classifier import CLASSIFIER_PRESETS, build_classifier, is_classifier
+from shared.models.domain_axis import add_domain_axis
 from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, latent_dim
 from shared.wire.codec import TensorSpec, spec_of
 
@@ -79,8 +80,14 @@ PRESETS["fmnist-small-cond"] = {**PRESETS["fmnist-small"], "num_class_embeds": 1
 # training drops labels to, so that eps(x, t, null) is the unconditional prediction.
 PRESETS["fmnist-tiny-cfg"] = {**PRESETS["fmnist-tiny"], "num_class_embeds": 11}
 PRESETS["fmnist-small-cfg"] = {**PRESETS["fmnist-small"], "num_class_embeds": 11}
+# A classifier-free-guidance U-Net whose conditioning also has a domain axis (FedDEO's
+# generator that knows domains, shared.models.domain_axis): class row + domain row, the
+# domains of shared.data.domains.DOMAINS plus "unspecified" (row 0).
+PRESETS["fmnist-tiny-dom"] = dict(PRESETS["fmnist-tiny-cfg"])
+#: presets with a domain axis -> their number of domain rows (the unspecified one included)
+DOMAIN_AXIS: dict[str, int] = {"fmnist-tiny-dom": 7}
 #: presets whose last class embedding is the null class of classifier-free guidance
-CFG_PRESETS: frozenset[str] = frozenset({"fmnist-tiny-cfg", "fmnist-small-cfg"})
+CFG_PRESETS: frozenset[str] = frozenset({"fmnist-tiny-cfg", "fmnist-small-cfg", *DOMAIN_AXIS})
 
 
 #: every preset name: U-Nets, one-shot generators and classifiers
@@ -122,7 +129,16 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
     devices: list[int] = []
     with torch.random.fork_rng(devices=devices):
         torch.random.manual_seed(seed)  # scoped by fork_rng: the caller's RNG is untouched
-        return UNet2DModel(**PRESETS[preset])
+        return construct_unet(preset)
+
+
+def construct_unet(preset: str) -> UNet2DModel:
+    """``preset``'s U-Net built with the current RNG and default device (its domain axis
+    added, :data:`DOMAIN_AXIS`)."""
+    unet = UNet2DModel(**PRESETS[preset])
+    if preset in DOMAIN_AXIS:
+        add_domain_axis(unet, DOMAIN_AXIS[preset])
+    return unet
 
 
 def state_spec(preset: str) -> dict[str, TensorSpec]:
@@ -134,7 +150,7 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         elif kind == "classifier":
             model = build_classifier(preset)
         else:
-            model = UNet2DModel(**PRESETS[preset])
+            model = construct_unet(preset)
         return spec_of(model.state_dict())
 
 

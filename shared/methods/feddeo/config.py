@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 #: the classifier-free-guidance presets FedDEO's frozen generator may be (a null class)
-FEDDEO_PRESETS = ("fmnist-tiny-cfg", "fmnist-small-cfg")
+FEDDEO_PRESETS = ("fmnist-tiny-cfg", "fmnist-small-cfg", "fmnist-tiny-dom")
+#: those of them whose conditioning has a domain axis (shared.models.presets.DOMAIN_AXIS)
+FEDDEO_DOMAIN_PRESETS = ("fmnist-tiny-dom",)
 
 
 class FedDEOConfig(AlgorithmConfig):
@@ -41,7 +43,25 @@ class FedDEOConfig(AlgorithmConfig):
         "class) for each n here (the N ablation of Table 3 from one generation); each must "
         "be at most images_per_class",
     )
-    sample_steps: int = Field(50, ge=1, le=1000, description="DDIM steps (eta 0)")
+    eval_guidance: list[tuple[float, float]] = Field(
+        default_factory=list,
+        max_length=8,
+        description="also generate the synthetic set with each (w_t, w_d) pair here, from "
+        "the same descriptions and image seeds, and score a classifier trained on it "
+        "(accuracy_by_guidance; the controls of eq. 5's two terms); the deployed classifier "
+        "stays that of w_t and w_d",
+    )
+    sample_steps: int = Field(50, ge=1, le=1000, description="DDIM steps")
+    sample_eta: float = Field(
+        0.0, ge=0.0, le=1.0, description="DDIM's eta: 0 = deterministic, 1 = ancestral "
+        "sampling as eq. 6 (fresh noise each step from the image's own seed)"
+    )  # fmt: skip
+    prompt_domain: Literal["unspecified", "device"] = Field(
+        "unspecified",
+        description="the domain the class prompt names: 'unspecified' (the paper's class-"
+        "name prompt) or 'device' (each device's true domain, from data.domains: the "
+        "Oracle control, which needs a generator with a domain axis, fmnist-tiny-dom)",
+    )
     sample_batch: int = Field(
         128, ge=1, le=65_536, description="images per guided forward pass (x3 model inputs)"
     )
@@ -50,6 +70,17 @@ class FedDEOConfig(AlgorithmConfig):
         "train its descriptions (Table 4)"
     )  # fmt: skip
     desc_lr: float = Field(0.2, gt=0.0, le=100.0, description="Adam rate of descriptions")
+    desc_lrs: list[float] = Field(
+        default_factory=list,
+        max_length=8,
+        description="candidate rates: each device trains its descriptions at each on all "
+        "but a held-out part of its images and keeps those with the lowest eq. 4 loss on the "
+        "held-out part (fixed timesteps and noise); empty = desc_lr on all images",
+    )
+    desc_holdout: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of a device's images held out to choose "
+        "among desc_lrs"
+    )  # fmt: skip
     desc_batch: int = Field(64, ge=1, le=65_536, description="images per description step")
     min_class_images: int = Field(
         1, ge=1, le=1_000_000, description="a device describes a class it holds at least this "
@@ -96,6 +127,19 @@ class FedDEOConfig(AlgorithmConfig):
         if cfg.federation.edge_every != 1 or cfg.federation.cloud_every != 1:
             raise ValueError("feddeo's one round goes to the cloud: set federation.edge_every "
                              "= 1 and federation.cloud_every = 1")  # fmt: skip
+        if self.prompt_domain == "device" and cfg.model.preset not in FEDDEO_DOMAIN_PRESETS:
+            raise ValueError(
+                f"algorithm.feddeo.prompt_domain = 'device' conditions on a domain: set "
+                f"model.preset to a generator with a domain axis ({list(FEDDEO_DOMAIN_PRESETS)})"
+            )
+        for w_t, w_d in self.eval_guidance:
+            if not (0.0 <= w_t <= 100.0 and 0.0 <= w_d <= 100.0):
+                raise ValueError("algorithm.feddeo.eval_guidance: weights must be in [0, 100]")
+            if w_d and not self.use_descriptions:
+                raise ValueError("algorithm.feddeo.eval_guidance: a pair with w_d > 0 needs "
+                                 "use_descriptions = true")  # fmt: skip
+        if any(not 0.0 < lr <= 100.0 for lr in self.desc_lrs):
+            raise ValueError("algorithm.feddeo.desc_lrs: every rate must be in (0, 100]")
         big = [n for n in self.eval_n if not 1 <= n <= self.images_per_class]
         if big:
             raise ValueError(

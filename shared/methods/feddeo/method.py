@@ -45,6 +45,7 @@ from shared import seeds
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES, from_model_output, save_grid
+from shared.data.domains import domain_of
 from shared.data.partition import domain_test_sets
 from shared.diffusion.schedule import draw_noise
 from shared.diffusion.training import TrainResult, placed, train_classifier
@@ -61,7 +62,12 @@ from shared.methods.base import (
     fold_all,
 )
 from shared.methods.feddeo.config import FedDEOConfig
-from shared.methods.feddeo.guidance import class_table, eps_with_embedding, guided_ddim
+from shared.methods.feddeo.guidance import (
+    class_table,
+    domain_table,
+    eps_with_embedding,
+    guided_ddim,
+)
 from shared.models.classifier import build_classifier
 from shared.models.presets import build_unet, state_spec
 from shared.naming import device_index, device_name
@@ -99,6 +105,11 @@ def start_noise(seeds: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
     )
 
 
+def guidance_key(w_t: float, w_d: float) -> str:
+    """The name of a (w_t, w_d) pair in a report: ``"wt3_wd0"``."""
+    return f"wt{w_t:g}_wd{w_d:g}"
+
+
 @dataclass
 class Synthetic:
     """The cloud's synthetic training set: images in [-1, 1] (8-bit values), labels, the
@@ -122,6 +133,69 @@ class Synthetic:
         return h.hexdigest()
 
 
+def _fit(
+    unet: nn.Module,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+    init: torch.Tensor,
+    lr: float,
+    s: FedDEOConfig,
+    scheduler: Any,
+    generator: torch.Generator,
+    device: torch.device,
+) -> tuple[torch.Tensor, float, int]:
+    """Adam at ``lr`` on eq. 4 from ``init`` (C, D) over ``x_all`` (every image conditioned
+    on its class's row) for ``desc_epochs`` passes of ``desc_batch``; the
+    model must be frozen and in eval mode. Returns (descriptions, mean loss, steps)."""
+    batch = min(s.desc_batch, len(x_all))
+    steps = max(1, math.ceil(s.desc_epochs * len(x_all) / batch))
+    param = nn.Parameter(init.clone().to(device))
+    opt = torch.optim.Adam([param], lr=lr)
+    total = 0.0
+    order, at = torch.randperm(len(x_all), generator=generator), 0
+    for _ in range(steps):
+        if at + batch > len(order):
+            order, at = torch.randperm(len(x_all), generator=generator), 0
+        idx = order[at : at + batch]
+        at += batch
+        x0, y = x_all[idx].to(device), y_all[idx].to(device)
+        t, noise = draw_noise(x0.shape, x0.dtype, scheduler, generator)
+        t, noise = t.to(device), noise.to(device)
+        noisy = scheduler.add_noise(x0, noise, t)
+        loss = F.mse_loss(eps_with_embedding(unet, noisy, t, param[y]), noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+    return param.detach().cpu(), total / steps, steps
+
+
+@torch.no_grad()
+def heldout_loss(
+    unet: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    desc: torch.Tensor,
+    scheduler: Any,
+    seed: int,
+    device: torch.device,
+    *,
+    batch: int = 256,
+) -> float:
+    """Eq. 4's loss of descriptions ``desc`` (C, D) on images ``x`` of classes ``y``, with
+    timesteps and noise drawn once from ``seed``: the same draws for every candidate."""
+    gen = torch.Generator().manual_seed(seed)
+    t, noise = draw_noise(x.shape, x.dtype, scheduler, gen)
+    total = 0.0
+    for lo in range(0, len(x), batch):
+        x0, e = x[lo : lo + batch].to(device), noise[lo : lo + batch].to(device)
+        tt = t[lo : lo + batch].to(device)
+        eps = eps_with_embedding(unet, scheduler.add_noise(x0, e, tt), tt,
+                                 desc.to(device)[y[lo : lo + batch].to(device)])  # fmt: skip
+        total += float(F.mse_loss(eps, e, reduction="sum"))
+    return total / x.numel()
+
+
 def train_descriptions(
     unet: nn.Module,
     images: torch.Tensor,
@@ -131,12 +205,22 @@ def train_descriptions(
     generator: torch.Generator,
     *,
     device: torch.device | None = None,
+    report: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, TrainResult]:
     """Eq. 4 on a device: one description per class it holds at least
-    ``min_class_images`` of, started at the class's row of the frozen ``unet`` and
-    trained with Adam on ``images`` (every image conditions on its class's description) for
-    ``desc_epochs`` passes. Returns (descriptions (C, D), mask (C,), the training
-    figures); rows of classes it does not describe stay the class rows, with mask 0."""
+    ``min_class_images`` of, started at the class's prompt in the frozen ``unet``
+    (:func:`~shared.methods.feddeo.guidance.class_table`) and trained with Adam on ``images``
+    (every image conditions on its class's description) for ``desc_epochs`` passes.
+
+    With ``desc_lrs``, the device chooses the rate itself: it holds out a random
+    ``desc_holdout`` of its images, trains the descriptions at each candidate rate on
+    the rest (the same batches and noise for each), and keeps those with the lowest eq. 4
+    loss on the held-out images (the same timesteps and noise for each). Otherwise it trains
+    on all its images at ``desc_lr``. ``report`` (when given) receives the rate used
+    and, when it chose, every candidate's held-out loss.
+
+    Returns (descriptions (C, D), mask (C,), the training figures); rows of classes it does
+    not describe stay the class prompts, with mask 0."""
     table = class_table(unet)
     counts = torch.bincount(labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
     mask = (counts >= s.min_class_images).float()
@@ -146,39 +230,50 @@ def train_descriptions(
     if not len(x_all):
         return desc, mask, TrainResult(0.0, 0, 0.0)
     device = device or torch.device("cpu")
-    batch = min(s.desc_batch, len(x_all))
-    steps = max(1, math.ceil(s.desc_epochs * len(x_all) / batch))
-    param = nn.Parameter(desc.to(device))
-    opt = torch.optim.Adam([param], lr=s.desc_lr)
     flags = [p.requires_grad for p in unet.parameters()]
     was_training = unet.training
     unet.requires_grad_(False)
     unet.eval()
-    total, start = 0.0, time.perf_counter()
-    order, at = torch.randperm(len(x_all), generator=generator), 0
+    start = time.perf_counter()
     try:
         with placed(unet, device):
-            for _ in range(steps):
-                if at + batch > len(order):
-                    order, at = torch.randperm(len(x_all), generator=generator), 0
-                idx = order[at : at + batch]
-                at += batch
-                x0, y = x_all[idx].to(device), y_all[idx].to(device)
-                t, noise = draw_noise(x0.shape, x0.dtype, scheduler, generator)
-                t, noise = t.to(device), noise.to(device)
-                noisy = scheduler.add_noise(x0, noise, t)
-                loss = F.mse_loss(eps_with_embedding(unet, noisy, t, param[y]), noise)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += float(loss.detach())
+            if not s.desc_lrs:
+                out, loss, steps = _fit(unet, x_all, y_all, desc, s.desc_lr, s,
+                                        scheduler, generator, device)  # fmt: skip
+                if report is not None:
+                    report["lr"] = s.desc_lr
+            else:
+                perm = torch.randperm(len(x_all), generator=generator)
+                n_hold = max(1, round(s.desc_holdout * len(x_all)))
+                if n_hold >= len(x_all):
+                    raise ConfigError(f"desc_holdout leaves no image to train on "
+                                      f"({len(x_all)} images)")  # fmt: skip
+                hold, fit = perm[:n_hold], perm[n_hold:]
+                eval_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+                state = generator.get_state()
+                best: tuple[float, float, torch.Tensor, float, int] | None = None
+                losses: dict[str, float] = {}
+                for lr in s.desc_lrs:
+                    gen = torch.Generator().set_state(state)  # same batches for each rate
+                    cand, loss, steps = _fit(unet, x_all[fit], y_all[fit], desc, lr, s,
+                                             scheduler, gen, device)  # fmt: skip
+                    held = heldout_loss(unet, x_all[hold], y_all[hold], cand, scheduler,
+                                        eval_seed, device)  # fmt: skip
+                    losses[f"{lr:g}"] = round(held, 6)
+                    if best is None or held < best[0]:
+                        best = (held, lr, cand, loss, steps)
+                if best is None:
+                    raise ConfigError("desc_lrs is empty")
+                _, lr, out, loss, steps = best
+                generator.set_state(state)
+                if report is not None:
+                    report.update(lr=lr, heldout_loss=losses)
     finally:
         for p, flag in zip(unet.parameters(), flags, strict=True):
             p.requires_grad_(flag)
         unet.train(was_training)
-    out = param.detach().cpu()
     out[mask == 0] = desc[mask == 0]
-    return out, mask, TrainResult(total / steps, steps, time.perf_counter() - start)
+    return out, mask, TrainResult(loss, steps, time.perf_counter() - start)
 
 
 def synthesize(
@@ -188,38 +283,52 @@ def synthesize(
     *,
     n: int,
     use_descriptions: bool,
+    weights: tuple[float, float] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Synthetic:
     """``n`` images for every (device, class) of ``slots`` (device -> (descriptions, mask);
-    the classes with mask 1) with eq. 5: null + w_t x class row (+ w_d x the device's
-    description when ``use_descriptions``), DDIM with ``sample_steps``, the start
-    noise of each image from :func:`image_seed`. ``on_progress(done, total)`` counts
-    images after each batch."""
+    the classes with mask 1) with eq. 5: null + w_t x class prompt (+ w_d x the device's
+    description when ``use_descriptions``), DDIM with ``sample_steps`` and
+    ``sample_eta``, the start noise (and any later noise) of each image from
+    :func:`image_seed`. A condition whose weight is 0 is left out (it adds nothing). With
+    ``prompt_domain = "device"`` the class prompt is the class in the device's own
+    domain (the Oracle control). ``weights`` = (w_t, w_d) in place of the configured ones.
+    ``on_progress(done, total)`` counts images after each batch."""
     s = FedDEOConfig.of(cfg)
     table = class_table(unet).float()
     jobs: list[tuple[str, int, int, int]] = []  # (device, its index, class, i)
+    prompts: dict[str, torch.Tensor] = {}
     for dev in sorted(slots):
         index = device_index(dev, cfg)
         mask = slots[dev][1]
+        prompts[dev] = table
+        if s.prompt_domain == "device":
+            prompts[dev] = domain_table(unet, domain_of(cfg.data.domains, index)).float()
         for c in range(NUM_CLASSES):
             if mask[c] > 0:
                 jobs.extend((dev, index, c, i) for i in range(n))
     conf: Any = unet.config
     shape = (int(conf.in_channels), int(conf.sample_size), int(conf.sample_size))
-    weights = [s.w_t, s.w_d] if use_descriptions else [s.w_t]
+    w_t, w_d = weights if weights is not None else (s.w_t, s.w_d)
+    use_prompt = w_t != 0
+    use_desc = use_descriptions and w_d != 0
+    ws = [w for w, on in ((w_t, use_prompt), (w_d, use_desc)) if on]
     out: list[torch.Tensor] = []
     device = next(unet.parameters()).device
     batch = s.sample_batch
     for lo in range(0, len(jobs), batch):
         part = jobs[lo : lo + batch]
-        noise = start_noise([image_seed(cfg.run.seed, k, c, i) for _, k, c, i in part], shape)
-        cls = torch.tensor([c for _, _, c, _ in part])
-        conds = [table[cls]]
-        if use_descriptions:
+        seeds = [image_seed(cfg.run.seed, k, c, i) for _, k, c, i in part]
+        noise = start_noise(seeds, shape)
+        conds = []
+        if use_prompt:
+            conds.append(torch.stack([prompts[d][c] for d, _, c, _ in part]))
+        if use_desc:
             conds.append(torch.stack([slots[d][0][c] for d, _, c, _ in part]).float())
         x = guided_ddim(
-            unet, noise.to(device), conds, weights, cfg.diffusion, steps=s.sample_steps
-        ).cpu()
+            unet, noise.to(device), conds, ws, cfg.diffusion, steps=s.sample_steps,
+            eta=s.sample_eta, seeds=seeds,
+        ).cpu()  # fmt: skip
         out.append(((x + 1) * 127.5).round() / 127.5 - 1)  # 8-bit images, as a real set
         if on_progress is not None:
             on_progress(min(lo + batch, len(jobs)), len(jobs))
@@ -313,10 +422,14 @@ class FedDEO(Algorithm):
             counts = torch.bincount(ctx.labels.long(), minlength=NUM_CLASSES)[:NUM_CLASSES]
             mask = (counts >= s.min_class_images).float()
             return LocalResult({MASK: mask} if upload else None, TrainResult(0.0, 0, 0.0))
+        report: dict[str, Any] = {}
         desc, mask, result = train_descriptions(
             model, ctx.data, ctx.labels, s, self.scheduler, ctx.generator,
-            device=self.training_device,
+            device=self.training_device, report=report,
         )  # fmt: skip
+        if "heldout_loss" in report:
+            log.info("feddeo: %s chose description lr %g (held-out eq. 4 loss by lr: %s)",
+                     ctx.device, report["lr"], report["heldout_loss"])  # fmt: skip
         ctx.state[DESC] = desc.clone()  # the device's own, kept where it was made
         return LocalResult({DESC: desc, MASK: mask} if upload else None, result)
 
@@ -428,6 +541,19 @@ class FedDEO(Algorithm):
             if n == s.images_per_class:
                 model = clf
         assert model is not None
+        by_guidance: dict[str, dict[str, float]] = {}
+        for w_t, w_d in s.eval_guidance:
+            key = guidance_key(w_t, w_d)
+            with placed(unet, device):
+                other = synthesize(
+                    unet, self.held, cfg, n=s.images_per_class,
+                    use_descriptions=s.use_descriptions, weights=(w_t, w_d),
+                    on_progress=progress(f"generating {key}"),
+                )  # fmt: skip
+            clf, _ = fit_classifier(other, cfg, device=device)
+            by_guidance[key] = accuracy_by_domain(clf, tests)
+            if out_dir is not None and s.grid_per_class:
+                self._grids(other, out_dir / f"synthetic_{key}")
         train_s = time.perf_counter() - t1
         if out_dir is not None and s.grid_per_class:
             self._grids(synthetic, out_dir / "synthetic")
@@ -436,6 +562,7 @@ class FedDEO(Algorithm):
             "accuracy": {k: v for k, v in final.items() if k != "mean"},
             "mean_accuracy": final["mean"],
             "accuracy_by_n": by_n,
+            "accuracy_by_guidance": by_guidance,
             "domains": list(tests),
             "synthetic_images": len(synthetic.labels),
             "synthetic_sha256": synthetic.sha256(),
@@ -445,6 +572,8 @@ class FedDEO(Algorithm):
             "w_d": s.w_d if s.use_descriptions else 0.0,
             "images_per_class": s.images_per_class,
             "sample_steps": s.sample_steps,
+            "sample_eta": s.sample_eta,
+            "prompt_domain": s.prompt_domain,
             "classifier": s.classifier,
             "generate_s": round(gen_s, 1),
             "classifier_s": round(train_s, 1),

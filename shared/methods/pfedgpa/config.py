@@ -44,20 +44,42 @@ class PFedGPAConfig(AlgorithmConfig):
         "Fashion-MNIST setting); ['auto'] = the whole model where the cloud has a GPU "
         "(compute.device), the last layer (fc2) on a CPU",
     )
-    ae_size: Literal["small", "medium"] = Field(
-        "small", description="p-diff autoencoder size (small: f=k=3; medium: f=k=5)"
+    ae_size: Literal["tiny", "small", "medium", "linear"] = Field(
+        "small",
+        description="the parameter autoencoder: p-diff's 1-D convolutional one (small: "
+        "f=k=3; medium: f=k=5; tiny: small with its decoder halved), or linear: one linear "
+        "map each way to a latent as large as small's, which (unlike convolutions shared "
+        "along the flattened vector) can keep what tells one device's parameters from "
+        "another's; the whole-model CPU setting uses it",
     )
-    denoiser_width: int = Field(64, ge=4, le=1024, description="denoiser channels")
+    denoiser: Literal["conv", "mlp"] = Field(
+        "conv",
+        description="the latent denoiser: conv = p-diff's 1-D conv U-Net over the latent; "
+        "mlp = a residual MLP over the flattened latent (for the linear autoencoder, whose "
+        "latent positions are not neighbours)",
+    )
+    denoiser_width: int = Field(
+        64, ge=4, le=4096, description="denoiser channels (conv) or hidden units (mlp)"
+    )
     ae_steps: int = Field(2000, ge=1, le=10_000_000, description="autoencoder steps")
     dm_steps: int = Field(2000, ge=1, le=10_000_000, description="latent DDPM steps")
     batch: int = Field(64, ge=1, le=100_000, description="vectors per DM step")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
     timesteps: int = Field(1000, ge=10, le=10_000, description="diffusion steps T")
     invert_from: int = Field(
-        0, ge=0, le=10_000,
-        description="the inversion's start depth t0 (0 = T, the whole chain; not stated in "
-        "the paper)",
+        200, ge=0, le=10_000,
+        description="the inversion's start depth t0 in diffusion steps (the paper leaves it "
+        "open): 0 = no diffusion (the autoencoder's reconstruction), timesteps = the "
+        "whole chain. The forward chain keeps sqrt(abar_t0) of the upload: 0.81 at 200 of "
+        "T = 1000, 0.0064 at 1000, where inversion is direct generation in distribution",
     )  # fmt: skip
+    inversion: Literal["chain", "posterior"] = Field(
+        "chain",
+        description="the reverse pass's noise: chain = eq. 15 with the forward chain's noises "
+        "(the paper's); posterior = the residuals that retrace the recorded chain exactly, "
+        "so the device gets the autoencoder's reconstruction of its upload at any depth "
+        "(the exact-reconstruction control)",
+    )
 
     guide_rounds: int = Field(
         0, ge=0, le=1000,
@@ -81,4 +103,8 @@ class PFedGPAConfig(AlgorithmConfig):
         if self.guide_rounds and not guide[0] <= guide[1] <= guide[2]:
             raise ValueError("algorithm.pfedgpa needs guide_steps <= guide_from <= timesteps")
         if self.invert_from > self.timesteps:
-            raise ValueError("algorithm.pfedgpa.invert_from cannot exceed timesteps")
+            raise ValueError(
+                f"algorithm.pfedgpa.invert_from ({self.invert_from}) cannot exceed "
+                f"timesteps ({self.timesteps}); with fewer diffusion steps, set the depth "
+                "too (about a fifth of them keeps most of the upload)"
+            )

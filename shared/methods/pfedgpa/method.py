@@ -45,6 +45,7 @@ from shared.methods.pfedgpa.param_diffusion import (
     generate,
     guide,
     invert,
+    kept_signal,
     train_param_dm,
     unflatten_params,
 )
@@ -126,7 +127,7 @@ class PFedGPA(Algorithm):
         """The diffusion model's settings, from ``[algorithm]``."""
         s = self.settings
         return ParamDMConfig(
-            ae_size=s.ae_size, denoiser_width=s.denoiser_width,
+            ae_size=s.ae_size, denoiser=s.denoiser, denoiser_width=s.denoiser_width,
             ae_steps=s.ae_steps, dm_steps=s.dm_steps,
             batch_size=s.batch, lr=s.lr, timesteps=s.timesteps,
         )  # fmt: skip
@@ -189,9 +190,13 @@ class PFedGPA(Algorithm):
         devices = sorted(uploads)
         own = torch.stack([flatten_params(uploads[d], self.names) for d in devices])
         gen = dm_seed(self.cfg.run.seed, round_, 2)
-        if self.settings.mode == "inversion":
-            t0_depth = self.settings.invert_from or None
-            made = invert(self.dm, own, gen, t0=t0_depth, device=device)
+        s = self.settings
+        if s.mode == "inversion":
+            depth, noise = s.invert_from, s.inversion
+            log.info("pfedgpa: inverting from t0 = %d of %d (%s noise), where the chain keeps "
+                     "%.3g of each upload", depth, self.dm.betas.shape[0], noise,
+                     kept_signal(self.dm.betas, depth))  # fmt: skip
+            made = invert(self.dm, own, gen, t0=depth, noise=noise, device=device)
         else:
             made = generate(self.dm, len(devices), gen, device=device)
         log.info("pfedgpa: %s for %d devices after %.1fs (round %d)",
