@@ -73,6 +73,7 @@ FLAT_KEYS: dict[str, tuple[str, str, str]] = {
 #: digests were first recorded)
 LATER_KEYS = (
     ("train", "ama_lr"),
+    ("train", "adam_betas"),
     ("train", "precision"),
     ("train", "cuda_graph"),
     ("train", "cuda_graph_reuse"),
@@ -141,6 +142,7 @@ def legacy_digest(cfg: RunConfig, data: dict[str, Any]) -> str:
         data[section] = {k: v for k, v in data[section].items() if k != key}
     data["algorithm"] = algorithm
     for section, key in LATER_KEYS:
-        if data[section][key] == _default(cfg, section, key):
+        # compared as JSON, as ``data`` holds it (a tuple default is a list there)
+        if data[section][key] == json.loads(json.dumps(_default(cfg, section, key))):
             data[section] = {k: v for k, v in data[section].items() if k != key}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
