@@ -55,6 +55,7 @@ from shared.config import RunConfig
 from shared.diffusion.schedule import ddpm_loss
 from shared.diffusion.training import TrainResult, placed, train_local
 from shared.errors import ConfigError
+from shared.methods.api import Centralized
 from shared.methods.base import (
     Algorithm,
     DeviceContext,
@@ -188,6 +189,7 @@ class Prism(Algorithm):
         super().__init__(cfg)
         self.state_view = self  # the state derives from the key (origin, model card)
         self.preparation = KeyPreparation()
+        self.central = self  # its ceiling trains scores, not weights
         self._key: MaskKey | None = None
         #: the cloud's last MADA lambda (None before the first aggregation, or MADA off)
         self.last_lambda: float | None = None
@@ -259,6 +261,39 @@ class Prism(Algorithm):
             else:
                 out[name] = frozen_constant(name, s)
         return out
+
+    def centralized(self, model: nn.Module, seed: int) -> Centralized:
+        """PRISM's ceiling on pooled data: the scores of every masked weight (from the key's
+        initial scores) trained continuously with the devices' Adam, no clipping and no
+        rounds to quantize them; the model after round ``r`` is the dense model of one
+        fixed mask drawn from the probabilities (:meth:`materialize` at step ``r + 1``), and
+        its checkpoint holds the probabilities, as a federated run's does."""
+        st = self.settings
+        spec = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        key, run_seed = self.key, self.cfg.run.seed
+        frozen = {n: frozen_weight(key, run_seed, n, spec[n].shape) for n in masked_names(spec)}
+        model.load_state_dict(
+            {n: frozen[n] if n in frozen else frozen_constant(n, s) for n, s in spec.items()}
+        )
+        scores = {n: initial_scores(key, run_seed, n, spec[n].shape) for n in frozen}
+        net = MaskedModule(model, frozen, scores, estimator=st.estimator, seed=seed)
+        opt = torch.optim.Adam(
+            list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2)
+        )
+
+        def state(round_: int) -> TensorDict:
+            out: TensorDict = {THETA + n: p for n, p in net.probabilities().items()}
+            out[COUNT] = torch.ones((), dtype=torch.float32)
+            out[STEP] = torch.tensor(float(round_ + 1), dtype=torch.float32)
+            return out
+
+        def dense(round_: int) -> nn.Module:
+            out = copy.deepcopy(model)
+            out.load_state_dict(self.materialize(state(round_)))
+            return out
+
+        train = self.cfg.train.model_copy(update={"grad_clip": 0.0})
+        return Centralized(net, opt, train, dense, state)
 
     def origin(self) -> str:
         return f"prism-key:{self.key.fingerprint}"
