@@ -35,6 +35,11 @@ class PrismConfig(AlgorithmConfig):
         0.01, gt=0.0, lt=0.5, description="the cloud maps mean masks into [eps, 1 - eps]"
     )
     mada: bool = Field(True, description="MADA (eq. 2, Alg. 1); false = PRISM-dagger")
+    mada_fixed_lambda: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="with mada: mix with this constant lambda instead of MADA's distance (a "
+        "control that keeps the damping and drops the adaptivity); 0 = MADA's lambda",
+    )  # fmt: skip
     mada_space: Literal["score", "prob"] = Field(
         "score", description="mix scores (Alg. 1, the authors' code) or probabilities (eq. 2)"
     )
@@ -54,6 +59,11 @@ class PrismConfig(AlgorithmConfig):
         description="Gaussian noise multiplier z on theta (sigma = z x the L2 sensitivity); "
         "0 = no differential privacy",
     )  # fmt: skip
+    dp_calibrate: bool = Field(
+        False,
+        description="differential privacy with the noise the accountant sets: the smallest "
+        "noise multiplier whose run.rounds releases fit dp_epsilon (dp_noise is then not read)",
+    )
     dp_epsilon: float = Field(
         10.0, gt=0.0, le=1e6, description="privacy budget: the run stops before exceeding it"
     )
