@@ -143,6 +143,49 @@ def test_the_key_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
     assert TEST_PRISM_KEY not in repr(key) and key.secret.hex() not in repr(key)
 
 
+def test_demo_scores_start_a_run_under_the_public_demo_key_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shared.methods.prism import masking
+    from shared.wire.codec import write_asset
+
+    cfg = prism_config(prism_init="demo")
+    monkeypatch.setenv(KEY_ENV, masking.DEMO_KEY.secret.hex())
+    spec = {k: v for k, v in model_spec(cfg.model.preset, None).items()}
+    dense = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in spec.items()}
+    trained = {k: v for k, v in build_algorithm(prism_config()).init_global(dense).items()
+               if k.startswith(THETA)}  # fmt: skip
+    trained = {k: (v > 0.5).float() * 0.9 + 0.05 for k, v in trained.items()}  # "trained"
+    digest = write_asset(tmp_path / "demo.safetensors", trained, {"seed": cfg.run.seed})
+    monkeypatch.setattr(masking, "ASSETS", tmp_path)
+    monkeypatch.setitem(masking.DEMO_SCORES, cfg.model.preset, ("demo.safetensors", digest))
+    state = build_algorithm(cfg).init_global(dense)
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert float(state[STEP]) == 0.0
+    with pytest.raises(ConfigError, match=r"run\.seed = 0"):
+        build_algorithm(with_overrides(cfg, {"run": {"seed": 1}})).init_global(dense)
+    monkeypatch.setenv(KEY_ENV, TEST_PRISM_KEY)
+    with pytest.raises(ConfigError, match="public demo key"):
+        build_algorithm(cfg).init_global(dense)
+    monkeypatch.setitem(masking.DEMO_SCORES, cfg.model.preset, ("demo.safetensors", "0" * 64))
+    with pytest.raises(ConfigError, match="sha256"):
+        build_algorithm(cfg).init_global(dense)
+    # a run directory gets the demo key when no key is configured, a fresh one otherwise
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.setenv(KEY_FILE_ENV, "")  # recorded: the key file a run names is undone
+    monkeypatch.delenv(KEY_FILE_ENV)
+    prepare = build_algorithm(cfg).preparation
+    assert prepare is not None
+    prepare.prepare(tmp_path / "demo-run", show=True)
+    assert load_key().secret == masking.DEMO_KEY.secret
+    assert "public demo key" in capsys.readouterr().out
+    monkeypatch.delenv(KEY_FILE_ENV)
+    prepare = build_algorithm(prism_config()).preparation
+    assert prepare is not None
+    prepare.prepare(tmp_path / "run", show=False)
+    assert load_key().secret != masking.DEMO_KEY.secret
+
+
 def test_frozen_weights_are_scaled_rademacher_signs_per_layer() -> None:
     key = MaskKey(bytes(range(16)))
     spec = model_spec("fmnist-tiny", None)

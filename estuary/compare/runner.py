@@ -308,7 +308,9 @@ def run_compare(
     # share it; jobs inherit the environment), once per kind
     prepared: set[type] = set()
     for m in spec.methods:
-        preparation = None if m.centralized else make_algorithm(m.cfg).preparation
+        method = make_algorithm(m.cfg)
+        # a ceiling trains the model's weights unless its method trains something of its own
+        preparation = None if m.centralized and method.central is None else method.preparation
         if preparation is not None and type(preparation) not in prepared:
             prepared.add(type(preparation))
             preparation.prepare(out, show=progress)

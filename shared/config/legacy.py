@@ -44,7 +44,7 @@ _PREFIXED = {
     "prism": (
         "estimator", "lr", "beta1", "beta2", "local_iters", "mask_eps", "mada", "mada_space",
         "mada_distance", "alpha", "weighting", "dp_noise", "dp_epsilon", "dp_delta", "dp_clip",
-        "mada_fixed_lambda", "dp_calibrate",
+        "mada_fixed_lambda", "dp_calibrate", "init",
     ),
     "pfedgpa": (
         "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser_width", "ae_steps",

@@ -27,6 +27,12 @@ class PrismConfig(AlgorithmConfig):
         description="gradient through the Bernoulli draw: scaled = theta times the mask's "
         "gradient (the authors' code), identity = plain straight-through",
     )
+    init: Literal["key", "demo"] = Field(
+        "key",
+        description="the first probabilities: key = sigmoid of N(0, 1) scores drawn from the "
+        "secret key; demo = the preset's shipped demo scores, trained under a public demo key "
+        "that the run then uses (its frozen weights are public: demonstrations only)",
+    )
     lr: float = Field(0.1, gt=0.0, le=10.0, description="Adam learning rate on scores")
     beta1: float = Field(0.5, ge=0.0, lt=1.0, description="Adam beta1 on scores")
     beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam beta2 on scores")

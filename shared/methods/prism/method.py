@@ -73,6 +73,7 @@ from shared.methods.base import (
 from shared.methods.prism.config import PrismConfig
 from shared.methods.prism.masking import (
     COUNT,
+    DEMO_KEY,
     STEP,
     THETA,
     MaskedModule,
@@ -82,6 +83,7 @@ from shared.methods.prism.masking import (
     frozen_weight,
     initial_scores,
     is_masked,
+    load_demo_scores,
     load_key,
     logit,
     masked_names,
@@ -187,18 +189,24 @@ def mask_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], 
 
 
 class KeyPreparation:
-    """PRISM's run preparation: the run's key."""
+    """PRISM's run preparation: the run's key, a fresh secret one, or the public
+    :data:`~shared.methods.prism.masking.DEMO_KEY` for a run that starts from the demo
+    scores (``demo``)."""
+
+    def __init__(self, *, demo: bool = False) -> None:
+        self.demo = demo
 
     def prepare(self, run_dir: Path, *, show: bool) -> None:
         """Give the run a key (``run_dir/prism.key``, kept for a resumed run) when none is
         configured, and say where it is (never what it is)."""
-        path = provide_key_file(run_dir)
+        path = provide_key_file(run_dir, key=DEMO_KEY if self.demo else None)
         if path is not None:
             fingerprint = load_key().fingerprint
             log.info("PRISM key: %s (fingerprint %s)", path, fingerprint)
             if show:
+                public = " (the public demo key: nothing it trains is secret)" if self.demo else ""
                 print(f"PRISM key: {path} (fingerprint {fingerprint}; keep it to resume or "
-                      "deploy)")  # fmt: skip
+                      f"deploy){public}")  # fmt: skip
 
 
 class Prism(Algorithm):
@@ -214,7 +222,7 @@ class Prism(Algorithm):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.state_view = self  # the state derives from the key (origin, model card)
-        self.preparation = KeyPreparation()
+        self.preparation = KeyPreparation(demo=self.settings.init == "demo")
         self.central = self  # its ceiling trains scores, not weights
         self._key: MaskKey | None = None
         #: the cloud's last MADA lambda (None before the first aggregation, or MADA off)
@@ -265,12 +273,21 @@ class Prism(Algorithm):
         return out
 
     def init_global(self, model: TensorDict) -> TensorDict:
+        """The first probabilities: the sigmoid of the key's N(0, 1) scores, or the shipped
+        demo scores (``init = "demo"``, checked against the key and the seed)."""
         spec = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.items()}
         seed = self.cfg.run.seed
-        out: TensorDict = {
-            THETA + n: torch.sigmoid(initial_scores(self.key, seed, n, spec[n].shape))
-            for n in masked_names(spec)
-        }
+        out: TensorDict
+        if self.settings.init == "demo":
+            theta = load_demo_scores(self.cfg.model.preset, self.key, seed)
+            want = {k: s for k, s in state_spec(spec).items() if k.startswith(THETA)}
+            check_spec({k: v for k, v in theta.items() if k in want}, want)
+            out = {k: theta[k].float().clamp(0.0, 1.0) for k in want}
+        else:
+            out = {
+                THETA + n: torch.sigmoid(initial_scores(self.key, seed, n, spec[n].shape))
+                for n in masked_names(spec)
+            }
         out[COUNT] = torch.zeros((), dtype=torch.float32)
         out[STEP] = torch.zeros((), dtype=torch.float32)
         return out
