@@ -159,7 +159,12 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 #: probabilities trained under :data:`DEMO_KEY` by ``scripts/pretrain_prism_scores.py`` and
 #: shipped in shared/assets (``algorithm.prism.init = "demo"``): preset -> (file, sha256).
 #: A retrained file needs its new hash here.
-DEMO_SCORES: dict[str, tuple[str, str]] = {}
+DEMO_SCORES: dict[str, tuple[str, str]] = {
+    "resnetg-fmnist-16": (
+        "prism_resnetg_fmnist_16_demo.safetensors",
+        "4cd14ce257602f134df72a5d14690dc17550d5c40c1b49755cd51942f8ee7d15",
+    ),
+}
 DEMO_HINT = "Retrain them with `python scripts/pretrain_prism_scores.py`"
 
 
