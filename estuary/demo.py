@@ -70,6 +70,8 @@ class DemoResult:
     #: a one-shot algorithm's product and figures (FedDEO: the classifier's accuracy per
     #: domain), the summary's ``final``; None for every other algorithm
     final: dict[str, Any] | None = None
+    #: per device, its uploads' bytes and count and every byte it sent (summary ``demo``)
+    device_uploads: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def demo_config(path: Path | None) -> RunConfig:
@@ -133,6 +135,7 @@ def run_demo(
     summary["demo"] = {  # what the cloud cannot know: the whole demo's time, the devices' word
         "wall_s": round(time.monotonic() - t0, 1),
         "deployment": _deployment_outcome(deployment),
+        "device_uploads": _device_uploads(cfg, scrapes),
     }
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return DemoResult(
@@ -145,7 +148,31 @@ def run_demo(
         deployment=deployment,
         resumed_after_round=summary.get("resumed_after_round"),
         final=summary.get("final"),
+        device_uploads=summary["demo"]["device_uploads"],
     )
+
+
+def _device_uploads(
+    cfg: RunConfig, scrapes: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Per device, from its last Prometheus scrape: the bytes of its uploads (the
+    algorithm's upload kind: model updates, masks, descriptions), how many it sent, and
+    every byte it sent (control messages too)."""
+    from shared.naming import device_name
+
+    kind = f'kind="{cfg.algorithm.config().traffic().blob_kind}"'
+    out: dict[str, dict[str, float]] = {}
+    for i in range(cfg.federation.num_devices):
+        samples = scrapes.get(device_name(i), {})
+        sent = {k: v for k, v in samples.items() if 'direction="sent"' in k}
+        out[device_name(i)] = {
+            "upload_bytes": sum(v for k, v in sent.items()
+                                if k.startswith("estuary_bytes_total{") and kind in k),
+            "uploads": sum(v for k, v in sent.items()
+                           if k.startswith("estuary_messages_total{") and kind in k),
+            "sent_bytes": sum(v for k, v in sent.items() if k.startswith("estuary_bytes_total{")),
+        }  # fmt: skip
+    return out
 
 
 def _deployment_outcome(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -308,6 +335,11 @@ def print_demo_result(result: DemoResult) -> None:
         q = quality[-1]
         print(f"final FID ({q['extractor']} features, {q['n_fake']} samples): {q['fid']:.2f}")
     print(f"final global model sha256: {result.final_model_sha256}")
+    if any(v["uploads"] for v in result.device_uploads.values()):
+        print("uploads per device (bytes, all rounds):")
+        for name, v in sorted(result.device_uploads.items()):
+            print(f"  {name}: {v['upload_bytes']:,.0f} in {v['uploads']:.0f} uploads "
+                  f"({v['sent_bytes']:,.0f} sent in all)")  # fmt: skip
     by_role = _bytes_by_role(result.scrapes)
     if by_role:
         print("bytes by role (last Prometheus scrape):")

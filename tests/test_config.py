@@ -33,11 +33,13 @@ def test_the_digest_is_the_experiment_not_where_each_process_runs() -> None:
         {"data": {"local_dir": "/srv/images"}},
         {"eval": {"reference_dir": "/srv/real"}},
         {"data": {"class_names": []}},
+        {"train": {"adam_betas": [0.9, 0.999]}},  # the default: digests from before it stand
     ]
     for update in same:
         assert config_from_dict(update).digest() == cfg.digest(), update
     for update in ({"train": {"lr": 5e-4}}, {"train": {"batch_size": 8}}, {"run": {"seed": 1}},
-                   {"data": {"class_names": ["cat", "dog"]}}):  # fmt: skip
+                   {"data": {"class_names": ["cat", "dog"]}},
+                   {"train": {"adam_betas": [0.5, 0.999]}}):  # fmt: skip
         assert config_from_dict(update).digest() != cfg.digest(), update
     folder = config_from_dict({"data": {"dataset": "folder"}})
     assert folder.digest() != cfg.digest()
@@ -240,3 +242,17 @@ def test_stored_configs_are_read_back_without_the_waste_rules(tmp_path: Path) ->
     save_checkpoint(tmp_path, 8, build_unet(cfg.model.preset).state_dict(), cfg)
     path = latest_checkpoint_path(tmp_path)
     assert path is not None and load_checkpoint(path).config == cfg
+
+
+def test_adam_betas_reach_the_optimizer_and_are_checked() -> None:
+    from torch import nn
+
+    from shared.diffusion.training import make_optimizer
+
+    params = list(nn.Linear(2, 2).parameters())
+    for optimizer in ("adam", "adamw"):
+        cfg = config_from_dict({"train": {"optimizer": optimizer, "adam_betas": [0.5, 0.999]}})
+        assert make_optimizer(params, cfg.train).param_groups[0]["betas"] == (0.5, 0.999)
+    assert make_optimizer(params, RunConfig().train).param_groups[0]["betas"] == (0.9, 0.999)
+    with pytest.raises(ConfigError, match="adam_betas"):
+        config_from_dict({"train": {"adam_betas": [0.5, 1.0]}})

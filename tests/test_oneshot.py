@@ -26,6 +26,7 @@ from shared.models.oneshot import (
     ResnetG,
     _ama_step,
     build_oneshot,
+    match_net_on,
     recalibrate_bn,
 )
 from shared.models.presets import count_weight_macs, kind_of, model_info, state_spec
@@ -229,3 +230,52 @@ def test_two_rounds_train_on_a_gpu(algorithm: str) -> None:
     kept = fed.devices[0].algo_state[MATCH_STATE]
     assert kept["real_mean"].device.type == "cpu" and kept["ama"]["m"].device.type == "cpu"
     assert all(v.device.type == "cpu" for v in fed.cloud.model.values())
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "prism"])
+def test_the_centralized_ceiling_trains_a_one_shot_generator_by_feature_matching(
+    algorithm: str, tmp_path: Path
+) -> None:
+    from estuary.compare.runner import run_centralized
+    from shared.models.checkpoint import latest_checkpoint_path, load_checkpoint
+
+    cfg = oneshot_config(algorithm, prism_mada=False)
+    rows, steps, plan, _ = run_centralized(cfg, tmp_path, evaluate=False, progress=False)
+    assert [r["round"] for r in rows] == [2] and plan is None
+    assert rows[0]["steps"] == sum(steps) == 16 and math.isfinite(rows[0]["train_loss"])
+    path = latest_checkpoint_path(tmp_path / "checkpoints")
+    assert path is not None
+    # the checkpoint holds what a federated run's does (PRISM: the probabilities)
+    saved = model_from_state(cfg, load_checkpoint(path).model).state_dict()
+    start = build_oneshot(cfg.model.preset, seed=cfg.run.seed).state_dict()
+    assert not torch.equal(saved["first.weight"], start["first.weight"])
+    if algorithm == "prism":  # the dense model of one fixed mask over the frozen signs
+        for name, w in saved.items():
+            if is_masked(name, tuple(w.shape)):
+                scale = math.sqrt(2.0 / fan_in(tuple(w.shape)))
+                kept = w != 0
+                assert torch.allclose(w[kept].abs(), torch.full_like(w[kept], scale))
+                assert 0.2 < float(kept.float().mean()) < 0.8
+
+
+def test_centralized_prism_trains_the_scores_and_draws_each_rounds_mask_once() -> None:
+    from shared.diffusion.schedule import make_train_scheduler
+    from shared.diffusion.training import train_local
+
+    cfg = oneshot_config("prism")
+    model = build_oneshot(cfg.model.preset, seed=cfg.run.seed)
+    own = build_algorithm(cfg).central
+    assert own is not None
+    central = own.centralized(model, seed=3)
+    assert central.train.grad_clip == 0.0
+    assert central.optimizer.param_groups[0]["betas"] == (0.5, 0.999)
+    scores = [p for p in central.net.parameters() if p.requires_grad]
+    before = [s.detach().clone() for s in scores]
+    real = (torch.zeros(106_496), torch.ones(106_496))
+    match = FeatureMatch(match_net_on(torch.device("cpu")), 128, real, lr=0.005)
+    train_local(central.net, torch.rand(16, 1, 32, 32) * 2 - 1, central.train,
+                make_train_scheduler(cfg.diffusion), torch.Generator().manual_seed(0), steps=2,
+                optimizer=central.optimizer, loss_fn=match)  # fmt: skip
+    assert any(not torch.equal(a, b) for a, b in zip(scores, before, strict=True))
+    one, again, other = (central.model(r).state_dict()["first.weight"] for r in (0, 0, 1))
+    assert torch.equal(one, again) and not torch.equal(one, other)

@@ -40,6 +40,7 @@ from shared.methods.prism.method import (
     THETA,
     Prism,
     dp_epsilon,
+    dp_noise_for,
     dp_rounds,
     mask_distance,
     privatize,
@@ -140,6 +141,49 @@ def test_the_key_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hex"):
         load_key({KEY_ENV: "not hex at all, not hex at all!!"})
     assert TEST_PRISM_KEY not in repr(key) and key.secret.hex() not in repr(key)
+
+
+def test_demo_scores_start_a_run_under_the_public_demo_key_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shared.methods.prism import masking
+    from shared.wire.codec import write_asset
+
+    cfg = prism_config(prism_init="demo")
+    monkeypatch.setenv(KEY_ENV, masking.DEMO_KEY.secret.hex())
+    spec = {k: v for k, v in model_spec(cfg.model.preset, None).items()}
+    dense = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in spec.items()}
+    trained = {k: v for k, v in build_algorithm(prism_config()).init_global(dense).items()
+               if k.startswith(THETA)}  # fmt: skip
+    trained = {k: (v > 0.5).float() * 0.9 + 0.05 for k, v in trained.items()}  # "trained"
+    digest = write_asset(tmp_path / "demo.safetensors", trained, {"seed": cfg.run.seed})
+    monkeypatch.setattr(masking, "ASSETS", tmp_path)
+    monkeypatch.setitem(masking.DEMO_SCORES, cfg.model.preset, ("demo.safetensors", digest))
+    state = build_algorithm(cfg).init_global(dense)
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert float(state[STEP]) == 0.0
+    with pytest.raises(ConfigError, match=r"run\.seed = 0"):
+        build_algorithm(with_overrides(cfg, {"run": {"seed": 1}})).init_global(dense)
+    monkeypatch.setenv(KEY_ENV, TEST_PRISM_KEY)
+    with pytest.raises(ConfigError, match="public demo key"):
+        build_algorithm(cfg).init_global(dense)
+    monkeypatch.setitem(masking.DEMO_SCORES, cfg.model.preset, ("demo.safetensors", "0" * 64))
+    with pytest.raises(ConfigError, match="sha256"):
+        build_algorithm(cfg).init_global(dense)
+    # a run directory gets the demo key when no key is configured, a fresh one otherwise
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.setenv(KEY_FILE_ENV, "")  # recorded: the key file a run names is undone
+    monkeypatch.delenv(KEY_FILE_ENV)
+    prepare = build_algorithm(cfg).preparation
+    assert prepare is not None
+    prepare.prepare(tmp_path / "demo-run", show=True)
+    assert load_key().secret == masking.DEMO_KEY.secret
+    assert "public demo key" in capsys.readouterr().out
+    monkeypatch.delenv(KEY_FILE_ENV)
+    prepare = build_algorithm(prism_config()).preparation
+    assert prepare is not None
+    prepare.prepare(tmp_path / "run", show=False)
+    assert load_key().secret != masking.DEMO_KEY.secret
 
 
 def test_frozen_weights_are_scaled_rademacher_signs_per_layer() -> None:
@@ -250,7 +294,71 @@ def test_mada_lambda_tracks_mask_entropy_not_only_drift() -> None:
     assert algo.last_lambda is not None and abs(algo.last_lambda - 0.5) < 0.03
 
 
+def test_a_fixed_lambda_mixes_by_it_and_the_distance_is_still_measured() -> None:
+    current = {THETA + "w": torch.tensor([0.5, 0.5, 0.5, 0.5]), COUNT: torch.tensor(0.0),
+               STEP: torch.tensor(4.0)}  # fmt: skip
+    edges = [_edge_report([1.0, 0.0, 1.0, 0.0], 3.0), _edge_report([0.0, 0.0, 1.0, 1.0], 1.0)]
+    new = 0.01 + 0.98 * torch.tensor([0.75, 0.0, 1.0, 0.25])
+    adaptive = build_algorithm(prism_config(prism_mada_space="prob"))
+    fixed = build_algorithm(prism_config(prism_mada_space="prob", prism_mada_fixed_lambda=0.35))
+    off = build_algorithm(prism_config(prism_mada=False))
+    assert isinstance(adaptive, Prism) and isinstance(fixed, Prism) and isinstance(off, Prism)
+    adaptive.cloud_aggregate(edges, current)
+    out = fixed.cloud_aggregate(edges, current)
+    assert torch.allclose(out[THETA + "w"], 0.35 * new + 0.65 * 0.5)
+    assert fixed.last_lambda == 0.35 and fixed.last_distance == adaptive.last_lambda
+    report = fixed.round_report(0, out)
+    assert report["mada_lambda"] == 0.35 and report["mask_distance"] == adaptive.last_lambda
+    off.cloud_aggregate(edges, current)  # MADA off: no lambda, the distance measured all the same
+    assert off.last_lambda is None and off.last_distance == adaptive.last_lambda
+    assert "mada_lambda" not in off.round_report(0, out) and "mask_distance" in off.round_report(
+        0, out
+    )
+
+
+def test_the_local_divergence_is_the_devices_mean_expected_hamming_distance() -> None:
+    theta = torch.tensor([0.9, 0.1, 0.5, 0.2])
+    current = {THETA + "w": theta, COUNT: torch.tensor(0.0), STEP: torch.tensor(0.0)}
+    # four devices: three at the first edge, one at the second
+    masks = [[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 1, 1]]
+    edges = [
+        _edge_report(torch.tensor(masks[:3], dtype=torch.float32).mean(0).tolist(), 3.0),
+        _edge_report([float(b) for b in masks[3]], 1.0),
+    ]
+    algo = build_algorithm(prism_config(prism_mada=False))
+    assert isinstance(algo, Prism)
+    out = algo.cloud_aggregate(edges, current)
+    # E hd(Bern(theta), m) = mean(theta (1 - m) + (1 - theta) m), averaged over the devices
+    want = float(np.mean([
+        np.mean([t * (1 - b) + (1 - t) * b for t, b in zip(theta.tolist(), m, strict=True)])
+        for m in masks
+    ]))  # fmt: skip
+    assert algo.last_divergence is not None and math.isclose(algo.last_divergence, want,
+                                                              rel_tol=1e-6)  # fmt: skip
+    assert math.isclose(algo.round_report(0, out)["local_divergence"], want, rel_tol=1e-5)
+
+
 # -- differential privacy -------------------------------------------------------------------
+def test_the_accountant_sets_the_smallest_noise_that_fits_the_budget() -> None:
+    z = dp_noise_for(10.0, 1e-5, 80)
+    assert dp_epsilon(z, 80, 1e-5) <= 10.0 < dp_epsilon(z * 0.999, 80, 1e-5)
+    assert dp_noise_for(1000.0, 1e-5, 80) < z  # a looser budget, less noise
+    with pytest.raises(ConfigError, match="at least one release"):
+        dp_noise_for(10.0, 1e-5, 0)
+    cfg = with_overrides(
+        prism_config(prism_dp_calibrate=True, prism_dp_epsilon=10.0, prism_dp_noise=0.0),
+        {"run": {"rounds": 4}},
+    )
+    algo = build_algorithm(cfg)
+    assert isinstance(algo, Prism)
+    assert algo.dp_noise == dp_noise_for(10.0, 1e-5, 4) and algo.round_limit(4) == 4
+    state = {THETA + "w": torch.full((100,), 0.5), COUNT: torch.tensor(1.0),
+             STEP: torch.tensor(1.0)}  # fmt: skip
+    report = algo.round_report(3, state)
+    assert report["dp_noise"] == algo.dp_noise and report["dp_epsilon"] <= 10.0
+    assert math.isclose(report["dp_sigma"], algo.dp_noise * 0.8 * 10.0, rel_tol=1e-5)
+
+
 def test_privatized_probabilities_are_clipped_and_noised() -> None:
     theta = {"w": torch.full((1000,), 0.95)}
     gen = torch.Generator().manual_seed(0)

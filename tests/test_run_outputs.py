@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from estuary.demo import DEMO_CONFIG, phase_text
+from estuary.demo import DEMO_CONFIG, _device_uploads, phase_text
 from estuary.simulate import simulate
 from shared.config import config_from_dict
 from shared.evaluation.report import headline, read_metrics, report_figure
@@ -67,6 +67,18 @@ def test_demo_progress_says_what_is_happening() -> None:
     assert phase_text(cfg, cloud("aggregating", 2), 2) == "round 3: aggregating"
     assert phase_text(cfg, cloud("aggregating", 1), 1, evaluate=False) == "round 2: aggregating"
     assert phase_text(cfg, cloud("deploying", 4), 4).startswith("deploying: export to ONNX")
+
+
+def test_the_demo_summary_counts_each_devices_uploads_from_its_scrape() -> None:
+    cfg = config_from_dict(DEMO_CONFIG, source="demo")
+    sent = {'estuary_bytes_total{direction="sent",kind="device_update"}': 4000.0,
+            'estuary_messages_total{direction="sent",kind="device_update"}': 4.0,
+            'estuary_bytes_total{direction="sent",kind="device_report"}': 300.0,
+            'estuary_bytes_total{direction="received",kind="edge_model"}': 9000.0}  # fmt: skip
+    out = _device_uploads(cfg, {"dev000": sent, "cloud": sent})
+    assert out["dev000"] == {"upload_bytes": 4000.0, "uploads": 4.0, "sent_bytes": 4300.0}
+    assert list(out) == [f"dev{i:03d}" for i in range(6)]  # every device, scraped or not
+    assert out["dev005"] == {"upload_bytes": 0, "uploads": 0, "sent_bytes": 0}
 
 
 def test_rounds_are_counted_from_one_everywhere_a_person_reads_them(tmp_path: Path) -> None:

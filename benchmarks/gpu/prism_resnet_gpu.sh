@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # PRISM on the paper's ResNet generator (ngf = 64) on one GPU, in one command: the one-shot
 # and matching-network tests on the GPU (a gate for nothing, reported), then
-# configs/compare/compare_prism_resnet_gpu.toml (FedAvg on the weights, PRISM, PRISM-dagger,
-# three processes sharing the GPU) for the time that is left. A comparison stopped by the
+# configs/compare/compare_prism_resnet_gpu.toml (FedAvg on the weights at two learning rates,
+# matched to PRISM's optimizer; PRISM; PRISM-dagger; four processes sharing the GPU) for the
+# time that is left. A comparison stopped by the
 # budget keeps every method's metrics.jsonl (quality every 5 rounds): compare the methods at
-# equal rounds with `python benchmarks/gpu/prism_resnet_report.py DIR`.
+# equal rounds with `python benchmarks/gpu/prism_resnet_report.py DIR`, which also picks FedAvg's
+# learning rate on its training loss over the first rounds.
 #
 #   OUT=/path/to/results bash benchmarks/gpu/prism_resnet_gpu.sh     # on the GPU machine
 #
@@ -44,7 +46,7 @@ for label in "${labels[@]}"; do only+=(--only "$label"); done
 left=$((BUDGET_S - (SECONDS - start) - 15))
 echo "[prism_resnet_gpu] ${left}s left for the comparison"
 timeout --signal=INT --kill-after=10 "$left" python3 -m estuary compare \
-  configs/compare/compare_prism_resnet_gpu.toml --jobs 3 "${only[@]}" --out "$run" 2>&1 | tee "$OUT/compare.log"
+  configs/compare/compare_prism_resnet_gpu.toml --jobs 4 "${only[@]}" --out "$run" 2>&1 | tee "$OUT/compare.log"
 python3 benchmarks/gpu/prism_resnet_report.py "$run" 2>&1 | tee "$OUT/report.md"
 tar czf "$OUT/prism_resnet_gpu.tar.gz" --exclude='*.safetensors' --exclude='prism.key' "$run"
 echo "[prism_resnet_gpu] done in $((SECONDS - start))s"

@@ -10,6 +10,10 @@ Usage::
 Prints a markdown table (FID at every round all methods evaluated, cumulative device upload
 bytes, mean seconds per round, MADA's lambda) and writes ``equal_rounds.png`` into the
 directory: FID against rounds and against cumulative device uploads.
+
+When several FedAvg rows ran (labels starting with "FedAvg": one per learning rate), it says
+which one the comparison keeps: the lowest mean training loss over the first
+:data:`SELECT_ROUNDS` rounds (the feature-matching loss every device reports), never FID.
 """
 
 from __future__ import annotations
@@ -29,6 +33,28 @@ def read_method(path: Path) -> tuple[str, list[dict[str, Any]]]:
         label = json.loads(method.read_text()).get("label", label)
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
     return label, [r for r in rows if "round" in r]
+
+
+#: the rounds whose training loss chooses FedAvg's learning rate
+SELECT_ROUNDS = 5
+
+
+def choose_fedavg(methods: list[tuple[str, list[dict[str, Any]]]]) -> str | None:
+    """The FedAvg row with the lowest mean training loss over its first
+    :data:`SELECT_ROUNDS` rounds (None: no FedAvg row has that many); printed with each
+    candidate's figure."""
+    losses = {}
+    for label, rows in methods:
+        first = [r["train_loss"] for r in rows[:SELECT_ROUNDS] if r.get("train_loss") is not None]
+        if label.startswith("FedAvg") and len(first) == SELECT_ROUNDS:
+            losses[label] = statistics.fmean(first)
+    if not losses:
+        return None
+    chosen = min(losses, key=losses.__getitem__)
+    shown = ", ".join(f"{k} {v:.1f}" for k, v in sorted(losses.items()))
+    print(f"FedAvg's learning rate, on the mean training loss of rounds 1-{SELECT_ROUNDS} "
+          f"({shown}): {chosen}\n")  # fmt: skip
+    return chosen
 
 
 def main(argv: list[str]) -> int:
@@ -51,6 +77,7 @@ def main(argv: list[str]) -> int:
             up[label][r["round"]] = total
     common = sorted(set.intersection(*(set(f) for f in fid.values())))
     print(f"# {root.name}: quality at equal rounds\n")
+    choose_fedavg(methods)
     head = ["method", "rounds done", "s/round (median)", "last MADA lambda"]
     head += [f"FID r{r}" for r in common] + ["device uploads MiB at last"]
     print("| " + " | ".join(head) + " |")

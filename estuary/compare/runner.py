@@ -4,6 +4,7 @@ and the plots."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Sequence
@@ -46,9 +47,11 @@ from shared.evaluation.evaluator import Evaluator, check_evaluable
 from shared.evaluation.recorder import prepare_run_dir
 from shared.evaluation.report import plot_report
 from shared.families import family_of
+from shared.methods.api import Centralized
 from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import save_checkpoint
 from shared.models.init import initial_model
+from shared.models.oneshot import FeatureMatch, is_oneshot, latent_dim, recalibrate_bn
 from shared.models.plan import ChannelPlan, build_model
 from shared.models.presets import check_trainable
 from shared.runtime.cpu import set_torch_threads
@@ -97,7 +100,19 @@ def run_centralized(
     gen = torch.Generator().manual_seed(_centralized_seed(cfg))
     every = cfg.eval.every
     evaluator = Evaluator(cfg, device) if evaluate and every else None
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
+    own = make_algorithm(cfg).central
+    central = (
+        own.centralized(model, _centralized_seed(cfg)) if own is not None else _weights(model, cfg)
+    )
+    if ema > 0 and central.net is not model:
+        raise ConfigError(f"{cfg.algorithm.name}'s centralized training does not train the "
+                          "model's weights, so it takes no 'ema'")  # fmt: skip
+    # a one-shot generator trains with the feature-matching loss on the pooled statistics
+    match = (
+        FeatureMatch.for_device({}, pooled, latent_dim(model), cfg.train.ama_lr, device)
+        if is_oneshot(model)
+        else None
+    )
     average = WeightAverage(model, ema) if ema > 0 else None
     rows: list[dict[str, Any]] = []
     pending = 0
@@ -107,23 +122,25 @@ def run_centralized(
         if not (last or (every and (r + 1) % every == 0)):
             continue
         result = train_local(
-            model, pooled, cfg.train, scheduler, gen, steps=pending, device=device,
-            optimizer=opt, after_step=average.update if average is not None else None,
+            central.net, pooled, central.train, scheduler, gen, steps=pending, device=device,
+            optimizer=central.optimizer, loss_fn=match,
+            after_step=average.update if average is not None else None,
         )  # fmt: skip
         row: dict[str, Any] = {"round": r + 1, "train_loss": result.mean_loss, "steps": pending}
         pending = 0
         if evaluator is not None:
             row["quality"] = evaluator.evaluate(
-                average.averaged() if average is not None else model.eval()
+                average.averaged() if average is not None else _evaluated(central.model(r), cfg)
             )
         rows.append(row)
         if progress:
             fid = row.get("quality", {}).get("fid")
             shown = f", FID {fid:.2f}" if fid is not None else ""
             print(f"  centralized round {r + 1}/{len(steps)}: loss {result.mean_loss:.4f}{shown}")
-    trained = average.averaged() if average is not None else model
-    save_checkpoint(run_dir / "checkpoints", len(steps) - 1, trained.state_dict(), cfg,
-                    plan=plan, init=init)  # fmt: skip
+    final = len(steps) - 1
+    trained = average.averaged().state_dict() if average is not None else central.state(final)
+    save_checkpoint(run_dir / "checkpoints", final, trained, cfg, plan=plan,
+                    init=init)  # fmt: skip
     _write_rows(rows, run_dir, cfg)
     return rows, steps, plan, None
 
@@ -142,6 +159,25 @@ def _first_model(cfg: RunConfig) -> tuple[nn.Module, ChannelPlan | None]:
     pruned = build_model(cfg.model.preset, plan, seed=cfg.run.seed)
     pruned.load_state_dict(method.format.materialize(state))
     return pruned, plan
+
+
+def _weights(model: nn.Module, cfg: RunConfig) -> Centralized:
+    """Centralized training of ``model``'s weights with the configured optimizer (every
+    method without a :class:`~shared.methods.api.CentralTraining` of its own)."""
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
+
+    def state(_round: int) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    return Centralized(model, opt, cfg.train, lambda _round: model, state)
+
+
+def _evaluated(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """``model`` as evaluation sees it, in eval mode: a one-shot generator as a copy whose
+    batch norms have statistics from latents alone (as every role evaluates one)."""
+    if is_oneshot(model):
+        return recalibrate_bn(copy.deepcopy(model), cfg.run.seed)
+    return model.eval()
 
 
 def _centralized_seed(cfg: RunConfig) -> int:
@@ -272,7 +308,9 @@ def run_compare(
     # share it; jobs inherit the environment), once per kind
     prepared: set[type] = set()
     for m in spec.methods:
-        preparation = None if m.centralized else make_algorithm(m.cfg).preparation
+        method = make_algorithm(m.cfg)
+        # a ceiling trains the model's weights unless its method trains something of its own
+        preparation = None if m.centralized and method.central is None else method.preparation
         if preparation is not None and type(preparation) not in prepared:
             prepared.add(type(preparation))
             preparation.prepare(out, show=progress)

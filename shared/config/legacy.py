@@ -46,6 +46,7 @@ _PREFIXED = {
     "prism": (
         "estimator", "lr", "beta1", "beta2", "local_iters", "mask_eps", "mada", "mada_space",
         "mada_distance", "alpha", "weighting", "dp_noise", "dp_epsilon", "dp_delta", "dp_clip",
+        "mada_fixed_lambda", "dp_calibrate", "init",
     ),
     "pfedgpa": (
         "store_rounds", "dm_every", "mode", "layers", "ae_size", "denoiser", "denoiser_width",
@@ -81,6 +82,7 @@ WHOLE_CHAIN_KEY = ("pfedgpa", "invert_from")
 #: digests were first recorded)
 LATER_KEYS = (
     ("train", "ama_lr"),
+    ("train", "adam_betas"),
     ("train", "precision"),
     ("train", "cuda_graph"),
     ("train", "cuda_graph_reuse"),
@@ -169,6 +171,7 @@ def legacy_digest(cfg: RunConfig, data: dict[str, Any]) -> str:
         data[section] = {k: v for k, v in data[section].items() if k != key}
     data["algorithm"] = algorithm
     for section, key in LATER_KEYS:
-        if data[section][key] == _default(cfg, section, key):
+        # compared as JSON, as ``data`` holds it (a tuple default is a list there)
+        if data[section][key] == json.loads(json.dumps(_default(cfg, section, key))):
             data[section] = {k: v for k, v in data[section].items() if k != key}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

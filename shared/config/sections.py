@@ -304,6 +304,11 @@ class TrainSection(Section):
     momentum: float = Field(
         0.9, ge=0.0, lt=1.0, description="SGD momentum (sgd only); SCAFFOLD as defined needs 0"
     )
+    adam_betas: tuple[float, float] = Field(
+        (0.9, 0.999),
+        description="(beta1, beta2) of adam and adamw; PRISM's score optimizer and a FedAvg "
+        "matched to it use (0.5, 0.999)",
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
     optimizer_state: Literal["reset", "keep"] = Field(
         "reset",
@@ -353,6 +358,8 @@ class TrainSection(Section):
     def _check(self) -> TrainSection:
         if self.local_epochs == 0 and self.local_steps == 0:
             raise ValueError("set local_epochs >= 1 or local_steps >= 1")
+        if not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
         return self
 
 

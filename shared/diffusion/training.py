@@ -59,9 +59,10 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainSection) -> torch.optim
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
+    betas = cfg.adam_betas
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
 
 
 def train_classifier(

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from shared.diffusion.training import TrainResult
 from shared.models.plan import ChannelPlan
 from shared.settings import AlgorithmConfig, Traffic
 from shared.wire.codec import TensorSpec
+
+if TYPE_CHECKING:
+    from shared.config import TrainSection
 
 TensorDict = dict[str, torch.Tensor]
 
@@ -270,6 +273,27 @@ class Preparation(Protocol):
         """Provide it under ``run_dir`` where it is not configured; ``show``: say where."""
 
 
+@dataclass
+class Centralized:
+    """What a centralized ceiling trains: the module the optimizer steps, that optimizer, the
+    training settings, the model it stands for after round ``r`` (what is evaluated) and the
+    state a checkpoint of round ``r`` holds (what the method's federated runs save)."""
+
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    train: TrainSection
+    model: Callable[[int], nn.Module]
+    state: Callable[[int], TensorDict]
+
+
+class CentralTraining(Protocol):
+    """What the method's centralized ceiling trains where it is not the model's weights
+    (PRISM: the scores over frozen weights)."""
+
+    def centralized(self, model: nn.Module, seed: int) -> Centralized:
+        """Training of the initial ``model`` on pooled data; ``seed`` seeds its own draws."""
+
+
 class Method(Protocol):
     """A federated method as the roles see it (module docstring)."""
 
@@ -282,6 +306,7 @@ class Method(Protocol):
     finalizer: Finalizer | None
     state_view: StateView | None
     preparation: Preparation | None
+    central: CentralTraining | None
 
     @property
     def format(self) -> StateFormat: ...

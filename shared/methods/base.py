@@ -5,8 +5,8 @@ for every part a method leaves alone, and the device's local training.
 A subclass lives in its method's package (``shared/methods/<name>/``) and is named in the
 registry (:mod:`shared.methods.registry`). It is its own :attr:`Algorithm.format`,
 :attr:`Algorithm.device` and :attr:`Algorithm.aggregation`; it sets a capability
-(``personalization``, ``finalizer``, ``state_view``, ``preparation``) to the object that
-provides it (itself, or a helper of its package) where it has one.
+(``personalization``, ``finalizer``, ``state_view``, ``preparation``, ``central``) to the
+object that provides it (itself, or a helper of its package) where it has one.
 
 A device loads the state into its module with :meth:`Algorithm.device_load` and keeps
 anything that must survive between rounds (local model parts, control variates, the previous
@@ -40,6 +40,7 @@ from shared.methods.aggregation import HeldFold, MeanFold, TensorDict, fold_all
 from shared.methods.api import (
     Accuracy,
     Aggregation,
+    CentralTraining,
     DeviceContext,
     DeviceStep,
     Finalizer,
@@ -147,6 +148,7 @@ class Algorithm(ABC):
     finalizer: Finalizer | None = None
     state_view: StateView | None = None
     preparation: Preparation | None = None
+    central: CentralTraining | None = None
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

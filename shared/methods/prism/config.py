@@ -27,6 +27,12 @@ class PrismConfig(AlgorithmConfig):
         description="gradient through the Bernoulli draw: scaled = theta times the mask's "
         "gradient (the authors' code), identity = plain straight-through",
     )
+    init: Literal["key", "demo"] = Field(
+        "key",
+        description="the first probabilities: key = sigmoid of N(0, 1) scores drawn from the "
+        "secret key; demo = the preset's shipped demo scores, trained under a public demo key "
+        "that the run then uses (its frozen weights are public: demonstrations only)",
+    )
     lr: float = Field(0.1, gt=0.0, le=10.0, description="Adam learning rate on scores")
     beta1: float = Field(0.5, ge=0.0, lt=1.0, description="Adam beta1 on scores")
     beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam beta2 on scores")
@@ -35,6 +41,11 @@ class PrismConfig(AlgorithmConfig):
         0.01, gt=0.0, lt=0.5, description="the cloud maps mean masks into [eps, 1 - eps]"
     )
     mada: bool = Field(True, description="MADA (eq. 2, Alg. 1); false = PRISM-dagger")
+    mada_fixed_lambda: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="with mada: mix with this constant lambda instead of MADA's distance (a "
+        "control that keeps the damping and drops the adaptivity); 0 = MADA's lambda",
+    )  # fmt: skip
     mada_space: Literal["score", "prob"] = Field(
         "score", description="mix scores (Alg. 1, the authors' code) or probabilities (eq. 2)"
     )
@@ -54,6 +65,11 @@ class PrismConfig(AlgorithmConfig):
         description="Gaussian noise multiplier z on theta (sigma = z x the L2 sensitivity); "
         "0 = no differential privacy",
     )  # fmt: skip
+    dp_calibrate: bool = Field(
+        False,
+        description="differential privacy with the noise the accountant sets: the smallest "
+        "noise multiplier whose run.rounds releases fit dp_epsilon (dp_noise is then not read)",
+    )
     dp_epsilon: float = Field(
         10.0, gt=0.0, le=1e6, description="privacy budget: the run stops before exceeding it"
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import json
 import math
 import os
 import secrets
@@ -113,18 +114,27 @@ def load_key(environ: Mapping[str, str] | None = None) -> MaskKey:
 def generate_key_file(path: Path) -> MaskKey:
     """Write a fresh 256-bit key to ``path`` (hex, mode 0600, atomically); refuses to
     overwrite a file that exists."""
-    if path.exists():
-        raise ConfigError(f"{path} exists; a key file is never overwritten")
     key = MaskKey(secrets.token_bytes(32))
-    atomic_write(path, key.secret.hex().encode() + b"\n")
-    os.chmod(path, 0o600)
+    write_key_file(path, key)
     return key
 
 
-def provide_key_file(directory: Path, environ: dict[str, str] | None = None) -> Path | None:
+def write_key_file(path: Path, key: MaskKey) -> None:
+    """Write ``key`` to ``path`` (hex, mode 0600, atomically); refuses to overwrite a file
+    that exists."""
+    if path.exists():
+        raise ConfigError(f"{path} exists; a key file is never overwritten")
+    atomic_write(path, key.secret.hex().encode() + b"\n")
+    os.chmod(path, 0o600)
+
+
+def provide_key_file(
+    directory: Path, environ: dict[str, str] | None = None, *, key: MaskKey | None = None
+) -> Path | None:
     """Where neither ``ESTUARY_PRISM_KEY`` nor ``ESTUARY_PRISM_KEY_FILE`` is set, name the
     key file ``directory/prism.key`` in ``environ`` (``os.environ`` by default; processes
-    started afterwards inherit it), writing a fresh key there unless one exists: so a run
+    started afterwards inherit it), writing a fresh key there (or ``key``: the public
+    :data:`DEMO_KEY` of a run that starts from the demo scores) unless one exists: so a run
     directory keeps the key its run was trained with. Returns that path (None: a key was
     already configured)."""
     env: Any = os.environ if environ is None else environ
@@ -133,9 +143,74 @@ def provide_key_file(directory: Path, environ: dict[str, str] | None = None) -> 
     path = (directory / "prism.key").resolve()
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
-        generate_key_file(path)
+        if key is None:
+            generate_key_file(path)
+        else:
+            write_key_file(path, key)
     env[KEY_FILE_ENV] = str(path)
     return path
+
+
+# -- the demo's scores ----------------------------------------------------------------------------
+#: a public key, derived from a fixed label: the frozen weights of the shipped demo scores.
+#: Anyone can derive it, so a run under it keeps nothing secret: for demonstrations only.
+DEMO_KEY = MaskKey(hashlib.sha256(b"estuary/prism/public demo key").digest())
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+#: probabilities trained under :data:`DEMO_KEY` by ``scripts/pretrain_prism_scores.py`` and
+#: shipped in shared/assets (``algorithm.prism.init = "demo"``): preset -> (file, sha256).
+#: A retrained file needs its new hash here.
+DEMO_SCORES: dict[str, tuple[str, str]] = {
+    "resnetg-fmnist-16": (
+        "prism_resnetg_fmnist_16_demo.safetensors",
+        "4cd14ce257602f134df72a5d14690dc17550d5c40c1b49755cd51942f8ee7d15",
+    ),
+}
+DEMO_HINT = "Retrain them with `python scripts/pretrain_prism_scores.py`"
+
+
+def load_demo_scores(preset: str, key: MaskKey, seed: int) -> dict[str, torch.Tensor]:
+    """The shipped demo probabilities of ``preset`` (``prism.theta/<weight>``, float32),
+    checked against their recorded sha256 and against what they were trained with: the
+    public :data:`DEMO_KEY` and run seed ``seed`` (the frozen weights derive from both).
+    ConfigError when any of that does not hold."""
+    from shared.wire.codec import decode_tensors, read_metadata, sha256_hex
+
+    if preset not in DEMO_SCORES:
+        raise ConfigError(
+            f"algorithm.prism.init = 'demo': no demo scores ship for preset {preset!r} "
+            f"(available: {sorted(DEMO_SCORES)}); use init = 'key'"
+        )
+    name, expected = DEMO_SCORES[preset]
+    path = ASSETS / name
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot read the demo scores {path}: {err.strerror}. {DEMO_HINT}."
+        ) from None
+    if sha256_hex(data) != expected:
+        raise ConfigError(
+            f"the demo scores {path} have sha256 {sha256_hex(data)[:16]}…, expected "
+            f"{expected[:16]}…; {DEMO_HINT} and update DEMO_SCORES in "
+            "shared/methods/prism/masking.py."
+        )
+    try:
+        info = json.loads(read_metadata(data).get("estuary", "{}"))
+    except json.JSONDecodeError:
+        info = {}
+    if key.fingerprint != DEMO_KEY.fingerprint:
+        raise ConfigError(
+            f"the demo scores belong to the public demo key (fingerprint "
+            f"{DEMO_KEY.fingerprint}), not to the configured key ({key.fingerprint}): unset "
+            f"{KEY_ENV} and {KEY_FILE_ENV} (a run then writes the demo key into its directory), "
+            "or train from the configured key's own scores (init = 'key')"
+        )
+    if info.get("seed") != seed:
+        raise ConfigError(
+            f"the demo scores were trained at run.seed = {info.get('seed')}, and the frozen "
+            f"weights depend on it: set run.seed = {info.get('seed')} (this run has {seed})"
+        )
+    return decode_tensors(data)
 
 
 # -- the state that stands for a masked model ---------------------------------------------------

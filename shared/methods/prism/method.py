@@ -1,5 +1,6 @@
 """PRISM (seed 002, Seo et al., ICLR 2025): federated stochastic masks over a frozen random
-generator, on the U-Net presets with the DDPM loss (paper App. K).
+generator: the paper's one-shot ResNet generator with its feature-matching loss, or the U-Net
+presets with the DDPM loss (paper App. K).
 
 Every role derives the same frozen weights ``W_init`` (Rademacher signs times
 ``sqrt(2 / fan_in)``) from a secret key (:mod:`shared.methods.prism.masking`). What the roles keep
@@ -24,9 +25,14 @@ their counts, maps into ``[eps, 1 - eps]`` and applies MADA: ``lambda`` is the d
 between two seeded Bernoulli samples of the previous and the new probabilities (Hamming:
 the fraction of differing bits; or one minus their cosine), and the new state is
 ``lambda * new + (1 - lambda) * previous`` in score space (Alg. 1, the default) or
-probability space (eq. 2). PRISM-dagger is MADA off.
+probability space (eq. 2). PRISM-dagger is MADA off; ``mada_fixed_lambda`` mixes with
+a constant instead (a control: MADA's damping without its adaptivity). Every aggregation
+records that distance (also with MADA off) and the local divergence of the paper's Fig. 6:
+the devices' mean expected Hamming distance between their mask and a mask of the state they
+started from, which is linear in the masks, so the cloud gets it exactly from their mean.
 
-Differential privacy (``dp_noise > 0``): each device clips ``theta`` to
+Differential privacy (``dp_noise > 0``, or ``dp_calibrate``: the smallest noise
+multiplier whose ``run.rounds`` releases fit ``dp_epsilon``): each device clips ``theta`` to
 ``[c, 1 - c]``, adds ``N(0, sigma^2)`` per weight with ``sigma = z * Delta`` and
 ``Delta = (1 - 2c) sqrt(D)`` (the L2 sensitivity of the clipped vector of ``D`` masked
 weights: any change of the device's data moves each coordinate by at most ``1 - 2c``),
@@ -55,6 +61,7 @@ from shared.config import RunConfig
 from shared.diffusion.schedule import ddpm_loss
 from shared.diffusion.training import TrainResult, placed, train_local
 from shared.errors import ConfigError
+from shared.methods.api import Centralized
 from shared.methods.base import (
     Algorithm,
     DeviceContext,
@@ -66,6 +73,7 @@ from shared.methods.base import (
 from shared.methods.prism.config import PrismConfig
 from shared.methods.prism.masking import (
     COUNT,
+    DEMO_KEY,
     STEP,
     THETA,
     MaskedModule,
@@ -75,6 +83,7 @@ from shared.methods.prism.masking import (
     frozen_weight,
     initial_scores,
     is_masked,
+    load_demo_scores,
     load_key,
     logit,
     masked_names,
@@ -131,6 +140,26 @@ def dp_rounds(noise: float, budget: float, delta: float, limit: int) -> int:
     return lo
 
 
+def dp_noise_for(budget: float, delta: float, releases: int) -> float:
+    """The smallest noise multiplier (to 4 significant digits, rounded up) whose
+    ``releases`` Gaussian mechanisms at sampling rate 1 spend at most ``budget``."""
+    if releases <= 0:
+        raise ConfigError("a privacy budget needs at least one release (run.rounds >= 1)")
+    lo, hi = 1e-6, 1e6  # epsilon falls as the noise grows
+    if dp_epsilon(hi, releases, delta) > budget:
+        raise ConfigError(f"no noise multiplier up to {hi:g} keeps {releases} releases within "
+                          f"epsilon = {budget:g} (delta = {delta:g})")  # fmt: skip
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        if dp_epsilon(mid, releases, delta) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    digits = 3 - math.floor(math.log10(hi))
+    z = math.ceil(hi * 10**digits) / 10**digits
+    return z if dp_epsilon(z, releases, delta) <= budget else hi
+
+
 def sensitivity(clip: float, weights: int) -> float:
     """L2 sensitivity of a probability vector of ``weights`` entries clipped to [c, 1 - c]."""
     return (1.0 - 2.0 * clip) * math.sqrt(weights)
@@ -160,18 +189,24 @@ def mask_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], 
 
 
 class KeyPreparation:
-    """PRISM's run preparation: the run's key."""
+    """PRISM's run preparation: the run's key, a fresh secret one, or the public
+    :data:`~shared.methods.prism.masking.DEMO_KEY` for a run that starts from the demo
+    scores (``demo``)."""
+
+    def __init__(self, *, demo: bool = False) -> None:
+        self.demo = demo
 
     def prepare(self, run_dir: Path, *, show: bool) -> None:
         """Give the run a key (``run_dir/prism.key``, kept for a resumed run) when none is
         configured, and say where it is (never what it is)."""
-        path = provide_key_file(run_dir)
+        path = provide_key_file(run_dir, key=DEMO_KEY if self.demo else None)
         if path is not None:
             fingerprint = load_key().fingerprint
             log.info("PRISM key: %s (fingerprint %s)", path, fingerprint)
             if show:
+                public = " (the public demo key: nothing it trains is secret)" if self.demo else ""
                 print(f"PRISM key: {path} (fingerprint {fingerprint}; keep it to resume or "
-                      "deploy)")  # fmt: skip
+                      f"deploy){public}")  # fmt: skip
 
 
 class Prism(Algorithm):
@@ -187,10 +222,18 @@ class Prism(Algorithm):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.state_view = self  # the state derives from the key (origin, model card)
-        self.preparation = KeyPreparation()
+        self.preparation = KeyPreparation(demo=self.settings.init == "demo")
+        self.central = self  # its ceiling trains scores, not weights
         self._key: MaskKey | None = None
         #: the cloud's last MADA lambda (None before the first aggregation, or MADA off)
         self.last_lambda: float | None = None
+        #: the distance MADA measures between the previous and the new probabilities at the
+        #: cloud's last aggregation (measured with MADA off too; None before the first)
+        self.last_distance: float | None = None
+        #: the local divergence of the paper's Fig. 6 at the cloud's last aggregation: the
+        #: devices' mean expected Hamming distance between their uploaded mask and a mask
+        #: of the state they started from (None before the first)
+        self.last_divergence: float | None = None
 
     # -- the key --------------------------------------------------------------------------
     @property
@@ -230,12 +273,21 @@ class Prism(Algorithm):
         return out
 
     def init_global(self, model: TensorDict) -> TensorDict:
+        """The first probabilities: the sigmoid of the key's N(0, 1) scores, or the shipped
+        demo scores (``init = "demo"``, checked against the key and the seed)."""
         spec = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.items()}
         seed = self.cfg.run.seed
-        out: TensorDict = {
-            THETA + n: torch.sigmoid(initial_scores(self.key, seed, n, spec[n].shape))
-            for n in masked_names(spec)
-        }
+        out: TensorDict
+        if self.settings.init == "demo":
+            theta = load_demo_scores(self.cfg.model.preset, self.key, seed)
+            want = {k: s for k, s in state_spec(spec).items() if k.startswith(THETA)}
+            check_spec({k: v for k, v in theta.items() if k in want}, want)
+            out = {k: theta[k].float().clamp(0.0, 1.0) for k in want}
+        else:
+            out = {
+                THETA + n: torch.sigmoid(initial_scores(self.key, seed, n, spec[n].shape))
+                for n in masked_names(spec)
+            }
         out[COUNT] = torch.zeros((), dtype=torch.float32)
         out[STEP] = torch.zeros((), dtype=torch.float32)
         return out
@@ -260,6 +312,39 @@ class Prism(Algorithm):
                 out[name] = frozen_constant(name, s)
         return out
 
+    def centralized(self, model: nn.Module, seed: int) -> Centralized:
+        """PRISM's ceiling on pooled data: the scores of every masked weight (from the key's
+        initial scores) trained continuously with the devices' Adam, no clipping and no
+        rounds to quantize them; the model after round ``r`` is the dense model of one
+        fixed mask drawn from the probabilities (:meth:`materialize` at step ``r + 1``), and
+        its checkpoint holds the probabilities, as a federated run's does."""
+        st = self.settings
+        spec = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        key, run_seed = self.key, self.cfg.run.seed
+        frozen = {n: frozen_weight(key, run_seed, n, spec[n].shape) for n in masked_names(spec)}
+        model.load_state_dict(
+            {n: frozen[n] if n in frozen else frozen_constant(n, s) for n, s in spec.items()}
+        )
+        scores = {n: initial_scores(key, run_seed, n, spec[n].shape) for n in frozen}
+        net = MaskedModule(model, frozen, scores, estimator=st.estimator, seed=seed)
+        opt = torch.optim.Adam(
+            list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2)
+        )
+
+        def state(round_: int) -> TensorDict:
+            out: TensorDict = {THETA + n: p for n, p in net.probabilities().items()}
+            out[COUNT] = torch.ones((), dtype=torch.float32)
+            out[STEP] = torch.tensor(float(round_ + 1), dtype=torch.float32)
+            return out
+
+        def dense(round_: int) -> nn.Module:
+            out = copy.deepcopy(model)
+            out.load_state_dict(self.materialize(state(round_)))
+            return out
+
+        train = self.cfg.train.model_copy(update={"grad_clip": 0.0})
+        return Centralized(net, opt, train, dense, state)
+
     def origin(self) -> str:
         return f"prism-key:{self.key.fingerprint}"
 
@@ -283,34 +368,57 @@ class Prism(Algorithm):
             "key_fingerprint": self.key.fingerprint,
         }
 
+    @functools.cached_property
+    def dp_noise(self) -> float:
+        """The noise multiplier z of the devices' releases: ``dp_noise``, or with
+        ``dp_calibrate`` the smallest that lets every round fit the budget; 0 = no
+        differential privacy."""
+        st = self.settings
+        if not st.dp_calibrate:
+            return st.dp_noise
+        z = dp_noise_for(st.dp_epsilon, st.dp_delta, self.cfg.run.rounds)
+        log.info("privacy: noise multiplier %g lets %d releases fit epsilon = %g (delta = %g)",
+                 z, self.cfg.run.rounds, st.dp_epsilon, st.dp_delta)  # fmt: skip
+        return z
+
     def mask_density(self, state: TensorDict) -> float:
         """Mean probability over every masked weight (the expected kept fraction)."""
         thetas = [v for k, v in state.items() if k.startswith(THETA)]
         return float(sum(float(t.sum()) for t in thetas) / sum(t.numel() for t in thetas))
 
     def round_report(self, round_: int, state: TensorDict) -> dict[str, float]:
-        """Mask density, MADA's last lambda and, with privacy on, the epsilon a device that
-        uploaded in every round so far has spent (devices release every round, also between
-        cloud aggregations)."""
+        """Mask density (the mean probability), MADA's last lambda (``mada_lambda``; fixed
+        by ``mada_fixed_lambda``), the distance MADA measured (``mask_distance``, also
+        with MADA off), the local divergence of the paper's Fig. 6 (``local_divergence``)
+        and, with privacy on, the epsilon a device that uploaded in every round so far has
+        spent (devices release every round, also between cloud aggregations)."""
         out = {"density": round(self.mask_density(state), 6)}
         if self.last_lambda is not None:
             out["mada_lambda"] = round(self.last_lambda, 6)
+        if self.last_distance is not None:
+            out["mask_distance"] = round(self.last_distance, 6)
+        if self.last_divergence is not None:
+            out["local_divergence"] = round(self.last_divergence, 6)
         st = self.settings
-        if st.dp_noise > 0:
-            spent = dp_epsilon(st.dp_noise, round_ + 1, st.dp_delta)
+        if self.dp_noise > 0:
+            spent = dp_epsilon(self.dp_noise, round_ + 1, st.dp_delta)
             out["dp_epsilon"] = round(spent, 6)
+            out["dp_noise"] = self.dp_noise
+            weights = sum(v.numel() for k, v in state.items() if k.startswith(THETA))
+            out["dp_sigma"] = round(self.dp_noise * sensitivity(st.dp_clip, weights), 6)
         return out
 
     def round_limit(self, rounds: int) -> int:
         st = self.settings
-        if st.dp_noise <= 0:
+        noise = self.dp_noise
+        if noise <= 0:
             return rounds
-        allowed = dp_rounds(st.dp_noise, st.dp_epsilon, st.dp_delta, rounds)
+        allowed = dp_rounds(noise, st.dp_epsilon, st.dp_delta, rounds)
         if allowed == 0:
-            one = dp_epsilon(st.dp_noise, 1, st.dp_delta)
+            one = dp_epsilon(noise, 1, st.dp_delta)
             raise ConfigError(
                 f"the privacy budget epsilon = {st.dp_epsilon:g} does not cover one "
-                f"round: one release at noise multiplier {st.dp_noise:g} costs "
+                f"round: one release at noise multiplier {noise:g} costs "
                 f"epsilon = {one:.4g} (delta = {st.dp_delta:g}); raise "
                 "algorithm.prism.dp_noise or algorithm.prism.dp_epsilon"
             )
@@ -318,7 +426,7 @@ class Prism(Algorithm):
             log.warning(
                 "the privacy budget epsilon = %g (delta = %g, noise multiplier %g) allows %d "
                 "of the %d rounds; the run stops there",
-                st.dp_epsilon, st.dp_delta, st.dp_noise, allowed, rounds,
+                st.dp_epsilon, st.dp_delta, noise, allowed, rounds,
             )  # fmt: skip
         return allowed
 
@@ -370,13 +478,13 @@ class Prism(Algorithm):
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool
     ) -> LocalResult:
         st = self.settings
-        dp = st.dp_noise > 0
+        noise = self.dp_noise
+        dp = noise > 0
         released = int(ctx.state.get(RELEASES, 0))
         if (
             dp
             and upload
-            and dp_epsilon(st.dp_noise, released + 1, st.dp_delta)
-            > (st.dp_epsilon)
+            and dp_epsilon(noise, released + 1, st.dp_delta) > (st.dp_epsilon)
         ):
             log.warning(
                 "%s: one more release would exceed the privacy budget epsilon = %g: "
@@ -418,7 +526,7 @@ class Prism(Algorithm):
             return LocalResult(None, result)
         probs = net.probabilities()
         if dp:
-            probs = privatize(probs, noise=st.dp_noise, clip=st.dp_clip,
+            probs = privatize(probs, noise=noise, clip=st.dp_clip,
                               generator=ctx.generator)  # fmt: skip
             ctx.state[RELEASES] = released + 1
         sent_as_probs = self._prob_layers()
@@ -469,16 +577,25 @@ class Prism(Algorithm):
         total = sum(counts)
         eps = st.mask_eps
         agg = {}
+        differ, weights = 0.0, 0
         for key in current:
             if key.startswith(THETA):
                 mean = torch.zeros(current[key].shape, dtype=torch.float64)
                 for c, u in zip(counts, updates, strict=True):
                     mean += c * u.tensors[key].double().clamp(0.0, 1.0)
-                agg[key] = (eps + (1.0 - 2.0 * eps) * mean / total).float()
+                mean /= total
+                # the devices' mean expected Hamming distance to a mask of what they received
+                # is linear in their masks, so their mean mask gives it exactly
+                theta = current[key].double()
+                differ += float((theta + mean - 2.0 * theta * mean).sum())
+                weights += mean.numel()
+                agg[key] = (eps + (1.0 - 2.0 * eps) * mean).float()
+        self.last_divergence = differ / weights if weights else None
         step = int(current[STEP])
         out: TensorDict = {}
-        if st.mada:
-            lam = self._mada_lambda(current, agg, step)
+        self.last_distance = self._mada_lambda(current, agg, step) if agg else None
+        if st.mada and self.last_distance is not None:
+            lam = st.mada_fixed_lambda or self.last_distance
             self.last_lambda = lam
             for key, new in agg.items():
                 old = current[key].float()
