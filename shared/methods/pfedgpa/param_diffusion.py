@@ -38,23 +38,44 @@ from torch.nn import functional as F
 
 from shared.atomic import atomic_write
 from shared.errors import CodecError
+from shared.methods.pfedgpa.param_nets import (
+    AE_SIZES,
+    Autoencoder,
+    Denoiser,
+    LatentDenoiser,
+    LinearParamAutoencoder,
+    MLPDenoiser,
+    ParamAutoencoder,
+    conv_latent_shape,
+)
 from shared.wire.codec import decode_tensors, encode_tensors, read_metadata
 
 __all__ = [
-    "Autoencoder", "Denoiser", "Inversion", "LatentDenoiser", "LinearParamAutoencoder",
-    "MLPDenoiser", "ParamAutoencoder", "ParamDM", "ParamDMConfig", "ParamNormalizer",
-    "betas_linear", "conv_latent_shape", "flatten_params", "forward_chain", "generate", "guide",
-    "invert", "kept_signal", "posterior_sigma", "reconstruct", "train_param_dm",
+    "Autoencoder",
+    "Denoiser",
+    "Inversion",
+    "LatentDenoiser",
+    "LinearParamAutoencoder",
+    "MLPDenoiser",
+    "ParamAutoencoder",
+    "ParamDM",
+    "ParamDMConfig",
+    "ParamNormalizer",
+    "betas_linear",
+    "conv_latent_shape",
+    "flatten_params",
+    "forward_chain",
+    "generate",
+    "guide",
+    "invert",
+    "kept_signal",
+    "posterior_sigma",
+    "reconstruct",
+    "train_param_dm",
     "unflatten_params",
 ]
 
 FORMAT = "estuary-param-dm-v1"
-#: p-diff sizes: (fold rate f = kernel k, encoder channels, decoder channels)
-AE_SIZES: dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]] = {
-    "tiny": (3, (2, 2, 2, 2), (2, 32, 32, 8)),  # small with its decoder halved (a CPU size)
-    "small": (3, (2, 2, 2, 2), (2, 64, 64, 8)),
-    "medium": (5, (4, 4, 4, 4), (4, 256, 256, 8)),
-}
 Progress = Callable[[str, int, int, float], None]
 
 
@@ -77,16 +98,20 @@ class ParamDMConfig:
 
     def __post_init__(self) -> None:
         if self.ae_size not in (*AE_SIZES, "linear"):
-            raise ValueError(f"ae_size must be one of {[*sorted(AE_SIZES), 'linear']}, got "
-                             f"{self.ae_size!r}")
+            raise ValueError(
+                f"ae_size must be one of {[*sorted(AE_SIZES), 'linear']}, got {self.ae_size!r}"
+            )
         if self.denoiser not in ("conv", "mlp"):
             raise ValueError(f"denoiser must be 'conv' or 'mlp', got {self.denoiser!r}")
         for name in ("denoiser_width", "ae_steps", "dm_steps", "batch_size", "timesteps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name, ok, rule in (("lr", self.lr > 0, "> 0"), ("ema", 0 < self.ema < 1, "in (0, 1)"),
-                               ("input_noise", 0 <= self.input_noise < 1, "in [0, 1)"),
-                               ("latent_noise", 0 <= self.latent_noise < 1, "in [0, 1)")):
+        for name, ok, rule in (
+            ("lr", self.lr > 0, "> 0"),
+            ("ema", 0 < self.ema < 1, "in (0, 1)"),
+            ("input_noise", 0 <= self.input_noise < 1, "in [0, 1)"),
+            ("latent_noise", 0 <= self.latent_noise < 1, "in [0, 1)"),
+        ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
@@ -128,183 +153,6 @@ class ParamNormalizer:
         return cls(state["mean"], state["std"])
 
 
-class ParamAutoencoder(nn.Module):
-    """p-diff's ``ODEncoder2Decoder``: a 1-D conv AE from [N, D] to a tanh latent [N, C, L]."""
-
-    def __init__(self, in_dim: int, size: Literal["tiny", "small", "medium"] = "small") -> None:
-        super().__init__()
-        if in_dim < 1:
-            raise ValueError(f"in_dim must be positive, got {in_dim}")
-        f, enc, dec = AE_SIZES[size]
-        self.in_dim = in_dim
-        self.real_dim = max(in_dim // f**4 + 1, 2) * f**4
-        self.latent_shape = (enc[-1], self.real_dim // f**4)
-        ch = [1, *enc]
-        self.encoder = nn.Sequential(*(
-            self._enc_block(ch[i], ch[i + 1], f, last=i == len(enc) - 1) for i in range(len(enc))
-        ))
-        ch = [*dec, 1]
-        self.decoder = nn.Sequential(*(
-            self._dec_block(ch[i], ch[i + 1], f) for i in range(len(dec))
-        ))
-
-    @staticmethod
-    def _enc_block(c_in: int, c_out: int, f: int, last: bool) -> nn.Sequential:
-        mid = c_out if c_in == 1 else c_in  # p-diff: block 1 lifts 1 -> c_out before folding
-        return nn.Sequential(
-            nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, mid, f, padding=f // 2), nn.LeakyReLU(),
-            nn.InstanceNorm1d(mid), nn.Conv1d(mid, c_out, f, stride=f),
-            nn.Tanh() if last else nn.LeakyReLU(),
-        )
-
-    @staticmethod
-    def _dec_block(c_in: int, c_out: int, f: int) -> nn.Sequential:
-        return nn.Sequential(
-            nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.ConvTranspose1d(c_in, c_in, f, stride=f),
-            nn.LeakyReLU(), nn.InstanceNorm1d(c_in), nn.Conv1d(c_in, c_out, f, padding=f // 2),
-        )
-
-    def encode(self, x: Tensor) -> Tensor:
-        """[N, D] -> [N, C, L] in [-1, 1] (zero-padded to ``real_dim`` first)."""
-        if x.ndim != 2 or x.shape[1] != self.in_dim:
-            raise ValueError(f"expected [N, {self.in_dim}], got {tuple(x.shape)}")
-        return self.encoder(F.pad(x, (0, self.real_dim - self.in_dim)).unsqueeze(1))
-
-    def decode(self, z: Tensor) -> Tensor:
-        """[N, C, L] -> [N, D] (the padding is cropped off)."""
-        return self.decoder(z)[:, 0, : self.in_dim]
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Clean reconstruction decode(encode(x))."""
-        return self.decode(self.encode(x))
-
-
-def conv_latent_shape(in_dim: int, size: Literal["tiny", "small", "medium"] = "small") -> tuple[
-    int, int
-]:
-    """The latent shape [C, L] of p-diff's autoencoder of ``size`` over ``in_dim`` values."""
-    f, enc, _ = AE_SIZES[size]
-    return enc[-1], max(in_dim // f**4 + 1, 2)
-
-
-class LinearParamAutoencoder(nn.Module):
-    """One linear map from the standardized vector to a tanh latent [N, C, L] and one back,
-    the latent as large as p-diff's ``small`` one (:func:`conv_latent_shape`).
-
-    p-diff's 1-D convolutions apply the same filters at every position of the flattened
-    vector, so they can only reproduce patterns that repeat along it; what tells devices apart
-    is a direction over all the parameters (on Fashion-MNIST's dominant groups, 20 principal
-    components of 400 stored uploads hold 94 % of their standardized variance). A linear map
-    learns those directions, at a seventh of the small convolutional autoencoder's cost.
-    """
-
-    def __init__(self, in_dim: int) -> None:
-        super().__init__()
-        if in_dim < 1:
-            raise ValueError(f"in_dim must be positive, got {in_dim}")
-        self.in_dim = in_dim
-        self.latent_shape = conv_latent_shape(in_dim)
-        width = self.latent_shape[0] * self.latent_shape[1]
-        self.encoder = nn.Linear(in_dim, width)
-        self.decoder = nn.Linear(width, in_dim)
-
-    def encode(self, x: Tensor) -> Tensor:
-        """[N, D] -> [N, C, L] in [-1, 1]."""
-        if x.ndim != 2 or x.shape[1] != self.in_dim:
-            raise ValueError(f"expected [N, {self.in_dim}], got {tuple(x.shape)}")
-        return torch.tanh(self.encoder(x)).reshape(x.shape[0], *self.latent_shape)
-
-    def decode(self, z: Tensor) -> Tensor:
-        """[N, C, L] -> [N, D]."""
-        return self.decoder(z.reshape(z.shape[0], -1))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Clean reconstruction decode(encode(x))."""
-        return self.decode(self.encode(x))
-
-
-#: either autoencoder
-Autoencoder = ParamAutoencoder | LinearParamAutoencoder
-
-
-class LatentDenoiser(nn.Module):
-    """eps_phi(z_t, t) after p-diff's ``AE_CNN_bottleneck``: the latent flattened to one
-    channel of length C*L, stride-1 conv blocks of width * (1, 2, 4) with InstanceNorm and
-    LeakyReLU, U-skips, and a learned time embedding added before every block, *per sample*.
-    """
-
-    def __init__(
-        self, latent_shape: tuple[int, int], width: int = 64, timesteps: int = 1000
-    ) -> None:
-        super().__init__()
-        self.latent_shape = latent_shape
-        w = (width, 2 * width, 4 * width)
-        self.time_embed = nn.Embedding(timesteps, latent_shape[0] * latent_shape[1])
-        block = self._block
-        self.enc = nn.ModuleList([block(1, w[0], False), block(w[0], w[1]), block(w[1], w[2])])
-        self.dec = nn.ModuleList([block(w[2], w[1]), block(w[1], w[0]), block(w[0], 1)])
-
-    @staticmethod
-    def _block(c_in: int, c_out: int, norm_input: bool = True) -> nn.Sequential:
-        head: list[nn.Module] = [nn.LeakyReLU(), nn.InstanceNorm1d(c_in)] if norm_input else []
-        return nn.Sequential(
-            *head, nn.Conv1d(c_in, c_out, 3, padding=1), nn.LeakyReLU(),
-            nn.InstanceNorm1d(c_out), nn.Conv1d(c_out, c_out, 3, padding=1),
-        )
-
-    def forward(self, z: Tensor, t: Tensor) -> Tensor:
-        """Predicted noise for ``z`` [N, C, L] at embedding indices ``t`` [N] (0..T-1)."""
-        if z.ndim != 3 or tuple(z.shape[1:]) != self.latent_shape or t.shape != (z.shape[0],):
-            raise ValueError(f"expected z [N, {self.latent_shape}] and t [N], got "
-                             f"{tuple(z.shape)} and {tuple(t.shape)}")
-        emb = self.time_embed(t)[:, None, :]  # [N, 1, C*L]: row j sees t[j] only
-        h = z.reshape(z.shape[0], 1, -1)
-        skips = []
-        for blk in self.enc:
-            h = blk(h + emb)
-            skips.append(h)
-        skips.pop()
-        for blk in self.dec:
-            h = blk(h + emb) + (skips.pop() if skips else 0)
-        return h.reshape(z.shape)
-
-
-class MLPDenoiser(nn.Module):
-    """eps_phi(z_t, t) as a residual MLP over the flattened latent (for the linear
-    autoencoder's latent, whose positions are not neighbours): a learned embedding of each
-    sample's own t added before every block, LayerNorm (per sample) and SiLU."""
-
-    def __init__(
-        self, latent_shape: tuple[int, int], width: int = 256, timesteps: int = 1000,
-        blocks: int = 3,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.latent_shape = latent_shape
-        dim = latent_shape[0] * latent_shape[1]
-        self.time_embed = nn.Embedding(timesteps, width)
-        self.inp = nn.Linear(dim, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.SiLU(), nn.Linear(width, width))
-            for _ in range(blocks)
-        )
-        self.out = nn.Sequential(nn.LayerNorm(width), nn.SiLU(), nn.Linear(width, dim))
-
-    def forward(self, z: Tensor, t: Tensor) -> Tensor:
-        """Predicted noise for ``z`` [N, C, L] at embedding indices ``t`` [N] (0..T-1)."""
-        if z.ndim != 3 or tuple(z.shape[1:]) != self.latent_shape or t.shape != (z.shape[0],):
-            raise ValueError(f"expected z [N, {self.latent_shape}] and t [N], got "
-                             f"{tuple(z.shape)} and {tuple(t.shape)}")
-        emb = self.time_embed(t)
-        h = self.inp(z.reshape(z.shape[0], -1))
-        for blk in self.blocks:
-            h = h + blk(h + emb)
-        return self.out(h).reshape(z.shape)
-
-
-#: either denoiser
-Denoiser = LatentDenoiser | MLPDenoiser
-
-
 @dataclass
 class ParamDM:
     """A trained parameter DM: what inversion, generation and guidance need, and its file."""
@@ -320,15 +168,23 @@ class ParamDM:
     def state_dict(self) -> dict[str, Tensor]:
         """Every tensor, prefixed ``normalizer.``, ``autoencoder.``, ``denoiser.``, ``betas``."""
         out = {"betas": self.betas}
-        for prefix, part in (("normalizer.", self.normalizer), ("autoencoder.", self.autoencoder),
-                             ("denoiser.", self.denoiser)):
+        for prefix, part in (
+            ("normalizer.", self.normalizer),
+            ("autoencoder.", self.autoencoder),
+            ("denoiser.", self.denoiser),
+        ):
             out.update({prefix + k: v for k, v in part.state_dict().items()})
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def meta(self) -> dict[str, Any]:
         """JSON-able description: format, the config used, tensor names and shapes."""
-        return {"format": FORMAT, "config": asdict(self.config), "names": list(self.names),
-                "shapes": [list(s) for s in self.shapes], "in_dim": self.autoencoder.in_dim}
+        return {
+            "format": FORMAT,
+            "config": asdict(self.config),
+            "names": list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "in_dim": self.autoencoder.in_dim,
+        }
 
     def save(self, path: Path) -> None:
         """Write one safetensors file atomically (a temp file in the same directory, then
@@ -347,9 +203,15 @@ class ParamDM:
             ae, den = _build_modules(int(meta["in_dim"]), cfg, seed=0)
             ae.load_state_dict(_sub(tensors, "autoencoder."))
             den.load_state_dict(_sub(tensors, "denoiser."))
-            dm = cls(cfg, list(meta["names"]), [tuple(s) for s in meta["shapes"]],
-                     ParamNormalizer.from_state_dict(_sub(tensors, "normalizer.")),
-                     ae.eval(), den.eval(), tensors["betas"])
+            dm = cls(
+                cfg,
+                list(meta["names"]),
+                [tuple(s) for s in meta["shapes"]],
+                ParamNormalizer.from_state_dict(_sub(tensors, "normalizer.")),
+                ae.eval(),
+                den.eval(),
+                tensors["betas"],
+            )
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CodecError(f"cannot load a parameter DM from {path}: {err}") from None
         if sum(math.prod(s) for s in dm.shapes) != ae.in_dim or dm.betas.shape != (cfg.timesteps,):
@@ -358,12 +220,10 @@ class ParamDM:
 
 
 def _sub(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _build_modules(
-    in_dim: int, cfg: ParamDMConfig, seed: int
-) -> tuple[Autoencoder, Denoiser]:
+def _build_modules(in_dim: int, cfg: ParamDMConfig, seed: int) -> tuple[Autoencoder, Denoiser]:
     # module init draws from the global RNG: scope it so that the caller's state is untouched
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -386,8 +246,13 @@ def _derive(generator: torch.Generator, device: torch.device) -> torch.Generator
 
 
 def _fit(
-    model: nn.Module, loss_fn: Callable[[], Tensor], steps: int, cfg: ParamDMConfig,
-    phase: str, progress: Progress | None, ema: nn.Module | None = None,
+    model: nn.Module,
+    loss_fn: Callable[[], Tensor],
+    steps: int,
+    cfg: ParamDMConfig,
+    phase: str,
+    progress: Progress | None,
+    ema: nn.Module | None = None,
 ) -> None:
     """``steps`` AdamW steps (p-diff's lr and wd 2e-6) on ``loss_fn``, optionally with EMA."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=2e-6)
@@ -406,8 +271,13 @@ def _fit(
 
 
 def train_param_dm(
-    vectors: Tensor, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
-    cfg: ParamDMConfig, generator: torch.Generator, *, device: torch.device | None = None,
+    vectors: Tensor,
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    cfg: ParamDMConfig,
+    generator: torch.Generator,
+    *,
+    device: torch.device | None = None,
     progress: Progress | None = None,
 ) -> ParamDM:
     """Fit the normalizer, train the AE (MSE, p-diff's noise augmentation), then the latent
@@ -457,8 +327,7 @@ def train_param_dm(
 
     ema = copy.deepcopy(den).requires_grad_(False)
     _fit(den, dm_loss, cfg.dm_steps, cfg, "dm", progress, ema=ema)
-    return ParamDM(cfg, list(names), [tuple(s) for s in shapes], normalizer, ae, ema.eval(),
-                   betas)
+    return ParamDM(cfg, list(names), [tuple(s) for s in shapes], normalizer, ae, ema.eval(), betas)
 
 
 def betas_linear(timesteps: int, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -518,8 +387,14 @@ def _prepare(
 
 
 def _step(
-    den: Denoiser, z: Tensor, t: int, t_prev: int, abar: Tensor, noise: Tensor,
-    clamp: bool, guidance: Tensor | None = None,
+    den: Denoiser,
+    z: Tensor,
+    t: int,
+    t_prev: int,
+    abar: Tensor,
+    noise: Tensor,
+    clamp: bool,
+    guidance: Tensor | None = None,
 ) -> Tensor:
     """One reverse step from t to t_prev < t: eqs. 6/16 (strided: DDPM respacing, with
     alpha = abar_t / abar_{t_prev}). ``noise`` is what sigma multiplies (random when
@@ -557,8 +432,13 @@ def kept_signal(betas: Tensor, t0: int) -> float:
 
 @torch.no_grad()
 def invert(
-    dm: ParamDM, theta: Tensor, generator: torch.Generator, *, t0: int | None = None,
-    noise: Inversion = "chain", device: torch.device | None = None,
+    dm: ParamDM,
+    theta: Tensor,
+    generator: torch.Generator,
+    *,
+    t0: int | None = None,
+    noise: Inversion = "chain",
+    device: torch.device | None = None,
 ) -> Tensor:
     """Parameter inversion in latent space, batched over the rows of ``theta``.
 
@@ -636,8 +516,15 @@ def generate(
 
 @torch.no_grad()
 def guide(
-    dm: ParamDM, theta_prev: Tensor, theta_now: Tensor, generator: torch.Generator, *,
-    omega: float, steps: int, start_t: int, device: torch.device | None = None,
+    dm: ParamDM,
+    theta_prev: Tensor,
+    theta_now: Tensor,
+    generator: torch.Generator,
+    *,
+    omega: float,
+    steps: int,
+    start_t: int,
+    device: torch.device | None = None,
 ) -> Tensor:
     """Global guidance for a new client (eq. 10; Alg. 1 lines 9-13) in our reading.
 
@@ -649,18 +536,21 @@ def guide(
     evenly down to 0 give the guided parameters [D].
     """
     if theta_prev.shape != theta_now.shape or theta_now.ndim != 1:
-        raise ValueError(f"expected two [D] vectors, got {tuple(theta_prev.shape)} and "
-                         f"{tuple(theta_now.shape)}")
+        raise ValueError(
+            f"expected two [D] vectors, got {tuple(theta_prev.shape)} and {tuple(theta_now.shape)}"
+        )
     if not 1 <= steps <= start_t <= dm.betas.shape[0]:
-        raise ValueError(f"need 1 <= steps ({steps}) <= start_t ({start_t}) <= T "
-                         f"({dm.betas.shape[0]})")
+        raise ValueError(
+            f"need 1 <= steps ({steps}) <= start_t ({start_t}) <= T ({dm.betas.shape[0]})"
+        )
     ae, den, dev, abar = _prepare(dm, device)
     gen = _derive(generator, dev)
     pair = dm.normalizer.normalize(torch.stack([theta_prev, theta_now]).float().to(dev))
     z_prev, z_now = ae.encode(pair).split(1)
     a = float(abar[start_t])
-    z = math.sqrt(a) * z_now + math.sqrt(1 - a) * torch.randn(z_now.shape, generator=gen,
-                                                              device=dev)
+    z = math.sqrt(a) * z_now + math.sqrt(1 - a) * torch.randn(
+        z_now.shape, generator=gen, device=dev
+    )
     ts = torch.linspace(start_t, 0, steps + 1, dtype=torch.float64).round().long().tolist()
     for t, t_prev in itertools.pairwise(ts):
         shift = (1 + omega) * math.sqrt(1 - float(abar[t])) * (z_prev - z_now)
@@ -683,7 +573,9 @@ def unflatten_params(
     """Inverse of :func:`flatten_params`: split ``vec`` into tensors of ``shapes``."""
     sizes = [math.prod(s) for s in shapes]
     if len(names) != len(shapes) or vec.ndim != 1 or vec.numel() != sum(sizes):
-        raise ValueError(f"a vector of {vec.numel()} values does not split into {len(names)} "
-                         f"tensors of {sum(sizes)} values")
+        raise ValueError(
+            f"a vector of {vec.numel()} values does not split into {len(names)} "
+            f"tensors of {sum(sizes)} values"
+        )
     parts = vec.split(sizes)
     return {n: p.reshape(s).clone() for n, p, s in zip(names, parts, shapes, strict=True)}
