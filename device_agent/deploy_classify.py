@@ -14,16 +14,13 @@ from typing import Any
 import numpy as np
 
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE
-from device_agent.served import Admitted, Fetched, Served
+from device_agent.served import Admitted, DeploymentTask, Fetched, Served
 from shared.atomic import atomic_write
-from shared.config import DeploySection
 from shared.deploy.onnx_classifier import (
     CARD_FILE,
-    ClassifyResult,
     OnnxClassifier,
     read_image_folder,
 )
-from shared.deploy.onnx_sampler import SampleStats
 from shared.deploy.signing import (
     write_signed,
 )
@@ -107,21 +104,8 @@ def local_images(service: RoleService) -> LocalImages | None:
     return LocalImages(found.images, found.labels, IMAGE_FOLDER)
 
 
-class ClassifyTask:
+class ClassifyTask(DeploymentTask):
     """A deployment receiver's handling of classifiers."""
-
-    service: RoleService
-    cfg: DeploySection
-    out_dir: Path
-    served: Served | None
-
-    def _report(
-        self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
-        stats: SampleStats | None = None, grid: str = "",
-        classified: ClassifyResult | None = None, accuracy: float | None = None,
-    ) -> None:  # fmt: skip
-        """Report ``event`` on the device's deployment topic (the receiver's)."""
-        raise NotImplementedError
 
     def _install_classifier(self, item: Admitted, fetched: Fetched) -> Served:
         """A ``"classify"`` deployment: its card must be a classifier's naming the signed

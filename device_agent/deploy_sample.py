@@ -13,13 +13,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from device_agent.sampling import OWN_MODEL_FILE, OWN_RECORD_FILE, save_grid
-from device_agent.served import Admitted, Fetched, Served
+from device_agent.served import Admitted, DeploymentTask, Fetched, Served
 from shared import seeds
 from shared.atomic import atomic_write
-from shared.config import DeploySection
-from shared.deploy.onnx_classifier import (
-    ClassifyResult,
-)
 from shared.deploy.onnx_sampler import OnnxGenerator, SampleStats
 from shared.deploy.signing import (
     write_signed,
@@ -27,7 +23,6 @@ from shared.deploy.signing import (
 from shared.errors import (
     EstuaryError,
 )
-from shared.runtime.service import RoleService
 from shared.wire.messages import (
     SampleRequest,
 )
@@ -64,24 +59,12 @@ class Personalize(Protocol):
         :class:`PersonalizeError` when it cannot be built or fails parity."""
 
 
-class SampleTask:
+class SampleTask(DeploymentTask):
     """A deployment receiver's handling of generators."""
 
     personalize: Personalize | None
     grids: list[Path]
     last_stats: SampleStats | None
-    service: RoleService
-    cfg: DeploySection
-    out_dir: Path
-    served: Served | None
-
-    def _report(
-        self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
-        stats: SampleStats | None = None, grid: str = "",
-        classified: ClassifyResult | None = None, accuracy: float | None = None,
-    ) -> None:  # fmt: skip
-        """Report ``event`` on the device's deployment topic (the receiver's)."""
-        raise NotImplementedError
 
     def _install_generator(self, item: Admitted, fetched: Fetched) -> Served:
         """A ``"generate"`` deployment: load the model into ONNX Runtime, build the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.deploy.onnx_classifier import (
     OnnxClassifier,
@@ -19,7 +19,14 @@ from shared.wire.messages import (
     Deployment,
 )
 
+if TYPE_CHECKING:
+    from shared.config import DeploySection
+    from shared.deploy.onnx_classifier import ClassifyResult
+    from shared.deploy.onnx_sampler import SampleStats
+    from shared.runtime.service import RoleService
+
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Served:
@@ -67,3 +74,22 @@ class Fetched:
 
     model: bytes
     shared: bytes | None
+
+
+class DeploymentTask:
+    """What the receiver's task handlers (generate: :class:`~device_agent.deploy_sample.
+    SampleTask`, classify: :class:`~device_agent.deploy_classify.ClassifyTask`) read of the
+    receiver they are mixed into."""
+
+    service: RoleService
+    cfg: DeploySection
+    out_dir: Path
+    served: Served | None
+
+    def _report(
+        self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
+        stats: SampleStats | None = None, grid: str = "",
+        classified: ClassifyResult | None = None, accuracy: float | None = None,
+    ) -> None:  # fmt: skip
+        """Report ``event`` on the device's deployment topic (the receiver's)."""
+        raise NotImplementedError
