@@ -107,7 +107,9 @@ def test_a_rerun_on_a_broker_holding_a_finished_run_trains_to_the_same_model(
 ) -> None:
     """Run a config to the end on a broker, then run it again (a new run directory) on the
     same broker, which still holds the first run's retained "done": every process of the
-    second run stays, every round gets its updates, and the model is the first run's."""
+    second run stays, every round gets its updates, and the model is the first run's. The
+    first run's roles are forked from the launcher's fork server, the second's started as
+    ``python -m <role>``: both ways train the same model."""
     cfg = tiny_config(
         run={"name": "rerun", "rounds": 2},
         federation={"num_devices": 2, "num_edges": 1, "round_deadline_s": 60},
@@ -118,7 +120,8 @@ def test_a_rerun_on_a_broker_holding_a_finished_run_trains_to_the_same_model(
     summaries = []
     with LocalBroker(kind="mosquitto", workdir=tmp_path / "broker") as broker:
         for run in ("first", "second"):
-            hier = Hierarchy(cfg, path, tmp_path / run, broker, evaluate=False)
+            launch = "fork" if run == "first" else "exec"
+            hier = Hierarchy(cfg, path, tmp_path / run, broker, evaluate=False, launch=launch)
             try:
                 hier.start_all()
                 code = hier.wait("cloud", 150)
