@@ -5,8 +5,10 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
 
     mosquitto/passwd              one PBKDF2-SHA512 ($7$) entry per role instance
     mosquitto/acl                 per-user topic rules (below)
-    mosquitto/mosquitto.conf      a broker config that uses both and binds each client's id
-                                  to its user name (``mosquitto -c`` it; below)
+    mosquitto/mosquitto.conf      a broker config that uses both, binds each client's id
+                                  to its user name (``mosquitto -c`` it; below) and bounds
+                                  packets (one blob chunk) and the broker's heap
+                                  (these three files 0640, group of ``--broker-user``)
     credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*,
                                   observer (read-only account of `estuary status`) and
                                   deployer (account of `estuary deploy`)
@@ -16,22 +18,25 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
     provision.json                what was generated (no secrets)
 
 The ACL follows the topic layout of :class:`shared.wire.messages.Topics`, where every instance
-writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``): a device writes
-only ``device/<d>/#`` and reads the cloud's topics, its edge's (every edge's when devices
-pick their edge), the presence and edge choices of other devices, and requests for its own
-blobs; it cannot read other devices' updates or blobs. An edge writes only its own subtree
-and reads what it serves and aggregates (:func:`edge_reads`): the cloud's topics, the edges'
-state and presence, the devices' registrations, presence, choices, updates, update blobs
-and deployment reports, and requests for its own blobs. Only the cloud writes ``cloud/#``
-(global state, rounds, deployments). Each device's private downlink ``device/<d>/down/#``
-(its personal model and the blob chunks of it, :func:`shared.wire.messages.private_home`) is
-written only by the cloud and read only by the cloud and that device: no edge reads it. The
-``observer`` account writes nothing and reads only the retained state and presence
-``estuary status`` shows (:func:`estuary.status.observer_topics`). The ``deployer`` account
-(:func:`deployer_topics`) is ``estuary deploy``'s: it publishes deployments and sample requests
-and serves the deployed model's blobs under the cloud's subtree, and reads the devices'
-presence and deployment reports and the requests for the cloud's blobs; it writes no round,
-state or presence of the cloud's and reads no update, blob or downlink.
+writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``), and there exactly
+the topics its role publishes (:func:`device_writes`, :func:`edge_writes`,
+:func:`cloud_writes`): no wildcard over a subtree, on whose made-up topics an account could
+leave as many retained messages as it liked. A device reads the cloud's topics, its edge's
+(every edge's when devices pick their edge), the presence and edge choices of other devices,
+and requests for its own blobs; it cannot read other devices' updates or blobs. An edge reads
+what it serves and aggregates (:func:`edge_reads`): the cloud's topics, the edges' state and
+presence, the devices' registrations, presence, choices, updates, update blobs and deployment
+reports, and requests for its own blobs. Only the cloud (and the deployer, below) writes under
+``cloud/`` (global state, rounds, deployments). Each device's private downlink
+``device/<d>/down/#`` (its personal model and the blob chunks of it,
+:func:`shared.wire.messages.private_home`) is written only by the cloud and read only by the
+cloud and that device: no edge reads it. The ``observer`` account writes nothing and reads
+only the retained state and presence ``estuary status`` shows
+(:func:`estuary.status.observer_topics`). The ``deployer`` account (:func:`deployer_topics`)
+is ``estuary deploy``'s: it publishes deployments and sample requests and serves the deployed
+model's blobs under the cloud's subtree, and reads the devices' presence and deployment
+reports and the requests for the cloud's blobs; it writes no round, state or presence of the
+cloud's and reads no update, blob or downlink.
 
 The ACL is per user name, and the client id would be a second identity beside it: a broker
 keys connections and persistent sessions by client id, and the roles' ids are predictable
@@ -315,7 +320,7 @@ def broker_group(user: str | None) -> int | None:
         return None
 
 
-def make_broker_readable(mq: Path, gid: int | None) -> None:
+def make_broker_readable(mq: Path, gid: int | None, *, strict: bool = False) -> None:
     """Let the broker's user read its files in ``mq`` (``DIR/mosquitto``): the folder 0750
     and the files 0640, their group ``gid`` when one is given (else the provisioning user's
     own, for a broker that runs as that user, as in the compose and Kubernetes images).
@@ -323,7 +328,8 @@ def make_broker_readable(mq: Path, gid: int | None) -> None:
     user; owner-only files stop it at start ("Unable to open pwfile").
 
     Raises:
-        EstuaryError: ``gid`` cannot be set (only root and the group's members may).
+        EstuaryError: with ``strict``, ``gid`` cannot be set (only root and the group's
+            members may); without, that is logged and the files keep their group.
     """
     for path in (mq, *(mq / name for name in BROKER_FILES)):
         if not path.exists():
@@ -332,6 +338,13 @@ def make_broker_readable(mq: Path, gid: int | None) -> None:
             try:
                 os.chown(path, -1, gid)
             except OSError as err:
+                if not strict:
+                    log.warning("%s keeps its group (%s): a broker that runs as another user "
+                                "cannot read it; pass --broker-user to name the broker's user",
+                                path, err)  # fmt: skip
+                    gid = None
+                    path.chmod(0o750 if path.is_dir() else 0o640)
+                    continue
                 raise EstuaryError(
                     f"cannot give the broker's group (gid {gid}) read access to {path}: {err}; "
                     "provision as root or as a member of that group, or pass --broker-user "
@@ -469,7 +482,8 @@ def provision(
     credentials and the signing key stay the provisioning user's alone.
     """
     gid = broker_group(broker_user)
-    if broker_user and broker_user != DEFAULT_BROKER_USER and gid is None:
+    strict = bool(broker_user) and broker_user != DEFAULT_BROKER_USER
+    if strict and gid is None:
         raise EstuaryError(f"broker user {broker_user!r} does not exist on this host")
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
@@ -489,7 +503,7 @@ def provision(
                 conf = mosquitto_conf(cfg.run.name, out, tls="tls" in kept, broker=cfg.broker)
                 conf_path.write_text(conf)
                 log.info("wrote %s, which this provisioning did not have yet", conf_path)
-            make_broker_readable(out / "mosquitto", gid)
+            make_broker_readable(out / "mosquitto", gid, strict=strict)
             return {**kept, "broker_conf": str(conf_path)}
         else:
             raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
@@ -529,7 +543,7 @@ def provision(
             tls = _tls(stage, tls_hosts)
             info["tls"] = {k: str(out / Path(v).relative_to(stage)) for k, v in tls.items()}
         (stage / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
-        make_broker_readable(stage / "mosquitto", gid)
+        make_broker_readable(stage / "mosquitto", gid, strict=strict)
         _move_in(stage, out, ("credentials", "mosquitto", "keys", "tls", "provision.json"))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
