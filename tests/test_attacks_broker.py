@@ -31,7 +31,7 @@ import os
 import pwd
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -289,10 +289,13 @@ def test_retained_junk_cannot_hide_devices_from_a_new_cloud(workdir: Path) -> No
             evil.close()
         with Federation(cfg, broker.host, broker.port) as fed:
             fed.start_members()
+
+            def registered_on_broker(device: str) -> Callable[[], bool]:
+                topic = topics.device_hello(device)
+                return lambda: bool(retained_under(broker.host, broker.port, topic, settle_s=0.1))
+
             for d in fed.devices:  # one by one: the stock queue drops them behind the junk
-                wait_for(lambda d=d: bool(retained_under(
-                    broker.host, broker.port, topics.device_hello(d), settle_s=0.1)),
-                    f"{d}'s retained registration")  # fmt: skip
+                wait_for(registered_on_broker(d), f"{d}'s retained registration")
             fed.start_cloud()
             outcome = fed.wait()
             reannounces = sum(getattr(d, "reannounces", 0) for d in fed.devices.values())
