@@ -44,6 +44,7 @@ from shared.runtime.service import RoleService
 from shared.transport.bus import Bus, Timer
 from shared.wire.codec import check_spec
 from shared.wire.messages import (
+    CloudState,
     DeviceHello,
     DeviceJoin,
     DeviceUpdate,
@@ -57,6 +58,12 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
 MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
+#: seconds after a device sees a cloud session waiting for registrations before it sends its
+#: registration again (then each time twice as long, at most REANNOUNCE_MAX_S apart), for as
+#: long as that session still waits: a cloud whose broker dropped the retained registration
+#: (its queue full of other retained messages when it subscribed) gets it live. A cloud that
+#: has everyone starts its first round after SETTLE_S (1 s), before the first repeat.
+REANNOUNCE_FIRST_S, REANNOUNCE_MAX_S = 1.5, 30.0
 
 
 def device_seed(seed: int, index: int, round_: int) -> int:
@@ -126,6 +133,11 @@ class DeviceAgent(RoleService):
         #: where the state is kept across restarts (``--state-dir``); None: memory only
         self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
         self.config_digest = cfg.digest()
+        #: the cloud session now waiting for registrations (None: the cloud is past that, or
+        #: unknown) and the one this device last repeated its registration for
+        self.cloud_waiting: str | None = None
+        self.reannounced: str | None = None
+        self.reannounces = 0  # registrations sent again, over the process's life
 
     def joined_session(self) -> str | None:
         """The session of the last round this device was announced (restored state does not
@@ -145,14 +157,50 @@ class DeviceAgent(RoleService):
             self.on(self.topics.all_device_join, DeviceJoin, self.on_join, "msg_join")
             for pattern in (self.topics.all_edge_status, self.topics.all_device_status):
                 self.on(pattern, Presence, self.on_presence, "msg_presence")
+        self.on(self.topics.cloud_state, CloudState, self.on_cloud_state, "msg_cloud_state")
         self.announce_presence(True)
-        hello = DeviceHello(
+        self.send(self.topics.device_hello(self.name), self.hello(), retain=True)
+
+    def hello(self) -> DeviceHello:
+        """This device's registration."""
+        return DeviceHello(
             device=self.name,
             home_edge=self.home_edge,
             n_samples=len(self.labels),
             label_counts=self.label_counts,
         )
-        self.send(self.topics.device_hello(self.name), hello, retain=True)
+
+    def on_cloud_state(self, msg: CloudState) -> None:
+        """A cloud session of this config waiting for registrations: send the registration
+        again while it waits (:data:`REANNOUNCE_FIRST_S`), so that retained messages ahead
+        of it on the broker (thousands of made-up registrations on an open broker) cannot
+        keep this device from a cloud that (re)started after it registered."""
+        if msg.config_digest != self.config_digest or msg.phase != "waiting":
+            self.cloud_waiting = None
+            return
+        self.cloud_waiting = msg.session
+        if msg.session == self.reannounced:
+            return
+        self.reannounced = msg.session
+        self._reannounce_later(msg.session, REANNOUNCE_FIRST_S, 0.0)
+
+    def _reannounce_later(self, session: str, delay_s: float, waited_s: float) -> None:
+        """Repeat the registration after ``delay_s`` while ``session`` waits, for at most
+        ``federation.registration_timeout_s`` in all (after it the cloud stops waiting)."""
+        waited_s += delay_s
+        if waited_s > self.cfg.federation.registration_timeout_s:
+            return
+
+        def again() -> None:
+            if self.cloud_waiting != session:
+                return  # the cloud has its devices (or another session began)
+            self.reannounces += 1
+            log.info("%s: cloud session %s still waiting for registrations: registering "
+                     "again", self.name, session)  # fmt: skip
+            self.send(self.topics.device_hello(self.name), self.hello(), retain=True)
+            self._reannounce_later(session, min(delay_s * 2, REANNOUNCE_MAX_S), waited_s)
+
+        self.ep.call_later(delay_s, again)
 
     # -- edge selection (assignment "select" / "random") ----------------------------------
     def on_presence(self, msg: Presence) -> None:

@@ -110,7 +110,8 @@ def run_demo(
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = with_deploy_keys(cfg, run_dir)
     t0 = time.monotonic()
-    broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker")
+    broker = LocalBroker(kind=broker_kind, workdir=run_dir / "broker",
+                         memory_bytes=cfg.broker.broker_memory_bytes)  # fmt: skip
     # the config every process reads, with the broker's real address: `estuary status
     # <run dir>` finds the running demo from it
     broker_section = cfg.broker.model_copy(update={"host": broker.host, "port": broker.port})

@@ -204,7 +204,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     info = provision(cfg, check_out_dir(Path(args.out)), tls_hosts=args.tls_host,
-                     force=args.force, keep=args.keep)  # fmt: skip
+                     force=args.force, keep=args.keep, broker_user=args.broker_user)  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=2))
     elif info.get("kept"):
@@ -273,6 +273,10 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--keep", action="store_true", help="reuse an earlier provisioning of the "
                    "same run and instances (an error if it differs; one killed before it "
                    "finished is made again)")  # fmt: skip
+    v.add_argument("--broker-user", default="mosquitto", help="the user the broker runs as "
+                   "(default mosquitto, Debian's): its group may read the password file, "
+                   "ACL and mosquitto.conf; '' leaves them to the provisioning user's "
+                   "group")  # fmt: skip
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_provision)
 

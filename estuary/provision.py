@@ -5,8 +5,10 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
 
     mosquitto/passwd              one PBKDF2-SHA512 ($7$) entry per role instance
     mosquitto/acl                 per-user topic rules (below)
-    mosquitto/mosquitto.conf      a broker config that uses both and binds each client's id
-                                  to its user name (``mosquitto -c`` it; below)
+    mosquitto/mosquitto.conf      a broker config that uses both, binds each client's id
+                                  to its user name (``mosquitto -c`` it; below) and bounds
+                                  packets (one blob chunk) and the broker's heap
+                                  (these three files 0640, group of ``--broker-user``)
     credentials/<name>.password   each instance's password (0600), cloud, edge*, dev*,
                                   observer (read-only account of `estuary status`) and
                                   deployer (account of `estuary deploy`)
@@ -16,22 +18,25 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
     provision.json                what was generated (no secrets)
 
 The ACL follows the topic layout of :class:`shared.wire.messages.Topics`, where every instance
-writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``): a device writes
-only ``device/<d>/#`` and reads the cloud's topics, its edge's (every edge's when devices
-pick their edge), the presence and edge choices of other devices, and requests for its own
-blobs; it cannot read other devices' updates or blobs. An edge writes only its own subtree
-and reads what it serves and aggregates (:func:`edge_reads`): the cloud's topics, the edges'
-state and presence, the devices' registrations, presence, choices, updates, update blobs
-and deployment reports, and requests for its own blobs. Only the cloud writes ``cloud/#``
-(global state, rounds, deployments). Each device's private downlink ``device/<d>/down/#``
-(its personal model and the blob chunks of it, :func:`shared.wire.messages.private_home`) is
-written only by the cloud and read only by the cloud and that device: no edge reads it. The
-``observer`` account writes nothing and reads only the retained state and presence
-``estuary status`` shows (:func:`estuary.status.observer_topics`). The ``deployer`` account
-(:func:`deployer_topics`) is ``estuary deploy``'s: it publishes deployments and sample requests
-and serves the deployed model's blobs under the cloud's subtree, and reads the devices'
-presence and deployment reports and the requests for the cloud's blobs; it writes no round,
-state or presence of the cloud's and reads no update, blob or downlink.
+writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``), and there exactly
+the topics its role publishes (:func:`device_writes`, :func:`edge_writes`,
+:func:`cloud_writes`): no wildcard over a subtree, on whose made-up topics an account could
+leave as many retained messages as it liked. A device reads the cloud's topics, its edge's
+(every edge's when devices pick their edge), the presence and edge choices of other devices,
+and requests for its own blobs; it cannot read other devices' updates or blobs. An edge reads
+what it serves and aggregates (:func:`edge_reads`): the cloud's topics, the edges' state and
+presence, the devices' registrations, presence, choices, updates, update blobs and deployment
+reports, and requests for its own blobs. Only the cloud (and the deployer, below) writes under
+``cloud/`` (global state, rounds, deployments). Each device's private downlink
+``device/<d>/down/#`` (its personal model and the blob chunks of it,
+:func:`shared.wire.messages.private_home`) is written only by the cloud and read only by the
+cloud and that device: no edge reads it. The ``observer`` account writes nothing and reads
+only the retained state and presence ``estuary status`` shows
+(:func:`estuary.status.observer_topics`). The ``deployer`` account (:func:`deployer_topics`)
+is ``estuary deploy``'s: it publishes deployments and sample requests and serves the deployed
+model's blobs under the cloud's subtree, and reads the devices' presence and deployment
+reports and the requests for the cloud's blobs; it writes no round, state or presence of the
+cloud's and reads no update, blob or downlink.
 
 The ACL is per user name, and the client id would be a second identity beside it: a broker
 keys connections and persistent sessions by client id, and the roles' ids are predictable
@@ -60,11 +65,11 @@ from pathlib import Path
 from typing import Any
 
 from estuary.status import OBSERVER, observer_topics
-from shared.config import RunConfig
+from shared.config import BrokerSection, RunConfig
 from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
-from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits
+from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits, secured_packet_bytes
 from shared.wire.messages import ROOT, Topics, home_of
 
 log = logging.getLogger(__name__)
@@ -133,23 +138,88 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
     return writes, reads
 
 
+def device_writes(base: str, device: str, edges: list[str]) -> list[str]:
+    """Every topic device ``device`` publishes, none more: its registration, presence and
+    deployment report (the retained ones), its updates and edge choices, the chunks of the
+    blobs it serves (its uploads), and its blob requests to ``edges`` (the edges it may
+    train with), the cloud and its own private downlink. A wildcard over its own subtree
+    would let its credentials leave retained messages on as many made-up topics as it likes
+    (each one held by the broker until cleared)."""
+    own = f"{base}/device/{device}"
+    return [
+        f"{own}/hello",
+        f"{own}/status",
+        f"{own}/deploy",
+        f"{own}/up",
+        f"{own}/join",
+        f"{own}/blob/+/+/+",  # Topics.blob_chunk(home, sha, chunk_bytes, index)
+        f"{own}/want/cloud",
+        *(f"{own}/want/edge/{e}" for e in edges),
+        f"{own}/want/device/{device}/down",  # Topics.private_want
+    ]
+
+
+def edge_writes(base: str, edge: str, devices: list[str]) -> list[str]:
+    """Every topic edge ``edge`` publishes: its retained state, presence and round
+    announcement, its reports to the cloud, the chunks of its blobs and its blob requests
+    to the cloud and to ``devices`` (those it may aggregate)."""
+    own = f"{base}/edge/{edge}"
+    return [
+        f"{own}/state",
+        f"{own}/status",
+        f"{own}/round",
+        f"{own}/up",
+        f"{own}/blob/+/+/+",
+        f"{own}/want/cloud",
+        *(f"{own}/want/device/{d}" for d in devices),
+    ]
+
+
+def cloud_writes(base: str, devices: list[str], edges: list[str]) -> list[str]:
+    """Every topic the cloud publishes: its retained state, round, presence and deployment,
+    sample requests, the chunks of its blobs, its blob requests to edges and devices, and
+    each device's private downlink (the personal model and the chunks of its blob)."""
+    own = f"{base}/cloud"
+    return [
+        f"{own}/state",
+        f"{own}/round",
+        f"{own}/status",
+        f"{own}/deploy",
+        f"{own}/sample",
+        f"{own}/blob/+/+/+",
+        *(f"{own}/want/edge/{e}" for e in edges),
+        *(f"{own}/want/device/{d}" for d in devices),
+        f"{base}/device/+/down",
+        f"{base}/device/+/down/blob/+/+/+",
+    ]
+
+
 def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
-    """The Mosquitto ACL file for the run of ``cfg``."""
+    """The Mosquitto ACL file for the run of ``cfg``: each account may write exactly the
+    topics its role publishes (:func:`cloud_writes`, :func:`edge_writes`,
+    :func:`device_writes`, :func:`deployer_topics`), and read what it subscribes to."""
     base = f"{ROOT}/{cfg.run.name}"
+    picks = cfg.federation.assignment != "static"
     lines = [
-        f"# Estuary ACL for run {cfg.run.name!r}: each instance writes only its own subtree,",
-        "# and the cloud each device's private downlink device/<d>/down/#.",
-        "# Generated by `estuary provision`; anonymous clients are refused by the broker.",
+        f"# Estuary ACL for run {cfg.run.name!r}: each instance writes exactly the topics its",
+        "# role publishes (under its own subtree; the cloud also each device's private downlink",
+        "# device/<d>/down). Generated by `estuary provision`; anonymous clients are refused.",
         "",
         "user cloud",
-        f"topic readwrite {base}/cloud/#",
-        f"topic write {base}/device/+/down/#",
+        *(f"topic write {t}" for t in cloud_writes(base, devices, edges)),
         f"topic read {base}/#",
         "",
     ]
     for e in edges:
-        own = f"topic readwrite {base}/edge/{e}/#"
-        lines += [f"user {e}", own, *(f"topic read {t}" for t in edge_reads(base, e)), ""]
+        aggregates = devices if picks else [d for i, d in enumerate(devices)
+                                            if edges[i % len(edges)] == e]  # fmt: skip
+        lines += [
+            f"user {e}",
+            *(f"topic write {t}" for t in edge_writes(base, e, aggregates)),
+            f"topic read {base}/edge/{e}/#",
+            *(f"topic read {t}" for t in edge_reads(base, e)),
+            "",
+        ]
     # `estuary status`: the retained state and presence, nothing else, and no writes
     lines += [
         f"user {OBSERVER}",
@@ -164,12 +234,12 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
         *(f"topic read {t}" for t in reads),
         "",
     ]
-    picks = cfg.federation.assignment != "static"
     for i, d in enumerate(devices):
-        own = f"{base}/device/{d}"
+        served_by = edges if picks else [edges[i % len(edges)]] if edges else []
         lines += [
             f"user {d}",
-            f"topic readwrite {own}/#",
+            *(f"topic write {t}" for t in device_writes(base, d, served_by)),
+            f"topic read {base}/device/{d}/#",
             f"topic read {base}/cloud/#",
             f"topic read {base}/edge/+/round",
             f"topic read {base}/edge/+/status",
@@ -178,18 +248,21 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
             f"topic read {base}/device/+/join",
             f"topic read {base}/+/+/want/device/{d}",  # requests for this device's blobs
         ]
-        served_by = edges if picks else [edges[i % len(edges)]] if edges else []
         for e in served_by:
             lines.append(f"topic read {base}/edge/{e}/blob/#")
         lines.append("")
     return "\n".join(lines)
 
 
-def mosquitto_conf(run: str, out: Path, *, tls: bool = False) -> str:
+def mosquitto_conf(
+    run: str, out: Path, *, tls: bool = False, broker: BrokerSection | None = None
+) -> str:
     """The Mosquitto 2 config for a provisioning in ``out`` (paths as they will be there):
     no anonymous clients, the password file and ACL, each client's id bound to its user name,
-    the roles' packet and queue limits; with ``tls``, one listener on 8883 with the
-    provisioned server certificate instead of plain MQTT on 1883."""
+    the roles' queue limits, packets no larger than one of ``broker``'s blob chunks plus
+    headers and the broker's heap limit (``broker.broker_memory_bytes``); with ``tls``, one
+    listener on 8883 with the provisioned server certificate instead of plain MQTT on 1883."""
+    broker = broker if broker is not None else BrokerSection()
     mq, certs = out.resolve() / "mosquitto", out.resolve() / "tls"
     listener = [
         f"listener {MQTTS_PORT if tls else MQTT_PORT}",
@@ -213,7 +286,10 @@ def mosquitto_conf(run: str, out: Path, *, tls: bool = False) -> str:
         f"password_file {mq / 'passwd'}",
         f"acl_file {mq / 'acl'}",
         "",
-        *mosquitto_limits(),
+        *mosquitto_limits(
+            max_packet_bytes=secured_packet_bytes(broker.chunk_bytes),
+            memory_bytes=broker.broker_memory_bytes,
+        ),
         "",
         "# to keep sessions and retained state across broker restarts:",
         "#persistence true",
@@ -222,6 +298,59 @@ def mosquitto_conf(run: str, out: Path, *, tls: bool = False) -> str:
         "log_timestamp true",
     ]
     return "\n".join(lines) + "\n"
+
+
+#: the user a broker from a distribution package drops to when started as root (Debian's
+#: mosquitto), whose group ``estuary provision`` gives read access to the broker's files
+DEFAULT_BROKER_USER = "mosquitto"
+#: what the broker reads in ``mosquitto/``: the password file holds only hashes
+BROKER_FILES = ("passwd", "acl", BROKER_CONF)
+
+
+def broker_group(user: str | None) -> int | None:
+    """The group id of the broker's ``user`` (None: no such user on this host, or none
+    named): the group that is given read access to the files the broker reads."""
+    if not user:
+        return None
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_gid
+    except KeyError:
+        return None
+
+
+def make_broker_readable(mq: Path, gid: int | None, *, strict: bool = False) -> None:
+    """Let the broker's user read its files in ``mq`` (``DIR/mosquitto``): the folder 0750
+    and the files 0640, their group ``gid`` when one is given (else the provisioning user's
+    own, for a broker that runs as that user, as in the compose and Kubernetes images).
+    Mosquitto opens the password file and the ACL after it has dropped root for its own
+    user; owner-only files stop it at start ("Unable to open pwfile").
+
+    Raises:
+        EstuaryError: with ``strict``, ``gid`` cannot be set (only root and the group's
+            members may); without, that is logged and the files keep their group.
+    """
+    for path in (mq, *(mq / name for name in BROKER_FILES)):
+        if not path.exists():
+            continue
+        if gid is not None and path.stat().st_gid != gid:
+            try:
+                os.chown(path, -1, gid)
+            except OSError as err:
+                if not strict:
+                    log.warning("%s keeps its group (%s): a broker that runs as another user "
+                                "cannot read it; pass --broker-user to name the broker's user",
+                                path, err)  # fmt: skip
+                    gid = None
+                    path.chmod(0o750 if path.is_dir() else 0o640)
+                    continue
+                raise EstuaryError(
+                    f"cannot give the broker's group (gid {gid}) read access to {path}: {err}; "
+                    "provision as root or as a member of that group, or pass --broker-user "
+                    "naming the user the broker runs as"
+                ) from None
+        path.chmod(0o750 if path.is_dir() else 0o640)
 
 
 def _write_secret(path: Path, data: bytes) -> None:
@@ -339,6 +468,7 @@ def provision(
     tls_hosts: list[str] | None = None,
     force: bool = False,
     keep: bool = False,
+    broker_user: str | None = DEFAULT_BROKER_USER,
 ) -> dict[str, Any]:
     """Write credentials, ACL, keys (and TLS material) for ``cfg``'s federation to ``out``.
 
@@ -346,7 +476,15 @@ def provision(
     when it was made for the same run and instances: what ``docker compose up`` does on every
     start). With ``keep``, one that never finished (a password file without
     ``provision.json``, left by a kill between the final moves) is replaced.
+
+    The files the broker reads (``mosquitto/``) are made readable by the group of
+    ``broker_user`` when that user exists here (:func:`make_broker_readable`); the
+    credentials and the signing key stay the provisioning user's alone.
     """
+    gid = broker_group(broker_user)
+    strict = bool(broker_user) and broker_user != DEFAULT_BROKER_USER
+    if strict and gid is None:
+        raise EstuaryError(f"broker user {broker_user!r} does not exist on this host")
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
     names = ["cloud", *edges, *devices, OBSERVER, DEPLOYER]
@@ -362,8 +500,10 @@ def provision(
             kept = _kept(out, cfg.run.name, names)
             conf_path = out / "mosquitto" / BROKER_CONF
             if not conf_path.exists():  # made by an older estuary: the rest still holds
-                conf_path.write_text(mosquitto_conf(cfg.run.name, out, tls="tls" in kept))
+                conf = mosquitto_conf(cfg.run.name, out, tls="tls" in kept, broker=cfg.broker)
+                conf_path.write_text(conf)
                 log.info("wrote %s, which this provisioning did not have yet", conf_path)
+            make_broker_readable(out / "mosquitto", gid, strict=strict)
             return {**kept, "broker_conf": str(conf_path)}
         else:
             raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
@@ -387,7 +527,7 @@ def provision(
         _write_secret(stage / "mosquitto" / "passwd", ("\n".join(entries) + "\n").encode())
         acl = acl_text(cfg, devices=devices, edges=edges)
         (stage / "mosquitto" / "acl").write_text(acl + "\n")
-        conf = mosquitto_conf(cfg.run.name, out, tls=bool(tls_hosts))
+        conf = mosquitto_conf(cfg.run.name, out, tls=bool(tls_hosts), broker=cfg.broker)
         (stage / "mosquitto" / BROKER_CONF).write_text(conf)
         generate_keys(stage / "keys")
         info: dict[str, Any] = {
@@ -403,6 +543,7 @@ def provision(
             tls = _tls(stage, tls_hosts)
             info["tls"] = {k: str(out / Path(v).relative_to(stage)) for k, v in tls.items()}
         (stage / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
+        make_broker_readable(stage / "mosquitto", gid, strict=strict)
         _move_in(stage, out, ("credentials", "mosquitto", "keys", "tls", "provision.json"))
     finally:
         shutil.rmtree(stage, ignore_errors=True)

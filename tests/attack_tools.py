@@ -391,6 +391,21 @@ class Federation:
             self._spawn(name, svc, finished.is_set)
         return self
 
+    def start_members(self) -> Federation:
+        """Start the edges and devices only (the cloud later, :meth:`start_cloud`): what a
+        cloud that restarts after its devices registered sees."""
+        self._started = time.monotonic()
+        for name, svc in [*self.edges.items(), *self.devices.items()]:
+            finished = threading.Event()
+            follow_cloud(svc, finished.set)
+            self._spawn(name, svc, finished.is_set)
+        return self
+
+    def start_cloud(self) -> Federation:
+        """Start the cloud after :meth:`start_members`."""
+        self._spawn("cloud", self.cloud, self._cloud_done)
+        return self
+
     def _cloud_done(self) -> bool:
         return self.cloud.done or self.cloud.failed is not None
 
@@ -503,3 +518,103 @@ class _Collect(logging.Handler):
             self.into.append(record.getMessage())
         except Exception:  # a log record must never break a role's thread
             pass
+
+
+# -- brokers run as an operator runs them ----------------------------------------------------
+
+
+class MosquittoProcess:
+    """Mosquitto started the way an operator starts it: ``mosquitto -c <conf>`` on the config
+    ``estuary provision`` wrote (its listener moved to a free loopback port), or
+    ``mosquitto -p <port>`` with stock settings (``conf=None``: the open broker of
+    docs/operations.md). Run as root it drops to its own user, as the Debian package does.
+    :meth:`rss` is its resident memory, what a flood makes it hold."""
+
+    def __init__(self, conf: Path | None, workdir: Path) -> None:
+        from shared.transport.local_broker import find_mosquitto, free_port
+
+        binary = find_mosquitto()
+        if binary is None:
+            raise AssertionError("mosquitto is not installed")
+        self.host, self.port = "127.0.0.1", free_port()
+        self.log = workdir / f"mosquitto-{self.port}.log"
+        if conf is None:
+            args = [binary, "-p", str(self.port)]
+        else:
+            text = conf.read_text().replace("\nlistener 1883\n",
+                                            f"\nlistener {self.port} {self.host}\n")  # fmt: skip
+            if f"listener {self.port}" not in text:
+                raise AssertionError(f"{conf} has no 'listener 1883' line to move")
+            run_conf = workdir / f"mosquitto-{self.port}.conf"
+            run_conf.write_text(text)
+            run_conf.chmod(0o644)
+            args = [binary, "-c", str(run_conf)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT)  # fmt: skip
+        end = time.monotonic() + WAIT_S
+        while not self._accepts():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.close()
+                raise AssertionError(f"mosquitto did not start: {self.log_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def _accepts(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def rss(self) -> int:
+        """The broker's resident memory in bytes (``VmRSS``)."""
+        with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def log_text(self) -> str:
+        """What the broker logged so far."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> MosquittoProcess:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def retained_under(
+    host: str, port: int, pattern: str, *, user: str | None = None,
+    password: str | None = None, settle_s: float = 0.5,
+) -> list[tuple[str, int]]:  # fmt: skip
+    """(topic, payload bytes) of the retained messages the broker holds under ``pattern``,
+    as a client that subscribes now receives them."""
+    seen: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    probe = Hostile(host, port, f"probe-{time.time_ns()}", user=user, password=password)
+    try:
+
+        def keep(topic: str, payload: bytes) -> None:
+            with lock:
+                seen.append((topic, len(payload)))
+
+        probe.on_message = keep
+        probe.subscribe(pattern)
+        time.sleep(settle_s)
+    finally:
+        probe.close()
+    with lock:
+        return list(seen)

@@ -863,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_queued_messages:
         limits = [ln for ln in limits if not ln.startswith("max_queued_messages ")]
         limits.append(f"max_queued_messages {args.max_queued_messages}")
-    local_broker.mosquitto_limits = lambda: limits  # type: ignore[assignment]
+    local_broker.mosquitto_limits = lambda **_: limits  # type: ignore[assignment]
     raise_fd_limit(args.devices + FD_MARGIN)
     cfg = tiny_config(
         run={"name": "swarm", "rounds": max(1, args.rounds)},

@@ -158,13 +158,15 @@ def _conf_settings(text: str) -> dict[str, str]:
 
 def test_mosquitto_configs_share_the_local_brokers_limits(tmp_path: Path) -> None:
     """The compose and Kubernetes broker configs keep the limits and socket options that
-    shared/transport/local_broker.py gives the local one (their comments say so; this keeps it
-    true)."""
+    shared/transport/local_broker.py gives the local one with accounts (their comments say so;
+    this keeps it true): packets of one default blob chunk, the heap limit, the queues."""
     from shared.transport.local_broker import LocalBroker
 
-    local = _conf_settings(LocalBroker(kind="mosquitto")._mosquitto_conf(tmp_path))
+    secured = LocalBroker(kind="mosquitto", password_file=tmp_path / "passwd")
+    local = _conf_settings(secured._mosquitto_conf(tmp_path))
     keys = (
         "max_packet_size",
+        "memory_limit",
         "max_queued_messages",
         "max_queued_bytes",
         "max_inflight_messages",

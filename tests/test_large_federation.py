@@ -96,7 +96,7 @@ def test_mosquitto_defaults_lose_registrations(monkeypatch: pytest.MonkeyPatch) 
     """Without the shipped limits (a stock mosquitto: 1000 queued + 20 in flight per client)
     the broker drops the retained hellos past its queue: the cloud registers about 1,020 of
     the 2,000 devices, and would wait ``registration_timeout_s`` to start without the rest."""
-    monkeypatch.setattr(local_broker, "mosquitto_limits", lambda: [
+    monkeypatch.setattr(local_broker, "mosquitto_limits", lambda **_: [
         f"max_queued_messages {MOSQUITTO_DEFAULT_QUEUE}",
         f"max_inflight_messages {MOSQUITTO_DEFAULT_INFLIGHT}",
     ])  # fmt: skip

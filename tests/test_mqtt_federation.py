@@ -164,6 +164,11 @@ def test_mqtt_and_memory_bus_agree(broker: LocalBroker, overrides: dict) -> None
         for snap in (m, q):
             for counts in (snap["messages"], snap["bytes"]):
                 counts.pop("sent:edge_model", None)
+    # the devices follow the cloud's state (they register again while it waits); whether
+    # its last one, "done", reaches them before either run stops them is timing: not compared
+    for snap in (m, q):
+        for counts in (snap["messages"], snap["bytes"]):
+            counts.pop("received:msg_cloud_state", None)
     assert q["messages"] == m["messages"]
     assert q["rejected"] == m["rejected"] == {}
     for key, nbytes in m["bytes"].items():

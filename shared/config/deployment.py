@@ -86,6 +86,14 @@ class BrokerSection(Section):
     max_queue_bytes: int = Field(
         64 << 20, ge=1 << 20, le=1 << 40, description="inbound message bytes queued"
     )
+    broker_memory_bytes: int = Field(
+        1 << 30,
+        ge=64 << 20,
+        le=1 << 40,
+        description="heap limit of the broker `estuary provision` and the local broker "
+        "configure (mosquitto memory_limit): past it the broker refuses the allocation and "
+        "disconnects the publisher instead of exhausting the host",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BrokerSection:

@@ -20,14 +20,14 @@ PASSWORD_ENV = "ESTUARY_MQTT_PASSWORD"
 
 #: what an MQTT 5 packet may add to its payload (fixed header, topic of up to 64 KiB,
 #: packet id, properties) in the Maximum Packet Size this client announces
-_PACKET_OVERHEAD: Final = 70 << 10
+PACKET_OVERHEAD: Final = 70 << 10
 
 
 def max_packet_bytes(settings: BrokerSection) -> int:
     """The largest packet an MQTT 5 client of ours accepts (announced on CONNECT as its
     Maximum Packet Size, so the broker drops bigger ones instead of sending them): a blob
     chunk or the largest message, plus headers."""
-    return max(settings.chunk_bytes, MAX_MESSAGE_BYTES) + _PACKET_OVERHEAD
+    return max(settings.chunk_bytes, MAX_MESSAGE_BYTES) + PACKET_OVERHEAD
 
 
 def read_password(settings: BrokerSection) -> str | None:

@@ -51,7 +51,9 @@ import paho.mqtt.client as mqtt
 
 from shared.errors import ConfigError, TransportError
 from shared.lifetime import die_with_parent_preexec
+from shared.transport.connection import PACKET_OVERHEAD
 from shared.transport.embedded_broker import EmbeddedAmqtt
+from shared.wire.messages import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,10 @@ _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")
 # docs/operations.md, "Large federations".
 _MAX_QUEUED_MESSAGES = 50_000
 _MAX_QUEUED_BYTES = 512 << 20  # per client: bounds chunks queued for an offline subscriber
-_MAX_PACKET_BYTES = 65 << 20  # the largest allowed chunk (64 MiB) plus headers
+_MAX_PACKET_BYTES = 65 << 20  # the largest allowed chunk (64 MiB) plus headers: open brokers
+#: The broker's heap limit (mosquitto ``memory_limit``) where no run config gives one
+#: (:attr:`~shared.config.BrokerSection.broker_memory_bytes` is the setting)
+DEFAULT_BROKER_MEMORY_BYTES = 1 << 30
 # Outgoing QoS 1/2 messages in flight per client; 20 (mosquitto's default) throttles bursts of
 # 1 MiB blobs, 0 (no limit) lets one slow client hoard memory.
 _MAX_INFLIGHT_MESSAGES = 100
@@ -81,17 +86,30 @@ it to that listener only), that makes a client's id its user name: no client can
 another account's id. A client without a user name is refused."""
 
 
-def mosquitto_limits() -> list[str]:
-    """The mosquitto.conf lines (with comments) that bound packet size, per-client queues and
-    in-flight messages and turn Nagle off: what the local broker, the config ``estuary
-    provision`` writes and the shipped compose and Kubernetes configs all use."""
+def secured_packet_bytes(chunk_bytes: int) -> int:
+    """The broker's ``max_packet_size`` for a federation whose blob chunks are
+    ``chunk_bytes``: the largest packet any role sends (a chunk or the largest message, plus
+    headers), what each role also announces as its own Maximum Packet Size."""
+    return max(chunk_bytes, MAX_MESSAGE_BYTES) + PACKET_OVERHEAD
+
+
+def mosquitto_limits(
+    *, max_packet_bytes: int = _MAX_PACKET_BYTES, memory_bytes: int = DEFAULT_BROKER_MEMORY_BYTES
+) -> list[str]:
+    """The mosquitto.conf lines (with comments) that bound packet size, the broker's heap,
+    per-client queues and in-flight messages and turn Nagle off: what the local broker, the
+    config ``estuary provision`` writes and the shipped compose and Kubernetes configs all
+    use (a secured broker with ``max_packet_bytes`` from :func:`secured_packet_bytes`)."""
     return [
         "# a (re)subscribing cloud or edge is sent 2 retained messages per device at once: at",
         "# least 2 x devices + 200 (docs/operations.md, Large federations)",
         f"max_queued_messages {_MAX_QUEUED_MESSAGES}",
         f"max_queued_bytes {_MAX_QUEUED_BYTES}",
-        "# one 1 MiB chunk + topic fits; bigger packets are refused by the broker",
-        f"max_packet_size {_MAX_PACKET_BYTES}",
+        "# the largest packet a role sends (one blob chunk + topic); bigger ones are refused",
+        f"max_packet_size {max_packet_bytes}",
+        "# the broker's heap: an allocation past it is refused (the publisher disconnected), not",
+        "# the host's memory exhausted (docs/reliability.md, Broker)",
+        f"memory_limit {memory_bytes}",
         f"max_inflight_messages {_MAX_INFLIGHT_MESSAGES}",
         "# small packets (SUBACK, PUBACK, blob requests) leave at once, no delayed-ACK wait",
         "set_tcp_nodelay true",
@@ -195,6 +213,11 @@ class LocalBroker:
             user name (:data:`BIND_CLIENT_ID`), so no account can take over another's
             connection or session. False only for tests that log in beside a running role
             with that role's own credentials to watch what it may read.
+        chunk_bytes: the federation's blob chunk size; with ``password_file`` or
+            ``acl_file`` the broker refuses packets larger than one chunk plus headers
+            (:func:`secured_packet_bytes`), as ``estuary provision``'s broker does. An open
+            broker admits anyone anyway and keeps the 64 MiB chunk's limit.
+        memory_bytes: the broker's heap limit (mosquitto ``memory_limit``).
 
     Use as a context manager (``with LocalBroker() as broker:``) to start and stop it.
 
@@ -213,6 +236,8 @@ class LocalBroker:
         password_file: Path | None = None,
         acl_file: Path | None = None,
         bind_client_ids: bool = True,
+        chunk_bytes: int = 1 << 20,
+        memory_bytes: int = DEFAULT_BROKER_MEMORY_BYTES,
     ) -> None:
         if kind not in BROKER_KINDS:
             raise ConfigError(f"broker kind {kind!r} is unknown; use one of {BROKER_KINDS}")
@@ -225,6 +250,11 @@ class LocalBroker:
         ):
             if path is not None and any(c in str(path) for c in "\r\n"):
                 raise ConfigError(f"broker {name} {str(path)!r} contains a line break")
+        if not 4096 <= chunk_bytes <= 64 << 20:
+            raise ConfigError(f"broker chunk_bytes {chunk_bytes} is out of range (4 KiB-64 MiB)")
+        if memory_bytes < 64 << 20:
+            raise ConfigError(f"broker memory_bytes {memory_bytes} is below 64 MiB")
+        self._chunk_bytes, self._memory_bytes = chunk_bytes, memory_bytes
         self._mosquitto_bin = find_mosquitto()
         self._kind = self._resolve_kind(kind)
         if self._kind == "amqtt" and (persistence or password_file or acl_file):
@@ -435,8 +465,9 @@ class LocalBroker:
             lines.append(f"password_file {self._password_file.resolve()}")
         if self._acl_file is not None:
             lines.append(f"acl_file {self._acl_file.resolve()}")
+        packet = secured_packet_bytes(self._chunk_bytes) if secured else _MAX_PACKET_BYTES
         lines += [
-            *mosquitto_limits(),
+            *mosquitto_limits(max_packet_bytes=packet, memory_bytes=self._memory_bytes),
             f"persistence {'true' if self._persistence else 'false'}",
             f"persistence_location {workdir}/",
             "persistence_file mosquitto.db",
