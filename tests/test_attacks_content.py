@@ -1,0 +1,167 @@
+"""The adversarial suite, content of the messages: what a device's upload, report or id
+may carry into the cloud's product, its log and its operator's terminal, tried on a real
+Mosquitto by a hostile paho client (:mod:`tests.attack_tools`).
+
+FedDEO, one run (``feddeo_run``; one edge, three devices, one round, the open broker),
+the attacker speaking as dev001, which registered one class (3) only. In the one round it
+uploads, in this order:
+
+- a mask claiming all ten classes (descriptions at the class prompts): refused at the edge
+  as ``class_not_registered``;
+- its own class with every description entry 999 (row norm ~8,000 against prompts of ~8):
+  ``bad_description``;
+- a mask naming no class (an upload that fills no slot): ``describes_nothing``, not counted
+  as accepted;
+- then its own class, honestly: accepted.
+
+``test_feddeo_uploads_describe_only_registered_classes_within_bounds`` checks the counts,
+the edge's accepted-updates counter and what the cloud kept (dev001: class 3 alone) and
+generated from (the synthetic set's images per device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from shared.config import RunConfig
+from shared.methods.feddeo.method import DESC, MASK
+from shared.transport.local_broker import LocalBroker, find_mosquitto
+from shared.wire.codec import encode_tensors
+from shared.wire.messages import DeviceHello, Topics, encode
+from tests.attack_tools import (
+    Federation,
+    Hostile,
+    Outcome,
+    rejected,
+    serve_retained,
+    total_rejected,
+    wait_for,
+    watch_round,
+)
+from tests.conftest import shared_broker, tiny_config
+from tests.test_attack_suite import EDGE, Script, model_state, ref_of, update_of
+
+pytestmark = [
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    pytest.mark.xdist_group("attacks_content"),
+]
+
+broker = pytest.fixture(scope="module")(shared_broker)
+
+ATTACKER = "dev001"
+OWN_CLASS = 3
+OWN_COUNTS = [0] * 10
+OWN_COUNTS[OWN_CLASS] = 12
+
+
+def feddeo_config(name: str) -> RunConfig:
+    """A tiny FedDEO run: 1 edge, 3 devices, one round, a random generator."""
+    return tiny_config(
+        run={"name": name, "rounds": 1},
+        federation={"num_devices": 3, "num_edges": 1, "round_deadline_s": 60},
+        data={"synthetic_size": 120},
+        model={"preset": "fmnist-tiny-cfg"},
+        train={"batch_size": 8, "threads": 1},
+        algorithm={
+            "name": "feddeo", "feddeo_images_per_class": 1, "feddeo_sample_steps": 1,
+            "feddeo_desc_epochs": 0.5, "feddeo_desc_batch": 8, "feddeo_clf_epochs": 1,
+            "feddeo_grid_per_class": 0,
+        },
+    )  # fmt: skip
+
+
+def _upload(desc: torch.Tensor, classes: list[int]) -> bytes:
+    mask = torch.zeros(10)
+    mask[classes] = 1.0
+    return encode_tensors({DESC: desc.contiguous(), MASK: mask})
+
+
+@dataclass
+class FedDEORun:
+    """What the FedDEO attack run did and saw."""
+
+    outcome: Outcome
+    problems: list[str]
+    edge: dict[str, int]
+    cloud: dict[str, int]
+    accepted: float | None  # the edge's estuary_updates_total{outcome="accepted"}
+    held: dict[str, list[int]]  # device -> the classes the cloud kept a description of
+    described: dict[str, int]  # the final report's classes per device
+
+
+@pytest.fixture(scope="module")
+def feddeo_run(broker: LocalBroker) -> FedDEORun:
+    """The FedDEO federation with dev001 played by the attacker (see the module's doc)."""
+    cfg = feddeo_config("atk-feddeo")
+    topics = Topics(cfg.run.name)
+    state = model_state(cfg)
+    prompts = state["class_embedding.weight"][:10].float()
+    script = Script()
+    with (
+        contextlib.closing(Hostile(broker.host, broker.port, "intruder-feddeo")) as evil,
+        Federation(cfg, broker.host, broker.port, absent=[ATTACKER], gated_rounds=[0]) as fed,
+    ):
+        evil.subscribe(topics.edge_round("+"))
+        hello = DeviceHello(device=ATTACKER, home_edge=EDGE, n_samples=sum(OWN_COUNTS),
+                            label_counts=OWN_COUNTS)  # fmt: skip
+        evil.send(topics.device_hello(ATTACKER), encode(hello), retain=True)
+        announced = watch_round(evil, topics, EDGE)
+        edge_t, cloud_t = fed.traffic(EDGE), fed.traffic("cloud")
+        fed.start()
+        session = announced(0).session
+        chunk = fed.bus(EDGE).settings.chunk_bytes
+        src = f"device/{ATTACKER}"
+        uploads: list[tuple[str, bytes]] = [
+            ("all ten classes", _upload(prompts, list(range(10)))),
+            ("entries of 999", _upload(torch.full_like(prompts, 999.0), [OWN_CLASS])),
+            ("no class", _upload(prompts, [])),
+        ]
+        for what, data in uploads:
+            with script.step(what):
+                ref = ref_of(src, data).model_copy(update={"kind": "description"})
+                serve_retained(evil, topics, src, ref.sha256, data, chunk)
+                before = total_rejected(edge_t)
+                msg = update_of(ATTACKER, session, ref, fed, counts=OWN_COUNTS)
+                evil.send(topics.device_up(ATTACKER), encode(msg))
+                wait_for(lambda: total_rejected(edge_t) > before, f"the edge to refuse {what}")  # noqa: B023
+        with script.step("its own class, honestly"):
+            data = _upload(prompts, [OWN_CLASS])
+            ref = ref_of(src, data).model_copy(update={"kind": "description"})
+            serve_retained(evil, topics, src, ref.sha256, data, chunk)
+            msg = update_of(ATTACKER, session, ref, fed, counts=OWN_COUNTS)
+            evil.send(topics.device_up(ATTACKER), encode(msg))
+            wait_for(lambda: ATTACKER in fed.edges[EDGE].reported, "its honest upload")
+        fed.release(0)
+        outcome = fed.wait()
+        edge = fed.edges[EDGE]
+        accepted = edge.metrics.registry.get_sample_value("estuary_updates_total",
+                                                          {"outcome": "accepted"})  # fmt: skip
+        algo: Any = fed.cloud.algorithm
+        held = {d: torch.nonzero(m).flatten().tolist() for d, (_, m) in sorted(algo.held.items())}
+        final = fed.cloud.final
+        described = dict(final.report.get("described", {})) if final is not None else {}
+        return FedDEORun(outcome=outcome, problems=script.problems, edge=rejected(edge_t),
+                         cloud=rejected(cloud_t), accepted=accepted, held=held,
+                         described=described)  # fmt: skip
+
+
+def test_feddeo_uploads_describe_only_registered_classes_within_bounds(
+    feddeo_run: FedDEORun,
+) -> None:
+    """A device holding one class cannot describe ten, cannot steer with huge rows and
+    cannot be counted for an upload that describes nothing; its own class still counts."""
+    run = feddeo_run
+    assert run.held.get(ATTACKER) == [OWN_CLASS], run.held
+    assert run.described.get(ATTACKER) == 1, run.described
+    assert run.edge == {"edge:class_not_registered": 1, "edge:bad_description": 1,
+                        "edge:describes_nothing": 1}  # fmt: skip
+    assert run.problems == []
+    assert run.outcome.completed, (run.outcome.failed, run.outcome.left)
+    assert run.cloud == {}
+    assert run.accepted == 3.0  # the two honest devices and the attacker's honest upload
+    assert sorted(run.held) == ["dev000", ATTACKER, "dev002"]
