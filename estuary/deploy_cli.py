@@ -13,6 +13,7 @@ from typing import Any
 
 from estuary.paths import check_out_dir, check_out_file
 from shared.errors import EstuaryError
+from shared.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def report_line(device: str, report: dict[str, Any]) -> str:
         what = classified_figures(report)
     else:
         what = report.get("reason") or ""
-    return f"  {device}: {event:>8}  {what}".rstrip()
+    return printable(f"  {device}: {event:>8}  {what}".rstrip())  # a device's text, escaped
 
 
 def cmd_provision(args: argparse.Namespace) -> int:

@@ -22,6 +22,8 @@ generated from (the synthetic set's images per device).
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from shared.wire.messages import DeviceHello, Topics, encode
 from tests.attack_tools import (
     Federation,
     Hostile,
+    LogLines,
     Outcome,
     rejected,
     serve_retained,
@@ -165,3 +168,81 @@ def test_feddeo_uploads_describe_only_registered_classes_within_bounds(
     assert run.cloud == {}
     assert run.accepted == 3.0  # the two honest devices and the attacker's honest upload
     assert sorted(run.held) == ["dev000", ATTACKER, "dev002"]
+
+
+# -- text from the wire in the cloud's log and on the operator's terminal -------------------
+
+#: a device's deployment report whose free text forges a log line, clears the terminal, sets
+#: its title and reverses what follows
+FORGED = ("blob_unavailable\n2026-11-29 13:00:00,000 INFO cloud: run finished; global model "
+          "deadbeef\x1b[2J\x1b]0;owned\x07\u202edone")  # fmt: skip
+CONTROL = ("\n", "\r", "\x1b", "\x07", "\u202e")
+
+
+def _clean(text: str) -> bool:
+    return not any(c in text for c in CONTROL)
+
+
+def test_wire_text_reaches_the_log_and_the_terminal_escaped(broker: LocalBroker) -> None:
+    """A device's report (reason, provider, request id) and a topic level (an id) carrying
+    line breaks and terminal escapes: the cloud's deployment publisher logs them, a role's
+    rejection names the topic, ``estuary status`` and ``estuary deploy`` print the report;
+    every line stays one line, with the escapes shown as text."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from cloud.deploy import DeploymentPublisher, PublisherService
+    from estuary.deploy_cli import report_line
+    from estuary.status import collect_status, format_status
+    from shared.config import BrokerSection
+    from shared.logs import EscapingFormatter
+    from shared.transport.mqtt import MqttBus
+    from shared.wire.messages import DeploymentReport
+
+    cfg = tiny_config(run={"name": "atk-text"}, federation={"num_devices": 3, "num_edges": 1})
+    topics = Topics(cfg.run.name)
+    sha = "ab" * 32
+    refused = DeploymentReport(device="dev000", event="refused", model_sha256=sha, reason=FORGED)
+    classified = DeploymentReport(device="dev001", event="classified", model_sha256=sha, n=8,
+                                  accuracy=0.5, provider="cpu\x1b[31m",
+                                  request_id="own\n2026 INFO x")  # fmt: skip
+    lines = LogLines()
+    settings = BrokerSection(host=broker.host, port=broker.port, connect_timeout_s=10)
+    buses = [MqttBus(settings, run=cfg.run.name, client_id=f"atk-text-{w}", home=h).connect()
+             for w, h in (("cloud", "cloud"), ("status", "observer/status"))]  # fmt: skip
+    try:
+        with (
+            contextlib.closing(Hostile(broker.host, broker.port, "intruder-text")) as evil,
+            contextlib.contextmanager(lines.install)(),
+        ):
+            service = PublisherService("cloud", cfg, buses[0])
+            publisher = DeploymentPublisher(service, Ed25519PrivateKey.generate())
+            evil.send(topics.device_deploy("dev000"), encode(refused), retain=True)
+            evil.send(topics.device_deploy("dev001"), encode(classified), retain=True)
+            # an id from the wire: a topic level with a bidi override (Mosquitto refuses
+            # control characters in topics, not format characters)
+            evil.send(f"{topics.base}/device/dev\u202e200/deploy", encode(refused))
+            end = time.monotonic() + 30
+            while time.monotonic() < end and not (
+                len(publisher.reports) == 2 and rejected(buses[0].traffic)
+            ):
+                buses[0].pump(0.1)
+            assert sorted(publisher.reports) == ["dev000", "dev001"]
+            assert rejected(buses[0].traffic) == {"cloud:wrong_sender": 1}
+            status = format_status(collect_status(cfg, buses[1], 1.0), "test")
+        logged = lines.matching("refused deployment") + lines.matching("wrong_sender")
+        assert len(logged) == 2, lines.lines
+        assert all(_clean(line) for line in logged), logged
+        assert "\\x0a2026-11-29 13:00:00,000 INFO cloud" in logged[0]
+        records = [logging.LogRecord("cloud", logging.WARNING, __file__, 1, "%s", (FORGED,), None)]
+        formatted = EscapingFormatter("%(levelname)s %(message)s").format(records[0])
+        assert _clean(formatted) and "\\x1b[2J" in formatted
+        status_lines = status.split("\n")
+        assert all(_clean(line) for line in status_lines), status
+        assert len(status_lines) == 8, status  # run, cloud, edges, an edge, devices, 3 devices
+        shown = [line for line in status_lines if "REFUSED" in line]
+        assert len(shown) == 1 and "INFO cloud: run finished" in shown[0]
+        printed = [report_line(d, r) for d, r in publisher.summary().items()]
+        assert all(_clean(line) for line in printed), printed
+    finally:
+        for bus in buses:
+            bus.close(timeout_s=2.0)

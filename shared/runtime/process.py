@@ -24,6 +24,7 @@ from types import FrameType
 from shared.config import BrokerSection, RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
+from shared.logs import escaping_handler
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
 from shared.wire.codec import spec_bytes
@@ -83,10 +84,10 @@ def load_role_config(args: argparse.Namespace) -> RunConfig:
 
 def setup_logging(level: str, name: str) -> None:
     """Timestamped log lines tagged with the instance name."""
+    fmt = f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stdout,
+        handlers=[escaping_handler(sys.stdout, fmt)],  # wire text never breaks a line
         force=True,
     )
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
-from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter
+from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter, printable
 from shared.metrics.prometheus import RoleMetrics
 from shared.runtime.trace import Trace
 from shared.transport.bus import Bus, Endpoint
@@ -82,7 +82,8 @@ class RoleService:
         counted; the log gets :data:`REJECT_LOG_BURST` lines per reason a minute, the next
         line saying how many it left out."""
         self.traffic.reject(self.role, reason)
-        self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {detail}", log)
+        text = printable(detail)  # topics, ids and reasons from the wire, escaped
+        self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {text}", log)
 
     def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
