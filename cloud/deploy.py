@@ -54,8 +54,9 @@ REPORT_CARD_BYTES = 16 * 1024
 
 
 class PublisherService(RoleService):
-    """A cloud-role connection that only publishes deployments (``estuary deploy``), for
-    when the cloud process itself is not running."""
+    """A cloud-role connection that only publishes deployments (``estuary deploy``), beside
+    a running cloud or without one: it serves the files from its own subtree
+    (``home = DEPLOYER_HOME``), where the cloud never answers."""
 
     role = "cloud"
 

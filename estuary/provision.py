@@ -65,7 +65,7 @@ from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_ke
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits
-from shared.wire.messages import ROOT, Topics, home_of
+from shared.wire.messages import DEPLOYER_HOME, ROOT, Topics
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,21 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
 
     It speaks under the cloud's subtree (devices fetch a deployment's files from there), but
     only as a deployment publisher (:class:`cloud.deploy.DeploymentPublisher`): the retained
-    deployment, sample requests and the chunks of the blobs it serves; it reads the devices'
-    presence (whom to wait for), their deployment reports, and the requests for the cloud's
-    blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its bus subscribes
-    to). Not the cloud's rounds, state or presence; no update, blob or downlink of anyone."""
+    deployment, sample requests and the chunks of the blobs it serves from its own subtree
+    there (:data:`~shared.wire.messages.DEPLOYER_HOME`, where a running cloud never answers);
+    it reads the devices' presence (whom to wait for), their deployment reports, and the
+    requests for its blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its
+    bus subscribes to). Not the cloud's rounds, state, presence or blobs; no update, blob or
+    downlink of anyone."""
     writes = [
         topics.cloud_deploy,
         topics.cloud_sample,
-        f"{topics.base}/cloud/blob/+/+/+",  # blob_chunk("cloud", sha, chunk_bytes, index)
+        topics.blob_chunk(DEPLOYER_HOME, "+", "+", "+"),  # (sha, chunk_bytes, index)
     ]
     reads = [
         topics.all_device_status,
         topics.all_device_deploy,
-        *topics.blob_want_patterns(home_of("cloud", "cloud")),
+        *topics.blob_want_patterns(DEPLOYER_HOME),
     ]
     return writes, reads
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +35,7 @@ import torch
 from shared.config import RunConfig
 from shared.methods.feddeo.method import DESC, MASK
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.wire.codec import encode_tensors
+from shared.wire.codec import encode_tensors, sha256_hex
 from shared.wire.messages import DeviceHello, Topics, encode
 from tests.attack_tools import (
     Federation,
@@ -244,5 +246,91 @@ def test_wire_text_reaches_the_log_and_the_terminal_escaped(broker: LocalBroker)
         printed = [report_line(d, r) for d, r in publisher.summary().items()]
         assert all(_clean(line) for line in printed), printed
     finally:
+        for bus in buses:
+            bus.close(timeout_s=2.0)
+
+
+# -- `estuary deploy` beside a running cloud, and its exit status ---------------------------
+
+
+def _deploy_config(name: str, keys: tuple[Path, Path], broker: LocalBroker) -> RunConfig:
+    return tiny_config(
+        run={"name": name},
+        federation={"num_devices": 1, "num_edges": 1},
+        broker={"host": broker.host, "port": broker.port, "chunk_bytes": 16 << 10},
+        deploy={"verify_key": str(keys[1]), "grid_size": 2, "sample_steps": 2,
+                "fetch_timeout_s": 20},
+    )  # fmt: skip
+
+
+def test_estuary_deploy_works_beside_a_connected_cloud_and_fails_when_no_device_accepts(
+    broker: LocalBroker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cloud connected to the broker does not hold the files `estuary deploy` publishes
+    (it answered every request for them "missing", and the devices refused the deployment
+    as ``blob_unavailable``): the deployer serves them from its own subtree and the device
+    samples. Then a signed deployment the device refuses (its model is no ONNX file):
+    `estuary deploy` exits 1 and names the device's reason."""
+    from device_agent.deployment import SamplingAgent
+    from estuary.cli import main
+    from shared.config import BrokerSection
+    from shared.deploy.export import export_module
+    from shared.deploy.signing import (
+        generate_keys,
+        key_id,
+        load_private_key,
+        make_manifest,
+        sign_manifest,
+        write_signed,
+    )
+    from shared.models.presets import build_unet
+    from shared.transport.mqtt import MqttBus
+
+    keys = generate_keys(tmp_path / "keys")
+    cfg = _deploy_config("atk-deploy", keys, broker)
+    path = tmp_path / "cfg.json"
+    path.write_text(cfg.to_json())
+    good = tmp_path / "export"
+    private = load_private_key(keys[0])
+    export_module(cfg, build_unet("fmnist-tiny", seed=0), None, good, round_=0, source="test",
+                  threshold=1e-3, parity_steps=2, signing_key=private)  # fmt: skip
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    junk = b"not an onnx model" * 64
+    (bad / "model.onnx").write_bytes(junk)
+    manifest = make_manifest(sha256_hex(junk), len(junk), {"name": "junk", "source": {"run": "x"}})
+    write_signed(bad, *sign_manifest(manifest, private), key_id(private.public_key()))
+
+    settings = BrokerSection(host=broker.host, port=broker.port, connect_timeout_s=10,
+                             chunk_bytes=16 << 10)  # fmt: skip
+    stop = threading.Event()
+    cloud = MqttBus(settings, run=cfg.run.name, client_id="atk-deploy-cloud", home="cloud")
+    device_bus = MqttBus(settings, run=cfg.run.name, client_id="atk-deploy-dev000",
+                         home="device/dev000")  # fmt: skip
+    buses = [cloud.connect(), device_bus.connect()]
+    agent = SamplingAgent(cfg, device_bus, device_id="dev000", out_dir=tmp_path / "dev000")
+    agent.start()
+    runner = threading.Thread(target=lambda: device_bus.run(lambda: False, timeout_s=120,
+                                                            stop=stop), daemon=True)  # fmt: skip
+    runner.start()
+    addr = f"{broker.host}:{broker.port}"
+    try:
+        time.sleep(0.5)  # the device's retained presence, which `deploy` waits for
+        code = main(["deploy", str(good), str(path), "--broker", addr, "--key", str(keys[0]),
+                     "--wait-s", "60"])  # fmt: skip
+        out = capsys.readouterr()
+        served = agent.receiver.served
+        assert "dev000:  sampled" in out.out, out.out + out.err
+        assert code == 0, out.out + out.err
+        assert served is not None
+        assert cloud.traffic.transport().get("blob_requests_missing", 0) == 0  # never asked
+        code = main(["deploy", str(bad), str(path), "--broker", addr, "--key", str(keys[0]),
+                     "--wait-s", "60"])  # fmt: skip
+        out = capsys.readouterr()
+        assert code == 1, out.out + out.err
+        assert "no device accepted deployment" in out.err and "dev000: " in out.err, out.err
+    finally:
+        stop.set()
+        runner.join(10)
         for bus in buses:
             bus.close(timeout_s=2.0)

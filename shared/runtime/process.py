@@ -178,16 +178,22 @@ def role_broker_settings(
 
 
 def connect_bus(
-    cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None, *, will: bool = True
+    cfg: RunConfig,
+    service_role: str,
+    name: str,
+    cache_dir: Path | None,
+    *,
+    will: bool = True,
+    home: str | None = None,
 ) -> MqttBus:
     """The MQTT connection of one role instance, with its presence as the last will (unless
     ``will`` is False: a tool speaking for a role, like ``estuary deploy``, must not mark
-    that role offline when the tool itself drops); its settings are
-    :func:`role_broker_settings`."""
+    that role offline when the tool itself drops), serving blobs under ``home`` (default
+    the role's, :func:`home_of`); its settings are :func:`role_broker_settings`."""
     settings = role_broker_settings(cfg, service_role, cache_dir)
     log.debug("%s: blob store limits %d bytes in memory, %d on disk", name,
               settings.memory_limit_bytes, settings.cache_limit_bytes)  # fmt: skip
-    home = home_of(service_role, name)
+    home = home if home is not None else home_of(service_role, name)
     last_will = (
         encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
         if will

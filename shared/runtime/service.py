@@ -45,10 +45,11 @@ class RoleService:
 
     role = "role"
 
-    def __init__(self, name: str, cfg: RunConfig, bus: Bus) -> None:
+    def __init__(self, name: str, cfg: RunConfig, bus: Bus, *, home: str | None = None) -> None:
         self.name = name
         self.cfg = cfg
-        self.home = home_of(self.role, name)
+        #: the subtree it writes under (default its role's, :func:`home_of`)
+        self.home = home if home is not None else home_of(self.role, name)
         self.ep: Endpoint = bus.endpoint(name, self.home)
         self.topics = Topics(cfg.run.name)
         self.traffic: Traffic = bus.traffic
