@@ -142,6 +142,8 @@ def deploy_source(ref: BlobRef | None) -> str:
     """The subtree a deployment's file is fetched from: ``ref``'s own source when it is one
     of :data:`~shared.wire.messages.DEPLOY_SOURCES`, else :data:`DEPLOY_SOURCE`."""
     return ref.src if ref is not None and ref.src in DEPLOY_SOURCES else DEPLOY_SOURCE
+
+
 #: seconds (bus clock) between two looks at a fetch under way; the longest the first look
 #: and the later ones wait for it on the role thread (a blob already here, or on an in-process
 #: bus, is handed over at the first look, as if fetched on the role thread)

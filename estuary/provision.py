@@ -125,7 +125,7 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
     writes = [
         topics.cloud_deploy,
         topics.cloud_sample,
-        topics.blob_chunk(DEPLOYER_HOME, "+", "+", "+"),  # (sha, chunk_bytes, index)
+        f"{topics.base}/{DEPLOYER_HOME}/blob/+/+/+",  # blob_chunk(DEPLOYER_HOME, sha, size, i)
     ]
     reads = [
         topics.all_device_status,

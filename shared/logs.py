@@ -18,6 +18,7 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class EscapingFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
-def escaping_handler(stream: object, fmt: str) -> logging.Handler:
+def escaping_handler(stream: TextIO, fmt: str) -> logging.Handler:
     """A stream handler writing ``fmt`` lines through :class:`EscapingFormatter`."""
-    handler = logging.StreamHandler(stream)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(EscapingFormatter(fmt))
     return handler
 
