@@ -16,7 +16,15 @@ uploads, in this order:
 
 ``test_feddeo_uploads_describe_only_registered_classes_within_bounds`` checks the counts,
 the edge's accepted-updates counter and what the cloud kept (dev001: class 3 alone) and
-generated from (the synthetic set's images per device).
+generated from (the final report's classes per device). About 12 s.
+
+``test_wire_text_reaches_the_log_and_the_terminal_escaped``: deployment reports and a topic
+level carrying line breaks, terminal escapes and a bidi override, read by the cloud's
+deployment publisher and by ``estuary status`` (about 2 s).
+
+``test_estuary_deploy_works_beside_a_connected_cloud_and_fails_when_no_device_accepts``:
+``estuary deploy`` (in this process) to a sampling device while a cloud is connected, then a
+deployment the device refuses (about 10 s, most of it the ONNX export).
 """
 
 from __future__ import annotations
