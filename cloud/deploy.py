@@ -33,6 +33,7 @@ from shared.deploy.signing import (
 )
 from shared.errors import EstuaryError, ExportError
 from shared.families import family_of
+from shared.logs import printable
 from shared.runtime.service import RoleService
 from shared.wire.messages import BlobRef, Deployment, DeploymentReport, SampleRequest
 
@@ -53,8 +54,9 @@ REPORT_CARD_BYTES = 16 * 1024
 
 
 class PublisherService(RoleService):
-    """A cloud-role connection that only publishes deployments (``estuary deploy``), for
-    when the cloud process itself is not running."""
+    """A cloud-role connection that only publishes deployments (``estuary deploy``), beside
+    a running cloud or without one: it serves the files from its own subtree
+    (``home = DEPLOYER_HOME``), where the cloud never answers."""
 
     role = "cloud"
 
@@ -77,17 +79,18 @@ class DeploymentPublisher:
 
     def _on_report(self, msg: DeploymentReport) -> None:
         self.reports[msg.device] = msg
+        # a device's free text (reason, provider, request id) is escaped before it is logged
         if msg.event == "refused":
             log.warning("%s refused deployment %s: %s", msg.device,
-                        (msg.model_sha256 or "?")[:12], msg.reason)  # fmt: skip
+                        (msg.model_sha256 or "?")[:12], printable(msg.reason))  # fmt: skip
         elif msg.event == "sampled":
             log.info("%s sampled %d images at %.2f images/s (%s)", msg.device, msg.n,
-                     msg.images_per_s, msg.provider)  # fmt: skip
+                     msg.images_per_s, printable(msg.provider))  # fmt: skip
         elif msg.event == "classified":
             log.info("%s classified %d images (%s): accuracy %s at %.0f images/s (%s)",
-                     msg.device, msg.n, msg.request_id or "?",
+                     msg.device, msg.n, printable(msg.request_id or "?"),
                      "-" if msg.accuracy is None else f"{msg.accuracy:.4f}", msg.images_per_s,
-                     msg.provider)  # fmt: skip
+                     printable(msg.provider))  # fmt: skip
         if self.on_report is not None:
             self.on_report(msg)
 

@@ -29,7 +29,10 @@ class CloudProducts(CloudBase):
         finalizer = self.algorithm.finalizer
         if finalizer is None or not self.uploads:
             return
-        finalizer.collect(r, dict(sorted(self.uploads.items())))
+        counts = {d: hello.label_counts for d, hello in self.devices.items()}
+        refused = finalizer.collect(r, dict(sorted(self.uploads.items())), self.model, counts)
+        for err in refused.values():
+            self.reject(err.reason, f"round {r + 1}: {err.detail}")
         if self.algorithm.personalization is None:
             self.uploads = {}
 

@@ -101,6 +101,7 @@ from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import RoleService
 from shared.transport.bus import Bus
 from shared.wire.messages import (
+    DEPLOY_SOURCES,
     BlobRef,
     Deployment,
     DeploymentReport,
@@ -129,9 +130,20 @@ __all__ = [  # each task's handler is its module's; their names are read here to
 
 log = logging.getLogger(__name__)
 
-#: where a device fetches a deployment's files: the subtree of the cloud, which publishes
-#: deployments (the ``src`` of a blob reference is not covered by the signature)
+#: where a device fetches a deployment's files unless its reference names the other source
+#: of :data:`~shared.wire.messages.DEPLOY_SOURCES` (the subtree ``estuary deploy`` serves
+#: from): the cloud's, which publishes deployments. The ``src`` of a blob reference is not
+#: covered by the signature, so no other source is ever asked; the files are checked
+#: against the signed manifest whichever served them
 DEPLOY_SOURCE = home_of("cloud", "cloud")
+
+
+def deploy_source(ref: BlobRef | None) -> str:
+    """The subtree a deployment's file is fetched from: ``ref``'s own source when it is one
+    of :data:`~shared.wire.messages.DEPLOY_SOURCES`, else :data:`DEPLOY_SOURCE`."""
+    return ref.src if ref is not None and ref.src in DEPLOY_SOURCES else DEPLOY_SOURCE
+
+
 #: seconds (bus clock) between two looks at a fetch under way; the longest the first look
 #: and the later ones wait for it on the role thread (a blob already here, or on an in-process
 #: bus, is handed over at the first look, as if fetched on the role thread)
@@ -273,15 +285,16 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
 
     def _check_ref(self, manifest: dict[str, Any], entry: str, ref: BlobRef | None) -> None:
         """The reference ``ref`` must name the manifest's ``entry`` file, within the size
-        limit; its ``src`` is not signed, so the file is fetched from the cloud whatever it
-        says (a different one is counted as ``deploy_source_ignored``)."""
+        limit; its ``src`` is not signed, so the file is fetched from the cloud or from
+        ``estuary deploy``'s subtree whatever it says (:func:`deploy_source`: another one is
+        counted as ``deploy_source_ignored``)."""
         want = manifest[entry]
         if ref is None or (ref.sha256, ref.size) != (want["sha256"], want["size"]):
             raise SignatureError("bad_manifest", f"the {entry} blob reference is not the "
                                  "signed file")  # fmt: skip
         if want["size"] > self.service.cfg.broker.max_blob_bytes:
             raise SignatureError("too_large", f"{entry} of {want['size']} bytes")
-        if ref.src not in (None, DEPLOY_SOURCE):
+        if ref.src not in (None, *DEPLOY_SOURCES):
             self.service.traffic.note("deploy_source_ignored")
             log.warning("%s: the %s blob reference names %r as its source; fetching it from %r",
                         self.service.name, entry, ref.src, DEPLOY_SOURCE)  # fmt: skip
@@ -312,17 +325,21 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
     def _fetch_files(self, item: Admitted) -> Fetched:
         """The worker: fetch the model (and the shared tensors) and check them against the
         manifest. Touches nothing of the device."""
-        model = self._fetch(item.manifest, "model", MODEL_BLOB_KIND)
-        shared = self._fetch(item.manifest, "shared", SHARED_BLOB_KIND) if item.shared else None
+        msg = item.msg
+        model = self._fetch(item.manifest, "model", MODEL_BLOB_KIND, deploy_source(msg.model_ref))
+        shared = (
+            self._fetch(item.manifest, "shared", SHARED_BLOB_KIND, deploy_source(msg.shared_ref))
+            if item.shared
+            else None
+        )
         return Fetched(model, shared)
 
-    def _fetch(self, manifest: dict[str, Any], entry: str, kind: str) -> bytes:
-        """The manifest's ``entry`` file from the cloud, within ``deploy.fetch_timeout_s``,
-        checked against the manifest."""
+    def _fetch(self, manifest: dict[str, Any], entry: str, kind: str, src: str) -> bytes:
+        """The manifest's ``entry`` file from ``src`` (:func:`deploy_source`), within
+        ``deploy.fetch_timeout_s``, checked against the manifest."""
         want = manifest[entry]
         data = self.service.ep.get_blob(
-            want["sha256"], want["size"], kind=kind, src=DEPLOY_SOURCE,
-            timeout_s=self.cfg.fetch_timeout_s,
+            want["sha256"], want["size"], kind=kind, src=src, timeout_s=self.cfg.fetch_timeout_s,
         )  # fmt: skip
         check_model_bytes(data, manifest, entry)  # the blob layer checked; the file is what runs
         return data

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from edge_node.state import EdgeRoundState
 from shared.data.datasets import histogram_problem
-from shared.errors import CodecError, TransportError
+from shared.errors import CodecError, MessageError, TransportError
 from shared.methods.api import Update
 from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import TensorDict
@@ -151,7 +151,10 @@ class UpdateFetching(EdgeRoundState):
         if self.fold is not None:
             try:
                 self.fold.add(update)
-            except Exception as err:  # the spec was checked: a bug, or an algorithm's refusal
+            except MessageError as err:  # the method refused what the upload holds
+                self._refuse(msg, err.reason, f"{where}: {err.detail}")
+                return
+            except Exception as err:  # the spec was checked: a bug
                 log.exception("%s: folding the update of %s failed", self.name, where)
                 self._refuse(msg, "bad_update", f"{where}: {type(err).__name__}: {err}")
                 return

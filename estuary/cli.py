@@ -15,6 +15,7 @@ from typing import Any
 
 from estuary.paths import check_out_dir, describe_os_error
 from shared.errors import ConfigError, EstuaryError, did_you_mean
+from shared.logs import escaping_handler
 
 #: modules of the "train" extra; a sampling-only install lacks them
 TRAIN_MODULES = frozenset({"torch", "diffusers", "torch_pruning", "safetensors", "scipy",
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("-q/--quiet and -v/--verbose exclude each other")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[escaping_handler(sys.stderr, "%(asctime)s %(levelname)s %(name)s: %(message)s")],
     )
     try:
         return int(args.func(args))

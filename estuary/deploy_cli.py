@@ -13,6 +13,7 @@ from typing import Any
 
 from estuary.paths import check_out_dir, check_out_file
 from shared.errors import EstuaryError
+from shared.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from estuary.provision import DEPLOYER
     from shared.deploy.signing import load_private_key
     from shared.runtime.process import connect_bus, load_role_config
-    from shared.wire.messages import Presence
+    from shared.wire.messages import DEPLOYER_HOME, Presence
 
     cfg = load_role_config(args)
     if cfg.broker.username == "cloud":
@@ -149,10 +150,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     key_path = args.key or cfg.deploy.signing_key
     if not key_path:
         raise EstuaryError("no signing key: pass --key or set deploy.signing_key")
-    # under the cloud's subtree, without its presence or last will: the cloud may be up
-    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=False)
+    # its files served from its own subtree inside the cloud's, without the cloud's presence
+    # or last will: the cloud may be up (and never answers for those files)
+    bus = connect_bus(cfg, "cloud", "cloud-deploy", None, will=False, home=DEPLOYER_HOME)
     try:
-        service = PublisherService("cloud", cfg, bus)
+        service = PublisherService("cloud", cfg, bus, home=DEPLOYER_HOME)
         online: set[str] = set()
 
         def presence(msg: Presence) -> None:
@@ -178,7 +180,34 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         bus.close()
     for device, r in publisher.summary().items():
         print(report_line(device, r))
-    return 0 if publisher.settled(targets) else 1
+    problem = deploy_problem(publisher, targets)
+    if problem:
+        print(f"estuary deploy: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def deploy_problem(publisher: Any, targets: list[str]) -> str:
+    """Why ``estuary deploy`` failed ("" when it did not): no device among ``targets``
+    accepted the deployment now current at ``publisher``
+    (:class:`~cloud.deploy.DeploymentPublisher`; the reasons of those that refused it are
+    named), or some did not report on it (or did not finish loading it) in time."""
+    current = publisher.current
+    sha = current.model_ref.sha256 if current is not None else ""
+    on_it = {d: r for d, r in publisher.reports.items() if d in targets and r.model_sha256 == sha}
+    refused = {d: r.reason for d, r in sorted(on_it.items()) if r.event == "refused"}
+    silent = sorted(set(targets) - set(on_it))
+    if not targets:
+        return "no device online to deploy to"
+    if len(refused) + len(silent) == len(targets):  # none took it
+        named = [f"{d}: {why or 'no reason given'}" for d, why in refused.items()]
+        named += [f"{d}: no report within --wait-s" for d in silent]
+        return printable(f"no device accepted deployment {sha[:12]} ({'; '.join(named)})")
+    pending = sorted([*silent, *(d for d, r in on_it.items() if r.event == "loaded")])
+    if pending:
+        return (f"{len(pending)} of {len(targets)} device(s) did not finish with deployment "
+                f"{sha[:12]} in time: {', '.join(pending)}")  # fmt: skip
+    return ""
 
 
 def report_line(device: str, report: dict[str, Any]) -> str:
@@ -194,7 +223,7 @@ def report_line(device: str, report: dict[str, Any]) -> str:
         what = classified_figures(report)
     else:
         what = report.get("reason") or ""
-    return f"  {device}: {event:>8}  {what}".rstrip()
+    return printable(f"  {device}: {event:>8}  {what}".rstrip())  # a device's text, escaped
 
 
 def cmd_provision(args: argparse.Namespace) -> int:

@@ -70,7 +70,7 @@ from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_ke
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits, secured_packet_bytes
-from shared.wire.messages import ROOT, Topics, home_of
+from shared.wire.messages import DEPLOYER_HOME, ROOT, Topics
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +121,21 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
 
     It speaks under the cloud's subtree (devices fetch a deployment's files from there), but
     only as a deployment publisher (:class:`cloud.deploy.DeploymentPublisher`): the retained
-    deployment, sample requests and the chunks of the blobs it serves; it reads the devices'
-    presence (whom to wait for), their deployment reports, and the requests for the cloud's
-    blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its bus subscribes
-    to). Not the cloud's rounds, state or presence; no update, blob or downlink of anyone."""
+    deployment, sample requests and the chunks of the blobs it serves from its own subtree
+    there (:data:`~shared.wire.messages.DEPLOYER_HOME`, where a running cloud never answers);
+    it reads the devices' presence (whom to wait for), their deployment reports, and the
+    requests for its blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its
+    bus subscribes to). Not the cloud's rounds, state, presence or blobs; no update, blob or
+    downlink of anyone."""
     writes = [
         topics.cloud_deploy,
         topics.cloud_sample,
-        f"{topics.base}/cloud/blob/+/+/+",  # blob_chunk("cloud", sha, chunk_bytes, index)
+        f"{topics.base}/{DEPLOYER_HOME}/blob/+/+/+",  # blob_chunk(DEPLOYER_HOME, sha, size, i)
     ]
     reads = [
         topics.all_device_status,
         topics.all_device_deploy,
-        *topics.blob_want_patterns(home_of("cloud", "cloud")),
+        *topics.blob_want_patterns(DEPLOYER_HOME),
     ]
     return writes, reads
 
@@ -142,9 +144,9 @@ def device_writes(base: str, device: str, edges: list[str]) -> list[str]:
     """Every topic device ``device`` publishes, none more: its registration, presence and
     deployment report (the retained ones), its updates and edge choices, the chunks of the
     blobs it serves (its uploads), and its blob requests to ``edges`` (the edges it may
-    train with), the cloud and its own private downlink. A wildcard over its own subtree
-    would let its credentials leave retained messages on as many made-up topics as it likes
-    (each one held by the broker until cleared)."""
+    train with), the cloud, the deployer and its own private downlink. A wildcard over its
+    own subtree would let its credentials leave retained messages on as many made-up topics
+    as it likes (each one held by the broker until cleared)."""
     own = f"{base}/device/{device}"
     return [
         f"{own}/hello",
@@ -154,6 +156,7 @@ def device_writes(base: str, device: str, edges: list[str]) -> list[str]:
         f"{own}/join",
         f"{own}/blob/+/+/+",  # Topics.blob_chunk(home, sha, chunk_bytes, index)
         f"{own}/want/cloud",
+        f"{own}/want/{DEPLOYER_HOME}",  # the model of a deployment `estuary deploy` serves
         *(f"{own}/want/edge/{e}" for e in edges),
         f"{own}/want/device/{device}/down",  # Topics.private_want
     ]

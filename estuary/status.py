@@ -34,6 +34,7 @@ from pydantic import BaseModel
 
 from shared.config import RunConfig
 from shared.errors import EstuaryError
+from shared.logs import printable
 from shared.naming import device_name, edge_ids
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
@@ -310,7 +311,8 @@ def format_status(st: FederationStatus, where: str, now: float | None = None) ->
         named = ", ".join(f"{r} x{n}" for r, n in sorted(st.rejected.items()))
         lines.append(f"rejected {sum(st.rejected.values())} message(s): {named} "
                      "(run with -v to see each)")  # fmt: skip
-    return "\n".join(lines)
+    # every line holds text from the wire (reports, ids): escaped, one line each
+    return "\n".join(printable(line) for line in lines)
 
 
 def _report(r: DeploymentReport | None) -> str:

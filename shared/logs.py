@@ -2,21 +2,67 @@
 
 Every rejection is still counted (``estuary_rejected_messages_total``); the log gets
 :data:`REJECT_LOG_BURST` lines per reason a minute, the next line saying how many it left out.
+
+Text from the wire (ids, topics, reasons, reports) goes through :func:`printable` before it
+reaches a log line or a terminal: a line break, a terminal escape sequence or a bidi override
+in it is shown as an escape (``\\n``, ``\\x1b``, ``\\u202e``), so it can neither forge a log line
+nor drive the operator's terminal. :class:`EscapingFormatter` does the same to every log
+message a process writes (its traceback, if any, left as it is).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 log = logging.getLogger(__name__)
 
 #: rejections logged per reason and window; the rest are counted (as every rejection is, in
 #: ``estuary_rejected_messages_total``) and summed up in the next line logged for that reason
 REJECT_LOG_BURST, REJECT_LOG_WINDOW_S = 5, 60.0
+
+
+#: characters :func:`printable` escapes: control (Cc: C0, DEL, C1), format (Cf: bidi
+#: overrides, zero-width), line and paragraph separators (Zl, Zp), surrogates and unassigned
+_UNPRINTABLE = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"))
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not plain printable text (line breaks, escape
+    sequences, bidi overrides, ...) written as its Python escape (``\\n``, ``\\x1b``);
+    text without such characters is returned as it is."""
+    if text.isprintable():
+        return text
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNPRINTABLE else ch for ch in text)
+
+
+class EscapingFormatter(logging.Formatter):
+    """A formatter whose every message goes through :func:`printable`: a log line stays
+    one line whatever a message interpolated. An exception's traceback, added after the
+    message, keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
+def escaping_handler(stream: TextIO, fmt: str) -> logging.Handler:
+    """A stream handler writing ``fmt`` lines through :class:`EscapingFormatter`."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(EscapingFormatter(fmt))
+    return handler
 
 
 class LogLimiter:

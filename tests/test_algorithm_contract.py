@@ -142,7 +142,8 @@ def test_the_same_seed_gives_the_same_model_on_memorybus(name: str) -> None:
 
 
 def _update(tensors: dict[str, torch.Tensor], i: int) -> Update:
-    counts = tuple(int(c) for c in np.random.default_rng(i).integers(0, 20, NUM_CLASSES))
+    # every class held (an upload may describe only the classes its device registered)
+    counts = tuple(int(c) for c in np.random.default_rng(i).integers(1, 20, NUM_CLASSES))
     return Update(f"dev{i:03d}", tensors, n_samples=sum(counts) or 1, label_counts=counts)
 
 

@@ -16,9 +16,8 @@ from shared.config import (
 )
 from shared.config.deployment import (
     BLOB_DISK_FACTOR,
-    BLOB_DISK_FLOOR,
     BLOB_MEMORY_BLOBS,
-    BLOB_MEMORY_FLOOR,
+    BLOB_MEMORY_HEADROOM,
 )
 from shared.errors import ConfigError
 from shared.runtime.process import blob_bytes, role_broker_settings
@@ -60,28 +59,41 @@ def test_auto_can_be_written_and_anything_else_must_be_a_byte_count() -> None:
             config_from_dict({"broker": {"memory_limit_bytes": bad}})
 
 
-def test_the_rule_floor_multiple_and_disk_factor() -> None:
+def memory_for(blob: int, per_device: int = 0) -> int:
+    """The auto memory limit of a run whose largest blob is ``blob`` bytes."""
+    return (BLOB_MEMORY_BLOBS + per_device) * blob + BLOB_MEMORY_HEADROOM
+
+
+def test_the_rule_multiple_headroom_and_disk_factor() -> None:
     tiny = BrokerSection().with_blob_limits(TINY_BYTES)
-    assert tiny.memory_limit_bytes == BLOB_MEMORY_FLOOR == 64 << 20  # 8 x 2.7 MB is less
-    assert tiny.cache_limit_bytes == BLOB_DISK_FLOOR == 256 << 20
+    assert tiny.memory_limit_bytes == 2 * TINY_BYTES + (8 << 20)  # 13.2 MiB
+    assert tiny.cache_limit_bytes == BLOB_DISK_FACTOR * tiny.memory_limit_bytes  # 52.9 MiB
     big = BrokerSection().with_blob_limits(CIFAR_BYTES)
-    assert big.memory_limit_bytes == BLOB_MEMORY_BLOBS * CIFAR_BYTES  # 273 MiB
-    assert big.cache_limit_bytes == BLOB_DISK_FACTOR * BLOB_MEMORY_BLOBS * CIFAR_BYTES
+    assert big.memory_limit_bytes == memory_for(CIFAR_BYTES)  # 281 MiB
+    assert big.cache_limit_bytes == BLOB_DISK_FACTOR * memory_for(CIFAR_BYTES)
     per_device = BrokerSection().with_blob_limits(CIFAR_BYTES, per_device_blobs=10)
-    assert per_device.memory_limit_bytes == (BLOB_MEMORY_BLOBS + 10) * CIFAR_BYTES
+    assert per_device.memory_limit_bytes == memory_for(CIFAR_BYTES, 10)
     assert not big.blob_limits_auto  # sized: plain numbers from now on
     assert big.with_blob_limits(1) is big
     with pytest.raises(ValueError):
         BrokerSection().with_blob_limits(-1)
 
 
+def test_the_disk_cache_of_a_small_model_holds_copies_in_proportion() -> None:
+    """A fixed 256 MiB disk floor kept ~95 copies of fmnist-tiny's 2.7 MB on every role; the
+    limits now scale with the model: 8 to about 20 copies, whatever its size."""
+    for blob in (TINY_BYTES, CIFAR_BYTES):
+        copies = BrokerSection().with_blob_limits(blob).cache_limit_bytes / blob
+        assert BLOB_DISK_FACTOR * BLOB_MEMORY_BLOBS <= copies <= 21, (blob, copies)
+
+
 def test_an_explicit_limit_wins() -> None:
     memory_set = BrokerSection(memory_limit_bytes=123).with_blob_limits(CIFAR_BYTES)
     assert memory_set.memory_limit_bytes == 123
-    assert memory_set.cache_limit_bytes == BLOB_DISK_FACTOR * BLOB_MEMORY_BLOBS * CIFAR_BYTES
+    assert memory_set.cache_limit_bytes == BLOB_DISK_FACTOR * memory_for(CIFAR_BYTES)
     disk_set = BrokerSection(cache_limit_bytes=8 << 30).with_blob_limits(TINY_BYTES)
     assert disk_set.cache_limit_bytes == 8 << 30
-    assert disk_set.memory_limit_bytes == BLOB_MEMORY_FLOOR
+    assert disk_set.memory_limit_bytes == memory_for(TINY_BYTES)
     # the very value of the old fallback, written by hand, is explicit too
     both = cfg_of(memory_limit_bytes=2 << 30, cache_limit_bytes=0)
     settings = role_broker_settings(both, "device")
@@ -101,7 +113,7 @@ def test_roles_size_their_limits_and_per_device_blobs_get_room() -> None:
     cfg = cfg_of("ddpm-cifar10")
     for role in ("cloud", "edge", "device"):
         s = role_broker_settings(cfg, role)
-        assert s.memory_limit_bytes == BLOB_MEMORY_BLOBS * CIFAR_BYTES
+        assert s.memory_limit_bytes == memory_for(CIFAR_BYTES)
     pfedgpa = config_from_dict(
         {"model": {"preset": "fmnist-cnn"}, "algorithm": {"name": "pfedgpa"},
          "federation": {"num_devices": 400, "num_edges": 4}},
@@ -111,8 +123,8 @@ def test_roles_size_their_limits_and_per_device_blobs_get_room() -> None:
     # the cloud's personal models and an edge's forwarded uploads: one per device
     for role in ("cloud", "edge"):
         s = role_broker_settings(pfedgpa, role)
-        assert s.memory_limit_bytes == (BLOB_MEMORY_BLOBS + 400) * unit > BLOB_MEMORY_FLOOR
-    assert role_broker_settings(pfedgpa, "device").memory_limit_bytes == BLOB_MEMORY_FLOOR
+        assert s.memory_limit_bytes == memory_for(unit, 400)
+    assert role_broker_settings(pfedgpa, "device").memory_limit_bytes == memory_for(unit)
 
 
 def test_the_cache_dir_argument_applies_unless_the_config_names_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -128,5 +140,5 @@ def test_a_bus_built_from_the_settings_alone_keeps_the_fixed_fallback() -> None:
     assert bus.store.disk_limit_bytes == 8 << 30
     sized = role_broker_settings(cfg_of(), "device")
     bus = MqttBus(sized, run="limits", client_id="limits2", home="device/dev000")
-    assert bus.store.memory_limit_bytes == BLOB_MEMORY_FLOOR
+    assert bus.store.memory_limit_bytes == memory_for(TINY_BYTES)
     assert type(bus.store.memory_limit_bytes) is int

@@ -13,7 +13,7 @@ import torch
 
 from shared.config import RunConfig, config_from_dict
 from shared.diffusion.schedule import make_train_scheduler
-from shared.errors import ConfigError
+from shared.errors import ConfigError, MessageError
 from shared.methods.base import Update
 from shared.methods.feddeo.config import FedDEOConfig
 from shared.methods.feddeo.guidance import (
@@ -26,7 +26,9 @@ from shared.methods.feddeo.guidance import (
 from shared.methods.feddeo.method import (
     DESC,
     MASK,
+    MAX_DESC_NORM_RATIO,
     image_seed,
+    prompt_norm,
     start_noise,
     train_descriptions,
 )
@@ -133,40 +135,78 @@ def _upload(desc_value: float, mask: list[float] | None = None) -> dict[str, tor
     return {DESC: torch.full((10, 64), desc_value), MASK: torch.tensor(mask or [1.0] * 10)}
 
 
+ALL = {f"dev{i:03d}": [1] * 10 for i in range(4)}  # every device registered every class
+
+
 def test_each_upload_is_checked_at_its_edge_and_kept_by_the_cloud_as_sent() -> None:
     cfg = feddeo_config()
     algo = make_algorithm(cfg)
     assert algo.traffic.cloud_sees == "every_upload" and algo.traffic.product == "cloud_made"
     state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
     fold = algo.aggregation.edge_fold(state)
-    fold.add(Update("dev000", _upload(1.0), 10, (1,) * 10))
-    fold.add(Update("dev002", _upload(2.0), 10, (1,) * 10))
-    with pytest.raises(ValueError, match="not a device of this federation"):
-        fold.add(Update("dev099", _upload(9.0), 10, (1,) * 10))
-    with pytest.raises(ValueError, match="mask entries"):
-        fold.add(Update("dev001", _upload(3.0, [1, 0.5] + [0] * 8), 10, (1,) * 10))
+    fold.add(Update("dev000", _upload(0.5), 10, (1,) * 10))
+    fold.add(Update("dev002", _upload(0.25), 10, (1,) * 10))
+    with pytest.raises(MessageError, match="not a device of this federation"):
+        fold.add(Update("dev099", _upload(0.5), 10, (1,) * 10))
+    with pytest.raises(MessageError, match="mask entries"):
+        fold.add(Update("dev001", _upload(0.5, [1, 0.5] + [0] * 8), 10, (1,) * 10))
     assert fold.sources == ["dev000", "dev002"]
     assert fold.result() is state  # the generator is never touched, nothing is averaged
     # the cloud keeps each device's own upload (forwarded by its edge), checked again
     finalizer = algo.finalizer
     assert finalizer is not None
-    finalizer.collect(0, {
-        "dev000": _upload(1.0), "dev002": _upload(2.0), "dev099": _upload(9.0),
-        "dev001": _upload(3.0, [1, 0.5] + [0] * 8),
-    })  # fmt: skip
+    refused = finalizer.collect(0, {
+        "dev000": _upload(0.5), "dev002": _upload(0.25), "dev099": _upload(0.5),
+        "dev001": _upload(0.5, [1, 0.5] + [0] * 8),
+    }, state, ALL)  # fmt: skip
+    assert {d: e.reason for d, e in refused.items()} == {
+        "dev099": "unknown_device", "dev001": "bad_description"}  # fmt: skip
     held = algo.held  # type: ignore[attr-defined]
     assert sorted(held) == ["dev000", "dev002"]
-    assert float(held["dev000"][0].mean()) == 1.0 and float(held["dev002"][0].mean()) == 2.0
+    assert float(held["dev000"][0].mean()) == 0.5 and float(held["dev002"][0].mean()) == 0.25
 
 
-def test_a_description_too_large_is_refused() -> None:
+def test_an_upload_may_describe_only_classes_its_device_registered() -> None:
+    """A device holding one class cannot describe ten, nor describe none; its own class
+    passes, at the edge and again at the cloud."""
     algo = make_algorithm(feddeo_config())
     state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
-    with pytest.raises(ValueError, match="description entries beyond"):
-        algo.aggregation.edge_fold(state).add(Update("dev000", _upload(1e6), 10, (1,) * 10))
+    one = (0, 0, 0, 12, 0, 0, 0, 0, 0, 0)  # class 3 only
+    fold = algo.aggregation.edge_fold(state)
+    with pytest.raises(MessageError, match=r"classes \[0, 1, 2, 4, 5, 6, 7, 8, 9\]") as err:
+        fold.add(Update("dev000", _upload(0.5), 12, one))
+    assert err.value.reason == "class_not_registered"
+    with pytest.raises(MessageError, match="names no class") as err:
+        fold.add(Update("dev000", _upload(0.5, [0.0] * 10), 12, one))
+    assert err.value.reason == "describes_nothing"
+    own = [0.0] * 10
+    own[3] = 1.0
+    fold.add(Update("dev000", _upload(0.5, own), 12, one))
+    assert fold.sources == ["dev000"]
     finalizer = algo.finalizer
     assert finalizer is not None
-    finalizer.collect(0, {"dev000": _upload(1e6)})
+    refused = finalizer.collect(0, {"dev000": _upload(0.5, own), "dev001": _upload(0.5)}, state,
+                                {"dev000": list(one), "dev001": list(one)})  # fmt: skip
+    assert {d: e.reason for d, e in refused.items()} == {"dev001": "class_not_registered"}
+    assert sorted(algo.held) == ["dev000"]  # type: ignore[attr-defined]
+
+
+def test_a_description_far_from_the_class_prompts_is_refused() -> None:
+    """Rows bounded relative to the generator's class prompts: the largest prompt's norm
+    times MAX_DESC_NORM_RATIO passes, a little more does not (nor 999 in every entry)."""
+    algo = make_algorithm(feddeo_config())
+    state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
+    limit = MAX_DESC_NORM_RATIO * prompt_norm(state)
+    at_limit = limit / 8.0 * 0.999  # a row of 64 equal entries has norm 8 x the entry
+    algo.aggregation.edge_fold(state).add(Update("dev000", _upload(at_limit), 10, (1,) * 10))
+    for value in (limit / 8.0 * 1.01, 999.0):
+        with pytest.raises(MessageError, match="description row of norm") as err:
+            algo.aggregation.edge_fold(state).add(Update("dev000", _upload(value), 10, (1,) * 10))
+        assert err.value.reason == "bad_description"
+    finalizer = algo.finalizer
+    assert finalizer is not None
+    refused = finalizer.collect(0, {"dev000": _upload(999.0)}, state, ALL)
+    assert [e.reason for e in refused.values()] == ["bad_description"]
     assert not algo.held  # type: ignore[attr-defined]
 
 
@@ -177,7 +217,8 @@ def test_the_published_state_carries_no_description(tmp_path: Path) -> None:
     assert algo.format.global_spec(mspec) == mspec  # the generator alone: no description
     finalizer, view = algo.finalizer, algo.state_view
     assert finalizer is not None and view is not None and view.keeps_files
-    finalizer.collect(0, {"dev000": _upload(1.5)})
+    state = algo.format.init_global(build_unet("fmnist-tiny-cfg").state_dict())
+    assert finalizer.collect(0, {"dev000": _upload(0.75)}, state, ALL) == {}
     view.save_cloud_state(tmp_path, 0)
     again = make_algorithm(cfg)
     assert again.state_view is not None

@@ -31,7 +31,15 @@ from shared.errors import EstuaryError
 from shared.runtime.process import connect_bus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
-from shared.wire.messages import Deployment, DeploymentReport, Presence, Topics, decode, encode
+from shared.wire.messages import (
+    DEPLOYER_HOME,
+    Deployment,
+    DeploymentReport,
+    Presence,
+    Topics,
+    decode,
+    encode,
+)
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect, inbox, login, received
 
@@ -153,17 +161,19 @@ def test_acl_deployer_publishes_deployments_and_nothing_else(
     secured: tuple[LocalBroker, Path], tmp_path: Path
 ) -> None:
     """The account of `estuary deploy` writes the deployment, sample requests and the chunks
-    of the blobs it serves under the cloud's subtree, and reads the devices' presence and
-    reports and the requests for the cloud's blobs: no other cloud topic, no device's or
-    edge's topic, no update, blob or private downlink. A device receives its deployment and
-    fetches the model from it through the broker."""
+    of the blobs it serves from its own subtree inside the cloud's, and reads the devices'
+    presence and reports and the requests for its blobs: no other cloud topic (nor the
+    cloud's blobs), no device's or edge's topic, no update, blob or private downlink. A
+    device receives its deployment and fetches the model from it through the broker."""
     broker, out = secured
     cloud, edge0 = _login(broker, out, "cloud"), _login(broker, out, "edge0")
     dev0, deployer = _login(broker, out, "dev000"), _login(broker, out, DEPLOYER)
     at_cloud, at_dev0 = inbox(cloud, f"{BASE}/#"), inbox(dev0, f"{BASE}/cloud/#")
     at_deployer = inbox(deployer, f"{BASE}/#", f"{BASE}/device/dev000/down/#")
-    may_write = {f"{BASE}/cloud/deploy", f"{BASE}/cloud/sample", f"{BASE}/cloud/blob/{SHA}/4096/0"}
+    may_write = {f"{BASE}/cloud/deploy", f"{BASE}/cloud/sample",
+                 f"{BASE}/cloud/deployer/blob/{SHA}/4096/0"}  # fmt: skip
     may_not = {f"{BASE}/cloud/state", f"{BASE}/cloud/round", f"{BASE}/cloud/status",
+               f"{BASE}/cloud/blob/{SHA}/4096/0",
                f"{BASE}/cloud/want/cloud", f"{BASE}/cloud/deploy/x",
                f"{BASE}/device/dev000/up", f"{BASE}/device/dev000/status",
                f"{BASE}/device/dev000/deploy", f"{BASE}/device/dev000/want/cloud",
@@ -180,16 +190,18 @@ def test_acl_deployer_publishes_deployments_and_nothing_else(
                 f"device/dev000/down/blob/{SHA}/4096/0"],
         dev0: ["device/dev000/hello", "device/dev000/up", "device/dev000/join",
                "device/dev000/status", "device/dev000/deploy", f"device/dev000/blob/{SHA}/4096/0",
-               "device/dev000/want/cloud", "device/dev000/want/device/dev000/down"],
+               "device/dev000/want/cloud", "device/dev000/want/cloud/deployer",
+               "device/dev000/want/device/dev000/down"],
         edge0: ["edge/edge0/state", "edge/edge0/up", f"edge/edge0/blob/{SHA}/4096/0",
-                "edge/edge0/want/cloud", "edge/edge0/want/device/dev000"],
+                "edge/edge0/want/cloud", "edge/edge0/want/cloud/deployer",
+                "edge/edge0/want/device/dev000"],
     }  # fmt: skip
     for sender, topics in sent.items():
         for topic in topics:
             sender.publish(f"{BASE}/{topic}", b"{}", qos=1)
     assert received(at_deployer) == {
         f"{BASE}/device/dev000/status", f"{BASE}/device/dev000/deploy",
-        f"{BASE}/device/dev000/want/cloud", f"{BASE}/edge/edge0/want/cloud",
+        f"{BASE}/device/dev000/want/cloud/deployer",  # an edge never fetches a deployment
     }  # fmt: skip
     close(cloud, edge0, dev0, deployer)
 
@@ -199,19 +211,22 @@ def test_acl_deployer_publishes_deployments_and_nothing_else(
     buses: list[MqttBus] = []
     try:
         buses.append(connect_bus(_as(cfg, broker, out, DEPLOYER), "cloud", "cloud-deploy", None,
-                                 will=False))  # fmt: skip
+                                 will=False, home=DEPLOYER_HOME))  # fmt: skip
         buses.append(connect_bus(_as(cfg, broker, out, "dev000"), "device", "dev000", None))
         device = buses[1].endpoint("dev000", "device/dev000")
         got: list[Deployment] = []
         device.subscribe(f"{BASE}/cloud/deploy", lambda _t, p: got.append(decode(p, Deployment)),
                          kind="msg_deployment")  # fmt: skip
         key = load_private_key(out / "keys" / "deploy_ed25519.pem")
-        publisher = DeploymentPublisher(PublisherService("cloud", cfg, buses[0]), key)
+        publisher = DeploymentPublisher(
+            PublisherService("cloud", cfg, buses[0], home=DEPLOYER_HOME), key
+        )
         sent_msg = publisher.publish(tmp_path / "export")
         assert buses[1].run(lambda: bool(got), timeout_s=10)
         ref = got[0].model_ref
         assert ref.sha256 == sent_msg.model_ref.sha256 and ref.size == len(model)
-        data = device.get_blob(ref.sha256, ref.size, kind=MODEL_BLOB_KIND, src="cloud",
+        assert ref.src == DEPLOYER_HOME
+        data = device.get_blob(ref.sha256, ref.size, kind=MODEL_BLOB_KIND, src=ref.src,
                                timeout_s=20)  # fmt: skip
         assert data == model
     finally:

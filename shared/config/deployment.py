@@ -33,11 +33,12 @@ class AutoBytes(int):
 
 #: "auto" blob limits: memory holds BLOB_MEMORY_BLOBS of the run's largest blob (what a role
 #: serves: the global state and its shared part, an edge's model, a device's upload), plus
-#: one per device for a role that holds a blob for each device, and at least
-#: BLOB_MEMORY_FLOOR; the disk cache BLOB_DISK_FACTOR times that, at least BLOB_DISK_FLOOR.
-#: Uploads an aggregator fetches are folded and dropped, never stored
-BLOB_MEMORY_BLOBS, BLOB_MEMORY_FLOOR = 2, 64 << 20
-BLOB_DISK_FACTOR, BLOB_DISK_FLOOR = 4, 256 << 20
+#: one per device for a role that holds a blob for each device, plus BLOB_MEMORY_HEADROOM
+#: for the small ones (masks, descriptions, a deployed classifier); the disk cache
+#: BLOB_DISK_FACTOR times that. Both scale with the model: no fixed floor holds a hundred
+#: copies of a small one. Uploads an aggregator fetches are folded and dropped, never stored
+BLOB_MEMORY_BLOBS, BLOB_MEMORY_HEADROOM = 2, 8 << 20
+BLOB_DISK_FACTOR = 4
 
 
 class BrokerSection(Section):
@@ -126,22 +127,22 @@ class BrokerSection(Section):
         device, at once (pFedGPA's personal models on the cloud, the per-device uploads an
         edge forwards); an explicit limit is kept.
 
-        Memory: ``max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) *
-        blob_bytes)``: room for what the role serves at once (the global state and its
+        Memory: ``(BLOB_MEMORY_BLOBS + per_device_blobs) * blob_bytes +
+        BLOB_MEMORY_HEADROOM``: room for what the role serves at once (the global state and its
         shared part, an edge's model and its report to the cloud, a device's upload and
         the model it trained); the uploads an aggregator fetches are never stored, and an
         older blob (the previous round's model, for a device that asks late) is read back
         from disk. Evicted blobs are the least recently used ones (still on
         disk), and every request served refreshes the blob asked for. Disk:
-        ``BLOB_DISK_FACTOR`` times that, at least ``BLOB_DISK_FLOOR``."""
+        ``BLOB_DISK_FACTOR`` times that."""
         if blob_bytes < 0 or per_device_blobs < 0:
             raise ValueError("blob_bytes and per_device_blobs must be >= 0")
-        memory = max(BLOB_MEMORY_FLOOR, (BLOB_MEMORY_BLOBS + per_device_blobs) * blob_bytes)
+        memory = (BLOB_MEMORY_BLOBS + per_device_blobs) * blob_bytes + BLOB_MEMORY_HEADROOM
         update: dict[str, int] = {}
         if isinstance(self.memory_limit_bytes, AutoBytes):
             update["memory_limit_bytes"] = memory
         if isinstance(self.cache_limit_bytes, AutoBytes):
-            update["cache_limit_bytes"] = max(BLOB_DISK_FLOOR, BLOB_DISK_FACTOR * memory)
+            update["cache_limit_bytes"] = BLOB_DISK_FACTOR * memory
         return self.model_copy(update=update) if update else self
 
     @property

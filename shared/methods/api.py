@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shared.diffusion.training import TrainResult
+from shared.errors import MessageError
 from shared.models.plan import ChannelPlan
 from shared.settings import AlgorithmConfig, Traffic
 from shared.wire.codec import TensorSpec
@@ -230,9 +231,17 @@ class Personalization(Protocol):
 class Finalizer(Protocol):
     """The product the cloud makes after the last round (product "cloud_made")."""
 
-    def collect(self, round_: int, uploads: Mapping[str, TensorDict]) -> None:
+    def collect(
+        self,
+        round_: int,
+        uploads: Mapping[str, TensorDict],
+        state: TensorDict,
+        label_counts: Mapping[str, Sequence[int]],
+    ) -> dict[str, MessageError]:
         """Keep what the final step needs of round ``round_``'s uploads (cloud_sees
-        "every_upload"): called at the cloud's aggregation, before its checkpoint."""
+        "every_upload"), each checked against the global ``state`` and the label counts its
+        device registered with: called at the cloud's aggregation, before its checkpoint.
+        Returns the uploads refused (device -> why), which the cloud counts."""
 
     def finalize(
         self,

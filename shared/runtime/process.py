@@ -24,6 +24,7 @@ from types import FrameType
 from shared.config import BrokerSection, RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
+from shared.logs import escaping_handler
 from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
 from shared.wire.codec import spec_bytes
@@ -83,10 +84,10 @@ def load_role_config(args: argparse.Namespace) -> RunConfig:
 
 def setup_logging(level: str, name: str) -> None:
     """Timestamped log lines tagged with the instance name."""
+    fmt = f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stdout,
+        handlers=[escaping_handler(sys.stdout, fmt)],  # wire text never breaks a line
         force=True,
     )
 
@@ -177,16 +178,22 @@ def role_broker_settings(
 
 
 def connect_bus(
-    cfg: RunConfig, service_role: str, name: str, cache_dir: Path | None, *, will: bool = True
+    cfg: RunConfig,
+    service_role: str,
+    name: str,
+    cache_dir: Path | None,
+    *,
+    will: bool = True,
+    home: str | None = None,
 ) -> MqttBus:
     """The MQTT connection of one role instance, with its presence as the last will (unless
     ``will`` is False: a tool speaking for a role, like ``estuary deploy``, must not mark
-    that role offline when the tool itself drops); its settings are
-    :func:`role_broker_settings`."""
+    that role offline when the tool itself drops), serving blobs under ``home`` (default
+    the role's, :func:`home_of`); its settings are :func:`role_broker_settings`."""
     settings = role_broker_settings(cfg, service_role, cache_dir)
     log.debug("%s: blob store limits %d bytes in memory, %d on disk", name,
               settings.memory_limit_bytes, settings.cache_limit_bytes)  # fmt: skip
-    home = home_of(service_role, name)
+    home = home if home is not None else home_of(service_role, name)
     last_will = (
         encode(Presence(name=name, role=service_role, online=False))  # type: ignore[arg-type]
         if will

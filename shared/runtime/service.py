@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from shared.config import RunConfig
 from shared.errors import CodecError, MessageError, TransportError
-from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter
+from shared.logs import REJECT_LOG_BURST, REJECT_LOG_WINDOW_S, LogLimiter, printable
 from shared.metrics.prometheus import RoleMetrics
 from shared.runtime.trace import Trace
 from shared.transport.bus import Bus, Endpoint
@@ -45,10 +45,11 @@ class RoleService:
 
     role = "role"
 
-    def __init__(self, name: str, cfg: RunConfig, bus: Bus) -> None:
+    def __init__(self, name: str, cfg: RunConfig, bus: Bus, *, home: str | None = None) -> None:
         self.name = name
         self.cfg = cfg
-        self.home = home_of(self.role, name)
+        #: the subtree it writes under (default its role's, :func:`home_of`)
+        self.home = home if home is not None else home_of(self.role, name)
         self.ep: Endpoint = bus.endpoint(name, self.home)
         self.topics = Topics(cfg.run.name)
         self.traffic: Traffic = bus.traffic
@@ -82,7 +83,8 @@ class RoleService:
         counted; the log gets :data:`REJECT_LOG_BURST` lines per reason a minute, the next
         line saying how many it left out."""
         self.traffic.reject(self.role, reason)
-        self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {detail}", log)
+        text = printable(detail)  # topics, ids and reasons from the wire, escaped
+        self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {text}", log)
 
     def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.

@@ -64,7 +64,7 @@ from shared.transport.connection import (
 )
 from shared.transport.paho_lean import client_class
 from shared.transport.telemetry import Traffic
-from shared.wire.messages import MAX_MESSAGE_BYTES, Topics
+from shared.wire.messages import DEPLOYER_HOME, MAX_MESSAGE_BYTES, Topics
 
 __all__ = ["PASSWORD_ENV", "QOS", "MqttBus", "max_packet_bytes", "read_password"]
 
@@ -78,6 +78,7 @@ are harmless because every receiver is idempotent (rounds, sessions and hashes).
 _CONTROL_QUEUE: Final = 100_000
 _CONTROL_PUT_TIMEOUT_S: Final = 5.0
 _WANT_MAX_BYTES: Final = 256 << 10  # a blob request asks for at most 4,096 runs of chunks
+_DEPLOYER_LEVELS: Final = DEPLOYER_HOME.split("/")  # its subtree: two topic levels
 
 
 class MqttBus(Bus):
@@ -293,9 +294,15 @@ class MqttBus(Bus):
         self.traffic.note("wire_bytes_received", len(payload))
         ours = topic.startswith(self._want_prefix)
         rel = topic[len(self._want_prefix) :].split("/", 4)  # relative to the run's base
-        # a subtree is "cloud", "edge/<id>", "device/<id>" or a device's private downlink
-        # "device/<id>/down", then the verb
-        depth = 1 if rel[0] == "cloud" else 3 if rel[0] == "device" and rel[2:3] == ["down"] else 2
+        # a subtree is "cloud", the deployer's "cloud/deployer", "edge/<id>", "device/<id>" or
+        # a device's private downlink "device/<id>/down", then the verb
+        depth = (
+            (2 if rel[:2] == _DEPLOYER_LEVELS else 1)
+            if rel[0] == "cloud"
+            else 3
+            if rel[0] == "device" and rel[2:3] == ["down"]
+            else 2
+        )
         verb = rel[depth] if len(rel) > depth else ""
         if verb == "blob" and ours:
             self._blob_fetcher.route_chunk(topic, payload)

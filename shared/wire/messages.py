@@ -31,12 +31,14 @@ Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 #: a pruned architecture's JSON channel plan (shared.models.pruning); validated again by its user
 Plan = Annotated[dict[str, Any], Field(max_length=100_000)]
-#: where a blob is served: a role's subtree, or a device's private downlink (:func:`private_home`)
+#: where a blob is served: a role's subtree, ``estuary deploy``'s (:data:`DEPLOYER_HOME`) or a
+#: device's private downlink (:func:`private_home`)
 Home = Annotated[
     str,
     Field(
         max_length=80,
-        pattern=r"^(cloud|edge/[A-Za-z0-9_-]{1,64}|device/[A-Za-z0-9_-]{1,64}(/down)?)$",
+        pattern=r"^(cloud(/deployer)?|edge/[A-Za-z0-9_-]{1,64}"
+        r"|device/[A-Za-z0-9_-]{1,64}(/down)?)$",
     ),
 ]
 
@@ -44,6 +46,14 @@ Home = Annotated[
 def home_of(role: str, name: str) -> str:
     """Topic subtree a role instance may write under: ``cloud``, ``edge/{e}``, ``device/{d}``."""
     return "cloud" if role == "cloud" else f"{role}/{name}"
+
+
+#: the subtree ``estuary deploy`` serves a deployment's files from: its own, inside the
+#: cloud's (which only the cloud's and the deployer's accounts write), so that a running
+#: cloud, which does not hold those files, never answers for them
+DEPLOYER_HOME = "cloud/deployer"
+#: where a device fetches a deployment's files from: the cloud, or ``estuary deploy``
+DEPLOY_SOURCES = ("cloud", DEPLOYER_HOME)
 
 
 def private_home(device: str) -> str:

@@ -49,7 +49,7 @@ from shared.data.domains import domain_of
 from shared.data.partition import domain_test_sets
 from shared.diffusion.schedule import draw_noise
 from shared.diffusion.training import TrainResult, placed, train_classifier
-from shared.errors import ConfigError
+from shared.errors import ConfigError, MessageError
 from shared.evaluation.domains import accuracy_by_domain
 from shared.methods.base import (
     Algorithm,
@@ -69,6 +69,7 @@ from shared.methods.feddeo.guidance import (
     guided_ddim,
 )
 from shared.models.classifier import build_classifier
+from shared.models.domain_axis import UNSPECIFIED
 from shared.models.presets import build_unet, state_spec
 from shared.naming import device_index, device_name
 from shared.settings import AlgorithmConfig
@@ -82,9 +83,11 @@ DESC = "feddeo.desc"
 MASK = "feddeo.mask"
 #: the cloud's file of the descriptions, beside the checkpoint (never published)
 STATE_FILE = "feddeo_descriptions.safetensors"
-#: a description's entries must stay within this magnitude (anything larger is no
-#: description of an image but an attempt to blow up the cloud's guidance)
-MAX_DESC_ABS = 1e3
+#: a description row's norm must stay within this multiple of the largest class prompt's
+#: norm in the frozen generator (honest descriptions measured at most 1.32x on the shipped
+#: generators: 11.3 against 8.6; anything far larger is no description of an image but an
+#: attempt to steer the cloud's guidance)
+MAX_DESC_NORM_RATIO = 4.0
 
 
 def slot(prefix: str, device: str) -> str:
@@ -108,6 +111,20 @@ def start_noise(seeds: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
 def guidance_key(w_t: float, w_d: float) -> str:
     """The name of a (w_t, w_d) pair in a report: ``"wt3_wd0"``."""
     return f"wt{w_t:g}_wd{w_d:g}"
+
+
+def prompt_norm(state: Mapping[str, torch.Tensor]) -> float:
+    """The largest norm of a class prompt (a class row, with the domain unspecified on a
+    generator with a domain axis) in the frozen generator's ``state``: what a description
+    row is bounded relative to."""
+    table = state.get("class_embedding.weight")
+    if table is None:
+        raise ConfigError("feddeo needs a class-conditional U-Net (class_embedding.weight)")
+    rows = table[:NUM_CLASSES].float()
+    domains = state.get("class_embedding.domain_weight")
+    if domains is not None:
+        rows = rows + domains[UNSPECIFIED].float()
+    return float(rows.norm(dim=1).max())
 
 
 @dataclass
@@ -359,9 +376,10 @@ def fit_classifier(
 
 
 class DescriptionCheck(Fold):
-    """An edge's "aggregation" of FedDEO's uploads: each one is checked as it arrives (a
-    refused one is not forwarded to the cloud); the edge's state, the frozen generator,
-    stays as it was."""
+    """An edge's "aggregation" of FedDEO's uploads: each one is checked as it arrives
+    against the device's registered label counts and the generator's class prompts (a
+    refused one raises :class:`~shared.errors.MessageError`, is counted by its reason and is
+    not forwarded to the cloud); the edge's state, the frozen generator, stays as it was."""
 
     #: the edge keeps each upload to forward it, so it is never read in place from its blob
     streams = False
@@ -369,11 +387,13 @@ class DescriptionCheck(Fold):
     def __init__(self, method: FedDEO, current: TensorDict) -> None:
         super().__init__()
         self.method, self.current = method, current
+        self.prompt_norm = prompt_norm(current)
 
     def _add(self, update: Update) -> None:
-        problem = self.method._valid(update.source, update.tensors)
+        problem = self.method.problem(update.source, update.tensors, update.label_counts,
+                                      self.prompt_norm)  # fmt: skip
         if problem is not None:
-            raise ValueError(f"feddeo: {update.source}'s upload refused: {problem}")
+            raise problem
 
     def result(self) -> TensorDict:
         return self.current
@@ -434,16 +454,45 @@ class FedDEO(Algorithm):
         return LocalResult({DESC: desc, MASK: mask} if upload else None, result)
 
     # -- edge and cloud -----------------------------------------------------------------------
-    def _valid(self, source: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
-        """Why ``source``'s upload cannot be used (None: it can)."""
+    def problem(
+        self,
+        source: str,
+        tensors: Mapping[str, torch.Tensor],
+        label_counts: Sequence[int] | None,
+        prompt_norm: float,
+    ) -> MessageError | None:
+        """Why ``source``'s upload cannot be used (None: it can): it must come from a device
+        of the federation, describe at least one class, only classes its registered
+        ``label_counts`` hold ``min_class_images`` images of, and every description row
+        within :data:`MAX_DESC_NORM_RATIO` x ``prompt_norm`` (:func:`prompt_norm`)."""
         if source not in self.devices:
-            return "not a device of this federation"
+            return MessageError("unknown_device", f"{source} is not a device of this federation")
         mask = tensors.get(MASK)
         if mask is None or not bool(((mask == 0) | (mask == 1)).all()):
-            return "mask entries must be 0 or 1"
+            return MessageError("bad_description", f"{source}: mask entries must be 0 or 1")
+        described = [c for c in range(NUM_CLASSES) if mask[c] > 0]
+        if not described:
+            return MessageError("describes_nothing", f"{source}: its mask names no class")
+        counts = list(label_counts or [])
+        held = [c for c in range(min(len(counts), NUM_CLASSES))
+                if counts[c] >= self.settings.min_class_images]  # fmt: skip
+        unheld = sorted(set(described) - set(held))
+        if unheld:
+            return MessageError(
+                "class_not_registered",
+                f"{source} describes classes {unheld} it did not register "
+                f"{self.settings.min_class_images}+ images of (it holds {held})",
+            )
         desc = tensors.get(DESC)
-        if desc is not None and not bool(desc.abs().max() <= MAX_DESC_ABS):
-            return f"description entries beyond {MAX_DESC_ABS:g}"
+        if desc is not None:
+            limit = MAX_DESC_NORM_RATIO * prompt_norm
+            norm = float(desc.float().norm(dim=1).max())
+            if not norm <= limit:
+                return MessageError(
+                    "bad_description",
+                    f"{source}: a description row of norm {norm:.4g}, over {limit:.4g} "
+                    f"({MAX_DESC_NORM_RATIO:g} x the largest class prompt's {prompt_norm:.4g})",
+                )
         return None
 
     def edge_fold(self, current: TensorDict) -> Fold:
@@ -457,19 +506,29 @@ class FedDEO(Algorithm):
         """The generator stays the cloud's (the descriptions come forwarded)."""
         return current
 
-    def collect(self, round_: int, uploads: Mapping[str, TensorDict]) -> None:
-        """Keep each device's own descriptions and mask (checked again here: a forwarded
-        upload is the edge's word); a Prompts-Only device's descriptions are the zeros
-        nothing reads."""
+    def collect(
+        self,
+        round_: int,
+        uploads: Mapping[str, TensorDict],
+        state: TensorDict,
+        label_counts: Mapping[str, Sequence[int]],
+    ) -> dict[str, MessageError]:
+        """Keep each device's own descriptions and mask, checked again against its
+        registered ``label_counts`` and the generator ``state`` (a forwarded upload is the
+        edge's word); a Prompts-Only device's descriptions are the zeros nothing reads.
+        Returns the refused ones (device -> why)."""
         c, d = self._dims(state_spec(self.cfg.model.preset))
+        norm = prompt_norm(state)
+        refused: dict[str, MessageError] = {}
         for dev, tensors in sorted(uploads.items()):
-            problem = self._valid(dev, tensors)
+            problem = self.problem(dev, tensors, label_counts.get(dev), norm)
             if problem is not None:
-                log.warning("feddeo: %s's upload not kept: %s", dev, problem)
+                refused[dev] = problem
                 continue
             mask = tensors[MASK].float().clone()
             desc = tensors[DESC].float().clone() if DESC in tensors else torch.zeros(c, d)
             self.held[dev] = (desc, mask)
+        return refused
 
     # -- the cloud's own file (beside its checkpoints; never exported or published) ------
     def origin(self) -> str | None:
