@@ -257,10 +257,10 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         none) and the devices' uploads it forwarded, within ``timeout_s`` in all. It raises
         CodecError or TransportError and touches no state of the cloud (it runs in a
         worker): what it needs of that state is read here, on the message thread."""
-        upload_spec = self.algorithm.format.upload_spec(self.spec)
+        forwards = self.algorithm.traffic.cloud_sees == "every_upload"
+        upload_spec = self.algorithm.format.upload_spec(self.spec) if forwards else {}
         model_spec = self.algorithm.format.shared_spec(self.spec) or self.spec
         views = self.fold is not None and self.fold.streams
-        forwards = self.algorithm.traffic.cloud_sees == "every_upload"
         return lambda: self._fetch_report(msg, timeout_s, stall_s, upload_spec, model_spec,
                                           forwards=forwards, views=views)  # fmt: skip
 
