@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from cloud.checkpoints import CloudCheckpoints
 from cloud.products import CloudProducts
@@ -22,17 +23,21 @@ from cloud.rounds import (
 )
 from cloud.state import INIT_FROM_CONFIG, new_session
 from shared.data.datasets import NUM_CLASSES, histogram_problem
+from shared.errors import CodecError, TransportError
 from shared.methods.api import Update
 from shared.models.plan import plan_digest, plan_doc
 from shared.naming import is_device_of
+from shared.runtime.jobs import WorkerJob
 from shared.runtime.memory import release_memory
 from shared.runtime.service import TensorDict
-from shared.wire.codec import spec_of
+from shared.wire.codec import TensorSpec, spec_of
 from shared.wire.messages import (
     DeviceHello,
     EdgeUpdate,
     Presence,
     RoundStart,
+    cloud_only_home,
+    home_of,
 )
 
 __all__ = [  # the round's helpers live in cloud.rounds and cloud.state; named here too
@@ -50,6 +55,8 @@ log = logging.getLogger(__name__)
 #: seconds after subscribing before the cloud judges who has registered (retained
 #: registrations and presence arrive within it)
 SETTLE_S = 1.0
+
+FETCH_POLL_S = 0.01  # how often the message thread looks for edge downloads that finished
 
 
 
@@ -180,6 +187,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         self.personal = False
         self.fresh_global = False
         self.reports = {}
+        self.fetching = {}  # downloads of an earlier round finish and are dropped
         aggregates = (r + 1) % self.cfg.federation.cloud_every == 0
         self.fold = self.algorithm.aggregation.cloud_fold(self.model) if aggregates else None
         self.opened_at = time.perf_counter()
@@ -191,6 +199,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         self._publish_state("training")
         self.metrics.round_started.set(opened)
         self.metrics.round_deadline.set(self.cloud_deadline_s)
+        self.deadline_at = self.ep.now() + self.cloud_deadline_s
         self.timer = self.ep.call_later(self.cloud_deadline_s, self._on_deadline)
 
 
@@ -206,7 +215,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         if msg.edge not in self.assignment:
             self.reject("unknown_edge", msg.edge)
             return
-        if msg.edge in self.reports:
+        if msg.edge in self.reports or msg.edge in self.fetching:
             self.reject("duplicate", f"{msg.edge} round {msg.round + 1}")
             return
         problem = histogram_problem(msg.label_counts, msg.n_samples)
@@ -217,22 +226,108 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         if parts_problem:
             self.reject("bad_part_samples", f"{msg.edge} round {msg.round + 1}: {parts_problem}")
             return
-        forwarded = self._forwarded(msg)
-        if forwarded is None:
+        if not self._forwards_ok(msg):
             return
+        if self.ep.bus.blobs_local:  # in-process: nothing to wait for
+            try:
+                fetched, error = self._report_fetcher(msg, self.cloud_deadline_s, None)(), None
+            except (CodecError, TransportError) as err:
+                fetched, error = None, err
+            self._report_fetched(msg, fetched, error)
+            return
+        # downloaded off the message thread, within the round's deadline and a stall limit:
+        # an edge that reports and then dies (or never serves) holds up nothing else
+        left = max(1.0, self.deadline_at - self.ep.now())
+        job: WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]] = WorkerJob(
+            self._report_fetcher(msg, left, self.stall_s),
+            self.ep.call_later,
+            lambda fetched, err: self._report_fetched(msg, fetched, err, job),
+            name=f"cloud-fetch-{msg.edge}",
+            poll_s=FETCH_POLL_S,
+            join_s=0.0,
+            first_join_s=0.0,
+        )
+        self.fetching[msg.edge] = job
+        job.start()
+
+    def _report_fetcher(
+        self, msg: EdgeUpdate, timeout_s: float, stall_s: float | None
+    ) -> Callable[[], tuple[TensorDict | None, dict[str, TensorDict]]]:
+        """What downloads an edge report's blobs, validated: its model (None when it sent
+        none) and the devices' uploads it forwarded, within ``timeout_s`` in all. It raises
+        CodecError or TransportError and touches no state of the cloud (it runs in a
+        worker): what it needs of that state is read here, on the message thread."""
+        forwards = self.algorithm.traffic.cloud_sees == "every_upload"
+        upload_spec = self.algorithm.format.upload_spec(self.spec) if forwards else {}
+        model_spec = self.algorithm.format.shared_spec(self.spec) or self.spec
+        views = self.fold is not None and self.fold.streams
+        return lambda: self._fetch_report(msg, timeout_s, stall_s, upload_spec, model_spec,
+                                          forwards=forwards, views=views)  # fmt: skip
+
+    def _fetch_report(
+        self,
+        msg: EdgeUpdate,
+        timeout_s: float,
+        stall_s: float | None,
+        upload_spec: Mapping[str, TensorSpec],
+        model_spec: Mapping[str, TensorSpec],
+        *,
+        forwards: bool,
+        views: bool,
+    ) -> tuple[TensorDict | None, dict[str, TensorDict]]:
+        end = time.monotonic() + timeout_s
+
+        def left() -> float:
+            left_s = end - time.monotonic()
+            if left_s <= 0:
+                raise TransportError(f"{msg.edge}'s report: past the round's deadline",
+                                     reason="timeout")  # fmt: skip
+            return left_s
+
+        forwarded: dict[str, TensorDict] = {}
+        if forwards:
+            for f in msg.forwarded or []:
+                forwarded[f.device] = self.load_tensors(
+                    f.update_ref, upload_spec, timeout_s=left(), stall_s=stall_s
+                )
         tensors = None
         if msg.model_ref is not None:
             # an edge sends the shared tensors only, where the algorithm has them; folded
             # into the round's aggregation and dropped (not kept in the blob store)
-            tensors = self.fetch_tensors(
-                msg.model_ref,
-                self.algorithm.format.shared_spec(self.spec) or self.spec,
-                keep=False,
-                views=self.fold is not None and self.fold.streams,
-            )
-            if tensors is None:
-                return
-            self.trace.event("edge_fetched", msg.round, edge=msg.edge, bytes=msg.model_ref.size)
+            tensors = self.load_tensors(msg.model_ref, model_spec, timeout_s=left(), keep=False,
+                                        views=views, stall_s=stall_s)  # fmt: skip
+        return tensors, forwarded
+
+    def _report_fetched(
+        self,
+        msg: EdgeUpdate,
+        fetched: tuple[TensorDict | None, dict[str, TensorDict]] | None,
+        error: BaseException | None,
+        job: WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]] | None = None,
+    ) -> None:
+        """An edge report's blobs arrived (``fetched``) or could not be had (``error``,
+        counted by its reason): take the report into the round it came for, if still open."""
+        current = job is None or self.fetching.get(msg.edge) is job
+        if job is not None and current:
+            del self.fetching[msg.edge]
+        where = f"{msg.edge} round {msg.round + 1}"
+        if error is not None or fetched is None:
+            if isinstance(error, (CodecError, TransportError)):
+                self.reject(error.reason, f"{where}: {error}")
+            else:  # a bug, not the edge's input: say so, and the cloud carries on
+                log.error("fetching the report of %s failed", where, exc_info=error)
+                self.reject("fetch_failed", f"{where}: {type(error).__name__}: {error}")
+            return
+        if not current or msg.session != self.session or msg.round != self.round or self.done:
+            self.reject("late", f"{where}: its blobs arrived after the round closed")
+            return
+        if msg.edge in self.reports:
+            self.reject("duplicate", where)
+            return
+        tensors, forwarded = fetched
+        if tensors is not None:
+            size = msg.model_ref.size if msg.model_ref is not None else 0
+            self.trace.event("edge_fetched", msg.round, edge=msg.edge, bytes=size)
             if self.fold is not None and msg.n_samples > 0:
                 update = Update(msg.edge, tensors, msg.n_samples, tuple(msg.label_counts),
                                 msg.part_samples)  # fmt: skip
@@ -240,31 +335,32 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                     self.fold.add(update)
                 except Exception as err:  # the spec was checked: a bug, or the algorithm's
                     log.exception("folding the model of %s failed", msg.edge)
-                    self.reject("bad_update", f"{msg.edge} round {msg.round + 1}: "
-                                f"{type(err).__name__}: {err}")  # fmt: skip
+                    self.reject("bad_update", f"{where}: {type(err).__name__}: {err}")
                     return
                 del update
         self.reports[msg.edge] = (msg, tensors is not None)
         self.uploads.update(forwarded)
-        del tensors  # folded: its bytes are not kept through the close
+        del tensors, fetched  # folded: its bytes are not kept through the close
         self._maybe_close()
 
-    def _forwarded(self, msg: EdgeUpdate) -> dict[str, TensorDict] | None:
-        """The devices' own uploads an edge forwarded (algorithms with per-device updates;
-        empty otherwise), each checked against the model's spec; None (rejected) when one is
-        not a device of that edge's report or cannot be used."""
+    def _forwards_ok(self, msg: EdgeUpdate) -> bool:
+        """Whether the devices' uploads an edge forwarded (algorithms with per-device
+        updates) can be fetched: each of a device of that edge's report, once, and served
+        to the cloud alone; rejected (``bad_forward``) otherwise."""
         if self.algorithm.traffic.cloud_sees != "every_upload" or not msg.forwarded:
-            return {}
-        out: dict[str, TensorDict] = {}
+            return True
+        seen: set[str] = set()
         for f in msg.forwarded:
-            if f.device not in msg.devices or f.device in out:
+            if f.device not in msg.devices or f.device in seen:
                 self.reject("bad_forward", f"{msg.edge} round {msg.round + 1}: {f.device}")
-                return None
-            tensors = self.fetch_tensors(f.update_ref, self.algorithm.format.upload_spec(self.spec))
-            if tensors is None:
-                return None
-            out[f.device] = tensors
-        return out
+                return False
+            if f.update_ref.src != cloud_only_home(home_of("edge", msg.edge)):
+                # served anywhere else, a device of that edge could read another's upload
+                self.reject("bad_forward", f"{msg.edge} round {msg.round + 1}: {f.device}'s "
+                            f"upload is served by {f.update_ref.src!r}, not for the cloud alone")
+                return False
+            seen.add(f.device)
+        return True
 
     def _part_samples_problem(self, msg: EdgeUpdate) -> str | None:
         """Why ``msg.part_samples`` cannot weight this algorithm's parts (None when it can)."""
@@ -302,6 +398,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        self.fetching = {}  # a download still under way is for a closed round: dropped
         r = self.round
         agg_seconds = 0.0
         aggregated = False

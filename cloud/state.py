@@ -121,6 +121,12 @@ class CloudBase(RoleService):
         #: the devices' own uploads of the open round (per-device algorithms), by device
         self.uploads: dict[str, TensorDict] = {}
         self.personal_job: PersonalizeJob | None = None
+        #: the open round's edge downloads under way (each in a worker), by edge
+        self.fetching: dict[str, WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]]] = {}
+        #: when the open round's deadline fires (bus clock): no download waits past it
+        self.deadline_at = 0.0
+        #: a download that receives nothing for this long gives up (as the edges' do)
+        self.stall_s = 3 * cfg.broker.chunk_timeout_s
         self.personal = False  # the next round start says devices have personal models
         self.timer: Timer | None = None
         self.started = False

@@ -170,14 +170,17 @@ class EdgeReporting(EdgeRoundState):
         return _Closed(model, model_ref, report, *acc, acc_parts, pending, cloud_round)
 
     def _forward(self, contributors: dict[str, DeviceUpdate]) -> list[Forwarded] | None:
-        """Each contributor's own upload, served by this edge, for an algorithm whose cloud
-        sees every device's upload (``traffic.cloud_sees = "every_upload"``)."""
+        """Each contributor's own upload, served by this edge to the cloud alone (under
+        :func:`~shared.wire.messages.cloud_only_home`, which no device reads), for an
+        algorithm whose cloud sees every device's upload (``traffic.cloud_sees =
+        "every_upload"``)."""
         if self.algorithm.traffic.cloud_sees != "every_upload":
             return None
         return [
             Forwarded(
                 device=d,
-                update_ref=self.put_tensors(self.updates[d].tensors, "forwarded_update"),
+                update_ref=self.put_cloud_only_tensors(self.updates[d].tensors,
+                                                       "forwarded_update"),
                 n_samples=contributors[d].n_samples,
             )
             for d in sorted(contributors)

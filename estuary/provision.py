@@ -164,8 +164,9 @@ def device_writes(base: str, device: str, edges: list[str]) -> list[str]:
 
 def edge_writes(base: str, edge: str, devices: list[str]) -> list[str]:
     """Every topic edge ``edge`` publishes: its retained state, presence and round
-    announcement, its reports to the cloud, the chunks of its blobs and its blob requests
-    to the cloud and to ``devices`` (those it may aggregate)."""
+    announcement, its reports to the cloud, the chunks of its blobs (forwarded uploads under
+    its path to the cloud alone) and its blob requests to the cloud and to ``devices``
+    (those it may aggregate)."""
     own = f"{base}/edge/{edge}"
     return [
         f"{own}/state",
@@ -173,6 +174,7 @@ def edge_writes(base: str, edge: str, devices: list[str]) -> list[str]:
         f"{own}/round",
         f"{own}/up",
         f"{own}/blob/+/+/+",
+        f"{own}/cloud/blob/+/+/+",  # forwarded uploads, for the cloud alone (cloud_only_home)
         f"{own}/want/cloud",
         *(f"{own}/want/device/{d}" for d in devices),
     ]
@@ -191,6 +193,7 @@ def cloud_writes(base: str, devices: list[str], edges: list[str]) -> list[str]:
         f"{own}/sample",
         f"{own}/blob/+/+/+",
         *(f"{own}/want/edge/{e}" for e in edges),
+        *(f"{own}/want/edge/{e}/cloud" for e in edges),  # forwarded uploads of edge e
         *(f"{own}/want/device/{d}" for d in devices),
         f"{base}/device/+/down",
         f"{base}/device/+/down/blob/+/+/+",

@@ -230,7 +230,7 @@ def test_request_flood_while_io_worker_is_busy_never_blocks_delivery(
     gate = threading.Event()
     busy = threading.Event()
 
-    def stuck(_payload: bytes) -> None:
+    def stuck(_payload: bytes, _requester: str = "") -> None:
         busy.set()
         gate.wait(10.0)
 

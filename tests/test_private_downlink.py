@@ -215,7 +215,8 @@ def server() -> tuple[BlobServer, list[tuple[str, bytes]], Traffic]:
 def _ask(server: BlobServer, sha: str, size: int, device: str | None = None) -> None:
     payload = encode(BlobWant(sha256=sha, size=size, chunk_bytes=CHUNK, chunks=[(0, 9)]))
     assert server.admit_want(payload)
-    server.handle_want(payload, device)
+    # asked publicly by an edge (which may fetch the cloud's blobs), privately by the device
+    server.handle_want(payload, "edge/edge0" if device is None else f"device/{device}", device)
 
 
 def test_blob_server_answers_missing_to_a_private_blob_asked_for_publicly(

@@ -76,6 +76,21 @@ class BrokerSection(Section):
         "for 3 x chunk_timeout_s gives up, so a silent device holds a turn no longer",
     )
     fetch_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    serve_repeat_s: float = Field(
+        4.0,
+        ge=0.0,
+        le=600.0,
+        description="a blob server sends a chunk to one requester at most once in this many "
+        "seconds; a repeated request within it is dropped (keep it below the requesters' "
+        "chunk_timeout_s, after which an honest receiver asks again)",
+    )
+    serve_budget_bytes_per_min: int = Field(
+        1 << 30,
+        ge=4096,
+        le=1 << 40,
+        description="bytes of chunks a blob server queues for one requester per minute; "
+        "beyond it the rest of a request is dropped until the minute is over",
+    )
     cache_dir: str = Field("", description="on-disk blob cache; empty = memory only")
     cache_limit_bytes: int = Field(
         AutoBytes(8 << 30), ge=0, description='on-disk blob cache; "auto": sized from the model'
@@ -102,6 +117,10 @@ class BrokerSection(Section):
             raise ValueError("reconnect_max_s must be >= reconnect_min_s")
         if self.max_inflight_bytes < self.chunk_bytes:
             raise ValueError("max_inflight_bytes must hold at least one chunk")
+        if self.serve_budget_bytes_per_min < self.chunk_bytes:
+            raise ValueError(
+                "serve_budget_bytes_per_min must hold at least one chunk (chunk_bytes)"
+            )
         return self
 
     @field_validator("cache_limit_bytes", "memory_limit_bytes", mode="wrap")

@@ -25,9 +25,11 @@ from shared.wire.codec import (
     encoded_size_limit,
 )
 from shared.wire.messages import (
+    CLOUD_RECIPIENT,
     BlobRef,
     Presence,
     Topics,
+    cloud_only_home,
     decode,
     encode,
     home_of,
@@ -128,6 +130,14 @@ class RoleService:
         sha = self.ep.put_blob(data, kind=kind, recipient=device)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=private_home(device))
 
+    def put_cloud_only_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
+        """Encode tensors as safetensors and upload them as a blob served to the cloud alone,
+        under :func:`~shared.wire.messages.cloud_only_home` of this role (the ref's ``src``),
+        which no device reads."""
+        data = encode_tensors(tensors)
+        sha = self.ep.put_blob(data, kind=kind, recipient=CLOUD_RECIPIENT)
+        return BlobRef(sha256=sha, size=len(data), kind=kind, src=cloud_only_home(self.home))
+
     def put_state(
         self, state: Mapping[str, Any], shared: Mapping[str, Any] | None, kind: str
     ) -> tuple[BlobRef, BlobRef | None]:
@@ -194,5 +204,5 @@ class RoleService:
         )
         tensors = decode_tensors(data, expected=spec, partial=partial, copy=not views)
         if keep:
-            self.ep.keep_blob(data, ref.sha256)
+            self.ep.keep_blob(data, ref.sha256, kind=ref.kind)
         return tensors

@@ -17,7 +17,23 @@ kept in a store of its own and served only under that device's private downlink
 to its credentials alone, as it grants ``device/{d}/down/#`` to it and the cloud alone. The
 fetching side needs nothing special: a BlobRef whose ``src`` is the private downlink makes
 its fetcher ask and listen exactly there. Any other request for a private blob is answered
-as for a blob never put, and counted.
+as for a blob never put, and counted. An edge's blobs for the cloud alone (the devices'
+uploads it forwards: ``recipient`` :data:`~shared.wire.messages.CLOUD_RECIPIENT`) are
+private the same way, served under :func:`~shared.wire.messages.cloud_only_home` to requests
+from the cloud's subtree only.
+
+A server cannot be made an amplifier (a request of ~170 bytes answered by megabytes, again
+and again). It answers a requester (the subtree a request is published under, which the
+broker's ACL ties to an account) only for blobs it has a reason to fetch: a device may fetch
+from an edge its current model (the newest blobs put or kept as ``edge_model`` /
+``global_model``), from the cloud the current deployment (``onnx_model`` /
+``shared_weights``), from a device nothing; the cloud and the edges may fetch any blob served
+in the open. Any other request for a blob held is counted and left unanswered (a ``missing``
+on the shared path would end an entitled fetch of the same blob); one for a blob not held
+gets the ``missing`` answer. A chunk sent to a requester is not sent
+to it again within ``serve_repeat_s``, and no requester gets more than
+``serve_budget_bytes_per_min`` of chunks queued in a minute. Every refusal is counted
+(``blob_server`` rejections) and logged at most a few lines a minute per reason.
 
 Both classes are driven by :class:`~shared.transport.mqtt.MqttBus` and follow its threading
 contract: what runs in paho's network thread (:meth:`BlobServer.admit_want`,
@@ -44,10 +60,19 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from shared.config import BrokerSection
+from shared.deploy.signing import MODEL_BLOB_KIND, SHARED_BLOB_KIND
 from shared.errors import CodecError, TransportError
+from shared.logs import LogLimiter
 from shared.transport.blobs import BlobStore
 from shared.transport.telemetry import Traffic
-from shared.wire.messages import BlobWant, Topics, encode, private_home
+from shared.wire.messages import (
+    CLOUD_RECIPIENT,
+    BlobWant,
+    Topics,
+    cloud_only_home,
+    encode,
+    private_home,
+)
 
 # the bus's logger: blob transfer logs under the same name as before it had a module of its own
 log = logging.getLogger("shared.transport.mqtt")
@@ -85,6 +110,28 @@ MAX_QUEUED_WANT_BYTES: Final = 16 << 20
 MAX_PRIVATE_BLOBS: Final = 1 << 16
 """Most private blobs a server remembers the recipients of (the newest); an older one is then
 served to nobody. A recipient is also forgotten once its blob has left the private store."""
+
+DEVICE_KINDS: Final[dict[str, frozenset[str]]] = {
+    "cloud": frozenset({MODEL_BLOB_KIND, SHARED_BLOB_KIND}),  # the current deployment
+    "edge": frozenset({"edge_model", "global_model"}),  # the edge's current model
+    "device": frozenset(),  # a device's uploads are its edge's and the cloud's
+}
+"""The kinds of blob a device has a reason to fetch, by the role of the server it asks."""
+
+CURRENT_PER_KIND: Final = 4
+"""How many of the newest blobs of each device-fetchable kind a server answers devices for
+(a model and its shared part, this round's and the one before)."""
+
+MAX_RECENT_CHUNKS: Final = 1 << 18
+"""Most (requester, blob, chunk) sends a server remembers for ``serve_repeat_s`` (the
+oldest are forgotten first)."""
+
+MAX_REQUESTERS: Final = 1 << 14
+"""Most requesters whose byte budget of the minute a server keeps (the least recent is
+forgotten first)."""
+
+BUDGET_WINDOW_S: Final = 60.0
+"""The window of ``serve_budget_bytes_per_min``."""
 
 _MAX_INDEX_DIGITS: Final = 12  # 10**12 chunks of >= 4 KiB is far beyond max_blob_bytes
 
@@ -191,11 +238,46 @@ class BlobServer:
         self._pending: OrderedDict[tuple[str, str, int], OrderedDict[int, None]] = OrderedDict()
         self._inflight: dict[int, int] = {}
         self._inflight_bytes = 0
+        role = ctx.home.split("/", 1)[0]
+        # a server that is no edge and no device (the cloud, or a tool publishing a
+        # deployment) serves devices what the cloud does: the current deployment
+        self._device_kinds = DEVICE_KINDS.get(role, DEVICE_KINDS["cloud"])
+        #: the newest blobs of each device-fetchable kind (put or kept on the role's thread)
+        self._current: dict[str, OrderedDict[str, None]] = {k: OrderedDict()
+                                                           for k in self._device_kinds}
+        self._current_lock = threading.Lock()
+        # I/O worker only: when a chunk was last queued for a requester, and each
+        # requester's (window start, bytes queued) of the budget's minute
+        self._recent: OrderedDict[tuple[str, str, str, int, int], float] = OrderedDict()
+        self._spent: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.max_recent_chunks = MAX_RECENT_CHUNKS
+        self.max_requesters = MAX_REQUESTERS
+        self._refusals = LogLimiter()
+        self.clock: Callable[[], float] = time.monotonic
 
     # -- the role's thread ----------------------------------------------------------------
+    def offer(self, sha256: str, kind: str) -> None:
+        """Blob ``sha256`` (put or kept here) is of ``kind``: the newest few of a kind that
+        devices fetch from this role are served to devices (:data:`DEVICE_KINDS`)."""
+        if kind not in self._device_kinds:
+            return
+        with self._current_lock:
+            newest = self._current[kind]
+            newest.pop(sha256, None)
+            newest[sha256] = None
+            while len(newest) > CURRENT_PER_KIND:
+                newest.popitem(last=False)
+
+    def for_devices(self, sha256: str) -> bool:
+        """Whether devices have a reason to fetch blob ``sha256`` from this role."""
+        with self._current_lock:
+            return any(sha256 in newest for newest in self._current.values())
+
     def put_private(self, data: bytes, device: str) -> str:
-        """Keep ``data`` for device ``device`` alone (served on its private downlink only);
-        returns its sha256. The same bytes may be private to several devices."""
+        """Keep ``data`` for device ``device`` alone (served on its private downlink only;
+        with ``device`` :data:`~shared.wire.messages.CLOUD_RECIPIENT`, for the cloud alone,
+        under :func:`~shared.wire.messages.cloud_only_home`); returns its sha256. The same
+        bytes may be private to several recipients."""
         sha = self.private_store.put(data)
         with self._private_lock:
             devices = self._recipients.pop(sha, frozenset())
@@ -231,14 +313,16 @@ class BlobServer:
             self._want_bytes_queued -= len(payload)
 
     # -- the I/O worker ------------------------------------------------------------------
-    def handle_want(self, payload: bytes, device: str | None = None) -> None:
-        """Queue the chunks an admitted request asks for: on this role's shared path, or
-        with ``device`` on that device's private downlink (asked from its own subtree)."""
+    def handle_want(self, payload: bytes, requester: str, device: str | None = None) -> None:
+        """Queue the chunks an admitted request from ``requester`` (the subtree it was
+        published under) asks for: on this role's shared path, or with ``device`` on that
+        recipient's private path (a device's downlink asked from its own subtree, or
+        :data:`~shared.wire.messages.CLOUD_RECIPIENT`'s asked from the cloud's)."""
         self.release_want(payload)
         if device is None:
-            self._queue_want(payload)
+            self._queue_want(payload, requester)
         else:
-            self._queue_private_want(payload, device)
+            self._queue_private_want(payload, device, requester)
 
     def acked(self, mid: int) -> None:
         """The broker acknowledged message ``mid``: its bytes leave the window."""
@@ -267,39 +351,107 @@ class BlobServer:
             log.warning("%s: bad blob request: %s", self.ctx.name, err.errors()[0]["msg"])
             return None
 
-    def _refuse(self, want: BlobWant, reason: str, asker: str) -> None:
-        """Count a request for a private blob made where its recipients do not ask."""
+    def _refuse(self, sha256: str, reason: str, asker: str) -> None:
+        """Count a request refused (``reason``), logging at most a few lines a minute each."""
         self.ctx.traffic.reject("blob_server", reason)
-        log.warning("%s: refused private blob %s… asked for %s (%s)", self.ctx.name,
-                    want.sha256[:12], asker, reason)  # fmt: skip
+        self._refusals.warn(
+            reason,
+            f"{self.ctx.name}: refused a request for blob {sha256[:12]}… {asker} ({reason})",
+            log,
+        )
 
-    def _queue_want(self, payload: bytes) -> None:
+    def _queue_want(self, payload: bytes, requester: str) -> None:
         want = self._parse(payload)
         if want is None:
+            return
+        role = requester.split("/", 1)[0]
+        if role not in DEVICE_KINDS:  # no role of the run publishes there
+            self._refuse(want.sha256, "unknown_requester", f"from {requester[:80]!r}")
             return
         if self.recipients(want.sha256) and self.ctx.store.size(want.sha256) is None:
-            self._refuse(want, "private_blob_public_path", f"on {self.ctx.home}'s shared path")
-        self._queue_chunks(want, self.ctx.store, self.ctx.home)
+            self._refuse(want.sha256, "private_blob_public_path",
+                         f"on {self.ctx.home}'s shared path by {requester}")  # fmt: skip
+        elif (
+            role == "device"
+            and not self.for_devices(want.sha256)
+            and self.ctx.store.size(want.sha256) is not None
+        ):
+            # held, but not the model of its edge nor the deployment: not answered at all (a
+            # "missing" on the shared path would end the fetch of whoever is entitled to it);
+            # a blob not held is answered "missing" as always, so a device asking for an
+            # earlier run's model gives up at once
+            self._refuse(want.sha256, "not_for_requester", f"by {requester}")
+            return
+        self._queue_chunks(want, self.ctx.store, self.ctx.home, requester)
 
-    def _queue_private_want(self, payload: bytes, device: str) -> None:
+    def _private_home(self, recipient: str) -> str:
+        if recipient == CLOUD_RECIPIENT:
+            return cloud_only_home(self.ctx.home)
+        return private_home(recipient)
+
+    def _queue_private_want(self, payload: bytes, recipient: str, requester: str) -> None:
         want = self._parse(payload)
         if want is None:
             return
-        home = private_home(device)
-        devices = self.recipients(want.sha256)
-        if device not in devices:
-            if devices:
-                self._refuse(want, "private_blob_other_device", f"by {device}")
-            self._queue_chunks(want, None, home)  # the missing answer, on the asker's own path
+        home = self._private_home(recipient)
+        recipients = self.recipients(want.sha256)
+        if recipient not in recipients:
+            if recipients:
+                self._refuse(want.sha256, "private_blob_other_device", f"by {requester}")
+            # the missing answer, on the asker's own path
+            self._queue_chunks(want, None, home, requester)
             return
         if self.private_store.size(want.sha256) is None:  # evicted: forget its recipients
             with self._private_lock:
                 self._recipients.pop(want.sha256, None)
-        self._queue_chunks(want, self.private_store, home)
+        self._queue_chunks(want, self.private_store, home, requester)
 
-    def _queue_chunks(self, want: BlobWant, store: BlobStore | None, home: str) -> None:
+    def _admit_chunks(
+        self, want: BlobWant, home: str, requester: str, runs: list[tuple[int, int]], size: int
+    ) -> tuple[list[int], int, int]:
+        """The chunks of ``runs`` to queue for ``requester``: none sent to it within
+        ``serve_repeat_s``, and within its budget of the minute. Returns them with the
+        number left out as repeated and as over the budget."""
+        settings, now = self.ctx.settings, self.clock()
+        start, spent = self._spent.pop(requester, (now, 0))
+        if now - start >= BUDGET_WINDOW_S:
+            start, spent = now, 0
+        recent, window, cb = self._recent, settings.serve_repeat_s, want.chunk_bytes
+        admitted: list[int] = []
+        repeated = over = 0
+        for first, last in runs:
+            for i in range(first, last + 1):
+                key = (requester, home, want.sha256, cb, i)
+                sent = recent.get(key)
+                if sent is not None and now - sent < window:
+                    repeated += 1
+                    continue
+                nbytes = max(0, min(cb, size - i * cb))
+                if spent + nbytes > settings.serve_budget_bytes_per_min:
+                    over += 1
+                    continue
+                spent += nbytes
+                recent.pop(key, None)
+                recent[key] = now
+                admitted.append(i)
+        while len(recent) > self.max_recent_chunks:
+            recent.popitem(last=False)
+        while recent:  # forget what is past the window (the oldest first)
+            oldest = next(iter(recent.items()))
+            if now - oldest[1] < window:
+                break
+            recent.popitem(last=False)
+        self._spent[requester] = (start, spent)
+        while len(self._spent) > self.max_requesters:
+            self._spent.popitem(last=False)
+        return admitted, repeated, over
+
+    def _queue_chunks(
+        self, want: BlobWant, store: BlobStore | None, home: str, requester: str
+    ) -> None:
         """Queue the chunks ``want`` asks for of the blob in ``store``, to send under
-        ``home``; answer ``missing`` when ``store`` (None: nothing here) lacks it."""
+        ``home`` (within ``requester``'s repeat window and budget); answer ``missing`` when
+        ``store`` (None: nothing here) lacks it."""
         size = None if store is None else store.size(want.sha256)
         if size is None:
             self.ctx.traffic.note("blob_requests_missing")
@@ -328,6 +480,15 @@ class BlobServer:
                 runs[-1] = (runs[-1][0], max(runs[-1][1], last))
             else:
                 runs.append((first, last))
+        # each requester's repeats and budget first: only what it may have is queued
+        indices, repeated, over = self._admit_chunks(want, home, requester, runs, size)
+        if repeated:
+            self.ctx.traffic.note("chunks_repeated", repeated)
+            if not indices and not over:
+                self._refuse(want.sha256, "repeated_request", f"by {requester}")
+        if over:
+            self.ctx.traffic.note("chunks_over_budget", over)
+            self._refuse(want.sha256, "over_budget", f"by {requester}")
         key = (home, want.sha256, want.chunk_bytes)
         pending = self._pending
         queued = pending.get(key)
@@ -335,22 +496,24 @@ class BlobServer:
             queued = OrderedDict()
         room = self.max_pending_chunks - self.pending_chunks
         dropped = 0
-        for first, last in runs:
-            for i in range(first, last + 1):
-                if i in queued:
-                    continue
-                if room <= 0:
-                    dropped += last - i + 1
-                    break
-                queued[i] = None
-                room -= 1
-                self.pending_chunks += 1
+        for k, i in enumerate(indices):
+            if i in queued:
+                continue
+            if room <= 0:
+                dropped = len(indices) - k
+                for j in indices[k:]:  # not sent: asking again for them is no repeat
+                    self._recent.pop((requester, home, want.sha256, want.chunk_bytes, j), None)
+                break
+            queued[i] = None
+            room -= 1
+            self.pending_chunks += 1
         if queued:
             pending[key] = queued
         if dropped:
             self.ctx.traffic.reject("blob_server", "serve_queue_full")
             self.ctx.traffic.note("chunks_not_queued", dropped)
-        self.ctx.traffic.note("blob_requests_served")
+        if indices:
+            self.ctx.traffic.note("blob_requests_served")
 
     def _send_next_chunk(self) -> tuple[int, int] | None:
         pending = self._pending

@@ -27,7 +27,7 @@ from typing import ClassVar
 from shared.errors import CodecError, TransportError
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import sha256_hex
-from shared.wire.messages import home_of
+from shared.wire.messages import CLOUD_RECIPIENT, home_of
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,10 @@ class Bus(ABC):
     def _keep_blob(self, data: bytes, sha256: str) -> None:  # noqa: B027 - optional hook
         """Store a validated blob fetched uncached (no-op where blobs live on the bus)."""
 
+    def _offer_blob(self, sha256: str, kind: str) -> None:  # noqa: B027 - optional hook
+        """Blob ``sha256``, put or kept here, is of ``kind``: what a server uses to answer
+        each requester only for blobs it has a reason to fetch (no-op in process)."""
+
     def _release_blob(self, sha256: str) -> None:  # noqa: B027 - optional hook
         """Drop a blob from memory where a disk copy keeps it (no-op on an in-process bus)."""
 
@@ -187,7 +191,9 @@ class Endpoint:
 
         With ``recipient`` (a device id) the blob is private: it is served to that device
         alone, on its private downlink (:func:`~shared.wire.messages.private_home`, the
-        ``src`` of its BlobRef), and never under this role's shared blob path."""
+        ``src`` of its BlobRef), and never under this role's shared blob path; with
+        :data:`~shared.wire.messages.CLOUD_RECIPIENT`, to the cloud alone, under
+        :func:`~shared.wire.messages.cloud_only_home` of this role."""
         if len(data) > self.bus.max_blob_bytes:
             raise TransportError(
                 f"blob of {len(data)} bytes exceeds {self.bus.max_blob_bytes}",
@@ -195,6 +201,7 @@ class Endpoint:
             )
         if recipient is None:
             sha = self.bus._put_blob(data)
+            self.bus._offer_blob(sha, kind)
         elif _RECIPIENT.match(recipient):
             sha = self.bus._put_private_blob(data, recipient, self.home)
         else:
@@ -234,10 +241,11 @@ class Endpoint:
         self.bus.traffic.count("received", kind, len(data))
         return data
 
-    def keep_blob(self, data: bytes, sha256: str) -> None:
+    def keep_blob(self, data: bytes, sha256: str, *, kind: str = "") -> None:
         """Keep a blob fetched with ``cache=False`` (and then validated) in the blob store,
-        where this role serves it from and finds it again."""
+        where this role serves it from (as a blob of ``kind``) and finds it again."""
         self.bus._keep_blob(data, sha256)
+        self.bus._offer_blob(sha256, kind)
 
     def release_blob(self, sha256: str) -> None:
         """Free the memory of a blob this role put or kept and expects no one to ask for
@@ -335,7 +343,8 @@ class MemoryBus(Bus):
             return self._store(data)
         readers = self._readers.get(digest, frozenset())
         self._store(data)  # the newest blob is never the one evicted
-        self._readers[digest] = readers | {home_of("device", recipient), owner}
+        reader = "cloud" if recipient == CLOUD_RECIPIENT else home_of("device", recipient)
+        self._readers[digest] = readers | {reader, owner}
         return digest
 
     def _store(self, data: bytes) -> str:

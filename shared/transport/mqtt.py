@@ -64,7 +64,7 @@ from shared.transport.connection import (
 )
 from shared.transport.paho_lean import client_class
 from shared.transport.telemetry import Traffic
-from shared.wire.messages import DEPLOYER_HOME, MAX_MESSAGE_BYTES, Topics
+from shared.wire.messages import CLOUD_RECIPIENT, DEPLOYER_HOME, MAX_MESSAGE_BYTES, Topics
 
 __all__ = ["PASSWORD_ENV", "QOS", "MqttBus", "max_packet_bytes", "read_password"]
 
@@ -137,6 +137,8 @@ class MqttBus(Bus):
         self._want_prefix = f"{self.topics.base}/"
         self._want_suffix = f"/want/{home}"
         self._serves_private = False  # a private blob was put: requests for them are heard
+        self._serves_cloud_only = False  # a blob for the cloud alone was put: likewise
+        self._cloud_only_want = self.topics.cloud_only_want(home)
         self.client = self._make_client(will)
         self._io = threading.Thread(target=self._io_loop, name=f"mqtt-io-{client_id}", daemon=True)
         ctx = BlobContext(
@@ -294,22 +296,23 @@ class MqttBus(Bus):
         self.traffic.note("wire_bytes_received", len(payload))
         ours = topic.startswith(self._want_prefix)
         rel = topic[len(self._want_prefix) :].split("/", 4)  # relative to the run's base
-        # a subtree is "cloud", the deployer's "cloud/deployer", "edge/<id>", "device/<id>" or
-        # a device's private downlink "device/<id>/down", then the verb
-        depth = (
-            (2 if rel[:2] == _DEPLOYER_LEVELS else 1)
-            if rel[0] == "cloud"
-            else 3
-            if rel[0] == "device" and rel[2:3] == ["down"]
-            else 2
-        )
+        # a subtree is "cloud", the deployer's "cloud/deployer", "edge/<id>", "device/<id>",
+        # a device's private downlink "device/<id>/down" or an edge's path to the cloud alone
+        # "edge/<id>/cloud", then the verb
+        private = (rel[0], rel[2:3]) in (("device", ["down"]), ("edge", ["cloud"]))
+        if rel[0] == "cloud":
+            depth = 2 if rel[:2] == _DEPLOYER_LEVELS else 1
+        else:
+            depth = 3 if private else 2
         verb = rel[depth] if len(rel) > depth else ""
         if verb == "blob" and ours:
             self._blob_fetcher.route_chunk(topic, payload)
         elif verb == "want" and len(payload) > _WANT_MAX_BYTES:
             self.traffic.reject("blob_server", "too_large")
         elif verb == "want" and ours and topic.endswith(self._want_suffix):
-            self._enqueue_want(payload)
+            self._enqueue_want(payload, "/".join(rel[:depth]))
+        elif verb == "want" and ours and topic == self._cloud_only_want:
+            self._enqueue_want(payload, "cloud", CLOUD_RECIPIENT)
         elif verb == "want" and ours and rel[0] == "device" and topic.endswith("/down"):
             self._enqueue_private_want(topic, rel[1], payload)
         elif len(payload) > MAX_MESSAGE_BYTES:
@@ -353,15 +356,13 @@ class MqttBus(Bus):
             log,
         )
 
-    def _enqueue_want(self, payload: bytes, device: str | None = None) -> None:
-        """Hand a blob request (with ``device``: one on that device's private downlink) to
-        the I/O worker, or drop it (counted) when too many wait."""
+    def _enqueue_want(self, payload: bytes, requester: str, device: str | None = None) -> None:
+        """Hand a blob request from ``requester`` (the subtree it is published under; with
+        ``device``: one on that recipient's private path) to the I/O worker, or drop it
+        (counted) when too many wait."""
         if self._blob_server.admit_want(payload):
             try:
-                if device is None:
-                    self._control.put_nowait(("want", payload))
-                else:
-                    self._control.put_nowait(("private_want", (payload, device)))
+                self._control.put_nowait(("want", (payload, requester, device)))
                 return
             except queue.Full:
                 self._blob_server.release_want(payload)
@@ -375,7 +376,7 @@ class MqttBus(Bus):
             log.warning("%s: dropped a request for another device's downlink on %.200r",
                         self.client_id, topic)  # fmt: skip
             return
-        self._enqueue_want(payload, requester)
+        self._enqueue_want(payload, f"device/{requester}", requester)
 
     # -- I/O worker: reconnects and blob serving -----------------------------------------
     def _io_loop(self) -> None:
@@ -392,8 +393,6 @@ class MqttBus(Bus):
                     if what == "ack":
                         server.acked(arg)
                     elif what == "want":
-                        server.handle_want(arg)
-                    elif what == "private_want":
                         server.handle_want(*arg)
                     elif what == "connected":
                         self._after_connect(session_present=arg)
@@ -416,6 +415,8 @@ class MqttBus(Bus):
             patterns.update(self.topics.blob_want_patterns(self.home))
             if self._serves_private:
                 patterns.add(self.topics.all_private_want)
+            if self._serves_cloud_only:
+                patterns.add(self._cloud_only_want)
             patterns.update(self._blob_fetcher.chunk_patterns())
             # acknowledged before the bus says it is connected: a request published to it
             # right after connect() returns is not lost to a subscription still in flight
@@ -486,8 +487,16 @@ class MqttBus(Bus):
     def _put_blob(self, data: bytes) -> str:
         return self.store.put(data)
 
+    def _offer_blob(self, sha256: str, kind: str) -> None:
+        self._blob_server.offer(sha256, kind)
+
     def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
         sha = self._blob_server.put_private(data, recipient)
+        if recipient == CLOUD_RECIPIENT:
+            if not self._serves_cloud_only:
+                self._serves_cloud_only = True  # as for private blobs, below
+                self._subscribe_wait(self._cloud_only_want)
+            return sha
         if not self._serves_private:
             self._serves_private = True  # subscribed again by every reconnect from now on
             # waits for the SUBACK, so the recipient's first request is heard; unconnected,
@@ -506,7 +515,7 @@ class MqttBus(Bus):
         cache: bool = True,
         stall_s: float | None = None,
     ) -> bytes:
-        if self._serves_private:  # a private blob this role put itself
+        if self._serves_private or self._serves_cloud_only:  # a private blob put here
             own = self._blob_server.private_store.get(sha256)
             if own is not None:
                 return own

@@ -31,16 +31,20 @@ Session = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 #: a pruned architecture's JSON channel plan (shared.models.pruning); validated again by its user
 Plan = Annotated[dict[str, Any], Field(max_length=100_000)]
-#: where a blob is served: a role's subtree, ``estuary deploy``'s (:data:`DEPLOYER_HOME`) or a
-#: device's private downlink (:func:`private_home`)
+#: where a blob is served: a role's subtree, ``estuary deploy``'s (:data:`DEPLOYER_HOME`), a
+#: device's private downlink (:func:`private_home`) or an edge's path to the cloud alone
+#: (:func:`cloud_only_home`)
 Home = Annotated[
     str,
     Field(
         max_length=80,
-        pattern=r"^(cloud(/deployer)?|edge/[A-Za-z0-9_-]{1,64}"
+        pattern=r"^(cloud(/deployer)?|edge/[A-Za-z0-9_-]{1,64}(/cloud)?"
         r"|device/[A-Za-z0-9_-]{1,64}(/down)?)$",
     ),
 ]
+
+#: the recipient of a blob served to the cloud alone (:func:`cloud_only_home`)
+CLOUD_RECIPIENT = "cloud"
 
 
 def home_of(role: str, name: str) -> str:
@@ -61,6 +65,14 @@ def private_home(device: str) -> str:
     only that device and the cloud read it. The cloud serves the blobs meant for that device
     alone there (a :class:`BlobRef` with this ``src``), never under its shared ``cloud``."""
     return f"device/{device}/down"
+
+
+def cloud_only_home(home: str) -> str:
+    """Where role ``home`` (an edge) serves blobs meant for the cloud alone, ``{home}/cloud``:
+    the devices' uploads an edge forwards. Under the ACL of ``estuary provision`` no device
+    reads it (a device reads its edge's ``blob/#`` only), and only the cloud may ask there
+    (:meth:`Topics.cloud_only_want`)."""
+    return f"{home}/cloud"
 
 
 class Topics:
@@ -157,6 +169,11 @@ class Topics:
         """The only topic on which ``device`` may ask for a blob of its private downlink: its
         own subtree asking :func:`private_home` of itself."""
         return self.blob_want(home_of("device", device), private_home(device))
+
+    def cloud_only_want(self, home: str) -> str:
+        """The only topic on which blobs served by ``home`` to the cloud alone are asked
+        for: the cloud's subtree asking :func:`cloud_only_home` of ``home``."""
+        return self.blob_want("cloud", cloud_only_home(home))
 
     @property
     def all_private_want(self) -> str:
@@ -366,7 +383,8 @@ class DeviceAccuracy(BaseModel):
 
 class Forwarded(BaseModel):
     """One device's upload as its edge forwards it, for algorithms that keep every
-    device's model (pFedGPA): the edge serves the blob."""
+    device's model (pFedGPA): the edge serves the blob to the cloud alone
+    (:func:`cloud_only_home`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     device: Id
