@@ -39,15 +39,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from shared.atomic import atomic_write
 from shared.errors import EstuaryError, SignatureError
+from shared.wire.messages import MODEL_BLOB_KIND as MODEL_BLOB_KIND  # the files' blob kinds
+from shared.wire.messages import SHARED_BLOB_KIND as SHARED_BLOB_KIND
 
 MANIFEST_FORMAT = "estuary-deployment-v1"
 MAX_MANIFEST_BYTES = 64 * 1024
 PRIVATE_KEY_FILE = "deploy_ed25519.pem"
 PUBLIC_KEY_FILE = "deploy_ed25519.pub.pem"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-#: blob kinds of a deployment's files on the wire (the traffic metrics' labels)
-MODEL_BLOB_KIND = "onnx_model"
-SHARED_BLOB_KIND = "shared_weights"
 #: the file names of a deployment directory's model and shared weights (never the manifest,
 #: never a path)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")

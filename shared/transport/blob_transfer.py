@@ -60,13 +60,14 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from shared.config import BrokerSection
-from shared.deploy.signing import MODEL_BLOB_KIND, SHARED_BLOB_KIND
 from shared.errors import CodecError, TransportError
 from shared.logs import LogLimiter
 from shared.transport.blobs import BlobStore
 from shared.transport.telemetry import Traffic
 from shared.wire.messages import (
     CLOUD_RECIPIENT,
+    MODEL_BLOB_KIND,
+    SHARED_BLOB_KIND,
     BlobWant,
     Topics,
     cloud_only_home,

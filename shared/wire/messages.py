@@ -52,6 +52,9 @@ def home_of(role: str, name: str) -> str:
     return "cloud" if role == "cloud" else f"{role}/{name}"
 
 
+#: blob kinds of a deployment's files on the wire (the traffic metrics' labels)
+MODEL_BLOB_KIND = "onnx_model"
+SHARED_BLOB_KIND = "shared_weights"
 #: the subtree ``estuary deploy`` serves a deployment's files from: its own, inside the
 #: cloud's (which only the cloud's and the deployer's accounts write), so that a running
 #: cloud, which does not hold those files, never answers for them
