@@ -25,6 +25,12 @@ deployment publisher and by ``estuary status`` (about 2 s).
 ``test_estuary_deploy_works_beside_a_connected_cloud_and_fails_when_no_device_accepts``:
 ``estuary deploy`` (in this process) to a sampling device while a cloud is connected, then a
 deployment the device refuses (about 10 s, most of it the ONNX export).
+
+``test_a_rerun_reads_no_earlier_runs_deployment_or_reports``: the broker holds a finished
+run's signed deployment (its cloud offline) and a device's report about it; the rerun's
+device holds that deployment instead of fetching it, the rerun's fresh cloud clears it, and
+neither the cloud's report collection nor ``estuary status`` shows the earlier report; the
+rerun's own deployment is fetched at once and its report counts (about 5 s).
 """
 
 from __future__ import annotations
@@ -451,8 +457,12 @@ def test_a_rerun_reads_no_earlier_runs_deployment_or_reports(
         # the device's report about it counts (a refusal: this cloud holds no such file)
         new = deployment(b"the rerun's model" * 64)
         cloud.send(topics.cloud_deploy, new, retain=True)
-        wait_for(lambda: (cloud_bus.pump(0.1), "dev000" in publisher.reports)[1],
-                 "the report about the rerun's deployment")  # fmt: skip
+
+        def reported() -> bool:
+            cloud_bus.pump(0.1)
+            return "dev000" in publisher.reports
+
+        wait_for(reported, "the report about the rerun's deployment")
         report = publisher.reports["dev000"]
         assert (report.event, report.deployment) == ("refused", new.ident), report
     finally:
