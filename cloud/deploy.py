@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: images of the test split a deployed classifier's parity check runs on (the first ones)
 PARITY_IMAGES = 256
+#: deployments of a run whose reports a publisher keeps counting (the newest ones)
+KNOWN_DEPLOYMENTS = 16
 #: the most bytes of JSON the final report takes in a deployed classifier's card (the signed
 #: manifest carrying the card is at most 64 KiB); its largest entries are left out beyond
 REPORT_CARD_BYTES = 16 * 1024
@@ -66,7 +69,11 @@ class PublisherService(RoleService):
 
 class DeploymentPublisher:
     """Publishes signed deployments as ``service`` (which must be the cloud) and keeps the
-    latest report of every device."""
+    latest report of every device about a deployment of this run: one it published or saw
+    on the deployment topic since the retained deployment was last cleared (a report names
+    its deployment: :attr:`DeploymentReport.deployment`). Reports about any other
+    deployment, such as those an earlier run under the same name left retained (a fresh
+    cloud clears its deployment), are only counted (``deploy_report_other_deployment``)."""
 
     def __init__(self, service: RoleService, signing_key: Any) -> None:
         self.service = service
@@ -74,10 +81,30 @@ class DeploymentPublisher:
         self.current: Deployment | None = None
         self.reports: dict[str, DeploymentReport] = {}
         self.on_report: Callable[[DeploymentReport], None] | None = None
+        #: the deployments (their :attr:`~Deployment.ident`) whose reports count, newest last
+        self.known: deque[str] = deque(maxlen=KNOWN_DEPLOYMENTS)
         t = service.topics
         service.on(t.all_device_deploy, DeploymentReport, self._on_report, "msg_deploy_report")
+        service.on(t.cloud_deploy, Deployment, self._on_deployment, "msg_deployment",
+                   on_clear=self._on_cleared)  # fmt: skip
+
+    def _on_deployment(self, msg: Deployment) -> None:
+        if msg.ident not in self.known:
+            self.known.append(msg.ident)
+
+    def _on_cleared(self, _topic: str) -> None:
+        """The retained deployment was cleared: no earlier deployment's report counts."""
+        self.known.clear()
+        if self.current is not None:
+            self.known.append(self.current.ident)
+        self.reports = {d: r for d, r in self.reports.items() if r.deployment in self.known}
 
     def _on_report(self, msg: DeploymentReport) -> None:
+        if msg.deployment is None or msg.deployment not in self.known:
+            # a report about another deployment: an earlier run's, retained on the broker
+            # under the same run name, or one this publisher did not publish
+            self.service.traffic.note("deploy_report_other_deployment")
+            return
         self.reports[msg.device] = msg
         # a device's free text (reason, provider, request id) is escaped before it is logged
         if msg.event == "refused":
@@ -97,8 +124,9 @@ class DeploymentPublisher:
     def publish(self, export_dir: Path) -> Deployment:
         """:meth:`prepare` ``export_dir``'s deployment and publish it, retained."""
         msg = self.prepare(export_dir)
+        self.current = msg  # before it is sent: the first reports about it count
+        self._on_deployment(msg)
         self.service.send(self.service.topics.cloud_deploy, msg, retain=True)
-        self.current = msg
         version = version_of(json.loads(msg.manifest))
         log.info("published deployment %s (%d bytes), version %d of run %s",
                  msg.model_ref.sha256[:12], msg.model_ref.size, version.serial,
@@ -398,6 +426,9 @@ def collect_own_classifiers(cloud: Any, run_dir: Path) -> None:
 
     def on_report(msg: DeploymentReport) -> None:
         if msg.event not in ("classified", "refused"):
+            return
+        if msg.session != cloud.session:  # an earlier run's, retained under this name
+            cloud.traffic.note("deploy_report_other_deployment")
             return
         reports[msg.device] = msg
         if cloud.on_trained is None and not waiting_for():  # training is over

@@ -237,6 +237,8 @@ def _serve(
         log.error("%s", err)
         return EXIT_ERROR
     serve_metrics(cloud, cfg)
+    if resumed is None:
+        cloud.clear_deployment()  # an earlier run's under this name is not this run's
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)
 

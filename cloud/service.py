@@ -64,6 +64,13 @@ class CloudServer(CloudProducts, CloudCheckpoints):
     """The cloud: owns the global model and the round counter."""
 
 
+    def clear_deployment(self) -> None:
+        """Clear the retained deployment (an empty retained publish on ``cloud/deploy``): a
+        fresh run starts without one, so that its devices do not fetch an earlier run's
+        deployment under the same run name, and neither this cloud nor ``estuary status``
+        reads the reports about it as this run's. A resumed run keeps it."""
+        self.ep.publish(self.topics.cloud_deploy, b"", kind="msg_deployment", retain=True)
+
     def start(self) -> None:
         """Subscribe to registrations and edge reports; wait for devices."""
         t = self.topics

@@ -105,6 +105,7 @@ from shared.wire.messages import (
     BlobRef,
     Deployment,
     DeploymentReport,
+    Presence,
     SampleRequest,
     home_of,
 )
@@ -192,11 +193,22 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         #: per run name, (version serial, manifest digest) of the run's deployment served
         #: last: read back from the verified copies under ``out_dir/models``
         self.last_served: dict[str, tuple[int, str]] = self._read_last_served()
+        #: the :attr:`~Deployment.ident` of the deployment in service (reports name it)
+        self.served_ident: str | None = None
+        #: the cloud's retained presence (None: none seen), and a deployment to be fetched
+        #: from the cloud held while the cloud is known to be offline
+        self.cloud_online: bool | None = None
+        self.held: Admitted | None = None
 
     def start(self) -> None:
         """Subscribe to the retained deployment and to sample requests."""
         t = self.service.topics
-        self.service.on(t.cloud_deploy, Deployment, self.on_deployment, "msg_deployment")
+        # the cloud's presence first: the broker hands over its retained copy before the
+        # retained deployment, so an earlier run's deployment, whose cloud is gone, is held
+        self.service.on(t.status(DEPLOY_SOURCE), Presence, self._on_cloud_presence,
+                        "msg_presence")  # fmt: skip
+        self.service.on(t.cloud_deploy, Deployment, self.on_deployment, "msg_deployment",
+                        on_clear=self._on_cleared)  # fmt: skip
         self.service.on(t.cloud_sample, SampleRequest, self.on_sample_request, "msg_sample")
         if self.key is None:
             log.warning("%s: deploy.verify_key is not set; every deployment will be refused",
@@ -232,6 +244,27 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         return found
 
     # -- deployments ---------------------------------------------------------------------
+    def _on_cloud_presence(self, msg: Presence) -> None:
+        if msg.role != "cloud":
+            return
+        self.cloud_online = msg.online
+        if msg.online and self.held is not None:
+            item, self.held = self.held, None
+            log.info("%s: the cloud is online: fetching deployment %s", self.service.name,
+                     item.sha256[:12])  # fmt: skip
+            self._queue(item)
+
+    def _on_cleared(self, _topic: str) -> None:
+        """The retained deployment was cleared (a new run's cloud starting under this run
+        name): nothing held or waiting is fetched any more."""
+        dropped = [*self.waiting, *([self.held] if self.held is not None else [])]
+        self.waiting.clear()
+        self.held = None
+        if dropped:
+            log.info("%s: the retained deployment was cleared: %d deployment(s) not fetched",
+                     self.service.name, len(dropped))  # fmt: skip
+        self.service.traffic.note("deployments_withdrawn", len(dropped))
+
     def on_deployment(self, msg: Deployment) -> None:
         """Check a deployment (signature, manifest, version, references), then fetch its
         files off this thread (:class:`FetchJob`); it is loaded and sampled from when they
@@ -242,8 +275,20 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         try:
             item = self._admit(msg)
         except SignatureError as err:
-            self._refuse(sha, err.reason, err.detail)
+            self._refuse(sha, err.reason, err.detail, msg.ident)
             return
+        if deploy_source(msg.model_ref) == DEPLOY_SOURCE and self.cloud_online is False:
+            # its files are the cloud's, and the cloud is gone: an earlier run's deployment
+            # (a new cloud clears it) or one whose cloud stopped; fetched if it comes back
+            if self.held is None or self.held.digest != item.digest:
+                log.info("%s: deployment %s waits for the cloud, which is offline",
+                         self.service.name, sha[:12])  # fmt: skip
+            self.held = item
+            return
+        self._queue(item)
+
+    def _queue(self, item: Admitted) -> None:
+        """Fetch ``item`` now, or after the deployment being fetched."""
         under_way = [self.job.item] if self.job is not None else []
         if any(i.digest == item.digest for i in [*under_way, *self.waiting]):
             return  # the same deployment again (a retained copy) while it is on its way
@@ -253,7 +298,8 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         if len(self.waiting) >= MAX_WAITING:
             dropped = self.waiting.popleft()
             self._refuse(dropped.msg.model_ref.sha256, "deployment_queue_full",
-                         f"{MAX_WAITING} deployments waited for the one being fetched")  # fmt: skip
+                         f"{MAX_WAITING} deployments waited for the one being fetched",
+                         dropped.msg.ident)  # fmt: skip
         self.waiting.append(item)
         log.info("%s: deployment %s waits for %s to be fetched", self.service.name,
                  item.sha256[:12], self.job.item.sha256[:12])  # fmt: skip
@@ -356,7 +402,7 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
                 except Exception as err:  # refused below like an error of the fetch
                     error = err
             if served is None:
-                self._refuse_error(item.msg.model_ref.sha256, error or EstuaryError("no result"))
+                self._refuse_error(item.msg, error or EstuaryError("no result"))
             else:
                 self._in_service(item, served)
         finally:
@@ -371,24 +417,25 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
             try:
                 self._check_newer(item.version, item.digest)
             except SignatureError as err:
-                self._refuse(item.msg.model_ref.sha256, err.reason, err.detail)
+                self._refuse(item.msg.model_ref.sha256, err.reason, err.detail, item.msg.ident)
                 continue
             self._start(item)
 
-    def _refuse_error(self, sha: str, err: BaseException) -> None:
-        """Refuse deployment ``sha`` for what fetching or loading it raised."""
+    def _refuse_error(self, msg: Deployment, err: BaseException) -> None:
+        """Refuse deployment ``msg`` for what fetching or loading it raised."""
+        sha, ident = msg.model_ref.sha256, msg.ident
         if isinstance(err, SignatureError):
-            self._refuse(sha, err.reason, err.detail)
+            self._refuse(sha, err.reason, err.detail, ident)
         elif isinstance(err, (CodecError, TransportError)):
-            self._refuse(sha, err.reason, str(err))
+            self._refuse(sha, err.reason, str(err), ident)
         elif isinstance(err, PersonalizeError):
-            self._refuse(sha, "personalize_failed", str(err))
+            self._refuse(sha, "personalize_failed", str(err), ident)
         elif isinstance(err, EstuaryError):
-            self._refuse(sha, "bad_model", str(err))
+            self._refuse(sha, "bad_model", str(err), ident)
         else:  # whatever a signed but broken model raises: refuse, report
             log.error("%s: deployment %s failed to load", self.service.name, sha[:12],
                       exc_info=err)  # fmt: skip
-            self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}")
+            self._refuse(sha, "bad_model", f"{type(err).__name__}: {err}", ident)
 
     def _install(self, item: Admitted, fetched: Fetched) -> Served:
         """The deployment's model to serve, installed by the handler of its task (the
@@ -404,6 +451,7 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         self.last_served[item.version.run] = (item.version.serial, item.digest)
         old = self.served
         self.served = served
+        self.served_ident = item.msg.ident
         sha, card = served.sha256, served.manifest["card"]
         m = self.service.metrics
         m.deployments.labels(outcome="loaded").inc()
@@ -425,10 +473,12 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         seed = grid_seed(self.service.cfg.run.seed, self.service.name)
         self._sample(self.cfg.grid_size, steps, seed, f"deploy-{sha[:12]}")
 
-    def _refuse(self, sha: str, reason: str, detail: str) -> None:
+    def _refuse(self, sha: str, reason: str, detail: str, deployment: str | None = None) -> None:
+        """Refuse deployment ``deployment`` (its :attr:`~Deployment.ident`; model ``sha``):
+        counted, and reported about that deployment."""
         self.service.reject(reason, f"deployment {sha[:12]}: {detail}")
         self.service.metrics.deployments.labels(outcome="refused").inc()
-        self._report("refused", sha, reason=f"{reason}: {detail}"[:500])
+        self._report("refused", sha, reason=f"{reason}: {detail}"[:500], deployment=deployment)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -439,8 +489,11 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
         self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
         stats: SampleStats | None = None, grid: str = "",
         classified: ClassifyResult | None = None, accuracy: float | None = None,
+        deployment: str | None = None,
     ) -> None:  # fmt: skip
         served = self.served
+        if deployment is None and served is not None and sha == served.sha256:
+            deployment = self.served_ident  # a report about the model in service
         n, rate, latency = 0, 0.0, 0.0
         if stats is not None:
             n, rate, latency = stats.n, stats.images_per_s, stats.latency_s
@@ -451,6 +504,8 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
             device=self.service.name,
             event=event,  # type: ignore[arg-type]
             model_sha256=sha,
+            deployment=deployment,
+            session=self.service.joined_session(),
             serving=served.sha256 if served is not None else None,
             personal=served.personal if served is not None else None,
             reason=reason,

@@ -46,7 +46,8 @@ class OwnClassifier:
         except EstuaryError as err:
             log.error("%s: own classifier not deployed: %s", d.name, err)
             d.send(d.topics.device_deploy(d.name),
-                   DeploymentReport(device=d.name, event="refused", reason=str(err)[:500]),
+                   DeploymentReport(device=d.name, event="refused", reason=str(err)[:500],
+                                    session=d.joined_session()),
                    retain=True)  # fmt: skip
             return
         accuracy = None if labels is None else float(run.accuracy)
@@ -57,6 +58,6 @@ class OwnClassifier:
         report = DeploymentReport(
             device=d.name, event="classified", model_sha256=result.sha256,
             serving=result.sha256, n=len(run.predictions), images_per_s=run.images_per_s,
-            provider=run.provider[:64], accuracy=accuracy,
+            provider=run.provider[:64], accuracy=accuracy, session=d.joined_session(),
         )  # fmt: skip
         d.send(d.topics.device_deploy(d.name), report, retain=True)

@@ -90,6 +90,7 @@ class DeploymentTask:
         self, event: str, sha: str | None, *, reason: str = "", request_id: str = "",
         stats: SampleStats | None = None, grid: str = "",
         classified: ClassifyResult | None = None, accuracy: float | None = None,
+        deployment: str | None = None,
     ) -> None:  # fmt: skip
         """Report ``event`` on the device's deployment topic (the receiver's)."""
         raise NotImplementedError

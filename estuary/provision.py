@@ -123,7 +123,8 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
     only as a deployment publisher (:class:`cloud.deploy.DeploymentPublisher`): the retained
     deployment, sample requests and the chunks of the blobs it serves from its own subtree
     there (:data:`~shared.wire.messages.DEPLOYER_HOME`, where a running cloud never answers);
-    it reads the devices' presence (whom to wait for), their deployment reports, and the
+    it reads the retained deployment, the devices' presence (whom to wait for), their
+    deployment reports, and the
     requests for its blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its
     bus subscribes to). Not the cloud's rounds, state, presence or blobs; no update, blob or
     downlink of anyone."""
@@ -133,6 +134,7 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
         f"{topics.base}/{DEPLOYER_HOME}/blob/+/+/+",  # blob_chunk(DEPLOYER_HOME, sha, size, i)
     ]
     reads = [
+        topics.cloud_deploy,  # the deployments whose reports count (DeploymentPublisher)
         topics.all_device_status,
         topics.all_device_deploy,
         *topics.blob_want_patterns(DEPLOYER_HOME),

@@ -40,6 +40,7 @@ from shared.runtime.service import RoleService
 from shared.transport.mqtt import MqttBus
 from shared.wire.messages import (
     CloudState,
+    Deployment,
     DeploymentReport,
     DeviceHello,
     EdgeState,
@@ -61,6 +62,7 @@ _READS: list[tuple[Callable[[Topics], str], type[BaseModel], str, str]] = [
     (lambda t: t.all_edge_state, EdgeState, "_edge_state", "msg_edge_state"),
     (lambda t: t.all_device_hello, DeviceHello, "_hello", "msg_hello"),
     (lambda t: t.all_device_deploy, DeploymentReport, "_report", "msg_deploy_report"),
+    (lambda t: t.cloud_deploy, Deployment, "_deployment", "msg_deployment"),
 ]
 
 
@@ -112,6 +114,20 @@ class FederationStatus:
     edges: dict[str, EdgeView] = field(default_factory=dict)
     devices: dict[str, DeviceView] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> count
+    #: the retained deployment's :attr:`~Deployment.ident` (None: none retained)
+    deployment: str | None = None
+
+    def current_report(self, view: DeviceView) -> DeploymentReport | None:
+        """``view``'s report if it is about the deployment retained now, or, about no
+        deployment (a device's own classifier), if it names the session of the cloud state
+        retained now and no deployment is retained; a report of an earlier run under this
+        name is not shown."""
+        r = view.report
+        if r is None or r.deployment != self.deployment:
+            return None
+        if r.deployment is None and (self.cloud is None or r.session != self.cloud.session):
+            return None
+        return r
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (``--json``)."""
@@ -129,7 +145,11 @@ class FederationStatus:
                 e: {"online": v.online, "state": dump(v.state)} for e, v in self.edges.items()
             },
             "devices": {
-                d: {"online": v.online, "hello": dump(v.hello), "deploy": dump(v.report)}
+                d: {
+                    "online": v.online,
+                    "hello": dump(v.hello),
+                    "deploy": dump(self.current_report(v)),
+                }
                 for d, v in self.devices.items()
             },
             "rejected": self.rejected,
@@ -152,7 +172,8 @@ class StatusObserver(RoleService):
     def start(self) -> None:
         """Subscribe to every retained topic of the run (no presence of its own)."""
         for topic, msg_type, handler, kind in _READS:
-            self.on(topic(self.topics), msg_type, getattr(self, handler), kind)
+            cleared = self._deployment_cleared if msg_type is Deployment else None
+            self.on(topic(self.topics), msg_type, getattr(self, handler), kind, on_clear=cleared)
 
     # Only this config's edges and devices are shown: the views stay bounded whatever names
     # the broker holds, and the others are counted as rejected.
@@ -179,6 +200,12 @@ class StatusObserver(RoleService):
     def _report(self, msg: DeploymentReport) -> None:
         if (view := self._device(msg.device)) is not None:
             view.report = msg
+
+    def _deployment(self, msg: Deployment) -> None:
+        self.status.deployment = msg.ident
+
+    def _deployment_cleared(self, _topic: str) -> None:
+        self.status.deployment = None
 
     def _cloud(self, msg: CloudState) -> None:
         self.status.cloud = msg
@@ -302,11 +329,12 @@ def format_status(st: FederationStatus, where: str, now: float | None = None) ->
     online = sum(v.online is True for v in st.devices.values())
     lines.append(f"devices {online} of {len(st.devices)} online")
     for name, d in sorted(st.devices.items()):
-        if d.hello is None and d.online is None and d.report is None:
+        report = st.current_report(d)
+        if d.hello is None and d.online is None and report is None:
             lines.append(f"  {name:8} never seen")
             continue
         home = f"home {d.hello.home_edge}, {d.hello.n_samples} samples" if d.hello else "no hello"
-        lines.append(f"  {name:8} {_online(d.online):8} {home}   {_report(d.report)}")
+        lines.append(f"  {name:8} {_online(d.online):8} {home}   {_report(report)}")
     if st.rejected:
         named = ", ".join(f"{r} x{n}" for r, n in sorted(st.rejected.items()))
         lines.append(f"rejected {sum(st.rejected.values())} message(s): {named} "

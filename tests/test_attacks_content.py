@@ -25,6 +25,12 @@ deployment publisher and by ``estuary status`` (about 2 s).
 ``test_estuary_deploy_works_beside_a_connected_cloud_and_fails_when_no_device_accepts``:
 ``estuary deploy`` (in this process) to a sampling device while a cloud is connected, then a
 deployment the device refuses (about 10 s, most of it the ONNX export).
+
+``test_a_rerun_reads_no_earlier_runs_deployment_or_reports``: the broker holds a finished
+run's signed deployment (its cloud offline) and a device's report about it; the rerun's
+device holds that deployment instead of fetching it, the rerun's fresh cloud clears it, and
+neither the cloud's report collection nor ``estuary status`` shows the earlier report; the
+rerun's own deployment is fetched at once and its report counts (about 5 s).
 """
 
 from __future__ import annotations
@@ -206,15 +212,20 @@ def test_wire_text_reaches_the_log_and_the_terminal_escaped(broker: LocalBroker)
     from shared.config import BrokerSection
     from shared.logs import EscapingFormatter
     from shared.transport.mqtt import MqttBus
-    from shared.wire.messages import DeploymentReport
+    from shared.wire.messages import BlobRef, Deployment, DeploymentReport
 
     cfg = tiny_config(run={"name": "atk-text"}, federation={"num_devices": 3, "num_edges": 1})
     topics = Topics(cfg.run.name)
     sha = "ab" * 32
-    refused = DeploymentReport(device="dev000", event="refused", model_sha256=sha, reason=FORGED)
+    # the deployment the reports are about (retained; its content does not matter here)
+    deployment = Deployment(manifest="{}", signature="0" * 128, key_id="0" * 16,
+                            model_ref=BlobRef(sha256=sha, size=1, kind="model"))  # fmt: skip
+    refused = DeploymentReport(device="dev000", event="refused", model_sha256=sha, reason=FORGED,
+                               deployment=deployment.ident)  # fmt: skip
     classified = DeploymentReport(device="dev001", event="classified", model_sha256=sha, n=8,
                                   accuracy=0.5, provider="cpu\x1b[31m",
-                                  request_id="own\n2026 INFO x")  # fmt: skip
+                                  request_id="own\n2026 INFO x",
+                                  deployment=deployment.ident)  # fmt: skip
     lines = LogLines()
     settings = BrokerSection(host=broker.host, port=broker.port, connect_timeout_s=10)
     buses = [MqttBus(settings, run=cfg.run.name, client_id=f"atk-text-{w}", home=h).connect()
@@ -226,6 +237,8 @@ def test_wire_text_reaches_the_log_and_the_terminal_escaped(broker: LocalBroker)
         ):
             service = PublisherService("cloud", cfg, buses[0])
             publisher = DeploymentPublisher(service, Ed25519PrivateKey.generate())
+            evil.send(topics.cloud_deploy, encode(deployment), retain=True)
+            buses[0].pump(0.3)  # the publisher sees the deployment before the reports
             evil.send(topics.device_deploy("dev000"), encode(refused), retain=True)
             evil.send(topics.device_deploy("dev001"), encode(classified), retain=True)
             # an id from the wire: a topic level with a bidi override (Mosquitto refuses
@@ -340,5 +353,119 @@ def test_estuary_deploy_works_beside_a_connected_cloud_and_fails_when_no_device_
     finally:
         stop.set()
         runner.join(10)
+        for bus in buses:
+            bus.close(timeout_s=2.0)
+
+
+# -- a rerun under the same run name --------------------------------------------------------
+
+
+def test_a_rerun_reads_no_earlier_runs_deployment_or_reports(
+    broker: LocalBroker, tmp_path: Path
+) -> None:
+    """The broker holds what a finished run left under this run name: its signed deployment
+    (its cloud gone, presence offline) and a device's report about it. The rerun's device
+    starts first and does not fetch that deployment; the rerun's fresh cloud clears it (an
+    empty retained publish, which the device counts as no ``bad_json``); neither the cloud's
+    report collection nor ``estuary status`` reads the earlier report as this run's, while a
+    report about the deployment the cloud published counts."""
+    from cloud import CloudServer
+    from cloud.deploy import DeploymentPublisher
+    from device_agent.deployment import SamplingAgent
+    from estuary.status import collect_status, format_status
+    from shared.config import BrokerSection
+    from shared.deploy.signing import (
+        MODEL_BLOB_KIND,
+        generate_keys,
+        key_id,
+        load_private_key,
+        make_manifest,
+        sign_manifest,
+    )
+    from shared.methods.registry import make_algorithm
+    from shared.models.init import initial_model
+    from shared.transport.mqtt import MqttBus
+    from shared.wire.messages import BlobRef, Deployment, DeploymentReport, Presence
+
+    keys = generate_keys(tmp_path / "keys")
+    cfg = _deploy_config("atk-rerun", keys, broker)
+    topics = Topics(cfg.run.name)
+    private = load_private_key(keys[0])
+
+    def deployment(model: bytes) -> Deployment:
+        card = {"name": "first", "source": {"run": cfg.run.name}}
+        text, sig = sign_manifest(make_manifest(sha256_hex(model), len(model), card), private)
+        ref = BlobRef(sha256=sha256_hex(model), size=len(model), kind=MODEL_BLOB_KIND,
+                      src="cloud")  # fmt: skip
+        return Deployment(manifest=text, signature=sig, key_id=key_id(private.public_key()),
+                          model_ref=ref)  # fmt: skip
+
+    old = deployment(b"the first run's model" * 64)
+    old_report = DeploymentReport(device="dev000", event="sampled", deployment=old.ident,
+                                  model_sha256=old.model_ref.sha256, n=4, images_per_s=3.0,
+                                  provider="cpu")  # fmt: skip
+    gone = Presence(name="cloud", role="cloud", online=False)
+    settings = BrokerSection(host=broker.host, port=broker.port, connect_timeout_s=10,
+                             chunk_bytes=16 << 10)  # fmt: skip
+    stop = threading.Event()
+    buses: list[Any] = []
+    try:
+        with contextlib.closing(Hostile(broker.host, broker.port, "first-run")) as first:
+            first.send(topics.status("cloud"), encode(gone), retain=True)
+            first.send(topics.cloud_deploy, encode(old), retain=True)
+            first.send(topics.device_deploy("dev000"), encode(old_report), retain=True)
+        # the rerun: its device first, then its fresh cloud
+        device_bus = MqttBus(settings, run=cfg.run.name, client_id="atk-rerun-dev000",
+                             home="device/dev000").connect()  # fmt: skip
+        buses.append(device_bus)
+        agent = SamplingAgent(cfg, device_bus, device_id="dev000", out_dir=tmp_path / "dev000")
+        agent.start()
+        threading.Thread(target=lambda: device_bus.run(lambda: False, timeout_s=60, stop=stop),
+                         daemon=True).start()  # fmt: skip
+        wait_for(lambda: agent.receiver.held is not None, "the device to see the deployment")
+        assert agent.receiver.job is None  # held, not fetched: its cloud is offline
+        cloud_bus = MqttBus(settings, run=cfg.run.name, client_id="atk-rerun-cloud",
+                            home="cloud").connect()  # fmt: skip
+        buses.append(cloud_bus)
+        state = dict(initial_model(cfg.model.preset, cfg.model.init, seed=0).state_dict())
+        cloud = CloudServer(cfg, cloud_bus, make_algorithm(cfg), initial_model=state)
+        publisher = DeploymentPublisher(cloud, private)  # as the cloud's deploy_when_trained
+        cloud.clear_deployment()  # what a cloud that does not resume does before it starts
+        cloud.start()
+        cloud_bus.pump(1.5)
+        wait_for(lambda: agent.receiver.held is None, "the device to drop the deployment")
+        time.sleep(0.5)  # the cloud online: a deployment still held would be fetched now
+        assert agent.receiver.job is None and agent.receiver.served is None
+        assert device_bus.traffic.transport().get("deployments_withdrawn") == 1
+        assert rejected(device_bus.traffic) == {}, rejected(device_bus.traffic)  # no bad_json
+        sent = device_bus.traffic.snapshot()["messages"]
+        assert "sent:msg_deploy_report" not in sent, sent  # nothing refused, nothing reported
+        assert publisher.reports == {}
+        assert cloud.traffic.transport().get("deploy_report_other_deployment") == 1
+        with contextlib.closing(Hostile(broker.host, broker.port, "retained")) as look:
+            look.subscribe(topics.cloud_deploy)
+            time.sleep(0.3)
+            assert look.received(topics.cloud_deploy) == []  # nothing retained any more
+        status_bus = MqttBus(settings, run=cfg.run.name, client_id="atk-rerun-status",
+                             home="observer/status").connect()  # fmt: skip
+        buses.append(status_bus)
+        st = collect_status(cfg, status_bus, 1.0)
+        assert st.devices["dev000"].report == old_report  # retained, and not shown:
+        assert st.as_dict()["devices"]["dev000"]["deploy"] is None
+        assert "no deployment report" in format_status(st, "test"), format_status(st, "test")
+        # the control: the rerun's own deployment (the cloud online) is fetched at once, and
+        # the device's report about it counts (a refusal: this cloud holds no such file)
+        new = deployment(b"the rerun's model" * 64)
+        cloud.send(topics.cloud_deploy, new, retain=True)
+
+        def reported() -> bool:
+            cloud_bus.pump(0.1)
+            return "dev000" in publisher.reports
+
+        wait_for(reported, "the report about the rerun's deployment")
+        report = publisher.reports["dev000"]
+        assert (report.event, report.deployment) == ("refused", new.ident), report
+    finally:
+        stop.set()
         for bus in buses:
             bus.close(timeout_s=2.0)

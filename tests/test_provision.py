@@ -111,10 +111,11 @@ def test_acl_observer_reads_only_the_state_and_writes_nothing(
     cloud, edge0 = _login(broker, out, "cloud"), _login(broker, out, "edge0")
     dev0, observer = _login(broker, out, "dev000"), _login(broker, out, "observer")
     at_observer, at_cloud = inbox(observer, f"{BASE}/#"), inbox(cloud, f"{BASE}/#")
-    state = {f"{BASE}/cloud/state", f"{BASE}/cloud/status", f"{BASE}/edge/edge0/state",
-             f"{BASE}/edge/edge0/status", f"{BASE}/device/dev000/hello",
-             f"{BASE}/device/dev000/status", f"{BASE}/device/dev000/deploy"}  # fmt: skip
-    private = {f"{BASE}/cloud/round", f"{BASE}/cloud/deploy", f"{BASE}/edge/edge0/round",
+    state = {f"{BASE}/cloud/state", f"{BASE}/cloud/status", f"{BASE}/cloud/deploy",
+             f"{BASE}/edge/edge0/state", f"{BASE}/edge/edge0/status",
+             f"{BASE}/device/dev000/hello", f"{BASE}/device/dev000/status",
+             f"{BASE}/device/dev000/deploy"}  # fmt: skip
+    private = {f"{BASE}/cloud/round", f"{BASE}/edge/edge0/round",
                f"{BASE}/edge/edge0/up", f"{BASE}/edge/edge0/blob/ab/1/0",
                f"{BASE}/device/dev000/up", f"{BASE}/device/dev000/join",
                f"{BASE}/device/dev000/blob/ab/1/0"}  # fmt: skip
@@ -184,7 +185,8 @@ def test_acl_deployer_publishes_deployments_and_nothing_else(
         deployer.publish(topic, b"{}", qos=1)
     assert received(at_cloud) == may_write  # the cloud reads everything
     assert received(at_dev0, 0.3) == may_write
-    assert received(at_deployer, 0.1) == set()  # it reads none of what it writes
+    # of what it writes it reads only the retained deployment (whose reports count)
+    assert received(at_deployer, 0.1) == {f"{BASE}/cloud/deploy"}
     sent = {
         cloud: ["cloud/state", "cloud/round", "device/dev000/down",
                 f"device/dev000/down/blob/{SHA}/4096/0"],
@@ -286,7 +288,8 @@ def test_deploy_as_deployer_leaves_a_running_cloud_connected(
             # the model's transfer through this ACL is tested above; here the report only
             msg = decode(payload, Deployment)
             report = DeploymentReport(device="dev000", event="sampled", n=4, images_per_s=1.0,
-                                      model_sha256=msg.model_ref.sha256)  # fmt: skip
+                                      model_sha256=msg.model_ref.sha256,
+                                      deployment=msg.ident)  # fmt: skip
             device.publish(topics.device_deploy("dev000"), encode(report),
                            kind="msg_deploy_report", retain=True)  # fmt: skip
 

@@ -305,19 +305,22 @@ def test_classified_and_sampled_reports_show_their_figures() -> None:
     `estuary deploy`'s result lines."""
     cfg = tiny_config(run={"name": RUN})
     sha = "ab" * 32
+    deployment = "cd" * 32  # the retained deployment the reports are about
     classified = DeploymentReport(
-        device="dev000", event="classified", model_sha256=sha, serving=sha, n=80,
+        device="dev000", event="classified", model_sha256=sha, deployment=deployment,
+        serving=sha, n=80,
         images_per_s=9261.3, provider="CPUExecutionProvider", request_id="own-test-split",
         accuracy=0.8125,
     )  # fmt: skip
     unlabelled = classified.model_copy(update={"device": "dev001", "accuracy": None,
                                                "request_id": ""})  # fmt: skip
     sampled = DeploymentReport(device="dev002", event="sampled", model_sha256=sha, serving=sha,
-                               n=16, steps=3, images_per_s=2.5,
+                               deployment=deployment, n=16, steps=3, images_per_s=2.5,
                                provider="CPUExecutionProvider")  # fmt: skip
     devices = {r.device: DeviceView(online=True, report=r)
                for r in (classified, unlabelled, sampled)}  # fmt: skip
-    text = format_status(FederationStatus(RUN, cfg.digest(), 3, devices=devices), "b")
+    st = FederationStatus(RUN, cfg.digest(), 3, devices=devices, deployment=deployment)
+    text = format_status(st, "b")
     assert (f"serving {sha[:12]}; classified, accuracy 0.8125 on 80 images (own-test-split) "
             "at 9261.30 images/s (CPUExecutionProvider)") in text  # fmt: skip
     assert "classified, no accuracy (unlabelled) on 80 images at 9261.30 images/s" in text

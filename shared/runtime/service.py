@@ -88,15 +88,28 @@ class RoleService:
         text = printable(detail)  # topics, ids and reasons from the wire, escaped
         self.reject_log.warn(reason, f"{self.name} rejected input ({reason}): {text}", log)
 
-    def on(self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str) -> None:
+    def on(
+        self, pattern: str, msg_type: type[M], handler: Callable[[M], None], kind: str,
+        *, on_clear: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         """Subscribe ``handler`` to validated ``msg_type`` messages on ``pattern``.
 
-        A message that arrives on another topic than its sender's own
+        An empty payload (a retained message being cleared) is counted as
+        ``retained_cleared`` and handed to ``on_clear(topic)`` if given, never to
+        ``handler``. A message that arrives on another topic
+        than its sender's own
         (:meth:`~shared.wire.messages.Topics.origin`) is rejected as ``wrong_sender``, so one
         device cannot speak for another.
         """
 
         def wrapped(topic: str, payload: bytes) -> None:
+            if not payload:
+                # an empty retained publish clears a retained message (a fresh cloud clears
+                # an earlier run's deployment): nothing to handle, and not malformed
+                self.traffic.note("retained_cleared")
+                if on_clear is not None:
+                    on_clear(topic)
+                return
             try:
                 msg = decode(payload, msg_type)  # type: ignore[arg-type]
             except MessageError as err:

@@ -8,6 +8,7 @@ turns bytes into the right model or raises :class:`~shared.errors.MessageError` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -467,6 +468,13 @@ class Deployment(_Msg):
     model_ref: BlobRef
     shared_ref: BlobRef | None = None
 
+    @property
+    def ident(self) -> str:
+        """sha256 (hex) of the signed manifest's text: what names this deployment in the
+        devices' reports about it. Every export carries a new version serial in its
+        manifest, so a rerun's deployment of the very same model has another one."""
+        return hashlib.sha256(self.manifest.encode()).hexdigest()
+
 
 class SampleRequest(_Msg):
     """Cloud asks devices (all when ``devices`` is empty) to sample from their model."""
@@ -487,6 +495,16 @@ class DeploymentReport(_Msg):
     device: Id
     event: Literal["loaded", "refused", "sampled", "classified"]
     model_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: the deployment the report is about (:attr:`Deployment.ident`): the refused one, or
+    #: the one in service; None when there is none (a device's own classifier, a sample
+    #: request with nothing in service). The cloud and ``estuary status`` count a report only
+    #: for the deployment currently retained, so those of an earlier run are not read as
+    #: this run's.
+    deployment: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: the cloud session whose rounds the device took part in last (None: none, such as a
+    #: device that only serves deployments): what ties a report about no deployment (a
+    #: device's own classifier) to its run
+    session: Session | None = None
     serving: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # model in service
     #: the model in service is the device's own (global federated parts over its local
     #: parts, exported on the device); its ONNX file's sha256
