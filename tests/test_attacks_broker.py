@@ -17,6 +17,12 @@ logged in with dev001's credentials:
   the attacker is disconnected: ``test_the_broker_memory_a_device_can_take_is_bounded``
   (64 MiB limit, 100 x 1 MiB) and, marked ``slow``,
   ``test_the_issue_flood_is_held_to_the_memory_limit`` (300 x 1 MiB, 256 MiB limit)
+- retained chunks on blob-chunk topics (a device's, an edge's path to the cloud alone, the
+  deployer's) are cleared by the cloud's periodic sweep, counted and logged:
+  ``test_the_cloud_clears_retained_blob_chunks``; the sweep never takes a live chunk for a
+  retained one (the federation's model unchanged):
+  ``test_the_sweep_takes_no_live_chunk_for_a_retained_one``; its setting is validated:
+  ``test_the_sweep_period_is_validated``
 - the provisioned files read by a broker that drops root for its own user:
   ``test_a_broker_running_as_its_own_user_reads_the_provisioned_files``
 
@@ -410,3 +416,13 @@ def test_the_sweep_takes_no_live_chunk_for_a_retained_one(workdir: Path) -> None
     assert cloud.get("retained_sweeps", 0) >= 2, cloud
     assert cloud.get("retained_chunks_cleared", 0) == 0, cloud
     assert swept.sha == plain.sha
+
+
+def test_the_sweep_period_is_validated() -> None:
+    """``broker.retained_sweep_s``: 0 (off) or 0.5 to 3,600 s; in between or beyond is an
+    error, not a sweep that hammers the broker or never comes."""
+    assert BrokerSection(retained_sweep_s=0).retained_sweep_s == 0
+    assert BrokerSection(retained_sweep_s=0.5).retained_sweep_s == 0.5
+    for bad in (0.1, -1.0, 3601.0):
+        with pytest.raises(ValueError, match="retained_sweep_s"):
+            BrokerSection(retained_sweep_s=bad)
