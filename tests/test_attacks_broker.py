@@ -335,7 +335,8 @@ def cloud_bus(out: Path, broker: MosquittoProcess) -> MqttBus:
     return MqttBus(settings, run="atk-brk", client_id="atk-brk-cloud", home="cloud").connect()
 
 
-def retained_chunks(out: Path, broker: MosquittoProcess) -> list[tuple[str, int]]:
+def retained_chunks(out: Path, broker: MosquittoProcess,
+                    settle_s: float = 1.0) -> list[tuple[str, int]]:  # fmt: skip
     """The retained messages on the run's blob-chunk topics, as edge0 (which reads the
     devices', its own and the cloud's blob topics) receives them when it subscribes."""
     password = (out / "credentials" / "edge0.password").read_text().strip()
@@ -344,7 +345,7 @@ def retained_chunks(out: Path, broker: MosquittoProcess) -> list[tuple[str, int]
     for pattern in (f"{base}/device/+/blob/#", f"{base}/edge/+/cloud/blob/#",
                     f"{base}/{DEPLOYER_HOME}/blob/#"):  # fmt: skip
         held += retained_under(broker.host, broker.port, pattern, user="edge0",
-                               password=password, settle_s=0.3)  # fmt: skip
+                               password=password, settle_s=settle_s)  # fmt: skip
     return held
 
 
@@ -367,9 +368,9 @@ def test_the_cloud_clears_retained_blob_chunks(workdir: Path) -> None:
     """dev001 retains 16 chunks of 1 MiB on its own blob-chunk topics (what its ACL must
     admit), edge0 2 on its path to the cloud alone and the deployer 2 under its subtree:
     the broker holds all 20. The cloud connects (default settings: a sweep every 2 s):
-    within 8 s the broker holds none, each was counted (``retained_chunks_cleared``) and
-    logged, and a second flood while the cloud runs is cleared as well. Without the sweep
-    they stay."""
+    within 8 s each was cleared, counted (``retained_chunks_cleared``) and logged, and the
+    broker holds none; a second flood while the cloud runs is cleared as well. Without the
+    sweep they stay."""
     out = provisioned(workdir, "prov-sweep")
     lines = LogLines()
     with (
@@ -384,11 +385,13 @@ def test_the_cloud_clears_retained_blob_chunks(workdir: Path) -> None:
         bus = cloud_bus(out, broker)
         try:
             cleared = lambda: bus.traffic.transport().get("retained_chunks_cleared", 0)  # noqa: E731
-            wait_for(lambda: retained_chunks(out, broker) == [], "no retained chunk", 8)
+            wait_for(lambda: cleared() >= 20, "the sweep to clear 20 chunks", timeout_s=8)
+            empty = lambda: retained_chunks(out, broker, settle_s=0.3) == []  # noqa: E731
+            wait_for(empty, "the broker to hold no retained chunk", timeout_s=5)
             assert cleared() == 20
             _retain_chunks(out, broker, ATTACKER, f"device/{ATTACKER}", 4, MIB)
             wait_for(lambda: cleared() >= 24, "the sweep to clear 4 more", timeout_s=8)
-            assert retained_chunks(out, broker) == []
+            wait_for(empty, "the broker to hold no retained chunk", timeout_s=5)
             assert bus.traffic.transport()["retained_chunk_bytes_cleared"] == 20 * MIB + 4 * 4096
             assert bus.traffic.snapshot()["rejected"] == {}
         finally:
