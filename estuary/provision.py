@@ -185,7 +185,10 @@ def edge_writes(base: str, edge: str, devices: list[str]) -> list[str]:
 def cloud_writes(base: str, devices: list[str], edges: list[str]) -> list[str]:
     """Every topic the cloud publishes: its retained state, round, presence and deployment,
     sample requests, the chunks of its blobs, its blob requests to edges and devices, and
-    each device's private downlink (the personal model and the chunks of its blob)."""
+    each device's private downlink (the personal model and the chunks of its blob), and
+    the empty retained message that clears a retained chunk on any blob-chunk topic of the
+    run (the cloud's bus sweeps them, ``broker.retained_sweep_s``: the ACL cannot refuse the
+    retain flag on a chunk topic a device, an edge or the deployer may write)."""
     own = f"{base}/cloud"
     return [
         f"{own}/state",
@@ -199,6 +202,11 @@ def cloud_writes(base: str, devices: list[str], edges: list[str]) -> list[str]:
         *(f"{own}/want/device/{d}" for d in devices),
         f"{base}/device/+/down",
         f"{base}/device/+/down/blob/+/+/+",
+        # clearing retained chunks (broker.retained_sweep_s) where others serve blobs
+        f"{base}/{DEPLOYER_HOME}/blob/+/+/+",
+        f"{base}/edge/+/blob/+/+/+",
+        f"{base}/edge/+/cloud/blob/+/+/+",
+        f"{base}/device/+/blob/+/+/+",
     ]
 
 

@@ -303,7 +303,10 @@ class Federation:
     """The federation of ``cfg`` in this process over a real broker: one cloud, the edges
     and the devices (less ``absent``: an attacker speaks for those), each on its own
     MqttBus and thread. With ``accounts`` (``estuary provision``'s output directory) every
-    role logs in with its own credentials.
+    role logs in with its own credentials. The cloud's sweep of retained blob chunks
+    (``broker.retained_sweep_s``) runs only when ``retained_sweep_s`` asks for it: several
+    attacks serve their blobs as retained chunks (:func:`serve_retained`), which the sweep
+    would clear under them.
     """
 
     def __init__(
@@ -315,8 +318,10 @@ class Federation:
         accounts: Path | None = None,
         absent: Collection[str] = (),
         gated_rounds: Collection[int] = (),
+        retained_sweep_s: float = 0.0,
     ) -> None:
         self.cfg = cfg
+        self.retained_sweep_s = retained_sweep_s
         self.host, self.port, self.accounts = host, port, accounts
         self.topics = Topics(cfg.run.name)
         names = [device_name(i) for i in range(cfg.federation.num_devices)]
@@ -365,7 +370,12 @@ class Federation:
             password = self.accounts / "credentials" / f"{name}.password"
             creds = {"username": name, "password_file": str(password)}
         settings = BrokerSection(
-            host=self.host, port=self.port, connect_timeout_s=10, chunk_timeout_s=1.0, **creds
+            host=self.host,
+            port=self.port,
+            connect_timeout_s=10,
+            chunk_timeout_s=1.0,
+            retained_sweep_s=self.retained_sweep_s,
+            **creds,
         )
         will = encode(Presence(name=name, role=role, online=False))  # type: ignore[arg-type]
         bus = MqttBus(settings, run=self.cfg.run.name, client_id=f"{self.cfg.run.name}-{name}",

@@ -17,6 +17,12 @@ logged in with dev001's credentials:
   the attacker is disconnected: ``test_the_broker_memory_a_device_can_take_is_bounded``
   (64 MiB limit, 100 x 1 MiB) and, marked ``slow``,
   ``test_the_issue_flood_is_held_to_the_memory_limit`` (300 x 1 MiB, 256 MiB limit)
+- retained chunks on blob-chunk topics (a device's, an edge's path to the cloud alone, the
+  deployer's) are cleared by the cloud's periodic sweep, counted and logged:
+  ``test_the_cloud_clears_retained_blob_chunks``; the sweep never takes a live chunk for a
+  retained one (the federation's model unchanged):
+  ``test_the_sweep_takes_no_live_chunk_for_a_retained_one``; its setting is validated:
+  ``test_the_sweep_period_is_validated``
 - the provisioned files read by a broker that drops root for its own user:
   ``test_a_broker_running_as_its_own_user_reads_the_provisioned_files``
 
@@ -27,6 +33,7 @@ cloud starts: ``test_retained_junk_cannot_hide_devices_from_a_new_cloud``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import tempfile
@@ -37,14 +44,16 @@ from typing import Any
 
 import pytest
 
-from estuary.provision import provision
-from shared.config import RunConfig
+from estuary.provision import DEPLOYER, provision
+from shared.config import BrokerSection, RunConfig
 from shared.transport.local_broker import find_mosquitto
-from shared.wire.messages import DeviceHello, Topics, encode
+from shared.transport.mqtt import MqttBus
+from shared.wire.messages import DEPLOYER_HOME, DeviceHello, Topics, encode
 from tests.attack_tools import (
     NOT_AUTHORIZED,
     Federation,
     Hostile,
+    LogLines,
     MosquittoProcess,
     retained_under,
     wait_for,
@@ -306,3 +315,117 @@ def test_retained_junk_cannot_hide_devices_from_a_new_cloud(workdir: Path) -> No
     assert outcome.completed, (outcome.failed, outcome.left)
     assert [r.updates for r in outcome.rounds] == [3, 3]
     assert reannounces >= 3
+
+
+# -- retained blob chunks: the cloud clears them ----------------------------------------------
+
+SWEEP_S = 0.5  # the federation test's sweep period (the default is 2 s)
+
+
+def cloud_bus(out: Path, broker: MosquittoProcess) -> MqttBus:
+    """The cloud's bus with the default settings, logged in with the cloud's provisioned
+    credentials."""
+    settings = BrokerSection(
+        host=broker.host,
+        port=broker.port,
+        connect_timeout_s=10,
+        username="cloud",
+        password_file=str(out / "credentials" / "cloud.password"),
+    )
+    return MqttBus(settings, run="atk-brk", client_id="atk-brk-cloud", home="cloud").connect()
+
+
+def retained_chunks(out: Path, broker: MosquittoProcess,
+                    settle_s: float = 1.0) -> list[tuple[str, int]]:  # fmt: skip
+    """The retained messages on the run's blob-chunk topics, as edge0 (which reads the
+    devices', its own and the cloud's blob topics) receives them when it subscribes."""
+    password = (out / "credentials" / "edge0.password").read_text().strip()
+    base = Topics("atk-brk").base
+    held: list[tuple[str, int]] = []
+    for pattern in (f"{base}/device/+/blob/#", f"{base}/edge/+/cloud/blob/#",
+                    f"{base}/{DEPLOYER_HOME}/blob/#"):  # fmt: skip
+        held += retained_under(broker.host, broker.port, pattern, user="edge0",
+                               password=password, settle_s=settle_s)  # fmt: skip
+    return held
+
+
+def _retain_chunks(out: Path, broker: MosquittoProcess, user: str, src: str,
+                   count: int, size: int) -> int:  # fmt: skip
+    """``user`` retains ``count`` chunks of ``size`` bytes on blob-chunk topics of ``src``;
+    how many the broker took."""
+    topics = Topics("atk-brk")
+    payload = os.urandom(size)
+    items = [(topics.blob_chunk(src, f"{i:064x}", MIB, 0), payload) for i in range(count)]
+    evil = login(out, broker, user)
+    try:
+        codes = evil.send_many(items, retain=True)
+    finally:
+        evil.close()
+    return sum(c < 0x80 for c in codes)
+
+
+def test_the_cloud_clears_retained_blob_chunks(workdir: Path) -> None:
+    """dev001 retains 16 chunks of 1 MiB on its own blob-chunk topics (what its ACL must
+    admit), edge0 2 on its path to the cloud alone and the deployer 2 under its subtree:
+    the broker holds all 20. The cloud connects (default settings: a sweep every 2 s):
+    within 8 s each was cleared, counted (``retained_chunks_cleared``) and logged, and the
+    broker holds none; a second flood while the cloud runs is cleared as well. Without the
+    sweep they stay."""
+    out = provisioned(workdir, "prov-sweep")
+    lines = LogLines()
+    with (
+        MosquittoProcess(out / "mosquitto" / "mosquitto.conf", workdir) as broker,
+        contextlib.contextmanager(lines.install)(),
+    ):
+        taken = _retain_chunks(out, broker, ATTACKER, f"device/{ATTACKER}", 16, MIB)
+        taken += _retain_chunks(out, broker, "edge0", "edge/edge0/cloud", 2, 4096)
+        taken += _retain_chunks(out, broker, DEPLOYER, DEPLOYER_HOME, 2, 4096)
+        assert taken == 20
+        assert len(retained_chunks(out, broker)) == 20
+        bus = cloud_bus(out, broker)
+        try:
+            cleared = lambda: bus.traffic.transport().get("retained_chunks_cleared", 0)  # noqa: E731
+            wait_for(lambda: cleared() >= 20, "the sweep to clear 20 chunks", timeout_s=8)
+            empty = lambda: retained_chunks(out, broker, settle_s=0.3) == []  # noqa: E731
+            wait_for(empty, "the broker to hold no retained chunk", timeout_s=5)
+            assert cleared() == 20
+            _retain_chunks(out, broker, ATTACKER, f"device/{ATTACKER}", 4, MIB)
+            wait_for(lambda: cleared() >= 24, "the sweep to clear 4 more", timeout_s=8)
+            wait_for(empty, "the broker to hold no retained chunk", timeout_s=5)
+            assert bus.traffic.transport()["retained_chunk_bytes_cleared"] == 20 * MIB + 4 * 4096
+            assert bus.traffic.snapshot()["rejected"] == {}
+        finally:
+            bus.close()
+    assert lines.matching("cleared a retained blob chunk"), "no log line"
+
+
+def test_the_sweep_takes_no_live_chunk_for_a_retained_one(workdir: Path) -> None:
+    """The federation on the provisioned broker with the cloud sweeping every 0.5 s: every
+    model and update travels as live chunks while the sweep looks; it clears none, every
+    round takes the three updates and the final model is the one of a run without it."""
+    out = provisioned(workdir, "prov-live")
+    cfg = config("atk-brk")
+    with MosquittoProcess(out / "mosquitto" / "mosquitto.conf", workdir) as broker:
+        runs = []
+        for sweep_s in (0.0, SWEEP_S):
+            with Federation(cfg, broker.host, broker.port, accounts=out,
+                            retained_sweep_s=sweep_s) as fed:  # fmt: skip
+                fed.start()
+                runs.append(fed.wait())
+    plain, swept = runs
+    assert plain.completed and swept.completed, (plain.failed, swept.failed)
+    assert [r.updates for r in swept.rounds] == [3, 3]
+    cloud = swept.traffic["cloud"].transport()
+    assert cloud.get("retained_sweeps", 0) >= 2, cloud
+    assert cloud.get("retained_chunks_cleared", 0) == 0, cloud
+    assert swept.sha == plain.sha
+
+
+def test_the_sweep_period_is_validated() -> None:
+    """``broker.retained_sweep_s``: 0 (off) or 0.5 to 3,600 s; in between or beyond is an
+    error, not a sweep that hammers the broker or never comes."""
+    assert BrokerSection(retained_sweep_s=0).retained_sweep_s == 0
+    assert BrokerSection(retained_sweep_s=0.5).retained_sweep_s == 0.5
+    for bad in (0.1, -1.0, 3601.0):
+        with pytest.raises(ValueError, match="retained_sweep_s"):
+            BrokerSection(retained_sweep_s=bad)

@@ -39,6 +39,9 @@ class AutoBytes(int):
 #: copies of a small one. Uploads an aggregator fetches are folded and dropped, never stored
 BLOB_MEMORY_BLOBS, BLOB_MEMORY_HEADROOM = 2, 8 << 20
 BLOB_DISK_FACTOR = 4
+#: the shortest period of the cloud's sweep of retained blob chunks (one subscribe and
+#: unsubscribe per sweep)
+MIN_RETAINED_SWEEP_S = 0.5
 
 
 class BrokerSection(Section):
@@ -110,6 +113,14 @@ class BrokerSection(Section):
         "configure (mosquitto memory_limit): past it the broker refuses the allocation and "
         "disconnects the publisher instead of exhausting the host",
     )
+    retained_sweep_s: float = Field(
+        2.0,
+        ge=0.0,
+        le=3600.0,
+        description="how often the cloud clears retained messages on blob-chunk topics "
+        "(no role publishes a chunk retained; the broker would hold them until cleared); "
+        "0 = never",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BrokerSection:
@@ -120,6 +131,10 @@ class BrokerSection(Section):
         if self.serve_budget_bytes_per_min < self.chunk_bytes:
             raise ValueError(
                 "serve_budget_bytes_per_min must hold at least one chunk (chunk_bytes)"
+            )
+        if 0.0 < self.retained_sweep_s < MIN_RETAINED_SWEEP_S:
+            raise ValueError(
+                f"retained_sweep_s must be 0 (never) or at least {MIN_RETAINED_SWEEP_S:g}"
             )
         return self
 

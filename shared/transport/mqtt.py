@@ -48,6 +48,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from shared.config import BrokerSection
 from shared.errors import TransportError
@@ -79,6 +80,9 @@ _CONTROL_QUEUE: Final = 100_000
 _CONTROL_PUT_TIMEOUT_S: Final = 5.0
 _WANT_MAX_BYTES: Final = 256 << 10  # a blob request asks for at most 4,096 runs of chunks
 _DEPLOYER_LEVELS: Final = DEPLOYER_HOME.split("/")  # its subtree: two topic levels
+#: the role whose bus clears retained blob chunks (``broker.retained_sweep_s``): the cloud,
+#: which reads the whole run and, under ``estuary provision``'s ACL, may clear them
+SWEEPER_HOME: Final = "cloud"
 
 
 class MqttBus(Bus):
@@ -139,6 +143,10 @@ class MqttBus(Bus):
         self._serves_private = False  # a private blob was put: requests for them are heard
         self._serves_cloud_only = False  # a blob for the cloud alone was put: likewise
         self._cloud_only_want = self.topics.cloud_only_want(home)
+        # the cloud clears retained blob chunks (no role publishes a chunk retained)
+        self._sweep_s = settings.retained_sweep_s if home == SWEEPER_HOME else 0.0
+        self._next_sweep = time.monotonic()
+        self._sweep_mids: set[int] = set()  # under _suback_lock
         self.client = self._make_client(will)
         self._io = threading.Thread(target=self._io_loop, name=f"mqtt-io-{client_id}", daemon=True)
         ctx = BlobContext(
@@ -268,6 +276,9 @@ class MqttBus(Bus):
 
     def _on_subscribe(self, client: mqtt.Client, _u: Any, mid: int, _rc: Any, _p: Any) -> None:
         with self._suback_lock:
+            if mid in self._sweep_mids:
+                self._sweep_mids.discard(mid)
+                return
             event = self._suback.pop(mid, None)
             if event is None:
                 self._early_subacks.add(mid)  # raced ahead of _subscribe_wait
@@ -305,7 +316,9 @@ class MqttBus(Bus):
         else:
             depth = 3 if private else 2
         verb = rel[depth] if len(rel) > depth else ""
-        if verb == "blob" and ours:
+        if verb == "blob" and ours and msg.retain and payload and self._sweep_s:
+            self._clear_retained_chunk(topic, len(payload))
+        elif verb == "blob" and ours:
             self._blob_fetcher.route_chunk(topic, payload)
         elif verb == "want" and len(payload) > _WANT_MAX_BYTES:
             self.traffic.reject("blob_server", "too_large")
@@ -327,6 +340,55 @@ class MqttBus(Bus):
             )
         else:
             self._enqueue_inbound(topic, payload)
+
+    def _clear_retained_chunk(self, topic: str, nbytes: int) -> None:
+        """Clear the retained message on blob-chunk ``topic`` (an empty retained publish;
+        paho's thread, never blocks): no role publishes a chunk retained, so one that
+        arrives with the retain flag is held by the broker, not sent live (a live chunk
+        arrives without it: the sweep's subscription keeps the flag as published, and every
+        other subscription clears it on live messages). Counted and logged (rate-limited)."""
+        info = self.client.publish(topic, b"", qos=QOS, retain=True)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            self.traffic.reject("bus", "retained_chunk_not_cleared")
+            return
+        self.traffic.note("retained_chunks_cleared")
+        self.traffic.note("retained_chunk_bytes_cleared", nbytes)
+        self._drop_log.warn(
+            "retained_chunk",
+            f"{self.client_id}: cleared a retained blob chunk of {nbytes} bytes on "
+            f"{topic[:200]!r} (no role publishes chunks retained: its account left it there)",
+            log,
+        )
+
+    def _sweep_retained_chunks(self) -> None:
+        """Ask the broker for the retained messages on every blob-chunk topic of the run
+        (subscribe with "send retained at subscribe" and retain-as-published, unsubscribe
+        at once): each one arrives flagged retained and :meth:`_clear_retained_chunk`
+        clears it. I/O thread, every ``retained_sweep_s``."""
+        self._next_sweep = time.monotonic() + self._sweep_s
+        patterns = self.topics.blob_chunk_sweep
+        if self.settings.protocol == "5":
+            opts = SubscribeOptions(
+                qos=0,
+                retainAsPublished=True,
+                retainHandling=SubscribeOptions.RETAIN_SEND_ON_SUBSCRIBE,
+            )
+            rc, mid = self.client.subscribe([(p, opts) for p in patterns])
+        else:  # 3.1.1: retained messages are sent at subscribe, flagged; live ones are not
+            rc, mid = self.client.subscribe([(p, 0) for p in patterns])
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            return  # not connected: the next sweep tries again
+        with self._suback_lock:
+            if mid in self._early_subacks:
+                self._early_subacks.discard(mid)
+            else:
+                self._sweep_mids.add(mid)
+                if len(self._sweep_mids) > 1_000:  # SUBACKs lost to a reconnect
+                    self._sweep_mids.clear()
+        # the broker handles a client's packets in order: the retained messages are queued
+        # for us before this unsubscribe takes effect
+        self.client.unsubscribe(patterns)
+        self.traffic.note("retained_sweeps")
 
     def _enqueue_inbound(self, topic: str, payload: bytes) -> None:
         """Queue an application message for the role's thread, within ``max_queue`` messages
@@ -383,6 +445,12 @@ class MqttBus(Bus):
         server = self._blob_server
         while not self._closing.is_set():
             try:  # one bad request or a racing cache eviction must not end blob serving
+                if (
+                    self._sweep_s
+                    and self._connected.is_set()
+                    and time.monotonic() >= self._next_sweep
+                ):
+                    self._sweep_retained_chunks()
                 can_send = server.ready()
                 try:
                     item = self._control.get(timeout=0 if can_send else 0.5)

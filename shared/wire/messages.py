@@ -185,6 +185,14 @@ class Topics:
         checks that requester and downlink are the same device)."""
         return f"{self.base}/device/+/want/device/+/down"
 
+    @property
+    def blob_chunk_sweep(self) -> list[str]:
+        """Filters that match every blob-chunk topic of the run (:meth:`blob_chunk` under
+        each subtree: ``cloud``, ``cloud/deployer``, ``edge/<e>``, ``device/<d>``, an edge's
+        path to the cloud alone ``edge/<e>/cloud`` and a device's private downlink
+        ``device/<d>/down``); the cloud's sweep of retained chunks looks there."""
+        return [f"{self.base}/+/blob/#", f"{self.base}/+/+/blob/#", f"{self.base}/+/+/+/blob/#"]
+
     def blob_want_patterns(self, src: str) -> list[str]:
         """Subscriptions a blob server ``src`` needs to see every request addressed to it."""
         return [f"{self.base}/cloud/want/{src}", f"{self.base}/+/+/want/{src}"]
