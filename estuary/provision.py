@@ -70,7 +70,14 @@ from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_ke
 from shared.errors import EstuaryError
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits, secured_packet_bytes
-from shared.wire.messages import DEPLOYER_HOME, ROOT, Topics
+from shared.wire.messages import (
+    DEPLOYER_HOME,
+    ROOT,
+    Topics,
+    cloud_only_home,
+    home_of,
+    private_home,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +138,7 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
     writes = [
         topics.cloud_deploy,
         topics.cloud_sample,
-        f"{topics.base}/{DEPLOYER_HOME}/blob/+/+/+",  # blob_chunk(DEPLOYER_HOME, sha, size, i)
+        topics.blob_chunks(DEPLOYER_HOME),
     ]
     reads = [
         topics.cloud_deploy,  # the deployments whose reports count (DeploymentPublisher)
@@ -142,71 +149,71 @@ def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
     return writes, reads
 
 
-def device_writes(base: str, device: str, edges: list[str]) -> list[str]:
+def device_writes(topics: Topics, device: str, edges: list[str]) -> list[str]:
     """Every topic device ``device`` publishes, none more: its registration, presence and
     deployment report (the retained ones), its updates and edge choices, the chunks of the
     blobs it serves (its uploads), and its blob requests to ``edges`` (the edges it may
     train with), the cloud, the deployer and its own private downlink. A wildcard over its
     own subtree would let its credentials leave retained messages on as many made-up topics
     as it likes (each one held by the broker until cleared)."""
-    own = f"{base}/device/{device}"
+    own = home_of("device", device)
     return [
-        f"{own}/hello",
-        f"{own}/status",
-        f"{own}/deploy",
-        f"{own}/up",
-        f"{own}/join",
-        f"{own}/blob/+/+/+",  # Topics.blob_chunk(home, sha, chunk_bytes, index)
-        f"{own}/want/cloud",
-        f"{own}/want/{DEPLOYER_HOME}",  # the model of a deployment `estuary deploy` serves
-        *(f"{own}/want/edge/{e}" for e in edges),
-        f"{own}/want/device/{device}/down",  # Topics.private_want
+        topics.device_hello(device),
+        topics.status(own),
+        topics.device_deploy(device),
+        topics.device_up(device),
+        topics.device_join(device),
+        topics.blob_chunks(own),
+        topics.blob_want(own, "cloud"),
+        topics.blob_want(own, DEPLOYER_HOME),  # a deployment `estuary deploy` serves
+        *(topics.blob_want(own, home_of("edge", e)) for e in edges),
+        topics.private_want(device),
     ]
 
 
-def edge_writes(base: str, edge: str, devices: list[str]) -> list[str]:
+def edge_writes(topics: Topics, edge: str, devices: list[str]) -> list[str]:
     """Every topic edge ``edge`` publishes: its retained state, presence and round
     announcement, its reports to the cloud, the chunks of its blobs (forwarded uploads under
     its path to the cloud alone) and its blob requests to the cloud and to ``devices``
     (those it may aggregate)."""
-    own = f"{base}/edge/{edge}"
+    own = home_of("edge", edge)
     return [
-        f"{own}/state",
-        f"{own}/status",
-        f"{own}/round",
-        f"{own}/up",
-        f"{own}/blob/+/+/+",
-        f"{own}/cloud/blob/+/+/+",  # forwarded uploads, for the cloud alone (cloud_only_home)
-        f"{own}/want/cloud",
-        *(f"{own}/want/device/{d}" for d in devices),
+        topics.edge_state(edge),
+        topics.status(own),
+        topics.edge_round(edge),
+        topics.edge_up(edge),
+        topics.blob_chunks(own),
+        topics.blob_chunks(cloud_only_home(own)),  # forwarded uploads, for the cloud alone
+        topics.blob_want(own, "cloud"),
+        *(topics.blob_want(own, home_of("device", d)) for d in devices),
     ]
 
 
-def cloud_writes(base: str, devices: list[str], edges: list[str]) -> list[str]:
+def cloud_writes(topics: Topics, devices: list[str], edges: list[str]) -> list[str]:
     """Every topic the cloud publishes: its retained state, round, presence and deployment,
     sample requests, the chunks of its blobs, its blob requests to edges and devices, and
     each device's private downlink (the personal model and the chunks of its blob), and
     the empty retained message that clears a retained chunk on any blob-chunk topic of the
     run (the cloud's bus sweeps them, ``broker.retained_sweep_s``: the ACL cannot refuse the
     retain flag on a chunk topic a device, an edge or the deployer may write)."""
-    own = f"{base}/cloud"
+    any_edge, any_device = home_of("edge", "+"), home_of("device", "+")
     return [
-        f"{own}/state",
-        f"{own}/round",
-        f"{own}/status",
-        f"{own}/deploy",
-        f"{own}/sample",
-        f"{own}/blob/+/+/+",
-        *(f"{own}/want/edge/{e}" for e in edges),
-        *(f"{own}/want/edge/{e}/cloud" for e in edges),  # forwarded uploads of edge e
-        *(f"{own}/want/device/{d}" for d in devices),
-        f"{base}/device/+/down",
-        f"{base}/device/+/down/blob/+/+/+",
+        topics.cloud_state,
+        topics.cloud_round,
+        topics.status("cloud"),
+        topics.cloud_deploy,
+        topics.cloud_sample,
+        topics.blob_chunks("cloud"),
+        *(topics.blob_want("cloud", home_of("edge", e)) for e in edges),
+        *(topics.cloud_only_want(home_of("edge", e)) for e in edges),  # forwarded uploads
+        *(topics.blob_want("cloud", home_of("device", d)) for d in devices),
+        topics.device_down("+"),
+        topics.blob_chunks(private_home("+")),
         # clearing retained chunks (broker.retained_sweep_s) where others serve blobs
-        f"{base}/{DEPLOYER_HOME}/blob/+/+/+",
-        f"{base}/edge/+/blob/+/+/+",
-        f"{base}/edge/+/cloud/blob/+/+/+",
-        f"{base}/device/+/blob/+/+/+",
+        topics.blob_chunks(DEPLOYER_HOME),
+        topics.blob_chunks(any_edge),
+        topics.blob_chunks(cloud_only_home(any_edge)),
+        topics.blob_chunks(any_device),
     ]
 
 
@@ -215,6 +222,7 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
     topics its role publishes (:func:`cloud_writes`, :func:`edge_writes`,
     :func:`device_writes`, :func:`deployer_topics`), and read what it subscribes to."""
     base = f"{ROOT}/{cfg.run.name}"
+    topics = Topics(cfg.run.name)
     picks = cfg.federation.assignment != "static"
     lines = [
         f"# Estuary ACL for run {cfg.run.name!r}: each instance writes exactly the topics its",
@@ -222,7 +230,7 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
         "# device/<d>/down). Generated by `estuary provision`; anonymous clients are refused.",
         "",
         "user cloud",
-        *(f"topic write {t}" for t in cloud_writes(base, devices, edges)),
+        *(f"topic write {t}" for t in cloud_writes(topics, devices, edges)),
         f"topic read {base}/#",
         "",
     ]
@@ -231,7 +239,7 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
                                             if edges[i % len(edges)] == e]  # fmt: skip
         lines += [
             f"user {e}",
-            *(f"topic write {t}" for t in edge_writes(base, e, aggregates)),
+            *(f"topic write {t}" for t in edge_writes(topics, e, aggregates)),
             f"topic read {base}/edge/{e}/#",
             *(f"topic read {t}" for t in edge_reads(base, e)),
             "",
@@ -239,11 +247,11 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
     # `estuary status`: the retained state and presence, nothing else, and no writes
     lines += [
         f"user {OBSERVER}",
-        *(f"topic read {t}" for t in observer_topics(Topics(cfg.run.name))),
+        *(f"topic read {t}" for t in observer_topics(topics)),
         "",
     ]
     # `estuary deploy`: deployments and their blobs under the cloud's subtree, and reports
-    writes, reads = deployer_topics(Topics(cfg.run.name))
+    writes, reads = deployer_topics(topics)
     lines += [
         f"user {DEPLOYER}",
         *(f"topic write {t}" for t in writes),
@@ -254,7 +262,7 @@ def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
         served_by = edges if picks else [edges[i % len(edges)]] if edges else []
         lines += [
             f"user {d}",
-            *(f"topic write {t}" for t in device_writes(base, d, served_by)),
+            *(f"topic write {t}" for t in device_writes(topics, d, served_by)),
             f"topic read {base}/device/{d}/#",
             f"topic read {base}/cloud/#",
             f"topic read {base}/edge/+/round",

@@ -165,6 +165,11 @@ class Topics:
         """Chunk ``index`` of a blob served by ``src`` (``index`` may be ``+`` or ``missing``)."""
         return f"{self.base}/{src}/blob/{sha256}/{chunk_bytes}/{index}"
 
+    def blob_chunks(self, src: str) -> str:
+        """Pattern of every chunk of every blob ``src`` serves (:meth:`blob_chunk`; ``src``
+        may hold a ``+``): what an ACL grants the role that serves there."""
+        return f"{self.base}/{src}/blob/+/+/+"
+
     def blob_want(self, requester: str, src: str) -> str:
         """A request from ``requester`` for chunks of a blob served by ``src``."""
         return f"{self.base}/{requester}/want/{src}"
