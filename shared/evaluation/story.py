@@ -7,7 +7,8 @@ generator pretrained on some classes only (its ``.json`` sidecar lists the
 ``held_out_classes``, e.g. ``shared/assets/fmnist_tiny_clothes.json``) while its devices hold
 some of the others is judged by :func:`new_class_share`: the share of samples in the
 classes the start never saw and the devices hold (:func:`new_classes`). The classifier calls
-a misshapen garment a bag, so the demo's devices hold shoes only and bags are not counted. The cloud scores the starting model before the first round
+a misshapen garment a bag, so the demo's devices hold shoes only and bags are not counted.
+The cloud scores the starting model before the first round
 (:meth:`shared.evaluation.recorder.RunRecorder.evaluate_start`), so a run's first and last
 figures (:func:`story_figures`) tell what the devices' data added.
 """
