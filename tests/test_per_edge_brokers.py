@@ -5,21 +5,33 @@ broker only, and ``estuary status`` reads each bridge's state."""
 
 from __future__ import annotations
 
+import json
 import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
+from estuary.demo import run_demo
 from estuary.provision import BRIDGE_CONF, provision
-from estuary.status import BrokerView, bridge_state, broker_views, format_brokers
+from estuary.status import (
+    BROKERS_FILE,
+    BrokerView,
+    bridge_state,
+    broker_views,
+    format_brokers,
+)
 from shared.config import RunConfig, config_from_dict
-from shared.federation.topology import sites
+from shared.federation.topology import site_of, sites, topic_matches
+from shared.naming import device_name
 from shared.transport.local_broker import LocalBroker, find_mosquitto, free_port
 from shared.wire.messages import Topics, home_of
+from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect, login
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
@@ -182,3 +194,88 @@ def test_status_shows_each_broker_and_whether_its_bridge_is_up(bridged: Sites) -
     text = format_brokers(views)
     assert "brokers 2 of 3 reachable" in text and "bridge DOWN" in text
     assert isinstance(views[0], BrokerView) and views[0].url.startswith("mqtt://127.0.0.1:")
+
+
+class CloudTap:
+    """An anonymous subscriber to every topic of a run on the cloud broker that ``estuary
+    demo`` records in ``run_dir/brokers.json`` once it appears: what crossed to the cloud."""
+
+    def __init__(self, run_dir: Path, base: str) -> None:
+        self.run_dir, self.base = run_dir, base
+        self.seen: list[tuple[str, int]] = []
+        self._stop = threading.Event()
+        self._client: mqtt.Client | None = None
+        self._thread = threading.Thread(target=self._attach, daemon=True)
+        self._thread.start()
+
+    def _attach(self) -> None:
+        record = self.run_dir / BROKERS_FILE
+        while not record.is_file() and not self._stop.wait(0.02):
+            pass
+        if self._stop.is_set():
+            return
+        where = json.loads(record.read_text())["cloud"]
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="cloud-tap",
+                        protocol=mqtt.MQTTv311)  # fmt: skip
+        c.on_connect = lambda cl, ud, fl, rc, pr: cl.subscribe(f"{self.base}/#", qos=1)
+        c.on_message = lambda cl, ud, msg: self.seen.append((msg.topic, len(msg.payload)))
+        c.reconnect_delay_set(0.05, 0.2)  # the broker starts right after the record
+        self._client = c
+        c.connect_async(where["host"], int(where["port"]))
+        c.loop_start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if self._client is not None:
+            self._client.loop_stop()
+            self._client.disconnect()
+
+    def bytes_on(self, pattern: str) -> int:
+        """Payload bytes seen on topics matching ``pattern``."""
+        return sum(n for topic, n in self.seen if topic_matches(pattern, topic))
+
+
+@needs_mosquitto
+@pytest.mark.process
+def test_demo_per_edge_ends_at_the_one_broker_model_and_keeps_updates_at_their_site(
+    tmp_path: Path, reference_sha: Callable[[RunConfig], str]
+) -> None:
+    """``estuary demo --brokers per-edge`` on a tiny config: every role on its site's broker,
+    the devices deploy and sample, the final model is the one-broker run's, and no device
+    update or update blob reaches the cloud broker (a tap there sees the devices' hellos and
+    the edges' reports: it listened all along)."""
+    cfg = tiny_config(
+        run={"name": "sites", "rounds": 2},
+        federation={"num_devices": 4, "num_edges": 2, "round_deadline_s": 60},
+        train={"local_steps": 2, "batch_size": 8, "threads": 1},
+        deploy={"grid_size": 2, "sample_steps": 2},
+    )
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    run_dir = tmp_path / "run"
+    t = Topics(cfg.run.name)
+    tap = CloudTap(run_dir, t.base)
+    try:
+        result = run_demo(run_dir, config=path, broker_kind="mosquitto", brokers="per-edge",
+                          progress=False, evaluate=False)  # fmt: skip
+    finally:
+        tap.stop()
+    assert result.final_model_sha256 == reference_sha(cfg)
+    assert result.rounds == 2
+    sampled = {d: r["event"] for d, r in result.deployment.items()}
+    assert sampled == {device_name(i): "sampled" for i in range(4)}
+    recorded = json.loads((run_dir / BROKERS_FILE).read_text())
+    assert sorted(recorded) == ["cloud", "edge0", "edge1"]
+    # what crossed: registrations and edge reports; never a device's update or its blob
+    assert tap.bytes_on(t.all_device_hello) > 0 and tap.bytes_on(t.all_edge_up) > 0
+    assert tap.bytes_on(t.all_device_up) == 0
+    assert tap.bytes_on(f"{t.base}/device/+/blob/#") == 0
+    assert tap.bytes_on(t.all_device_join) == 0
+    # each role connected to its own site's broker only (the brokers log every connection)
+    logs = {site: (run_dir / ("broker" if site == "cloud" else f"brokers/{site}")
+                   / "mosquitto.log").read_text() for site in recorded}  # fmt: skip
+    for role, name in [("cloud", "cloud"), ("edge", "edge0"), ("edge", "edge1"),
+                       *(("device", device_name(i)) for i in range(4))]:  # fmt: skip
+        client = f" as {cfg.run.name}-{name} "
+        assert [s for s, text in logs.items() if client in text] == [site_of(cfg, role, name)]
