@@ -5,8 +5,10 @@ broker only, and ``estuary status`` reads each bridge's state."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +20,8 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from estuary.demo import run_demo
-from estuary.provision import BRIDGE_CONF, provision
+from estuary.launcher import Hierarchy
+from estuary.provision import BRIDGE_CONF, bridge_conf, provision
 from estuary.status import (
     BROKERS_FILE,
     BrokerView,
@@ -27,6 +30,7 @@ from estuary.status import (
     format_brokers,
 )
 from shared.config import RunConfig, config_from_dict
+from shared.evaluation.report import read_metrics
 from shared.federation.topology import site_of, sites, topic_matches
 from shared.naming import device_name
 from shared.transport.local_broker import LocalBroker, find_mosquitto, free_port
@@ -279,3 +283,151 @@ def test_demo_per_edge_ends_at_the_one_broker_model_and_keeps_updates_at_their_s
                        *(("device", device_name(i)) for i in range(4))]:  # fmt: skip
         client = f" as {cfg.run.name}-{name} "
         assert [s for s, text in logs.items() if client in text] == [site_of(cfg, role, name)]
+
+
+class LinkCut:
+    """A TCP relay between an edge site's bridge and the cloud broker whose link the test
+    cuts and restores, as a WAN outage would: the site's own clients keep their broker."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = free_port()
+        self._up = threading.Event()
+        self._up.set()
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server.settimeout(0.1)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            if not self._up.is_set():
+                conn.close()  # the link is down: the bridge's reconnects fail
+                continue
+            try:
+                remote = socket.create_connection(self.upstream, timeout=2)
+            except OSError:
+                conn.close()
+                continue
+            for sock in (conn, remote):
+                sock.settimeout(None)  # a quiet link is not a broken one
+            with self._lock:
+                self._socks += [conn, remote]
+            for a, b in ((conn, remote), (remote, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop every connection through the link and refuse new ones."""
+        self._up.clear()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def restore(self) -> None:
+        """Let the bridge connect again."""
+        self._up.set()
+
+    def close(self) -> None:
+        self.cut()
+        self._stop.set()
+        self._thread.join(2)
+        self._server.close()
+
+
+def _checkpoint_round(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "checkpoints" / "latest.json").read_text())["round"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _wait_for(pred: Callable[[], bool], timeout_s: float, what: str, hier: Hierarchy) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        failed = hier.failed()
+        if failed:
+            pytest.fail(f"{failed[0].name} died: {failed[0].log_tail()}")
+        if time.monotonic() > end:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail(8)}" for p in hier.procs.values())
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}\n{tails}")
+        time.sleep(0.05)
+
+
+@needs_mosquitto
+@pytest.mark.process
+def test_a_cut_bridge_and_a_killed_site_broker_end_at_the_undisturbed_model(
+    tmp_path: Path, reference_sha: Callable[[RunConfig], str]
+) -> None:
+    """Per-edge brokers, one run disturbed twice within the round deadline: the link of
+    edge0's bridge is cut for a few seconds during a round (its site keeps its broker; each
+    side's broker holds what the other is sent meanwhile, cleansession false), then edge1's
+    site broker is SIGKILLed and started again (its edge and devices reconnect and register
+    again). The run completes at the model of an undisturbed run."""
+    cfg = tiny_config(
+        run={"name": "outage", "rounds": 5},
+        federation={"num_devices": 4, "num_edges": 2, "round_deadline_s": 60},
+        train={"local_steps": 2, "batch_size": 8, "threads": 1},
+    )
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    cloud = LocalBroker(kind="mosquitto", workdir=tmp_path / "cloud").start()
+    link = LinkCut((cloud.host, cloud.port))
+    hier = Hierarchy(cfg, path, tmp_path / "run", cloud, evaluate=False)
+    try:
+        for site in sites(cfg)[1:]:
+            address = f"127.0.0.1:{link.port if site.name == 'edge0' else cloud.port}"
+            stanza = bridge_conf(cfg, site, address, None)
+            hier.site_brokers[site.name] = LocalBroker(
+                kind="mosquitto", workdir=tmp_path / site.name, extra_conf=stanza.splitlines()
+            ).start()
+        hier.start_all()
+        _wait_for(lambda: _checkpoint_round(hier.run_dir) >= 0, 120, "round 1", hier)
+        site0 = hier.site_brokers["edge0"]
+        site0_cfg = cfg.model_copy(update={"broker": cfg.broker.model_copy(
+            update={"host": site0.host, "port": site0.port})})  # fmt: skip
+        link.cut()
+        cut_at = time.monotonic()
+        _wait_for(lambda: bridge_state(site0_cfg, "edge0", 0.5) is False, 30, "the cut", hier)
+        # down longer than a chunk's re-ask interval, well within the round deadline
+        time.sleep(max(0.0, 6.0 - (time.monotonic() - cut_at)))
+        link.restore()
+        _wait_for(lambda: bridge_state(site0_cfg, "edge0", 0.5) is True, 30, "the link", hier)
+        _wait_for(lambda: _checkpoint_round(hier.run_dir) >= 2, 120, "round 3", hier)
+        site1 = hier.site_brokers["edge1"]
+        site1.kill()
+        time.sleep(1.0)
+        site1.start()
+        code = hier.wait("cloud", 240)
+        assert code == 0, hier.procs["cloud"].log_tail(30)
+        summary = json.loads((hier.run_dir / "summary.json").read_text())
+        rows = read_metrics(hier.run_dir / "metrics.jsonl")
+    finally:
+        hier.stop_all(timeout_s=10)
+        for b in hier.site_brokers.values():
+            b.stop()
+        link.close()
+        cloud.stop()
+    assert summary["rounds"] == cfg.run.rounds
+    assert [r["updates"] for r in rows] == [4] * cfg.run.rounds
+    assert summary["final_model_sha256"] == reference_sha(cfg)
