@@ -223,7 +223,7 @@ class CloudTap:
                         protocol=mqtt.MQTTv311)  # fmt: skip
         c.on_connect = lambda cl, ud, fl, rc, pr: cl.subscribe(f"{self.base}/#", qos=1)
         c.on_message = lambda cl, ud, msg: self.seen.append((msg.topic, len(msg.payload)))
-        c.reconnect_delay_set(0.05, 0.2)  # the broker starts right after the record
+        c.reconnect_delay_set(1, 2)  # the broker starts right after the record
         self._client = c
         c.connect_async(where["host"], int(where["port"]))
         c.loop_start()
