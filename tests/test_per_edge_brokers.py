@@ -30,10 +30,11 @@ from estuary.status import (
     format_brokers,
 )
 from shared.config import RunConfig, config_from_dict
+from shared.errors import ConfigError
 from shared.evaluation.report import read_metrics
 from shared.federation.topology import site_of, sites, topic_matches
 from shared.naming import device_name
-from shared.transport.local_broker import LocalBroker, find_mosquitto, free_port
+from shared.transport.local_broker import LocalBroker, amqtt_available, find_mosquitto, free_port
 from shared.wire.messages import Topics, home_of
 from tests.conftest import tiny_config
 from tests.mqtt_probe import close, connect, login
@@ -431,3 +432,23 @@ def test_a_cut_bridge_and_a_killed_site_broker_end_at_the_undisturbed_model(
     assert summary["rounds"] == cfg.run.rounds
     assert [r["updates"] for r in rows] == [4] * cfg.run.rounds
     assert summary["final_model_sha256"] == reference_sha(cfg)
+
+
+def test_local_broker_extra_conf_is_one_line_per_item_and_needs_mosquitto() -> None:
+    with pytest.raises(ConfigError, match="line break"):
+        LocalBroker(kind="auto", extra_conf=["connection b\naddress x:1"])
+    if amqtt_available():
+        with pytest.raises(ConfigError, match="extra_conf"):
+            LocalBroker(kind="amqtt", extra_conf=["connection b"])
+
+
+@needs_mosquitto
+def test_local_broker_appends_extra_conf_after_its_own(tmp_path: Path) -> None:
+    """The lines come last (after every global option) and can be replaced for a restart."""
+    conf = tmp_path / "mosquitto.conf"
+    with LocalBroker(kind="mosquitto", workdir=tmp_path, extra_conf=["# bridge below"]) as b:
+        lines = conf.read_text().splitlines()
+        assert lines[-1] == "# bridge below" and lines[1].startswith("listener ")
+        b.extra_conf = []
+        b.restart()
+        assert "# bridge below" not in conf.read_text() and b.running
