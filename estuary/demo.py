@@ -4,7 +4,9 @@ Starts a broker (mosquitto when installed, else an embedded amqtt), one cloud, t
 and six devices, shows progress per round, and writes the run directory: ``report.png``,
 sample grids, ``metrics.jsonl``, checkpoints, every process's log, and the last Prometheus
 scrape of every role (``prometheus.json``). Everything it started is stopped at the end,
-also on Ctrl-C or an error.
+also on Ctrl-C or an error. With ``--brokers per-edge`` (or ``federation.brokers``) it starts
+a cloud broker and one mosquitto per edge site bridged to it, and each role talks through
+its own site's broker (docs/operations.md, Brokers per edge site).
 """
 
 from __future__ import annotations
