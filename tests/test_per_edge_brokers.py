@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from estuary.cli import main as cli_main
 from estuary.demo import run_demo
 from estuary.launcher import Hierarchy
 from estuary.provision import BRIDGE_CONF, bridge_conf, provision
@@ -452,3 +453,27 @@ def test_local_broker_appends_extra_conf_after_its_own(tmp_path: Path) -> None:
         b.extra_conf = []
         b.restart()
         assert "# bridge below" not in conf.read_text() and b.running
+
+
+@needs_mosquitto
+def test_status_of_a_run_directory_lists_its_brokers_first(
+    bridged: Sites, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``estuary status RUN_DIR`` with a ``brokers.json`` (as the per-edge demo writes it)
+    lists every broker and bridge, then the federation read from the cloud broker; with
+    ``--json`` under ``"brokers"``."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch_config.json").write_text(bridged.observer_cfg(bridged.cloud).to_json())
+    where = {"cloud": bridged.cloud, **bridged.edges}
+    record = {s: {"host": b.host, "port": b.port} for s, b in where.items()}
+    (run_dir / BROKERS_FILE).write_text(json.dumps(record))
+    assert cli_main(["status", str(run_dir), "--wait-s", "1"]) == 1  # no cloud state: no run
+    out = capsys.readouterr().out
+    assert out.startswith("brokers 3 of 3 reachable\n")
+    assert f"edge1    mqtt://127.0.0.1:{bridged.edges['edge1'].port}" in out
+    assert out.count("bridge up") == 2 and f'run "sites" on 127.0.0.1:{bridged.cloud.port}' in out
+    cli_main(["status", str(run_dir), "--wait-s", "1", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert [(b["site"], b["reachable"], b["bridge_up"]) for b in doc["brokers"]] == [
+        ("cloud", True, None), ("edge0", True, True), ("edge1", True, True)]  # fmt: skip
