@@ -116,8 +116,7 @@ def test_bridge_carries_what_cloud_and_site_exchange() -> None:
     edge = home_of("edge", "edge0")
     must_out = [
         t.edge_state("edge0"), t.status(edge), t.edge_round("edge0"), t.edge_up("edge0"),
-        t.blob_chunk(edge, SHA, CHUNK, 3), t.blob_chunk(cloud_only_home(edge), SHA, CHUNK, 0),
-        t.blob_want(edge, "cloud"),
+        t.blob_chunk(cloud_only_home(edge), SHA, CHUNK, 0), t.blob_want(edge, "cloud"),
         t.device_hello("dev002"), t.status(home_of("device", "dev002")),
         t.device_deploy("dev002"), t.blob_want(home_of("device", "dev002"), "cloud"),
         t.blob_want(home_of("device", "dev002"), DEPLOYER_HOME), t.private_want("dev002"),
@@ -132,6 +131,9 @@ def test_bridge_carries_what_cloud_and_site_exchange() -> None:
         assert crosses(out, topic) and not crosses(back, topic), topic
     for topic in must_in:
         assert crosses(back, topic) and not crosses(out, topic), topic
+    # what the edge serves its own devices (the round's model) stays at the site: the cloud
+    # broker carries one edge model per edge and round, whatever the devices per edge
+    assert not crosses(out, t.blob_chunk(edge, SHA, CHUNK, 3))
     # another site's instances are not this bridge's business
     other = [
         t.device_hello("dev001"),

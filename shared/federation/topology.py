@@ -10,8 +10,9 @@ edge site's broker bridges to the cloud broker under an account of its own
 
 ``out`` (edge site -> cloud, :func:`bridge_out`)
     the edge's retained state and presence, its round announcement, its report (``up``), the
-    chunks of the blobs it serves (its aggregate; the devices' uploads it forwards under its
-    path to the cloud alone) and its blob requests to the cloud; the site's devices' retained
+    chunks of the blobs it serves the cloud alone (its aggregate, and the devices' uploads it
+    forwards, under :func:`~shared.wire.messages.cloud_only_home`) and its blob requests to
+    the cloud; the site's devices' retained
     registration, presence and deployment report, and their blob requests to the cloud, to
     the deployer and on their private downlink.
 ``in`` (cloud -> edge site, :func:`bridge_in`)
@@ -139,7 +140,6 @@ def bridge_out(topics: Topics, site: Site) -> list[str]:
         topics.status(own),
         topics.edge_round(edge),
         topics.edge_up(edge),
-        topics.blob_chunks(own),  # its aggregate, which the cloud fetches
         topics.blob_chunks(cloud_only_home(own)),  # the uploads it forwards to the cloud alone
         topics.blob_want(own, "cloud"),
     ]
