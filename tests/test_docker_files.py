@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import itertools
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,11 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
+#: the shipped Mosquitto configs: compose's and Kubernetes'
+BROKER_CONFIGS = (
+    DOCKER / "mosquitto.conf",
+    ROOT / "k8s" / "base" / "broker" / "mosquitto.conf",
+)
 
 
 def _norm(name: str) -> str:
@@ -118,13 +124,86 @@ def test_compose_config_is_accepted_by_docker_compose() -> None:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose (v1) is not installed")
-    for files in (["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]):
+    for files in (
+        ["compose.yaml"],
+        ["compose.yaml", "compose.gpu.yaml"],
+        ["compose.per-edge.yaml"],
+        ["compose.per-edge.yaml", "compose.gpu.yaml"],
+    ):
         args = [exe, "--project-directory", str(DOCKER)]
         for f in files:
             args += ["-f", str(DOCKER / f)]
         proc = subprocess.run([*args, "config", "-q"], capture_output=True, text=True,
                               timeout=60, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
+
+
+def _compose_clis() -> list[list[str]]:
+    """The Compose command lines installed here: docker-compose v1 and the v2 plugin."""
+    clis = [[exe] for exe in [shutil.which("docker-compose")] if exe]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True,
+                               text=True, timeout=30, check=False)  # fmt: skip
+        if probe.returncode == 0:
+            clis.append(["docker", "compose"])
+    return clis
+
+
+def _mounts(svc: dict) -> dict[str, str]:
+    """target -> source of a service's volumes, from either CLI's ``config`` output (v1:
+    "src:dst:mode" strings; v2: mappings)."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, str):
+            src, dst = vol.split(":")[:2]
+        else:
+            src, dst = vol.get("source", ""), vol["target"]
+        out[dst] = src
+    return out
+
+
+def test_root_env_names_the_local_hierarchy() -> None:
+    """`docker compose up` at the repository root: the root .env names docker/compose.yaml
+    (Compose v1 and v2 both read COMPOSE_FILE from the working directory's .env)."""
+    env = {}
+    for raw in (ROOT / ".env").read_text().splitlines():
+        if raw.strip() and not raw.startswith("#"):
+            key, sep, value = raw.partition("=")
+            assert sep, f".env: {raw!r} is not KEY=VALUE"
+            env[key] = value
+    assert env == {"COMPOSE_FILE": "docker/compose.yaml"}
+    assert (ROOT / env["COMPOSE_FILE"]).is_file()
+    # the image build context excludes it (it is only Compose's)
+    assert "*" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+@pytest.mark.parametrize("cli", _compose_clis() or [None], ids=lambda c: " ".join(c or ["none"]))
+def test_compose_at_the_repository_root_resolves_paths_under_docker(
+    cli: list[str] | None, tmp_path: Path
+) -> None:
+    """What `up` at the root would run: the services of docker/compose.yaml, their build
+    context the repository root and the run config docker/config.toml, exactly as with
+    ``-f docker/compose.yaml``; nothing of the caller's environment decides it."""
+    if cli is None:
+        pytest.skip("neither docker-compose nor docker compose is installed")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "ESTUARY_"))}
+    # HOME: the v2 plugin reads its config from there; keep the test's own
+    env = {**clean, "HOME": str(tmp_path)} if cli[0] == "docker" else clean
+
+    def config(*args: str) -> dict:
+        proc = subprocess.run([*cli, *args, "config"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return yaml.safe_load(proc.stdout)
+
+    at_root = config()
+    services = at_root["services"]
+    assert set(services) == set(_compose()["services"])
+    for name in ("provision", "cloud", "dev000"):
+        assert Path(services[name]["build"]["context"]) == ROOT, name
+        assert _mounts(services[name])["/etc/estuary/config.toml"] == str(DOCKER / "config.toml")
+    if not (DOCKER / ".env").exists():  # the explicit file reads docker/.env, the root .env not
+        assert at_root["services"] == config("-f", "docker/compose.yaml")["services"]
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "device.Dockerfile", "broker.Dockerfile",
@@ -173,7 +252,7 @@ def test_mosquitto_configs_share_the_local_brokers_limits(tmp_path: Path) -> Non
         "set_tcp_nodelay",
     )
     assert local["set_tcp_nodelay"] == "true"
-    for path in (DOCKER / "mosquitto.conf", ROOT / "k8s" / "base" / "broker" / "mosquitto.conf"):
+    for path in BROKER_CONFIGS:
         deployed = _conf_settings(path.read_text())
         for key in keys:
             assert deployed.get(key) == local[key], f"{path.relative_to(ROOT)}: {key}"
@@ -194,7 +273,7 @@ def test_mosquitto_configs_bind_client_ids_to_user_names() -> None:
     listener, so one account's credentials cannot take over another's connection or session
     by claiming its client id. Mosquitto 2 reads ``use_username_as_clientid`` per listener:
     before the first ``listener`` line it would configure a default listener instead."""
-    for path in (DOCKER / "mosquitto.conf", ROOT / "k8s" / "base" / "broker" / "mosquitto.conf"):
+    for path in BROKER_CONFIGS:
         head, blocks = listener_blocks(path.read_text())
         name = path.relative_to(ROOT)
         assert blocks, f"{name}: no listener"
