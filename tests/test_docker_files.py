@@ -20,10 +20,11 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-#: the shipped Mosquitto configs: compose's and Kubernetes'
+#: the shipped Mosquitto configs: compose's, Kubernetes' cloud broker and its site brokers
 BROKER_CONFIGS = (
     DOCKER / "mosquitto.conf",
     ROOT / "k8s" / "base" / "broker" / "mosquitto.conf",
+    ROOT / "k8s" / "overlays" / "per-edge" / "mosquitto.conf",
 )
 
 
@@ -118,6 +119,58 @@ def test_compose_wires_every_role() -> None:
     for svc in gpu.values():
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_per_edge_compose_puts_each_site_on_its_own_broker() -> None:
+    """compose.per-edge.yaml: the roles of compose.yaml, each edge and the devices the static
+    assignment gives it (device i at edge i % num_edges) on their site's broker and network
+    only, the cloud on the cloud broker, every site broker also on the cloud network (its
+    bridge), and provisioning for per-edge with the cloud broker's address."""
+    compose = yaml.safe_load((DOCKER / "compose.per-edge.yaml").read_text())
+    services = compose["services"]
+    run = tomllib.loads((DOCKER / "config.per-edge.toml").read_text())
+    fed = run["federation"]
+    assert fed["brokers"] == "per-edge" and fed.get("assignment", "static") == "static"
+    edges = [f"edge{i}" for i in range(fed["num_edges"])]
+    devices = [f"dev{i:03d}" for i in range(fed["num_devices"])]
+    home = {d: edges[i % len(edges)] for i, d in enumerate(devices)}
+    site_brokers = {f"broker-{e}" for e in edges}
+    assert set(services) == {"cloud", *edges, *devices, "provision", "broker", "prometheus",
+                             *site_brokers}  # fmt: skip
+    assert set(compose["networks"]) == {"cloud", *(f"site-{e}" for e in edges)}
+    plain = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+    for name in ("cloud", *edges, *devices):
+        svc = services[name]
+        env = svc["environment"]
+        site = "cloud" if name == "cloud" else name if name in edges else home[name]
+        broker = "broker" if site == "cloud" else f"broker-{site}"
+        network = "cloud" if site == "cloud" else f"site-{site}"
+        assert env["ESTUARY__BROKER__HOST"] == broker, name
+        assert svc["networks"] == [network], name
+        assert svc["depends_on"][broker]["condition"] == "service_healthy", name
+        assert svc["depends_on"]["provision"]["condition"] == "service_completed_successfully"
+        assert len(svc["depends_on"]) == 2, name
+        # the rest as in compose.yaml: same command, account and credential files
+        ours = {k: v for k, v in env.items() if k != "ESTUARY__BROKER__HOST"}
+        theirs = {k: v for k, v in plain[name]["environment"].items()
+                  if k != "ESTUARY__BROKER__HOST"}  # fmt: skip
+        assert ours == theirs, name
+        assert svc["command"] == plain[name]["command"], name
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+    for edge in edges:
+        svc = services[f"broker-{edge}"]
+        assert svc["environment"] == {"ESTUARY_SITE": edge}
+        assert sorted(svc["networks"]) == sorted(["cloud", f"site-{edge}"])
+        assert svc["image"] == services["broker"]["image"]
+        assert f"broker-{edge}-data:/mosquitto/data" in svc["volumes"]
+        assert "provision:/provision:ro" in svc["volumes"]
+    assert services["broker"]["networks"] == ["cloud"]
+    assert sorted(services["prometheus"]["networks"]) == sorted(compose["networks"])
+    command = services["provision"]["command"]
+    assert command[:4] == ["provision", "/etc/estuary/config.toml", "--out", "/provision"]
+    assert "--keep" in command
+    assert command[command.index("--cloud-broker") + 1] == "broker:1883"
+    assert services["provision"]["network_mode"] == "none"
 
 
 def test_compose_config_is_accepted_by_docker_compose() -> None:
