@@ -8,12 +8,16 @@ from __future__ import annotations
 import importlib.metadata as md
 import itertools
 import os
+import queue
 import re
 import shutil
+import stat
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
 import yaml
 from packaging.requirements import Requirement
@@ -171,6 +175,101 @@ def test_per_edge_compose_puts_each_site_on_its_own_broker() -> None:
     assert "--keep" in command
     assert command[command.index("--cloud-broker") + 1] == "broker:1883"
     assert services["provision"]["network_mode"] == "none"
+
+
+def _collect(c: mqtt.Client, *patterns: str) -> queue.Queue[tuple[str, bool]]:
+    """Subscribe ``c`` to ``patterns``; (topic, retained) of what arrives lands in the queue."""
+    box: queue.Queue[tuple[str, bool]] = queue.Queue()
+    c.on_message = lambda cl, ud, msg: box.put((msg.topic, bool(msg.retain)))
+    for pattern in patterns:
+        c.subscribe(pattern, qos=1)
+    time.sleep(0.3)
+    return box
+
+
+def _drain(box: queue.Queue[tuple[str, bool]], wait_s: float) -> set[tuple[str, bool]]:
+    end, got = time.monotonic() + wait_s, set()
+    while time.monotonic() < end:
+        try:
+            got.add(box.get(timeout=0.05))
+        except queue.Empty:
+            pass
+    return got
+
+
+def test_per_edge_compose_site_broker_bridges_on_real_mosquitto(tmp_path: Path) -> None:
+    """The site broker of compose.per-edge.yaml as the compose file starts it (its shell
+    command, on what `estuary provision --cloud-broker` wrote for site edge0) and the cloud
+    broker on docker/mosquitto.conf, both real Mosquitto with paths and ports moved here: the
+    bridge comes up with its own account, the edge's aggregate and the device's registration
+    reach the cloud broker and the device's update does not, and a restarted site broker
+    still holds its retained messages (the persistence the command adds)."""
+    from estuary.provision import provision
+    from shared.config import config_from_dict
+    from shared.transport.local_broker import find_mosquitto, free_port
+    from shared.wire.messages import Topics
+    from tests.mosquitto_sites import local_conf, mosquitto, wait_bridge_up
+    from tests.mqtt_probe import close, login
+
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto missing: apt-get install mosquitto")
+    compose = yaml.safe_load((DOCKER / "compose.per-edge.yaml").read_text())
+    cfg = config_from_dict(tomllib.loads((DOCKER / "config.per-edge.toml").read_text()),
+                           source="config.per-edge.toml")  # fmt: skip
+    cloud_port, site_port = free_port(), free_port()
+    prov = tmp_path / "provision"
+    provision(cfg, prov, broker_user=None, cloud_broker=f"127.0.0.1:{cloud_port}")
+    data = {name: tmp_path / name for name in ("cloud-data", "site-data")}
+    for d in data.values():
+        d.mkdir()
+    cloud_conf = tmp_path / "cloud.conf"
+    cloud_conf.write_text(local_conf((DOCKER / "mosquitto.conf").read_text(), cloud_port, {
+        "/provision/": prov, "/mosquitto/data/": data["cloud-data"]}))  # fmt: skip
+    # the site broker's command, up to the exec, writes its config here
+    svc = compose["services"]["broker-edge0"]
+    assert svc["entrypoint"] == ["sh", "-c"]
+    script = svc["command"][0].replace("$$", "$")
+    combined = tmp_path / "site-combined.conf"
+    script = script.replace("/tmp/mosquitto.conf", str(combined)).replace("/provision/", f"{prov}/")
+    assert script.rstrip().endswith(f"exec mosquitto -c {combined}")
+    script = script.rstrip().removesuffix(f"exec mosquitto -c {combined}")
+    proc = subprocess.run(["sh", "-c", script], env={**os.environ, **svc["environment"]},
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(combined.stat().st_mode) == 0o600  # it holds the bridge's password
+    site_conf = tmp_path / "site.conf"
+    site_conf.write_text(local_conf(combined.read_text(), site_port,
+                                    {"/mosquitto/data/": data["site-data"]}))  # fmt: skip
+    t = Topics(cfg.run.name)
+    creds = prov / "credentials"
+    users = ("cloud", "edge0", "dev000", "observer")
+    pw = {u: (creds / f"{u}.password").read_text() for u in users}
+    with mosquitto(binary, cloud_conf, cloud_port):
+        with mosquitto(binary, site_conf, site_port):
+            wait_bridge_up(cfg, prov, "edge0", site_port)
+            cloud = login("127.0.0.1", cloud_port, "cloud", pw["cloud"])
+            edge = login("127.0.0.1", site_port, "edge0", pw["edge0"])
+            device = login("127.0.0.1", site_port, "dev000", pw["dev000"])
+            try:
+                at_cloud = _collect(cloud, f"{t.base}/#")
+                at_edge = _collect(edge, t.all_device_up)
+                device.publish(t.device_hello("dev000"), b"hello", qos=1, retain=True)
+                device.publish(t.device_up("dev000"), b"update", qos=1).wait_for_publish(5)
+                edge.publish(t.edge_up("edge0"), b"aggregate", qos=1).wait_for_publish(5)
+                assert _drain(at_edge, 1.0) == {(t.device_up("dev000"), False)}
+                crossed = {topic for topic, _ in _drain(at_cloud, 1.5)}
+                assert crossed == {t.device_hello("dev000"), t.edge_up("edge0")}, crossed
+            finally:
+                close(cloud, edge, device)
+        assert any(data["site-data"].iterdir()), "the site broker saved no persistence file"
+        with mosquitto(binary, site_conf, site_port):
+            observer = login("127.0.0.1", site_port, "observer", pw["observer"])
+            try:
+                kept = _drain(_collect(observer, t.device_hello("+")), 1.0)
+            finally:
+                close(observer)
+            assert kept == {(t.device_hello("dev000"), True)}, kept
 
 
 def test_compose_config_is_accepted_by_docker_compose() -> None:
