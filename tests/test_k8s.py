@@ -1170,3 +1170,61 @@ def test_per_edge_device_wrappers_follow_the_static_assignment(
                 assert proc.returncode == 64, (node, device, site, proc.stderr)
                 assert f"{device} trains at {home}" in proc.stderr
                 assert not (run_dir / "record.args").exists()
+
+
+def test_per_edge_site_broker_runs_the_provisioned_bridge(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """The overlay's cloud and site broker configs on real Mosquitto, with the files of
+    `estuary provision --cloud-broker` placed as the Secrets mount them (paths and ports moved
+    here): the site's bridge comes up, the edge's aggregate crosses to the cloud broker and
+    the device's update does not."""
+    from estuary.provision import provision
+    from shared.wire.messages import Topics
+    from tests.mosquitto_sites import local_conf, mosquitto, wait_bridge_up
+    from tests.mqtt_probe import close, inbox, login, received
+
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto missing: apt-get install mosquitto")
+    objs = rendered[PER_EDGE]
+    cfg = run_config(objs)
+    cloud_port, site_port = free_port(), free_port()
+    prov = tmp_path / "provision"
+    provision(cfg, prov, broker_user=None, cloud_broker=f"127.0.0.1:{cloud_port}")
+    site_files = prov / "sites" / "edge0" / "mosquitto"
+    dirs = {name: tmp_path / name for name in ("cloud-data", "site-data", "site-auth", "bridge")}
+    for d in dirs.values():
+        d.mkdir()
+    # what Secret estuary-broker-edge0-auth's items put in /mosquitto/auth and /mosquitto/bridge
+    for name, where in (("passwd", "site-auth"), ("acl", "site-auth"), ("bridge.conf", "bridge")):
+        shutil.copy(site_files / name, dirs[where] / name)
+    confs = {}
+    for site, port, moves in (
+        ("cloud", cloud_port, {"/mosquitto/auth/": prov / "mosquitto",
+                               "/mosquitto/data/": dirs["cloud-data"]}),
+        ("edge0", site_port, {"/mosquitto/auth/": dirs["site-auth"],
+                              "/mosquitto/data/": dirs["site-data"]}),
+    ):  # fmt: skip
+        conf = configmap_data(objs, site_broker(objs, site), "config")["mosquitto.conf"]
+        conf = conf.replace("include_dir /mosquitto/bridge\n", f"include_dir {dirs['bridge']}\n")
+        confs[site] = tmp_path / f"{site}.conf"
+        confs[site].write_text(local_conf(conf, port, moves), encoding="utf-8")
+    t = Topics(cfg.run.name)
+    creds = prov / "credentials"
+    pw = {u: (creds / f"{u}.password").read_text() for u in ("cloud", "edge0", "dev000")}
+    cloud_broker = mosquitto(binary, confs["cloud"], cloud_port)
+    with cloud_broker, mosquitto(binary, confs["edge0"], site_port):
+        wait_bridge_up(cfg, prov, "edge0", site_port)
+        cloud = login("127.0.0.1", cloud_port, "cloud", pw["cloud"])
+        edge = login("127.0.0.1", site_port, "edge0", pw["edge0"])
+        device = login("127.0.0.1", site_port, "dev000", pw["dev000"])
+        try:
+            at_cloud = inbox(cloud, f"{t.base}/#")
+            at_edge = inbox(edge, t.all_device_up)
+            device.publish(t.device_up("dev000"), b"update", qos=1).wait_for_publish(5)
+            edge.publish(t.edge_up("edge0"), b"aggregate", qos=1).wait_for_publish(5)
+            assert received(at_edge, 1.0) == {t.device_up("dev000")}
+            assert received(at_cloud, 1.5) == {t.edge_up("edge0")}
+        finally:
+            close(cloud, edge, device)
