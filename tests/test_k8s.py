@@ -1166,6 +1166,16 @@ def test_per_edge_device_wrappers_follow_the_static_assignment(
                 args, rest = parse_role_args(argv[1:])
                 assert args.broker == f"estuary-broker-{site}:{MQTT_PORT}"
                 assert rest[:2] == ["--id", device]
+                seen = dict(
+                    line.split("=", 1)
+                    for line in (run_dir / "record.env").read_text(encoding="utf-8").splitlines()
+                    if "=" in line
+                )
+                password = seen["ESTUARY__BROKER__PASSWORD_FILE"]
+                c = main_container(devices)
+                # a site's Secret holds its own devices' passwords, no other site's
+                got = mounted_secret_file(devices, c, password)
+                assert got == (f"estuary-devices-{site}", f"{device}.password")
             else:
                 assert proc.returncode == 64, (node, device, site, proc.stderr)
                 assert f"{device} trains at {home}" in proc.stderr
