@@ -148,7 +148,7 @@ def base_image(engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     try:
         yield tag
     finally:
-        _run(["docker", "rmi", "-f", tag], timeout=120, check=False)
+        _run(["docker", "rmi", "-f", tag], timeout=300, check=False)
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -307,10 +307,11 @@ def images(
         print(f"\ndocker e2e: build {built.timings['build_s']:.0f} s")
         yield built
     finally:
-        ids = _run(["docker", "images", "-a", "-q", "--filter", f"label=io.estuary.build={build}"],
+        # the top-level images (their intermediate layers go with them), as `down --rmi all`
+        ids = _run(["docker", "images", "-q", "--filter", f"label=io.estuary.build={build}"],
                    timeout=60, check=False).stdout.split()  # fmt: skip
         if ids:
-            _run(["docker", "rmi", "-f", *sorted(set(ids))], timeout=600, check=False)
+            _run(["docker", "rmi", "-f", *dict.fromkeys(ids)], timeout=600, check=False)
         # the builder stages are untagged images carrying the build label
         _run(["docker", "image", "prune", "-f", "--filter", f"label=io.estuary.build={build}"],
              timeout=300, check=False)  # fmt: skip
