@@ -103,6 +103,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         config=Path(args.config) if args.config else None,
         broker_kind=args.broker,
+        brokers=args.brokers,
         progress=not args.quiet,
         evaluate=not args.no_eval,
     )
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="run directory (default runs/demo-<timestamp>)")
     d.add_argument("--config", help="run config instead of the embedded demo default")
     d.add_argument("--broker", choices=["auto", "mosquitto", "amqtt"], default="auto")
+    d.add_argument("--brokers", choices=["one", "per-edge"], help="one broker, or one per "
+                   "edge site bridged to the cloud's (mosquitto); default the config's "
+                   "federation.brokers")  # fmt: skip
     d.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     d.set_defaults(func=_cmd_demo)
 

@@ -358,7 +358,7 @@ def site_broker_acl(cfg: RunConfig, site: Site) -> str:
 
 
 def bridge_conf(
-    cfg: RunConfig, site: Site, address: str, password: str, *, cafile: Path | None = None
+    cfg: RunConfig, site: Site, address: str, password: str | None, *, cafile: Path | None = None
 ) -> str:
     """The Mosquitto bridge stanza of edge site ``site``'s broker: a connection named after
     the bridge's account on the cloud broker at ``address`` (``HOST:PORT``), logging in as
@@ -368,7 +368,8 @@ def bridge_conf(
     (``notifications_local_only``), reconnecting within seconds, and QoS 1 topic rules
     exactly :func:`~shared.federation.topology.bridge_out` (``out``) and
     :func:`~shared.federation.topology.bridge_in` (``in``). ``cafile``: the CA that signed
-    the cloud broker's TLS certificate."""
+    the cloud broker's TLS certificate. ``password`` None: no account (an open cloud
+    broker, as ``estuary demo`` runs locally)."""
     if site.edge is None:
         raise EstuaryError("the cloud site has no bridge")
     topics, name = Topics(cfg.run.name), bridge_user(site.edge)
@@ -377,8 +378,7 @@ def bridge_conf(
         f"connection {name}",
         f"address {address}",
         f"remote_clientid {name}",
-        f"remote_username {name}",
-        f"remote_password {password}",
+        *([f"remote_username {name}", f"remote_password {password}"] if password else []),
         "bridge_protocol_version mqttv311",
         "cleansession false",
         "try_private true",

@@ -11,6 +11,11 @@ will, and it listens under a home of its own (``observer/...``), so it never ans
 blob requests. Every message is validated like the roles do; one that does not parse or
 comes from the wrong sender is counted and named, and the rest are shown.
 
+With a broker per edge site (``federation.brokers = "per-edge"``) the federation is read from
+the cloud broker, where the bridges bring every edge's and device's retained state; given a
+run directory of ``estuary demo`` (its :data:`BROKERS_FILE`) it also lists every broker and
+whether each edge site's bridge is up (:func:`broker_views`).
+
 It needs read access to those topics (:func:`observer_topics`): on a provisioned broker run it
 as the ``observer`` account, which may read them and nothing else (no updates, no model
 blobs), never with a role's credentials: the broker binds each client id to its

@@ -17,6 +17,8 @@ from estuary.provision import (
     DEPLOYER,
     acl_text,
     bridge_conf,
+    device_writes,
+    edge_writes,
     mosquitto_conf,
     provision,
 )
@@ -265,3 +267,17 @@ def test_bridge_address_defaults_to_the_configs_broker(tmp_path: Path) -> None:
     assert f"address {b.host}:{b.port}\n" in bridge_conf(cfg, site, f"{b.host}:{b.port}", "pw")
     with pytest.raises(EstuaryError, match="--cloud-broker"):
         provision(_cfg("one"), tmp_path / "q", broker_user=None, cloud_broker="h:1")
+
+
+def test_a_bridge_sends_only_what_its_sites_accounts_may_publish() -> None:
+    """Every rule of a bridge's ``out`` list is one of the write rules of its site's edge or
+    devices (estuary.provision's per-role write lists): the bridge adds no topic of its own,
+    and none of another site's."""
+    cfg = _cfg(devices=5, edges=2)
+    t = Topics(cfg.run.name)
+    for site in sites(cfg)[1:]:
+        edge = str(site.edge)
+        allowed = set(edge_writes(t, edge, list(site.devices)))
+        for d in site.devices:
+            allowed |= set(device_writes(t, d, [edge]))
+        assert set(bridge_out(t, site)) <= allowed, site.name
