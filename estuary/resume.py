@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from shared.atomic import atomic_write
 from shared.config import RunConfig
 from shared.errors import CodecError, EstuaryError
+from shared.methods.registry import make_algorithm
 from shared.models.checkpoint import latest_checkpoint_path
 from shared.wire.codec import decode_tensors, encode_tensors
 
@@ -54,6 +55,11 @@ PROGRESS_FILE = "progress.json"
 def round_state_dir(run_dir: Path, round_: int) -> Path:
     """Where the states at the checkpoint of round ``round_`` (0-based) are kept."""
     return run_dir / STATE_DIR / f"round_{round_ + 1:06d}"
+
+
+class ResumeRefused(EstuaryError):
+    """The run directory holds checkpoints this run cannot go on from (another config's,
+    another key's): the caller starts over (``--fresh``) or uses another directory."""
 
 
 @dataclass
@@ -127,13 +133,24 @@ def _prune(run_dir: Path, keep: set[str]) -> None:
 def find_resume(cfg: RunConfig, run_dir: Path) -> Resumed | None:
     """The latest checkpoint of ``cfg`` in ``run_dir`` with its devices' states, or None
     when there is no checkpoint, or none with the states (written by the MQTT cloud, or
-    cut short before they were): the run then starts over, as said in the log. A
-    checkpoint of another config raises EstuaryError (:func:`cloud.main.resume_point`)."""
+    cut short before they were), or the method has a final step (FedDEO: it collects every
+    round's uploads in memory): the run then starts over, as said in the log. A
+    checkpoint of another config raises ResumeRefused (:func:`cloud.main.resume_point`'s
+    refusal)."""
     from cloud.main import resume_point
 
     if latest_checkpoint_path(run_dir / "checkpoints") is None:
         return None
-    point = resume_point(cfg, run_dir)
+    if make_algorithm(cfg).finalizer is not None:
+        # what its final step collected from the rounds (FedDEO's descriptions) is in the
+        # cloud's memory only
+        log.warning("%s: %s makes its product from every round's uploads, which no "
+                    "checkpoint holds: starting over", run_dir, cfg.algorithm.name)  # fmt: skip
+        return None
+    try:
+        point = resume_point(cfg, run_dir)
+    except EstuaryError as err:
+        raise ResumeRefused(str(err)) from None
     if point is None:
         return None
     states = round_state_dir(run_dir, point.next_round - 1)
@@ -187,6 +204,7 @@ def add_counts(before: dict[str, dict[str, int]], now: dict[str, dict[str, int]]
 
 __all__ = [
     "STATE_DIR",
+    "ResumeRefused",
     "Resumed",
     "StateCost",
     "add_counts",

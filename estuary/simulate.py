@@ -71,6 +71,10 @@ class SimulationResult:
     #: classifier run's final global model scored on every domain's test set when
     #: ``data.domains`` is set (``preset``, ``accuracy``, ``mean_accuracy``); else None
     final: dict[str, Any] | None = None
+    #: the 1-based round of the checkpoint the run was resumed after (None: from the start)
+    resumed_after_round: int | None = None
+    #: the wall time of the run before it was resumed (0 for one that was not)
+    earlier_wall_s: float = 0.0
 
 
 @dataclass
@@ -196,7 +200,8 @@ def simulate(
     An ``out`` that holds checkpoints of this config (with the devices' states beside them,
     :mod:`estuary.resume`) is resumed after the latest one, unless ``fresh``: its
     ``metrics.jsonl`` rows up to the checkpoint are kept and the run appends after them.
-    Checkpoints of another config are refused (EstuaryError) unless ``fresh``; a fresh
+    Checkpoints of another config are refused (:class:`~estuary.resume.ResumeRefused`)
+    unless ``fresh``; a fresh
     start moves earlier checkpoints aside (:func:`prepare_run_dir`). ``state_costs``
     receives what writing the states cost at each checkpoint."""
     started = time.monotonic()
@@ -303,5 +308,7 @@ def simulate(
         summary["final"] = final
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return SimulationResult(
-        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan, final
-    )
+        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan, final,
+        resumed_after_round=None if resumed is None else resumed.after_round,
+        earlier_wall_s=earlier_wall,
+    )  # fmt: skip
