@@ -138,9 +138,7 @@ def test_another_configs_checkpoints_are_refused_and_fresh_starts_over(
 ) -> None:
     cfg, run_dir = fedavg_keep(), tmp_path / "run"
     _cut(cfg, run_dir, interrupt)
-    other = fedavg_keep().model_copy(
-        update={"train": cfg.train.model_copy(update={"lr": 1e-3})}
-    )
+    other = fedavg_keep().model_copy(update={"train": cfg.train.model_copy(update={"lr": 1e-3})})
     with pytest.raises(ResumeRefused, match="different config"):
         simulate(other, run_dir, progress=False, evaluate=False)
     assert (run_dir / "config.json").read_text() == cfg.to_json()  # refused before any change
