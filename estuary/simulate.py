@@ -2,8 +2,9 @@
 
 The cloud, edge and device services are the same classes that run over MQTT; only the bus
 differs. The run directory receives the config used, the label-count matrix,
-``metrics.jsonl`` (one object per round), atomic checkpoints, sample grids and
-``report.png``.
+``metrics.jsonl`` (one object per round), atomic checkpoints with the devices' kept state
+beside them (``state/``), sample grids and ``report.png``. Run again into a directory
+holding checkpoints of the same config it resumes after the latest (:mod:`estuary.resume`).
 """
 
 from __future__ import annotations
