@@ -112,6 +112,12 @@ def test_an_interrupted_simulation_resumes_to_the_same_final_model(
     assert resumed.traffic["bytes"][blob] == full.traffic["bytes"][blob]
     # only the states of the latest checkpoints are kept
     assert len(list((run_dir / STATE_DIR).iterdir())) <= 2
+    # a finished run run again trains nothing and reports the same (a compare whose method
+    # finished but was stopped before its record was written)
+    again = simulate(cfg, run_dir, progress=False, evaluate=False)
+    assert again.resumed_after_round == ROUNDS
+    assert again.final_model_sha256 == full.final_model_sha256
+    assert (run_dir / "metrics.jsonl").read_text().splitlines() == lines
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
