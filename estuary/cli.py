@@ -39,6 +39,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         progress=not args.quiet,
         evaluate=not args.no_eval,
+        fresh=args.fresh,
     )
     losses = [r["train_loss"] for r in result.rows if r["train_loss"] is not None]
     print(f"run directory: {result.run_dir}")
@@ -244,8 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run a federation in one process (MemoryBus)")
     s.add_argument("config", help="TOML config (see configs/)")
-    s.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    s.add_argument(
+        "--out",
+        help="run directory (default runs/<name>-<timestamp>); one that holds checkpoints of "
+        "this config is resumed after the latest (with the devices' states kept beside it), "
+        "one holding another config's is refused",
+    )
     s.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    s.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if --out holds checkpoints (they are moved aside)",
+    )
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("compare", help="run several methods on one split; table and plots")
@@ -255,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--fresh",
         action="store_true",
-        help="run every method again (default: reuse methods already finished in --out)",
+        help="run every method again from its first round (default: reuse methods already "
+        "finished in --out and resume unfinished ones after their latest checkpoint)",
     )
     c.add_argument(
         "--only",
