@@ -68,6 +68,8 @@ CONFIGS: dict[str, Callable[[], RunConfig]] = {
 #: where the devices' kept state decides the resumed rounds (pFedGPA's devices keep
 #: nothing that matters: its cloud's held uploads do)
 DEVICE_STATE = ["fedavg-keep", "prism"]
+#: the tests that compare with the uninterrupted runs share them on one pytest worker
+shares_uninterrupted = pytest.mark.xdist_group("resume-uninterrupted")
 
 
 @pytest.fixture
@@ -105,6 +107,7 @@ def _cut(cfg: RunConfig, run_dir: Path, interrupt: Callable[[Path], None]) -> No
     assert not (run_dir / "summary.json").exists()
 
 
+@shares_uninterrupted
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_an_interrupted_simulation_resumes_to_the_same_final_model(
     name: str,
@@ -145,6 +148,7 @@ def test_an_interrupted_simulation_resumes_to_the_same_final_model(
     assert (run_dir / "metrics.jsonl").read_text().splitlines() == lines
 
 
+@shares_uninterrupted
 @pytest.mark.parametrize("name", DEVICE_STATE)
 def test_a_resume_without_the_devices_states_ends_elsewhere(
     name: str,
@@ -164,6 +168,7 @@ def test_a_resume_without_the_devices_states_ends_elsewhere(
     assert resumed.final_model_sha256 != uninterrupted[name].final_model_sha256
 
 
+@shares_uninterrupted
 def test_another_configs_checkpoints_are_refused_and_fresh_starts_over(
     tmp_path: Path, uninterrupted: dict[str, SimulationResult], interrupt: Callable[[Path], None]
 ) -> None:
@@ -262,6 +267,7 @@ def test_compare_resumes_an_interrupted_method(
     assert _final_sha(out / fedavg.slug) == reference.final_model_sha256
 
 
+@pytest.mark.slow  # CI's slow stage: --jobs children take the in-process path's resume
 def test_compare_jobs_resume_an_interrupted_method(
     tmp_path: Path, interrupt: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
 ) -> None:
