@@ -11,17 +11,22 @@ publishes its ``$SYS`` counters every second (``sys_interval 1``); an observer s
 
 - bytes per round: (received + sent) from just before the roles start until every role has
   exited, divided by the rounds (registrations, the final state and the observer's own
-  ``$SYS`` traffic, about 0.2 KB/s, included);
+  ``$SYS`` traffic, three short messages a second, included);
 - peak connections: the largest ``clients/connected`` it published (sampled each second;
-  the observer and, on the cloud broker, each site's bridge count as clients);
+  the observer counts, and each bridge on both of its brokers);
 - peak memory: ``VmHWM`` of the mosquitto process, read before it stops.
 
 Each run's final model sha256 (``summary.json``) is recorded: the two modes of a device count
 must end at the same model. Run from the repository root::
 
-    python benchmarks/broker_sites.py --out benchmarks/results/broker_sites/broker_sites.json
+    python benchmarks/broker_sites.py --rounds 3 --repeats 3 \\
+        --out benchmarks/results/broker_sites/table.json \\
+        --markdown benchmarks/results/broker_sites/table.md \\
+        --plot benchmarks/results/broker_sites/broker_sites.png
 
-``--markdown FILE`` writes the table as markdown too.
+``--from-json FILE`` rebuilds the table and plot of an earlier ``--out`` without running;
+``--tap`` adds, per run, the payload bytes the cloud broker delivered by topic shape (a
+diagnostic: the tap's deliveries add to that broker's counters).
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ class SysWatch:
         """Connect and wait until every counter has been published once (bounded)."""
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sys-watch-{self.site}",
                         protocol=mqtt.MQTTv311)  # fmt: skip
-        c.on_connect = lambda cl, ud, fl, rc, pr: [cl.subscribe(t, qos=0) for t in SYS_TOPICS]
+        c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.connect(self.broker.host, self.broker.port, keepalive=30)
         c.loop_start()
@@ -111,6 +116,11 @@ class SysWatch:
                 raise EstuaryError(f"no $SYS counters from the {self.site} broker in {timeout_s} s")
             time.sleep(0.1)
         return self
+
+    @staticmethod
+    def _on_connect(c: mqtt.Client, *_: Any) -> None:
+        for topic in SYS_TOPICS:
+            c.subscribe(topic, qos=0)
 
     def ready(self) -> bool:
         """Whether every counter has been seen."""
@@ -129,8 +139,12 @@ class SysWatch:
 
     def bytes_total(self) -> int:
         """Bytes received plus sent so far, by the broker's last $SYS message."""
+        return sum(self.counters())
+
+    def counters(self) -> tuple[int, int]:
+        """Bytes received and bytes sent so far, by the broker's last $SYS messages."""
         with self._lock:
-            return self.latest[SYS_TOPICS[0]] + self.latest[SYS_TOPICS[1]]
+            return self.latest[SYS_TOPICS[0]], self.latest[SYS_TOPICS[1]]
 
     def stop(self) -> None:
         """Disconnect."""
@@ -235,7 +249,7 @@ def run_once(
         if tap:
             tapped = TopicTap(cloud, Topics(name).base)
             time.sleep(0.5)
-        before = {w.site: w.bytes_total() for w in watches}
+        before = {w.site: w.counters() for w in watches}
         hier.start_all()
         code = hier.wait("cloud", RUN_TIMEOUT_S)
         if code != 0:
@@ -249,8 +263,9 @@ def run_once(
         time.sleep(SETTLE_S)
         per_broker = {
             w.site: {
-                "bytes": w.bytes_total() - before[w.site],
-                "bytes_per_round": (w.bytes_total() - before[w.site]) / rounds,
+                "bytes_received": w.counters()[0] - before[w.site][0],
+                "bytes_sent": w.counters()[1] - before[w.site][1],
+                "bytes_per_round": (w.bytes_total() - sum(before[w.site])) / rounds,
                 "peak_connected": w.peak_connected,
                 "peak_rss_bytes": peak_rss_bytes(w.broker),
             }
@@ -344,6 +359,61 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """The cloud broker's MB per round against devices per edge, both modes (median, with
+    the min-max of the repeats), and each site broker's in per-edge mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = [("one", "cloud", "one broker: the broker", "o-"),
+              ("per-edge", "cloud", "per-edge: cloud broker", "s-"),
+              ("per-edge", "edge0", "per-edge: edge0 site broker", "^--"),
+              ("per-edge", "edge1", "per-edge: edge1 site broker", "v--")]  # fmt: skip
+    for mode, site, label, style in series:
+        xs, med, lo, hi = [], [], [], []
+        for (n, m), runs in groups.items():
+            if m != mode:
+                continue
+            vals = [r["per_broker"][site]["bytes_per_round"] / 1e6 for r in runs]
+            xs.append(n)
+            med.append(statistics.median(vals))
+            lo.append(statistics.median(vals) - min(vals))
+            hi.append(max(vals) - statistics.median(vals))
+        if xs:
+            ax.errorbar(xs, med, yerr=[lo, hi], fmt=style, capsize=3, label=label)
+    ax.set_xlabel("devices per edge (2 edges)")
+    ax.set_ylabel("MB per round through the broker (in + out)")
+    ax.set_xticks(sorted({n for n, _ in groups}))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("fmnist-tiny, 3 rounds: bytes per round per broker")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every repeat of every device count in every mode, alternating; one row per run."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="broker-sites-") as tmp:
+        root = args.workdir or Path(tmp)
+        for rep in range(args.repeats):
+            for n in args.devices_per_edge:
+                for mode in args.modes:
+                    where = root / f"{mode}-{n}-r{rep}"
+                    row = run_once(n, mode, args.rounds, where, tap=args.tap)
+                    row["repeat"] = rep
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every device count in both modes (alternating), print and write the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -357,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, help="write the figures as JSON")
     p.add_argument("--markdown", type=Path, help="write the table as markdown")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="no runs: the table, verdict and plot of an earlier --out file",
+    )
+    p.add_argument("--plot", type=Path, help="write the bytes-per-round plot (PNG)")
     p.add_argument("--workdir", type=Path, help="keep the runs here (default: a temp dir)")
     p.add_argument("--modes", nargs="+", default=["one", "per-edge"], choices=["one", "per-edge"])
     p.add_argument(
@@ -366,28 +442,26 @@ def main(argv: list[str] | None = None) -> int:
         "topic shape (the tap's deliveries add to its byte counters)",
     )
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="broker-sites-") as tmp:
-        root = args.workdir or Path(tmp)
-        for rep in range(args.repeats):
-            for n in args.devices_per_edge:
-                for mode in args.modes:
-                    where = root / f"{mode}-{n}-r{rep}"
-                    row = run_once(n, mode, args.rounds, where, tap=args.tap)
-                    row["repeat"] = rep
-                    print(json.dumps(row), file=sys.stderr, flush=True)
-                    rows.append(row)
-    doc = {"benchmark": "broker_sites", "sys_interval_s": SYS_INTERVAL_S,
-           "command": " ".join(["python", "benchmarks/broker_sites.py", *(argv or sys.argv[1:])]),
-           "rows": rows,
-           "verdict": verdict(rows)}  # fmt: skip
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        rows = doc["rows"]
+        doc["verdict"] = verdict(rows)
+    else:
+        doc = {"command": " ".join(["python", "benchmarks/broker_sites.py",
+                                    *(sys.argv[1:] if argv is None else argv)]),
+               "rows": measure(args)}  # fmt: skip
+        rows = doc["rows"]
+        doc = {"benchmark": "broker_sites", "sys_interval_s": SYS_INTERVAL_S, **doc,
+               "verdict": verdict(rows)}  # fmt: skip
     table = markdown(rows)
     print(table)
     print(json.dumps(doc["verdict"], indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.plot)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(table)

@@ -966,6 +966,7 @@ def run_sites_federation(
                 out.site_broker_dropped[e] = dropped
     return out
 
+
 def process_rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process now, from /proc (0 where unreadable)."""
     return _status_kib(pid, "VmRSS:") * 1024

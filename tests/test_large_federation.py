@@ -127,8 +127,9 @@ def test_two_thousand_devices_across_four_site_brokers_register_and_a_round_comp
     with LocalBroker(kind="mosquitto", workdir=tmp_path / "cloud") as cloud:
         sites = site_brokers(cfg, cloud, tmp_path / "sites")
         try:
-            for edge, site in sites.items():
+            for site in sites.values():
                 site.start()
+            for edge, site in sites.items():
                 _wait_bridge_up(cfg, edge, site)
             run = run_sites_federation(cfg, cloud, sites, timeout_s=TIMEOUT_S)
         finally:
@@ -158,6 +159,7 @@ def test_two_thousand_devices_across_four_site_brokers_register_and_a_round_comp
                              if s.updates_sent}  # fmt: skip
     assert summary.rejected == 0
     assert run.rejected and all(not counts for counts in run.rejected.values()), run.rejected
+
 
 def test_mosquitto_defaults_lose_registrations(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the shipped limits (a stock mosquitto: 1000 queued + 20 in flight per client)
