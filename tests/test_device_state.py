@@ -246,9 +246,9 @@ scaffold_reference = pytest.mark.xdist_group("device-state-scaffold")
     ("algorithm", "edge_every"),
     [
         pytest.param({"name": "scaffold"}, 1, marks=scaffold_reference),
-        ({"name": "scaffold"}, 2),
-        # slow (CI's slow stage): the default run keeps SCAFFOLD (a variate, an edge
-        # period) and PRISM (an optimizer's moments)
+        # slow (CI's slow stage): the default run keeps SCAFFOLD (a variate) and PRISM
+        # (an optimizer's moments)
+        pytest.param({"name": "scaffold"}, 2, marks=pytest.mark.slow),
         pytest.param({"name": "feddiffuse", "split": "ulatdec"}, 1, marks=pytest.mark.slow),
         pytest.param({"name": "moon"}, 1, marks=pytest.mark.slow),
         pytest.param(
