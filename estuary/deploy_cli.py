@@ -134,7 +134,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     with the cloud's account would disconnect a running cloud (and the two would keep
     replacing each other). The cloud's account is refused before connecting."""
     from cloud.deploy import DeploymentPublisher, PublisherService
-    from estuary.provision import DEPLOYER
+    from estuary.acl import DEPLOYER
     from shared.deploy.signing import load_private_key
     from shared.runtime.process import connect_bus, load_role_config
     from shared.wire.messages import DEPLOYER_HOME, Presence

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from estuary.acl import DEPLOYER, acl_text, device_writes, edge_writes
 from estuary.provision import (
     BRIDGE_CONF,
     BROKER_CONF,
-    DEPLOYER,
-    acl_text,
     bridge_conf,
-    device_writes,
-    edge_writes,
     mosquitto_conf,
     provision,
 )
