@@ -25,25 +25,6 @@ from typing import Any
 
 MIB = 1 << 20
 QOS = 1
-INFLIGHT = 64  # MqttBus's window (shared.transport.mqtt), so raw paho gets the same one
-
-
-def _client(host: str, port: int, client_id: str, timeout_s: float) -> Any:
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    connected = threading.Event()
-    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
-                         protocol=mqtt.MQTTv5)  # fmt: skip
-    client.max_inflight_messages_set(INFLIGHT)
-    client.max_queued_messages_set(0)
-    client.on_connect = lambda *_: connected.set()
-    client.connect_async(host, port, clean_start=True)
-    client.loop_start()
-    if not connected.wait(timeout_s):
-        client.loop_stop()
-        raise TimeoutError(f"{client_id}: not connected within {timeout_s:g} s")
-    return client
 
 
 def _receive(client: Any, pattern: str, expected: int, conn: Connection, name: str,
@@ -77,11 +58,14 @@ def _receive(client: Any, pattern: str, expected: int, conn: Connection, name: s
 
 
 def _role(name: str, host: str, port: int, size: int, conn: Connection, timeout_s: float) -> None:
-    """One role process: obeys ``("sub", pattern, chunks)`` (subscribe, answer ``ready``, then
-    ``got <t>`` once it holds that many distinct chunks) and ``("pub", prefix)`` (publish the
-    model as chunks ``prefix/i``, answer ``sent <t>`` when every PUBACK is in)."""
+    """One role process, a paho client as blob_transfer.py's raw leg: obeys ``("sub",
+    pattern, chunks)`` (subscribe, answer ``ready``, then ``got <t>`` once it holds that many
+    distinct chunks) and ``("pub", prefix)`` (publish the model as chunks ``prefix/i``,
+    answer ``sent <t>`` when every PUBACK is in)."""
     payload = bytes(size)  # the model's bytes: content does not matter to the broker
-    client = _client(host, port, f"floor-{name}", timeout_s)
+    from blob_transfer import raw_client  # the raw leg of the blob benchmark
+
+    client = raw_client(host, port, f"floor-{name}", timeout_s)
     try:
         while True:
             cmd = conn.recv()
