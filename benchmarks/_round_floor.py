@@ -27,8 +27,9 @@ MIB = 1 << 20
 QOS = 1
 
 
-def _receive(client: Any, pattern: str, expected: int, conn: Connection, name: str,
-             timeout_s: float) -> tuple[float, int]:
+def _receive(
+    client: Any, pattern: str, expected: int, conn: Connection, name: str, timeout_s: float
+) -> tuple[float, int]:
     """Subscribe to ``pattern``, answer ``ready`` once subscribed, keep every payload until
     ``expected`` distinct chunks are in: (the time the last arrived, the bytes held)."""
     seen: set[str] = set()
