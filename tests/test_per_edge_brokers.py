@@ -378,6 +378,7 @@ def _wait_for(pred: Callable[[], bool], timeout_s: float, what: str, hier: Hiera
 
 @needs_mosquitto
 @pytest.mark.process
+@pytest.mark.slow
 def test_a_cut_bridge_and_a_killed_site_broker_end_at_the_undisturbed_model(
     tmp_path: Path, reference_sha: Callable[[RunConfig], str]
 ) -> None:
