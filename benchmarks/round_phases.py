@@ -27,6 +27,17 @@ each process's ``VmHWM``; bytes on the wire are the blobs the roles fetched per 
 
     python benchmarks/round_phases.py --devices 4 8 \\
         --out benchmarks/results/round_phases.json --plot benchmarks/results/round_phases.png
+
+A busy machine: ``--load 1`` runs every federation twice, quiet and beside one process that
+keeps one core busy (a plain Python loop at normal priority, started before the roles and
+killed after them), the order alternating with ``--repeats``; the table gives per phase the
+median loaded / quiet ratio. ``--floor`` measures, beside each device count, the transfer
+floor of a round (``benchmarks/_round_floor.py``: the same bytes along the same four legs
+through the same broker by plain paho clients, no model work) and the overhead / floor
+ratio::
+
+    python benchmarks/round_phases.py --devices 4 8 --load 1 --floor \\
+        --out benchmarks/results/round_phases_load.json
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +60,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from estuary.launcher import Hierarchy  # noqa: E402
 from shared.config import RunConfig, config_from_dict  # noqa: E402
@@ -84,7 +97,7 @@ def bench_config(
                 "dataset": "fashion-mnist",
                 "partition": "iid",
                 "max_samples_per_device": samples,
-                "gray_to_rgb": True,
+                "gray_to_rgb": preset == "ddpm-cifar10",
             },
             "model": {"preset": preset},
             "train": {"local_steps": 1, "batch_size": batch, "threads": 1},
@@ -165,6 +178,47 @@ def phases_of(events: Sequence[Mapping[str, Any]], rounds: int) -> dict[int, dic
         row["blob_bytes"] = sum(e.get("bytes", 0) for k in blobs for e in at[(k[0], k[1], r)])
         out[r] = row
     return out
+
+
+class BusyLoad:
+    """``n`` processes that each keep one core busy (no affinity: the scheduler places them
+    as it would a neighbour's job), for the duration of a ``with`` block."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> BusyLoad:
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                start_new_session=True))  # fmt: skip
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait(10)
+        self.procs = []
+
+
+def floor_of(devices: int, size: int, rounds: int) -> dict[str, Any]:
+    """The transfer floor of a round of ``devices`` devices and a ``size``-byte model
+    (``_round_floor.FloorRound``) through a fresh mosquitto set up as the federation's: the
+    median over ``rounds`` rounds, per leg."""
+    from _round_floor import FloorRound
+
+    with LocalBroker(kind="mosquitto") as broker:
+        floor = FloorRound(broker.host, broker.port, devices, size)
+        try:
+            rows = [floor.round(f"r{i}") for i in range(rounds)]
+        finally:
+            floor.close()
+    return {
+        "rounds": rows,
+        "median": {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]},
+    }
 
 
 def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
@@ -292,6 +346,19 @@ def plot(results: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _print_run(res: Mapping[str, Any]) -> None:
+    m = res["median"]
+    if m:
+        print("   " + "  ".join(f"{p} {m[p]:.2f}" for p in PHASES), flush=True)
+        print(f"   wall {m['wall']:.2f} s, slowest training {m['slowest_training']:.2f} s, "
+              f"overhead {m['overhead']:.2f} s, blobs {m['blob_bytes'] / 2**20:.0f} MiB",
+              flush=True)  # fmt: skip
+    print("   peak RSS MiB " + " ".join(f"{k}={v:.0f}" for k, v in res["peak_rss_mib"].items()),
+          flush=True)  # fmt: skip
+    if res["cloud_exit"] != 0:
+        print(f"   cloud exited {res['cloud_exit']}:\n{res['cloud_log_tail']}", flush=True)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -312,6 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--workdir", help="parent of the run directories (default: /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="also run each federation beside N busy processes (one core each)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="quiet/loaded pairs per device count (the order alternates)")
+    ap.add_argument("--floor", action="store_true",
+                    help="measure the transfer floor of a round beside each device count")
+    ap.add_argument("--floor-rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, help="JSON of the figures")
     ap.add_argument("--plot", type=Path, help="PNG plot")
     args = ap.parse_args(argv)
@@ -320,23 +394,54 @@ def main(argv: list[str] | None = None) -> int:
     if find_mosquitto() is None:
         print("mosquitto is not installed", file=sys.stderr)
         return 2
+    start_load = list(os.getloadavg())
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     results = []
+    comparisons = []
     for n in args.devices:
-        print(f"-- {n} devices", flush=True)
-        res = run_one(args, n)
-        results.append(res)
-        m = res["median"]
-        if m:
-            print("   " + "  ".join(f"{p} {m[p]:.2f}" for p in PHASES), flush=True)
-            print(f"   wall {m['wall']:.2f} s, slowest training {m['slowest_training']:.2f} s, "
-                  f"overhead {m['overhead']:.2f} s, blobs {m['blob_bytes'] / 2**20:.0f} MiB",
-                  flush=True)  # fmt: skip
-        print("   peak RSS MiB " + " ".join(f"{k}={v:.0f}" for k, v in res["peak_rss_mib"].items()),
-              flush=True)  # fmt: skip
-        if res["cloud_exit"] != 0:
-            print(f"   cloud exited {res['cloud_exit']}:\n{res['cloud_log_tail']}", flush=True)
+        legs = ["quiet", "loaded"] if args.load else ["quiet"]
+        runs: dict[str, list[dict[str, Any]]] = {leg: [] for leg in legs}
+        for rep in range(args.repeats):
+            for leg in legs if rep % 2 == 0 else legs[::-1]:
+                print(f"-- {n} devices, {leg}" + (f" ({args.load} busy)" if leg == "loaded"
+                      else "") + f", repeat {rep + 1}/{args.repeats}", flush=True)  # fmt: skip
+                with BusyLoad(args.load if leg == "loaded" else 0):
+                    res = run_one(args, n)
+                res["load"] = args.load if leg == "loaded" else 0
+                res["repeat"] = rep
+                runs[leg].append(res)
+                if leg == "quiet" and rep == 0:
+                    results.append(res)
+                _print_run(res)
+        row: dict[str, Any] = {"devices": n}
+        keys = (*PHASES, "wall", "slowest_training", "overhead")
+        for leg in legs:
+            row[leg] = {
+                k: round(statistics.median(r["median"].get(k, float("nan")) for r in runs[leg]), 3)
+                for k in keys
+            }
+        if args.load:
+            row["loaded_over_quiet"] = {
+                k: round(row["loaded"][k] / row["quiet"][k], 2) if row["quiet"][k] > 0 else None
+                for k in keys
+            }
+            ratio = row["loaded_over_quiet"]
+            print(f"   loaded / quiet: wall {ratio['wall']}, overhead {ratio['overhead']}, "
+                  + ", ".join(f"{p} {ratio[p]}" for p in PHASES), flush=True)
+        if args.floor:
+            size = int(statistics.median(r["median"]["blob_bytes"] for r in runs["quiet"]))
+            size //= 2 * n + 2  # the round's blob bytes are 2n + 2 models (see phases_of)
+            print(f"-- {n} devices, transfer floor ({size / 2**20:.0f} MiB model)", flush=True)
+            row["floor"] = floor_of(n, size, args.floor_rounds)
+            f = row["floor"]["median"]["floor"]
+            row["overhead_over_floor"] = round(row["quiet"]["overhead"] / f, 2)
+            print(f"   floor {f:.2f} s (" + ", ".join(
+                f"{k} {v:.2f}" for k, v in row["floor"]["median"].items() if k != "floor")
+                + f"); quiet overhead {row['quiet']['overhead']:.2f} s = "
+                f"{row['overhead_over_floor']}x the floor", flush=True)  # fmt: skip
+        row["runs"] = runs
+        comparisons.append(row)
     record = {
         "benchmark": "round_phases",
         "date": time.strftime("%Y-%m-%d"),
@@ -345,7 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "rounds": args.rounds,
         "env": args.env,
+        "load": args.load,
+        "repeats": args.repeats,
+        "loadavg_at_start": start_load,
         "results": results,
+        "comparisons": comparisons,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -353,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot, f"{args.preset}, 1 edge, one local step (batch {args.batch}), "
              f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
-    ok = all(r["cloud_exit"] == 0 and r["median"] for r in results)
+    ok = all(r["cloud_exit"] == 0 and r["median"]
+             for c in comparisons for leg in c["runs"].values() for r in leg)
     return 0 if ok else 1
 
 

@@ -30,6 +30,8 @@ class CloudCheckpoints(CloudBase):
             )
             view = self.algorithm.state_view
             own_state = view is not None and view.keeps_files
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(r)
 
             def write() -> None:
                 save_checkpoint(directory, r, model, self.cfg, plan=plan, init=init,

@@ -160,6 +160,9 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         with self._transition("starting"):
             if self.round >= self.rounds:
                 self._finish()
+            elif self.algorithm.personalization is not None and self.uploads:
+                # resumed with the uploads of the round before (an in-process resume)
+                self._personalize(self.round - 1)
             else:
                 self._open_round()
 

@@ -144,6 +144,9 @@ class CloudBase(RoleService):
         #: all of them means nothing trained the model, a failure, not a finished run
         self.contributions = 0
         self.checkpoint_dir = checkpoint_dir
+        #: called with the round of each checkpoint just before it is written (an in-process
+        #: run saves its devices' kept state here, so the checkpoint never precedes them)
+        self.on_checkpoint: Callable[[int], None] | None = None
         self.on_round_end = on_round_end
         #: called once the last round is aggregated; it deploys and then calls
         #: :meth:`complete` (the run is "deploying" until then). None: complete at once.

@@ -331,11 +331,12 @@ class DeviceAgent(RoleService):
             self.train_round(pending)
 
     # -- state across restarts (--state-dir, device_agent.state) ----------------------------
-    def restore_state(self) -> bool:
-        """Take up the state saved by this device's last run of this config, if there is
-        one; an unusable file is moved aside (never deleted) and the device starts afresh.
-        Returns whether a state was restored."""
-        path = self.state_file
+    def restore_state(self, path: Path | None = None) -> bool:
+        """Take up the state saved by this device's last run of this config (in ``path``,
+        by default its ``--state-dir`` file), if there is one; an unusable file is moved
+        aside (never deleted) and the device starts afresh. Returns whether a state was
+        restored."""
+        path = path or self.state_file
         if path is None:
             return False
         try:
@@ -404,12 +405,9 @@ class DeviceAgent(RoleService):
         log.warning("%s: state file %s not used (%s): %s; starting afresh", self.name,
                     path, detail, moved)  # fmt: skip
 
-    def save_state(self, round_: int, session: str) -> None:
-        """Write what this device keeps between rounds (after a round it trained)."""
-        self.state_session = session
-        if self.state_file is None:
-            return
-        state = DeviceState(
+    def kept_state(self, round_: int, session: str) -> DeviceState:
+        """What this device keeps between rounds, as of ``round_`` of ``session``."""
+        return DeviceState(
             device=self.name,
             config_digest=self.config_digest,
             plan=plan_doc(self.plan),
@@ -421,8 +419,20 @@ class DeviceAgent(RoleService):
             last_update=self.last_update.model_dump(mode="json") if self.last_update else None,
             choices=[(s, r, e) for (s, r), e in self.choices.items()],
         )
+
+    def write_state(self, path: Path, round_: int, session: str) -> int:
+        """Write :meth:`kept_state` to ``path`` atomically (the ``--state-dir`` format);
+        returns the bytes written. StateError or OSError when it cannot be written."""
+        state = self.kept_state(round_, session)
+        return save_state(path, state, self.algorithm.device.device_cache_keys)
+
+    def save_state(self, round_: int, session: str) -> None:
+        """Write what this device keeps between rounds (after a round it trained)."""
+        self.state_session = session
+        if self.state_file is None:
+            return
         try:
-            size = save_state(self.state_file, state, self.algorithm.device.device_cache_keys)
+            size = self.write_state(self.state_file, round_, session)
         except (StateError, OSError) as err:
             # the round still counts: only a restart would lose what is not on disk
             self.metrics.device_state.labels(event="save_failed").inc()

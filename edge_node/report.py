@@ -138,7 +138,7 @@ class EdgeReporting(EdgeRoundState):
         ref = None
         if cloud_round and acc[0] and self.algorithm.traffic.uplink != "none":
             shared = self.algorithm.format.shared_spec(self.spec)  # the rest is the global's
-            ref = self.put_tensors(
+            ref = self.put_cloud_only_tensors(
                 model if shared is None else {k: model[k] for k in shared}, "edge_update"
             )
         losses = [(m.train_loss, m.n_samples) for m in contributors.values()]

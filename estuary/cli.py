@@ -39,6 +39,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         progress=not args.quiet,
         evaluate=not args.no_eval,
+        fresh=args.fresh,
     )
     losses = [r["train_loss"] for r in result.rows if r["train_loss"] is not None]
     print(f"run directory: {result.run_dir}")
@@ -103,6 +104,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         config=Path(args.config) if args.config else None,
         broker_kind=args.broker,
+        brokers=args.brokers,
         progress=not args.quiet,
         evaluate=not args.no_eval,
     )
@@ -227,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="run directory (default runs/demo-<timestamp>)")
     d.add_argument("--config", help="run config instead of the embedded demo default")
     d.add_argument("--broker", choices=["auto", "mosquitto", "amqtt"], default="auto")
+    d.add_argument("--brokers", choices=["one", "per-edge"], help="one broker, or one per "
+                   "edge site bridged to the cloud's (mosquitto); default the config's "
+                   "federation.brokers")  # fmt: skip
     d.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
     d.set_defaults(func=_cmd_demo)
 
@@ -240,8 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run a federation in one process (MemoryBus)")
     s.add_argument("config", help="TOML config (see configs/)")
-    s.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    s.add_argument(
+        "--out",
+        help="run directory (default runs/<name>-<timestamp>); one that holds checkpoints of "
+        "this config is resumed after the latest (with the devices' states kept beside it), "
+        "one holding another config's is refused",
+    )
     s.add_argument("--no-eval", action="store_true", help="skip quality evaluation")
+    s.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if --out holds checkpoints (they are moved aside)",
+    )
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("compare", help="run several methods on one split; table and plots")
@@ -251,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--fresh",
         action="store_true",
-        help="run every method again (default: reuse methods already finished in --out)",
+        help="run every method again from its first round (default: reuse methods already "
+        "finished in --out and resume unfinished ones after their latest checkpoint)",
     )
     c.add_argument(
         "--only",

@@ -4,7 +4,9 @@ Starts a broker (mosquitto when installed, else an embedded amqtt), one cloud, t
 and six devices, shows progress per round, and writes the run directory: ``report.png``,
 sample grids, ``metrics.jsonl``, checkpoints, every process's log, and the last Prometheus
 scrape of every role (``prometheus.json``). Everything it started is stopped at the end,
-also on Ctrl-C or an error.
+also on Ctrl-C or an error. With ``--brokers per-edge`` (or ``federation.brokers``) it starts
+a cloud broker and one mosquitto per edge site bridged to it, and each role talks through
+its own site's broker (docs/operations.md, Brokers per edge site).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from estuary.launcher import Hierarchy
+from estuary.launcher import Hierarchy, site_brokers
+from estuary.status import BROKERS_FILE
 from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict, load_config
 from shared.errors import EstuaryError
 from shared.evaluation.report import read_metrics
 from shared.evaluation.story import story_figures, story_text
 from shared.families import family_of
+from shared.federation.topology import per_edge
 from shared.methods.registry import make_algorithm
 from shared.models.init import ASSETS
 from shared.progress import progress_bar
@@ -115,16 +119,32 @@ def _bytes_by_role(scrapes: dict[str, dict[str, float]]) -> dict[str, dict[str, 
     return out
 
 
+def with_brokers(cfg: RunConfig, brokers: str | None) -> RunConfig:
+    """``cfg`` with ``federation.brokers = brokers`` (validated again: a broker per edge site
+    needs static assignment); ``cfg`` itself when ``brokers`` is None."""
+    if brokers is None or brokers == cfg.federation.brokers:
+        return cfg
+    doc = cfg.to_dict()
+    doc["federation"] = {**doc["federation"], "brokers": brokers}
+    return config_from_dict(doc, source=f"--brokers {brokers}")
+
+
 def run_demo(
     out: Path | None = None,
     *,
     config: Path | None = None,
     broker_kind: BrokerKind = "auto",
+    brokers: str | None = None,
     progress: bool = True,
     evaluate: bool = True,
 ) -> DemoResult:
-    """Run the demo hierarchy to completion; raises EstuaryError if any role fails."""
-    cfg = demo_config(config)
+    """Run the demo hierarchy to completion; raises EstuaryError if any role fails.
+
+    ``brokers`` (``"one"`` or ``"per-edge"``) overrides the config's ``federation.brokers``:
+    with ``"per-edge"`` a cloud broker and one mosquitto per edge site, bridged to it
+    (:func:`~estuary.launcher.site_brokers`); every role is told its own site's broker, and
+    ``brokers.json`` in the run directory records them all for ``estuary status``."""
+    cfg = with_brokers(demo_config(config), brokers)
     run_dir = (
         out or Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     )
@@ -143,12 +163,18 @@ def run_demo(
     if method.preparation is not None:  # the processes inherit what it provides (a key)
         method.preparation.prepare(run_dir / "keys", show=progress)
     hier = Hierarchy(cfg, config_path, run_dir, broker, evaluate=evaluate)
+    if per_edge(cfg):
+        hier.site_brokers = site_brokers(cfg, broker, run_dir / "brokers")
+        where = {s: {"host": b.host, "port": b.port} for s, b in hier.brokers().items()}
+        atomic_write(run_dir / BROKERS_FILE, json.dumps(where, indent=2).encode())
     scrapes: dict[str, dict[str, float]] = {}
     with interrupts_as_keyboard():
         try:
             _run(hier, scrapes, progress=progress)
         finally:
             hier.stop_all()
+            for b in hier.site_brokers.values():
+                b.stop()
             broker.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     atomic_write(run_dir / "prometheus.json", json.dumps(scrapes, indent=1).encode())
@@ -234,8 +260,12 @@ def with_deploy_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
 def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: bool) -> None:
     """Broker up, processes up, follow to the end (the caller stops everything)."""
     hier.broker.start()
+    for b in hier.site_brokers.values():
+        b.start()
     if progress:
         print(f"broker: {hier.broker.kind} at {hier.broker.url}")
+        for site, b in hier.site_brokers.items():
+            print(f"broker of edge site {site}: {b.kind} at {b.url}, bridged to the cloud's")
     hier.start_all()
     if progress:
         ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())

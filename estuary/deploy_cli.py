@@ -134,7 +134,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     with the cloud's account would disconnect a running cloud (and the two would keep
     replacing each other). The cloud's account is refused before connecting."""
     from cloud.deploy import DeploymentPublisher, PublisherService
-    from estuary.provision import DEPLOYER
+    from estuary.acl import DEPLOYER
     from shared.deploy.signing import load_private_key
     from shared.runtime.process import connect_bus, load_role_config
     from shared.wire.messages import DEPLOYER_HOME, Presence
@@ -233,7 +233,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     info = provision(cfg, check_out_dir(Path(args.out)), tls_hosts=args.tls_host,
-                     force=args.force, keep=args.keep, broker_user=args.broker_user)  # fmt: skip
+                     force=args.force, keep=args.keep, broker_user=args.broker_user,
+                     cloud_broker=args.cloud_broker)  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=2))
     elif info.get("kept"):
@@ -248,6 +249,10 @@ def cmd_provision(args: argparse.Namespace) -> int:
         print(f"  deployment keys {info['signing_key']} (cloud), {info['verify_key']} (devices)")
         if "tls" in info:
             print(f"  TLS CA {info['tls']['ca']}, server certificate {info['tls']['server_cert']}")
+        for site, entry in info.get("sites", {}).items():
+            if site != "cloud":
+                print(f"  edge site {site}: broker {entry['files']['broker_conf']} (bridge to "
+                      f"{info['cloud_broker']}), {len(entry['users'])} users")  # fmt: skip
     return 0
 
 
@@ -306,6 +311,9 @@ def add_parsers(sub: Any) -> None:
                    "(default mosquitto, Debian's): its group may read the password file, "
                    "ACL and mosquitto.conf; '' leaves them to the provisioning user's "
                    "group")  # fmt: skip
+    v.add_argument("--cloud-broker", metavar="HOST:PORT", help="federation.brokers = "
+                   "'per-edge': the cloud broker's address the edge sites' bridges connect to "
+                   "(default the config's broker.host:broker.port)")  # fmt: skip
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_provision)
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Protocol
 
 from shared.config import RunConfig
-from shared.errors import EstuaryError
+from shared.errors import ConfigError, EstuaryError
+from shared.federation.topology import CLOUD_SITE, site_of, sites
 from shared.metrics.prometheus import scrape
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import LocalBroker, free_port
@@ -189,15 +190,32 @@ class Hierarchy:
     data_dir: Path | None = None
     #: how role processes start: "fork" or "exec" (module docstring)
     launch: str = field(default_factory=lambda: os.environ.get("ESTUARY_LAUNCH", "fork"))
+    #: ``federation.brokers = "per-edge"``: each edge site's broker by site name
+    #: (:func:`site_brokers`); its edge and devices are told that broker, the cloud ``broker``
+    site_brokers: dict[str, LocalBroker] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.launch not in LAUNCH_MODES:
             raise EstuaryError(f"launch must be one of {LAUNCH_MODES}, got {self.launch!r}")
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
+    def broker_of(self, role: str, name: str) -> LocalBroker:
+        """The broker instance ``name`` of ``role`` talks through: its site's
+        (:func:`~shared.federation.topology.site_of`) with a broker per edge site, else the
+        one broker."""
+        if not self.site_brokers:
+            return self.broker
+        site = site_of(self.cfg, role, name)
+        return self.site_brokers[site] if site != CLOUD_SITE else self.broker
+
+    def brokers(self) -> dict[str, LocalBroker]:
+        """Every broker of the hierarchy by site (``"cloud"`` for the one broker)."""
+        return {CLOUD_SITE: self.broker, **self.site_brokers}
+
     def _argv(self, role: str, name: str) -> list[str]:
         argv = [sys.executable, "-m", MODULES[role], str(self.config_path)]
-        argv += ["--broker", f"{self.broker.host}:{self.broker.port}"]
+        broker = self.broker_of(role, name)
+        argv += ["--broker", f"{broker.host}:{broker.port}"]
         if role == "cloud":
             argv += ["--out", str(self.run_dir)]
             if not self.evaluate:
@@ -213,7 +231,7 @@ class Hierarchy:
 
     def _spawn(self, proc: RoleProcess) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        if self.broker.kind == "amqtt":
+        if self.broker_of(proc.role, proc.name).kind == "amqtt":
             env["ESTUARY__BROKER__PROTOCOL"] = "3.1.1"  # amqtt speaks MQTT 3.1.1 only
         if self.credentials is not None:
             env["ESTUARY__BROKER__USERNAME"] = proc.name
@@ -299,6 +317,34 @@ class Hierarchy:
         stop_processes(
             {p.name: p.popen for p in self.procs.values() if p.alive and p.popen}, timeout_s
         )
+
+
+def site_brokers(cfg: RunConfig, cloud: LocalBroker, workdir: Path) -> dict[str, LocalBroker]:
+    """One mosquitto per edge site of ``cfg`` (not started), each bridged to ``cloud``
+    (:func:`estuary.provision.bridge_conf` without accounts: local, open brokers), its work
+    directory ``workdir/<site>``.
+
+    Raises:
+        ConfigError: ``cloud`` is not a mosquitto (amqtt has no bridges).
+    """
+    from estuary.provision import bridge_conf
+
+    if cloud.kind != "mosquitto":
+        raise ConfigError(
+            "federation.brokers = 'per-edge' needs mosquitto (amqtt has no bridges); install "
+            "mosquitto (apt-get install mosquitto)"
+        )
+    out = {}
+    for site in sites(cfg)[1:]:
+        stanza = bridge_conf(cfg, site, f"{cloud.host}:{cloud.port}", None)
+        out[site.name] = LocalBroker(
+            kind="mosquitto",
+            host=cloud.host,
+            workdir=workdir / site.name,
+            memory_bytes=cfg.broker.broker_memory_bytes,
+            extra_conf=stanza.splitlines(),
+        )
+    return out
 
 
 def stop_processes(procs: Mapping[str, Child], timeout_s: float) -> None:

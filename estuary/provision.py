@@ -17,26 +17,27 @@ Layout of ``--out DIR`` (consumed by docker/compose.yaml as files and by k8s/ as
     tls/ca.pem, tls/server.pem, tls/server.key     with --tls
     provision.json                what was generated (no secrets)
 
-The ACL follows the topic layout of :class:`shared.wire.messages.Topics`, where every instance
-writes only under its own subtree (``cloud``, ``edge/<e>``, ``device/<d>``), and there exactly
-the topics its role publishes (:func:`device_writes`, :func:`edge_writes`,
-:func:`cloud_writes`): no wildcard over a subtree, on whose made-up topics an account could
-leave as many retained messages as it liked. A device reads the cloud's topics, its edge's
-(every edge's when devices pick their edge), the presence and edge choices of other devices,
-and requests for its own blobs; it cannot read other devices' updates or blobs. An edge reads
-what it serves and aggregates (:func:`edge_reads`): the cloud's topics, the edges' state and
-presence, the devices' registrations, presence, choices, updates, update blobs and deployment
-reports, and requests for its own blobs. Only the cloud (and the deployer, below) writes under
-``cloud/`` (global state, rounds, deployments). Each device's private downlink
-``device/<d>/down/#`` (its personal model and the blob chunks of it,
+The ACL (built in :mod:`estuary.acl`) follows the topic layout of
+:class:`shared.wire.messages.Topics`, where every instance writes only under its own subtree
+(``cloud``, ``edge/<e>``, ``device/<d>``), and there exactly the topics its role publishes
+(:func:`estuary.acl.device_writes`, :func:`~estuary.acl.edge_writes`,
+:func:`~estuary.acl.cloud_writes`): no wildcard over a subtree, on whose made-up topics an
+account could leave as many retained messages as it liked. A device reads the cloud's topics,
+its edge's (every edge's when devices pick their edge), the presence and edge choices of other
+devices, and requests for its own blobs; it cannot read other devices' updates or blobs. An
+edge reads what it serves and aggregates (:func:`~estuary.acl.edge_reads`): the cloud's
+topics, the edges' state and presence, the devices' registrations, presence, choices, updates,
+update blobs and deployment reports, and requests for its own blobs. Only the cloud (and the
+deployer, below) writes under ``cloud/`` (global state, rounds, deployments). Each device's
+private downlink ``device/<d>/down/#`` (its personal model and the blob chunks of it,
 :func:`shared.wire.messages.private_home`) is written only by the cloud and read only by the
 cloud and that device: no edge reads it. The ``observer`` account writes nothing and reads
 only the retained state and presence ``estuary status`` shows
-(:func:`estuary.status.observer_topics`). The ``deployer`` account (:func:`deployer_topics`)
-is ``estuary deploy``'s: it publishes deployments and sample requests and serves the deployed
-model's blobs under the cloud's subtree, and reads the devices' presence and deployment
-reports and the requests for the cloud's blobs; it writes no round, state or presence of the
-cloud's and reads no update, blob or downlink.
+(:func:`estuary.status.observer_topics`). The ``deployer`` account
+(:func:`~estuary.acl.deployer_topics`) is ``estuary deploy``'s: it publishes deployments and
+sample requests and serves the deployed model's blobs under the cloud's subtree, and reads the
+devices' presence and deployment reports and the requests for the cloud's blobs; it writes no
+round, state or presence of the cloud's and reads no update, blob or downlink.
 
 The ACL is per user name, and the client id would be a second identity beside it: a broker
 keys connections and persistent sessions by client id, and the roles' ids are predictable
@@ -64,29 +65,40 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from estuary.status import OBSERVER, observer_topics
+from estuary.acl import (
+    DEPLOYER,
+    acl_text,
+    cloud_broker_acl,
+    site_broker_acl,
+)
+from estuary.status import OBSERVER
 from shared.config import BrokerSection, RunConfig
 from shared.deploy.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
 from shared.errors import EstuaryError
+from shared.federation.topology import (
+    BRIDGE_QOS,
+    CLOUD_SITE,
+    Site,
+    bridge_in,
+    bridge_out,
+    bridge_user,
+    per_edge,
+    sites,
+)
 from shared.naming import device_name, edge_ids
 from shared.transport.local_broker import BIND_CLIENT_ID, mosquitto_limits, secured_packet_bytes
 from shared.wire.messages import (
-    DEPLOYER_HOME,
-    ROOT,
     Topics,
-    cloud_only_home,
-    home_of,
-    private_home,
 )
 
 log = logging.getLogger(__name__)
 
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for the $7$ (PBKDF2-SHA512) format
 BROKER_CONF = "mosquitto.conf"  # in DIR/mosquitto/, beside passwd and acl
+#: an edge site's bridge stanza, in DIR/sites/<e>/mosquitto/ (federation.brokers = "per-edge")
+BRIDGE_CONF = "bridge.conf"
 MQTT_PORT = 1883
 MQTTS_PORT = 8883  # the one listener with --tls-host
-#: the account ``estuary provision`` makes for ``estuary deploy`` (:func:`deployer_topics`)
-DEPLOYER = "deployer"
 #: accounts of the operator's tools, which a provisioning made by an older estuary may lack,
 #: and what is missing without each
 TOOL_ACCOUNTS = {
@@ -104,190 +116,63 @@ def mosquitto_hash(password: str, *, salt: bytes | None = None) -> str:
     return f"$7${PBKDF2_ITERATIONS}${b64(salt).decode()}${b64(digest).decode()}"
 
 
-def edge_reads(base: str, edge: str) -> list[str]:
-    """What edge ``edge`` reads beside its own subtree: what its service subscribes to and
-    fetches, and the retained state and presence ``estuary status`` shows.
-    Never a device's private downlink ``device/<d>/down/#``: none of these matches it."""
-    return [
-        f"{base}/cloud/#",  # rounds, state, deployments, global-model blobs
-        f"{base}/edge/+/state",
-        f"{base}/edge/+/status",
-        f"{base}/device/+/hello",
-        f"{base}/device/+/status",
-        f"{base}/device/+/join",
-        f"{base}/device/+/up",
-        f"{base}/device/+/deploy",
-        f"{base}/device/+/blob/#",  # update blobs
-        f"{base}/+/+/want/edge/{edge}",  # requests for this edge's blobs
-    ]
-
-
-def deployer_topics(topics: Topics) -> tuple[list[str], list[str]]:
-    """What ``estuary deploy`` publishes and subscribes to, as (writes, reads): the ACL of
-    the deployer account.
-
-    It speaks under the cloud's subtree (devices fetch a deployment's files from there), but
-    only as a deployment publisher (:class:`cloud.deploy.DeploymentPublisher`): the retained
-    deployment, sample requests and the chunks of the blobs it serves from its own subtree
-    there (:data:`~shared.wire.messages.DEPLOYER_HOME`, where a running cloud never answers);
-    it reads the retained deployment, the devices' presence (whom to wait for), their
-    deployment reports, and the
-    requests for its blobs (:meth:`~shared.wire.messages.Topics.blob_want_patterns`, what its
-    bus subscribes to). Not the cloud's rounds, state, presence or blobs; no update, blob or
-    downlink of anyone."""
-    writes = [
-        topics.cloud_deploy,
-        topics.cloud_sample,
-        topics.blob_chunks(DEPLOYER_HOME),
-    ]
-    reads = [
-        topics.cloud_deploy,  # the deployments whose reports count (DeploymentPublisher)
-        topics.all_device_status,
-        topics.all_device_deploy,
-        *topics.blob_want_patterns(DEPLOYER_HOME),
-    ]
-    return writes, reads
-
-
-def device_writes(topics: Topics, device: str, edges: list[str]) -> list[str]:
-    """Every topic device ``device`` publishes, none more: its registration, presence and
-    deployment report (the retained ones), its updates and edge choices, the chunks of the
-    blobs it serves (its uploads), and its blob requests to ``edges`` (the edges it may
-    train with), the cloud, the deployer and its own private downlink. A wildcard over its
-    own subtree would let its credentials leave retained messages on as many made-up topics
-    as it likes (each one held by the broker until cleared)."""
-    own = home_of("device", device)
-    return [
-        topics.device_hello(device),
-        topics.status(own),
-        topics.device_deploy(device),
-        topics.device_up(device),
-        topics.device_join(device),
-        topics.blob_chunks(own),
-        topics.blob_want(own, "cloud"),
-        topics.blob_want(own, DEPLOYER_HOME),  # a deployment `estuary deploy` serves
-        *(topics.blob_want(own, home_of("edge", e)) for e in edges),
-        topics.private_want(device),
-    ]
-
-
-def edge_writes(topics: Topics, edge: str, devices: list[str]) -> list[str]:
-    """Every topic edge ``edge`` publishes: its retained state, presence and round
-    announcement, its reports to the cloud, the chunks of its blobs (forwarded uploads under
-    its path to the cloud alone) and its blob requests to the cloud and to ``devices``
-    (those it may aggregate)."""
-    own = home_of("edge", edge)
-    return [
-        topics.edge_state(edge),
-        topics.status(own),
-        topics.edge_round(edge),
-        topics.edge_up(edge),
-        topics.blob_chunks(own),
-        topics.blob_chunks(cloud_only_home(own)),  # forwarded uploads, for the cloud alone
-        topics.blob_want(own, "cloud"),
-        *(topics.blob_want(own, home_of("device", d)) for d in devices),
-    ]
-
-
-def cloud_writes(topics: Topics, devices: list[str], edges: list[str]) -> list[str]:
-    """Every topic the cloud publishes: its retained state, round, presence and deployment,
-    sample requests, the chunks of its blobs, its blob requests to edges and devices, and
-    each device's private downlink (the personal model and the chunks of its blob), and
-    the empty retained message that clears a retained chunk on any blob-chunk topic of the
-    run (the cloud's bus sweeps them, ``broker.retained_sweep_s``: the ACL cannot refuse the
-    retain flag on a chunk topic a device, an edge or the deployer may write)."""
-    any_edge, any_device = home_of("edge", "+"), home_of("device", "+")
-    return [
-        topics.cloud_state,
-        topics.cloud_round,
-        topics.status("cloud"),
-        topics.cloud_deploy,
-        topics.cloud_sample,
-        topics.blob_chunks("cloud"),
-        *(topics.blob_want("cloud", home_of("edge", e)) for e in edges),
-        *(topics.cloud_only_want(home_of("edge", e)) for e in edges),  # forwarded uploads
-        *(topics.blob_want("cloud", home_of("device", d)) for d in devices),
-        topics.device_down("+"),
-        topics.blob_chunks(private_home("+")),
-        # clearing retained chunks (broker.retained_sweep_s) where others serve blobs
-        topics.blob_chunks(DEPLOYER_HOME),
-        topics.blob_chunks(any_edge),
-        topics.blob_chunks(cloud_only_home(any_edge)),
-        topics.blob_chunks(any_device),
-    ]
-
-
-def acl_text(cfg: RunConfig, *, devices: list[str], edges: list[str]) -> str:
-    """The Mosquitto ACL file for the run of ``cfg``: each account may write exactly the
-    topics its role publishes (:func:`cloud_writes`, :func:`edge_writes`,
-    :func:`device_writes`, :func:`deployer_topics`), and read what it subscribes to."""
-    base = f"{ROOT}/{cfg.run.name}"
-    topics = Topics(cfg.run.name)
-    picks = cfg.federation.assignment != "static"
+def bridge_conf(
+    cfg: RunConfig, site: Site, address: str, password: str | None, *, cafile: Path | None = None
+) -> str:
+    """The Mosquitto bridge stanza of edge site ``site``'s broker: a connection named after
+    the bridge's account on the cloud broker at ``address`` (``HOST:PORT``), logging in as
+    that account with ``password``, whose session outlives a lost link (``cleansession
+    false``: the cloud broker queues what the site is sent meanwhile, within its queue
+    limits, and the site broker what it sends), its state published on the site broker only
+    (``notifications_local_only``), reconnecting within seconds, and QoS 1 topic rules
+    exactly :func:`~shared.federation.topology.bridge_out` (``out``) and
+    :func:`~shared.federation.topology.bridge_in` (``in``). ``cafile``: the CA that signed
+    the cloud broker's TLS certificate. ``password`` None: no account (an open cloud
+    broker, as ``estuary demo`` runs locally)."""
+    if site.edge is None:
+        raise EstuaryError("the cloud site has no bridge")
+    topics, name = Topics(cfg.run.name), bridge_user(site.edge)
     lines = [
-        f"# Estuary ACL for run {cfg.run.name!r}: each instance writes exactly the topics its",
-        "# role publishes (under its own subtree; the cloud also each device's private downlink",
-        "# device/<d>/down). Generated by `estuary provision`; anonymous clients are refused.",
-        "",
-        "user cloud",
-        *(f"topic write {t}" for t in cloud_writes(topics, devices, edges)),
-        f"topic read {base}/#",
-        "",
+        f"# bridge of edge site {site.name!r} to the cloud broker, written by `estuary provision`",
+        f"connection {name}",
+        f"address {address}",
+        f"remote_clientid {name}",
+        *([f"remote_username {name}", f"remote_password {password}"] if password else []),
+        "bridge_protocol_version mqttv311",
+        "cleansession false",
+        "try_private true",
+        "start_type automatic",
+        "restart_timeout 1 10",
+        "keepalive_interval 15",
+        "notifications true",
+        "notifications_local_only true",
+        "# what crosses while the link is down waits in each broker's bounded queues",
+        "# (max_queued_messages, max_queued_bytes of the broker's config)",
     ]
-    for e in edges:
-        aggregates = devices if picks else [d for i, d in enumerate(devices)
-                                            if edges[i % len(edges)] == e]  # fmt: skip
-        lines += [
-            f"user {e}",
-            *(f"topic write {t}" for t in edge_writes(topics, e, aggregates)),
-            f"topic read {base}/edge/{e}/#",
-            *(f"topic read {t}" for t in edge_reads(base, e)),
-            "",
-        ]
-    # `estuary status`: the retained state and presence, nothing else, and no writes
-    lines += [
-        f"user {OBSERVER}",
-        *(f"topic read {t}" for t in observer_topics(topics)),
-        "",
-    ]
-    # `estuary deploy`: deployments and their blobs under the cloud's subtree, and reports
-    writes, reads = deployer_topics(topics)
-    lines += [
-        f"user {DEPLOYER}",
-        *(f"topic write {t}" for t in writes),
-        *(f"topic read {t}" for t in reads),
-        "",
-    ]
-    for i, d in enumerate(devices):
-        served_by = edges if picks else [edges[i % len(edges)]] if edges else []
-        lines += [
-            f"user {d}",
-            *(f"topic write {t}" for t in device_writes(topics, d, served_by)),
-            f"topic read {base}/device/{d}/#",
-            f"topic read {base}/cloud/#",
-            f"topic read {base}/edge/+/round",
-            f"topic read {base}/edge/+/status",
-            f"topic read {base}/edge/+/state",
-            f"topic read {base}/device/+/status",
-            f"topic read {base}/device/+/join",
-            f"topic read {base}/+/+/want/device/{d}",  # requests for this device's blobs
-        ]
-        for e in served_by:
-            lines.append(f"topic read {base}/edge/{e}/blob/#")
-        lines.append("")
-    return "\n".join(lines)
+    if cafile is not None:
+        lines.append(f"bridge_cafile {cafile}")
+    lines += [f"topic {t} out {BRIDGE_QOS}" for t in bridge_out(topics, site)]
+    lines += [f"topic {t} in {BRIDGE_QOS}" for t in bridge_in(topics, site)]
+    return "\n".join(lines) + "\n"
 
 
 def mosquitto_conf(
-    run: str, out: Path, *, tls: bool = False, broker: BrokerSection | None = None
+    run: str,
+    out: Path,
+    *,
+    tls: bool = False,
+    broker: BrokerSection | None = None,
+    certs: Path | None = None,
 ) -> str:
     """The Mosquitto 2 config for a provisioning in ``out`` (paths as they will be there):
     no anonymous clients, the password file and ACL, each client's id bound to its user name,
     the roles' queue limits, packets no larger than one of ``broker``'s blob chunks plus
     headers and the broker's heap limit (``broker.broker_memory_bytes``); with ``tls``, one
-    listener on 8883 with the provisioned server certificate instead of plain MQTT on 1883."""
+    listener on 8883 with the provisioned server certificate (in ``certs``, default
+    ``out/tls``) instead of plain MQTT on 1883."""
     broker = broker if broker is not None else BrokerSection()
-    mq, certs = out.resolve() / "mosquitto", out.resolve() / "tls"
+    mq = out.resolve() / "mosquitto"
+    certs = certs.resolve() if certs is not None else out.resolve() / "tls"
     listener = [
         f"listener {MQTTS_PORT if tls else MQTT_PORT}",
         BIND_CLIENT_ID,  # a listener option: right after its listener line
@@ -328,7 +213,7 @@ def mosquitto_conf(
 #: mosquitto), whose group ``estuary provision`` gives read access to the broker's files
 DEFAULT_BROKER_USER = "mosquitto"
 #: what the broker reads in ``mosquitto/``: the password file holds only hashes
-BROKER_FILES = ("passwd", "acl", BROKER_CONF)
+BROKER_FILES = ("passwd", "acl", BROKER_CONF, BRIDGE_CONF)
 
 
 def broker_group(user: str | None) -> int | None:
@@ -459,6 +344,9 @@ def _kept(out: Path, run: str, names: list[str]) -> dict[str, Any]:
     missing = [n for n in names if not (out / "credentials" / f"{n}.password").exists()]
     if not Path(str(info.get("signing_key", ""))).exists():
         missing.append("the signing key")
+    for site, entry in info.get("sites", {}).items():
+        files = entry.get("files", {}) if isinstance(entry, dict) else {}
+        missing += [f"{site}'s {k}" for k, v in files.items() if not Path(str(v)).exists()]
     if missing:
         raise EstuaryError(f"{out} is incomplete: missing {', '.join(missing)}")
     return {**info, "kept": True}
@@ -493,6 +381,7 @@ def provision(
     force: bool = False,
     keep: bool = False,
     broker_user: str | None = DEFAULT_BROKER_USER,
+    cloud_broker: str | None = None,
 ) -> dict[str, Any]:
     """Write credentials, ACL, keys (and TLS material) for ``cfg``'s federation to ``out``.
 
@@ -501,17 +390,29 @@ def provision(
     start). With ``keep``, one that never finished (a password file without
     ``provision.json``, left by a kill between the final moves) is replaced.
 
-    The files the broker reads (``mosquitto/``) are made readable by the group of
-    ``broker_user`` when that user exists here (:func:`make_broker_readable`); the
-    credentials and the signing key stay the provisioning user's alone.
+    With ``federation.brokers = "per-edge"`` the cloud broker's files stay in ``mosquitto/``
+    (the cloud, the observer, the deployer and a bridge account per edge site) and each edge
+    site's broker gets ``sites/<e>/mosquitto/`` (:func:`write_sites`); its bridge logs in to
+    the cloud broker at ``cloud_broker`` (``HOST:PORT``, default the config's
+    ``broker.host:broker.port``).
+
+    The files the brokers read (``mosquitto/``, ``sites/<e>/mosquitto/``) are made readable
+    by the group of ``broker_user`` when that user exists here (:func:`make_broker_readable`);
+    the credentials and the signing key stay the provisioning user's alone.
     """
     gid = broker_group(broker_user)
     strict = bool(broker_user) and broker_user != DEFAULT_BROKER_USER
     if strict and gid is None:
         raise EstuaryError(f"broker user {broker_user!r} does not exist on this host")
+    split = per_edge(cfg)
+    if cloud_broker is not None and not split:
+        raise EstuaryError("--cloud-broker is for federation.brokers = 'per-edge' (the "
+                           "address the edge sites' bridges connect to)")  # fmt: skip
     edges = edge_ids(cfg)
     devices = [device_name(i) for i in range(cfg.federation.num_devices)]
     names = ["cloud", *edges, *devices, OBSERVER, DEPLOYER]
+    if split:
+        names += [bridge_user(e) for e in edges]
     unfinished = False
     if (out / "mosquitto" / "passwd").exists() and not force:
         if keep and not (out / "provision.json").exists():
@@ -528,6 +429,9 @@ def provision(
                 conf_path.write_text(conf)
                 log.info("wrote %s, which this provisioning did not have yet", conf_path)
             make_broker_readable(out / "mosquitto", gid, strict=strict)
+            for site in kept.get("sites", {}):
+                if site != CLOUD_SITE:
+                    make_broker_readable(out / "sites" / site / "mosquitto", gid, strict=strict)
             return {**kept, "broker_conf": str(conf_path)}
         else:
             raise EstuaryError(f"{out} is already provisioned; pass --force to replace it")
@@ -543,13 +447,16 @@ def provision(
     # last: a failure leaves the earlier provisioning (or none), never half of a new one.
     stage = Path(tempfile.mkdtemp(prefix=".provisioning-", dir=out))
     try:
-        entries = []
+        passwords = {}
         for name in names:
             password = secrets.token_urlsafe(24)
             _write_secret(stage / "credentials" / f"{name}.password", password.encode())
-            entries.append(f"{name}:{mosquitto_hash(password)}")
+            passwords[name] = password
+        cloud_users = ["cloud", OBSERVER, DEPLOYER, *(bridge_user(e) for e in edges)]
+        entries = [f"{n}:{mosquitto_hash(passwords[n])}" for n in names
+                   if not split or n in cloud_users]  # fmt: skip
         _write_secret(stage / "mosquitto" / "passwd", ("\n".join(entries) + "\n").encode())
-        acl = acl_text(cfg, devices=devices, edges=edges)
+        acl = cloud_broker_acl(cfg) if split else acl_text(cfg, devices=devices, edges=edges)
         (stage / "mosquitto" / "acl").write_text(acl + "\n")
         conf = mosquitto_conf(cfg.run.name, out, tls=bool(tls_hosts), broker=cfg.broker)
         (stage / "mosquitto" / BROKER_CONF).write_text(conf)
@@ -566,9 +473,71 @@ def provision(
         if tls_hosts:
             tls = _tls(stage, tls_hosts)
             info["tls"] = {k: str(out / Path(v).relative_to(stage)) for k, v in tls.items()}
+        if split:
+            b = cfg.broker
+            address = cloud_broker or f"{b.host}:{b.port}"
+            info["brokers"] = "per-edge"
+            info["cloud_broker"] = address
+            info["sites"] = write_sites(cfg, stage, out, passwords, address, tls=bool(tls_hosts))
+            info["sites"][CLOUD_SITE] = {
+                "users": cloud_users,
+                "files": {
+                    "passwd": info["passwd"],
+                    "acl": info["acl"],
+                    "broker_conf": info["broker_conf"],
+                },
+            }
+            for site in info["sites"]:
+                if site != CLOUD_SITE:
+                    make_broker_readable(stage / "sites" / site / "mosquitto", gid, strict=strict)
         (stage / "provision.json").write_text(json.dumps(info, indent=2) + "\n")
         make_broker_readable(stage / "mosquitto", gid, strict=strict)
-        _move_in(stage, out, ("credentials", "mosquitto", "keys", "tls", "provision.json"))
+        moved = ("credentials", "mosquitto", "sites", "keys", "tls", "provision.json")
+        _move_in(stage, out, moved)
+        if not split and (out / "sites").is_dir():  # a per-edge provisioning's, replaced
+            shutil.rmtree(out / "sites")
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return info
+
+
+def write_sites(
+    cfg: RunConfig,
+    stage: Path,
+    out: Path,
+    passwords: dict[str, str],
+    address: str,
+    *,
+    tls: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Each edge site's broker files under ``stage/sites/<e>/mosquitto/`` (paths as they
+    will be under ``out``): the password file of the edge, its devices and the observer (no
+    one else logs in there), the ACL (:func:`site_broker_acl`), the bridge stanza
+    (``bridge.conf``, :func:`bridge_conf`: it holds the bridge's password) and
+    ``mosquitto.conf``, which is the broker config of :func:`mosquitto_conf` with the bridge
+    stanza appended (mosquitto 2 has no include of one file, and an ``include_dir`` of this
+    folder would read ``mosquitto.conf`` itself again). Returns per site its users and files."""
+    record: dict[str, dict[str, Any]] = {}
+    for site in sites(cfg)[1:]:
+        edge = str(site.edge)
+        users = [edge, *site.devices, OBSERVER]
+        mq, final = stage / "sites" / edge / "mosquitto", out / "sites" / edge / "mosquitto"
+        entries = [f"{n}:{mosquitto_hash(passwords[n])}" for n in users]
+        _write_secret(mq / "passwd", ("\n".join(entries) + "\n").encode())
+        (mq / "acl").write_text(site_broker_acl(cfg, site) + "\n")
+        cafile = (out / "tls" / "ca.pem").resolve() if tls else None
+        bridge = bridge_conf(cfg, site, address, passwords[bridge_user(edge)], cafile=cafile)
+        _write_secret(mq / BRIDGE_CONF, bridge.encode())
+        conf = mosquitto_conf(cfg.run.name, out / "sites" / edge, tls=tls, broker=cfg.broker,
+                              certs=out / "tls")  # fmt: skip
+        _write_secret(mq / BROKER_CONF, (conf + "\n" + bridge).encode())
+        record[edge] = {
+            "users": users,
+            "files": {
+                "passwd": str(final / "passwd"),
+                "acl": str(final / "acl"),
+                "broker_conf": str(final / BROKER_CONF),
+                "bridge_conf": str(final / BRIDGE_CONF),
+            },
+        }
+    return record

@@ -2,8 +2,9 @@
 
 The cloud, edge and device services are the same classes that run over MQTT; only the bus
 differs. The run directory receives the config used, the label-count matrix,
-``metrics.jsonl`` (one object per round), atomic checkpoints, sample grids and
-``report.png``.
+``metrics.jsonl`` (one object per round), atomic checkpoints with the devices' kept state
+beside them (``state/``), sample grids and ``report.png``. Run again into a directory
+holding checkpoints of the same config it resumes after the latest (:mod:`estuary.resume`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,8 +24,17 @@ import torch
 from torch import nn
 
 from cloud import CloudServer, RoundSummary
+from cloud.main import ResumePoint
 from device_agent import DeviceAgent
 from edge_node import EdgeServer
+from estuary.resume import (
+    STATE_DIR,
+    StateCost,
+    add_counts,
+    find_resume,
+    load_federation_state,
+    save_federation_state,
+)
 from shared.atomic import atomic_write
 from shared.config import RunConfig, classifies
 from shared.data.datasets import NUM_CLASSES, ImageDataset, to_model_input
@@ -61,6 +72,10 @@ class SimulationResult:
     #: classifier run's final global model scored on every domain's test set when
     #: ``data.domains`` is set (``preset``, ``accuracy``, ``mean_accuracy``); else None
     final: dict[str, Any] | None = None
+    #: the 1-based round of the checkpoint the run was resumed after (None: from the start)
+    resumed_after_round: int | None = None
+    #: the wall time of the run before it was resumed (0 for one that was not)
+    earlier_wall_s: float = 0.0
 
 
 @dataclass
@@ -89,18 +104,27 @@ def build_federation(
     checkpoint_dir: Path | None = None,
     on_round_end: Callable[[RoundSummary], None] | None = None,
     test: tuple[ImageDataset, list[np.ndarray]] | None = None,
+    start: ResumePoint | None = None,
 ) -> Federation:
     """Cloud, edges and devices (device i's private data is ``data[parts[i]]``, its test
-    split ``test[0][test[1][i]]`` when given).
+    split ``test[0][test[1][i]]`` when given); the cloud starts from ``start`` (a
+    checkpoint, :func:`cloud.main.resume_point`) when given, else from ``model.init``.
 
     Every service gets its own algorithm instance; nothing is shared but the bus.
     """
-    initial = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
     channels = cfg.data.input_channels
-    cloud = CloudServer(
-        cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
-        checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,
-    )  # fmt: skip
+    if start is None:
+        initial = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
+        cloud = CloudServer(
+            cfg, bus, make_algorithm(cfg), initial_model=dict(initial),
+            checkpoint_dir=checkpoint_dir, on_round_end=on_round_end,
+        )  # fmt: skip
+    else:
+        cloud = CloudServer(
+            cfg, bus, make_algorithm(cfg), initial_model=start.model, plan=start.plan,
+            start_round=start.next_round, checkpoint_dir=checkpoint_dir,
+            on_round_end=on_round_end, init=start.init,
+        )  # fmt: skip
     edges = [EdgeServer(cfg, bus, make_algorithm(cfg), edge_id=e) for e in edge_ids(cfg)]
     devices = [
         DeviceAgent(
@@ -164,9 +188,23 @@ def device_test_splits(
 
 
 def simulate(
-    cfg: RunConfig, out: Path | None = None, *, progress: bool = True, evaluate: bool = True
+    cfg: RunConfig,
+    out: Path | None = None,
+    *,
+    progress: bool = True,
+    evaluate: bool = True,
+    fresh: bool = False,
+    state_costs: list[StateCost] | None = None,
 ) -> SimulationResult:
-    """Run the configured federation in-process and write the run directory."""
+    """Run the configured federation in-process and write the run directory.
+
+    An ``out`` that holds checkpoints of this config (with the devices' states beside them,
+    :mod:`estuary.resume`) is resumed after the latest one, unless ``fresh``: its
+    ``metrics.jsonl`` rows up to the checkpoint are kept and the run appends after them.
+    Checkpoints of another config are refused (:class:`~estuary.resume.ResumeRefused`)
+    unless ``fresh``; a fresh
+    start moves earlier checkpoints aside (:func:`prepare_run_dir`). ``state_costs``
+    receives what writing the states cost at each checkpoint."""
     started = time.monotonic()
     set_torch_threads(cfg.train.threads)
     set_deterministic(cfg.compute.deterministic)
@@ -174,8 +212,17 @@ def simulate(
     if evaluate and cfg.eval.every and family_of(cfg.model.preset).quality == "fid":
         check_evaluable(cfg)
     data, parts = split_dataset(cfg, progress=progress)
-    run_dir = prepare_run_dir(cfg, out)
     method = make_algorithm(cfg)
+    if out is not None and method.preparation is not None and (out / "checkpoints").is_dir():
+        # the key a resume checks its checkpoint against (kept in the run directory)
+        method.preparation.prepare(out, show=False)
+    resumed = None if fresh or out is None else find_resume(cfg, out)
+    run_dir = prepare_run_dir(cfg, out, resuming=resumed is not None)
+    if resumed is None:
+        shutil.rmtree(run_dir / STATE_DIR, ignore_errors=True)  # an earlier run's states
+    elif progress:
+        print(f"resuming {run_dir} after round {resumed.after_round} of {cfg.run.rounds} "
+              "(its latest checkpoint; --fresh starts over)")  # fmt: skip
     if method.preparation is not None:  # what the run needs first (PRISM: its key)
         method.preparation.prepare(run_dir, show=progress)
     if progress and (method.personalization or method.finalizer):  # minutes of cloud work
@@ -187,7 +234,10 @@ def simulate(
     test = device_test_splits(cfg, run_dir, device_names, show=progress)
 
     bus = MemoryBus()
-    recorder = RunRecorder(cfg, run_dir, bus.traffic, evaluate=evaluate)
+    recorder = RunRecorder(
+        cfg, run_dir, bus.traffic, evaluate=evaluate,
+        resume_after=None if resumed is None else resumed.after_round - 1,
+    )  # fmt: skip
     fed = build_federation(
         cfg,
         bus,
@@ -196,13 +246,36 @@ def simulate(
         checkpoint_dir=run_dir / "checkpoints",
         on_round_end=recorder.on_round_end,
         test=test,
+        start=None if resumed is None else resumed.point,
     )
     cloud = fed.cloud
+    earlier_traffic: dict[str, dict[str, int]] = {} if resumed is None else resumed.traffic
+    earlier_wall = 0.0 if resumed is None else resumed.wall_s
+    if resumed is not None:
+        view = cloud.algorithm.state_view
+        if view is not None:
+            view.load_cloud_state(run_dir / "checkpoints", resumed.after_round - 1)
+        load_federation_state(fed, run_dir, resumed)
+
+    def save_states(r: int) -> None:
+        """The devices' states at the checkpoint of round ``r`` (written before it)."""
+        progress_doc = {
+            "traffic": add_counts(earlier_traffic, bus.traffic.snapshot()),
+            "wall_s": round(earlier_wall + time.monotonic() - started, 1),
+        }
+        cost = save_federation_state(fed, run_dir, r, progress_doc)
+        log.debug("device states of round %d: %d bytes in %.3f s", r + 1, cost.bytes,
+                  cost.seconds)  # fmt: skip
+        if state_costs is not None:
+            state_costs.append(cost)
+
+    cloud.on_checkpoint = save_states
     recorder.model_fn = cloud.global_module
     if cloud.algorithm.traffic.device_keeps == "local_parts":
         recorder.client_models_fn = functools.partial(client_modules, fed)
     fed.start()
-    bar_args = {"total": cfg.run.rounds, "desc": cfg.run.name, "unit": "round"}
+    bar_args = {"total": cfg.run.rounds, "desc": cfg.run.name, "unit": "round",
+                "initial": 0 if resumed is None else resumed.after_round}  # fmt: skip
     with progress_bar(**bar_args, disable=not progress) as bar:
         recorder.bar = bar
         bus.run(lambda: cloud.done or cloud.failed is not None)
@@ -213,11 +286,13 @@ def simulate(
     plot_report(
         recorder.rows, run_dir / "report.png", title=f"{cfg.run.name} ({cfg.algorithm.name})"
     )
-    traffic = bus.traffic.snapshot()
+    traffic = add_counts(earlier_traffic, bus.traffic.snapshot())
     summary = {
         "rounds": cloud.round,
         "results": headline(recorder.rows),
-        "wall_s": round(time.monotonic() - started, 1),
+        "wall_s": round(earlier_wall + time.monotonic() - started, 1),
+        # the 1-based round of the checkpoint this run went on after (None: from the start)
+        "resumed_after_round": None if resumed is None else resumed.after_round,
         "final_model_sha256": cloud.model_sha,
         "model_params": cloud.model_params(),
         "arch": plan_doc(cloud.plan),
@@ -234,5 +309,7 @@ def simulate(
         summary["final"] = final
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return SimulationResult(
-        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan, final
-    )
+        run_dir, cloud.round, cloud.model_sha, recorder.rows, traffic, cloud.plan, final,
+        resumed_after_round=None if resumed is None else resumed.after_round,
+        earlier_wall_s=earlier_wall,
+    )  # fmt: skip

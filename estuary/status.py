@@ -11,6 +11,11 @@ will, and it listens under a home of its own (``observer/...``), so it never ans
 blob requests. Every message is validated like the roles do; one that does not parse or
 comes from the wrong sender is counted and named, and the rest are shown.
 
+With a broker per edge site (``federation.brokers = "per-edge"``) the federation is read from
+the cloud broker, where the bridges bring every edge's and device's retained state; given a
+run directory of ``estuary demo`` (its :data:`BROKERS_FILE`) it also lists every broker and
+whether each edge site's bridge is up (:func:`broker_views`).
+
 It needs read access to those topics (:func:`observer_topics`): on a provisioned broker run it
 as the ``observer`` account, which may read them and nothing else (no updates, no model
 blobs), never with a role's credentials: the broker binds each client id to its
@@ -26,7 +31,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +430,101 @@ def check_listening(host: str, port: int, timeout_s: float = CONNECT_CHECK_S) ->
         ) from None
 
 
+#: ``estuary demo``'s record of its brokers in the run directory (a broker per edge site)
+BROKERS_FILE = "brokers.json"
+
+
+@dataclass
+class BrokerView:
+    """One broker of a federation with a broker per edge site, as ``estuary status`` saw it."""
+
+    site: str
+    host: str
+    port: int
+    reachable: bool
+    #: an edge site's bridge to the cloud broker: up (True), down (False), not read (None)
+    bridge_up: bool | None = None
+
+    @property
+    def url(self) -> str:
+        """``mqtt://host:port``."""
+        return f"mqtt://{self.host}:{self.port}"
+
+
+def listening(host: str, port: int, timeout_s: float = CONNECT_CHECK_S) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def bridge_state(cfg: RunConfig, edge: str, wait_s: float, *, name: str = "status") -> bool | None:
+    """Whether edge site ``edge``'s bridge to the cloud broker is up, as the site broker of
+    ``cfg.broker`` (host, port, credentials: the observer's) says in its retained
+    ``$SYS/broker/connection/bridge-<e>/state`` (``1`` up, ``0`` down); None when no state
+    arrived within ``wait_s`` seconds (no such bridge, or no read access)."""
+    from shared.federation.topology import bridge_state_topic
+    from shared.runtime.process import connect_bus
+
+    seen: list[bytes] = []
+    bus = connect_bus(cfg, OBSERVER, name, None, will=False)
+    try:
+        bus.endpoint(name, home=f"{OBSERVER}/{name}").subscribe(
+            bridge_state_topic(edge), lambda _t, payload: seen.append(payload), kind="bridge_state"
+        )
+        deadline = time.monotonic() + wait_s
+        while not seen and time.monotonic() < deadline:
+            bus.pump(min(0.1, max(0.0, deadline - time.monotonic())))
+    finally:
+        bus.close()
+    return None if not seen else seen[-1].strip() == b"1"
+
+
+def broker_views(
+    cfg: RunConfig, brokers: dict[str, dict[str, Any]], wait_s: float, *, name: str = "status"
+) -> list[BrokerView]:
+    """Every broker of ``brokers`` (site -> ``{"host", "port"}``, what ``estuary demo``
+    records in :data:`BROKERS_FILE`): whether it is reachable and, for an edge site's, whether
+    its bridge is up (:func:`bridge_state`, logged in as ``cfg.broker``'s account)."""
+    views = []
+    for site, where in brokers.items():
+        host, port = str(where["host"]), int(where["port"])
+        view = BrokerView(site, host, port, listening(host, port))
+        if site != "cloud" and view.reachable:
+            section = cfg.broker.model_copy(update={"host": host, "port": port})
+            site_cfg = cfg.model_copy(update={"broker": section})
+            view.bridge_up = bridge_state(site_cfg, site, wait_s, name=f"{name}-{site}")
+        views.append(view)
+    return views
+
+
+def format_brokers(views: list[BrokerView]) -> str:
+    """One line per broker: its site, address, whether it answers and its bridge's state."""
+    lines = [f"brokers {sum(v.reachable for v in views)} of {len(views)} reachable"]
+    for v in views:
+        bridge = {True: "bridge up", False: "bridge DOWN", None: "bridge state unknown"}
+        what = "" if v.site == "cloud" else f"   {bridge[v.bridge_up]}"
+        state = "reachable" if v.reachable else "UNREACHABLE"
+        lines.append(f"  {v.site:8} {v.url:24} {state}{what}")
+    return "\n".join(lines)
+
+
+def read_brokers(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The brokers a run directory records (:data:`BROKERS_FILE`), None when it has none."""
+    file = path / BROKERS_FILE if path.is_dir() else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise EstuaryError(f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict):
+        raise EstuaryError(f"{file} is not a JSON object of sites")
+    return data
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``estuary status``: 0 when the run's cloud state was found, 1 when not; with
     ``--watch --until-done``, 3 when the run was not done within ``--for-s``."""
@@ -441,8 +541,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise EstuaryError(f"--for-s must be in (0, {MAX_WATCH_S:g}], got {args.for_s:g}")
     if args.until_done and not watching:
         raise EstuaryError("--until-done needs --watch")
+    brokers = read_brokers(Path(args.config))
     args.config = str(run_config_path(Path(args.config)))
     cfg = load_role_config(args)
+    views: list[BrokerView] = []
+    if brokers and not watching:  # the cloud broker is cfg's: the federation's view is there
+        views = broker_views(cfg, brokers, args.wait_s)
+        if not args.json:
+            print(format_brokers(views))
     b, name = cfg.broker, f"status-{os.getpid()}"
     where = f"{b.host}:{b.port}"
     check_listening(b.host, b.port)
@@ -463,7 +569,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         bus.close()
     if args.json:
-        print(json.dumps(st.as_dict(), indent=2))
+        doc = st.as_dict()
+        if brokers and not watching:
+            doc["brokers"] = [{**asdict(v), "url": v.url} for v in views]
+        print(json.dumps(doc, indent=2))
     else:
         print(format_status(st, where))
     return 0 if st.cloud is not None else 1

@@ -802,6 +802,171 @@ def run_federation(
     return out
 
 
+class SiteSwarm(Swarm):
+    """The simulated devices of one edge site (:func:`shared.federation.topology.sites`:
+    device ``i`` at edge ``i % num_edges``), on that site's broker at ``host:port``.
+
+    Args:
+        cfg: the run's config.
+        host: the site broker's address.
+        port: its port.
+        edge: the site's edge (one of :func:`shared.naming.edge_ids`).
+        **kwargs: the other :class:`Swarm` arguments (``chunk_bytes``, ``keepalive_s``...).
+
+    Raises:
+        ValueError: ``edge`` is no edge of ``cfg``, or the site has no devices.
+    """
+
+    def __init__(self, cfg: RunConfig, host: str, port: int, *, edge: str, **kwargs: Any):
+        edges = edge_ids(cfg)
+        if edge not in edges:
+            raise ValueError(f"{edge!r} is not an edge of run {cfg.run.name!r} ({edges})")
+        super().__init__(cfg, host, port, **kwargs)
+        self._indices = range(edges.index(edge), cfg.federation.num_devices, len(edges))
+        if not self._indices:
+            raise ValueError(f"edge site {edge!r} has no devices")
+
+
+def merged_stats(parts: list[SwarmStats]) -> SwarmStats:
+    """Several swarms' counters as one: counts summed, errors joined, the slowest swarm's
+    connect and register times."""
+    out = SwarmStats()
+    for s in parts:
+        for name in ("connected", "registered", "refused", "disconnects", "announcements",
+                     "selected", "updates_sent", "models_fetched", "blob_requests",
+                     "chunks_sent", "messages"):  # fmt: skip
+            setattr(out, name, getattr(out, name) + getattr(s, name))
+        out.errors += s.errors
+        out.connect_s = max(out.connect_s, s.connect_s)
+        out.register_s = max(out.register_s, s.register_s)
+    return out
+
+
+@dataclass
+class SitesRun(FederationRun):
+    """What :func:`run_sites_federation` measured, besides :class:`FederationRun`'s figures
+    (whose ``swarm`` sums every site's swarm, and whose broker figures are the cloud
+    broker's)."""
+
+    #: each site swarm's own counters, by edge
+    site_swarms: dict[str, SwarmStats] = field(default_factory=dict)
+    #: peak RSS of each site's mosquitto, by edge
+    site_broker_peak_rss_bytes: dict[str, int] = field(default_factory=dict)
+    #: each site broker's "dropped" log lines, by edge
+    site_broker_dropped: dict[str, list[str]] = field(default_factory=dict)
+
+
+def run_sites_federation(
+    cfg: RunConfig,
+    cloud_broker: LocalBroker,
+    site_brokers: Mapping[str, LocalBroker],
+    *,
+    timeout_s: float = 300.0,
+    quiet_s: float = 3.0,
+) -> SitesRun:
+    """:func:`run_federation` with a broker per edge site (``federation.brokers =
+    "per-edge"``): each edge's :class:`SiteSwarm` and its real :class:`~edge_node.EdgeServer`
+    on the site's broker (``site_brokers``, by edge, running and bridged to
+    ``cloud_broker``), the real :class:`~cloud.CloudServer` on ``cloud_broker``. Every
+    swarm registers first (each site's hellos cross its bridge as retained messages), then
+    the edges and the cloud start and run the config's rounds. Everything is bounded by
+    ``timeout_s``; everything started here is stopped before returning (not the brokers).
+
+    Raises:
+        ValueError: ``site_brokers`` does not hold exactly one broker per edge of ``cfg``.
+    """
+    edges_of = edge_ids(cfg)
+    if sorted(site_brokers) != sorted(edges_of):
+        raise ValueError(f"one site broker per edge {edges_of}, got {sorted(site_brokers)}")
+    n = cfg.federation.num_devices
+    t = Topics(cfg.run.name)
+    buses: list[MqttBus] = []
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    end = time.monotonic() + timeout_s
+    swarms = {e: SiteSwarm(cfg, b.host, b.port, edge=e) for e, b in site_brokers.items()}
+    out = SitesRun(n, SwarmStats())
+
+    def bus(role: str, name: str, broker: LocalBroker) -> MqttBus:
+        settings = cfg.broker.model_copy(update={"host": broker.host, "port": broker.port})
+        will = encode(Presence(name=name, role=role, online=False))  # type: ignore[arg-type]
+        b = MqttBus(settings, run=cfg.run.name, client_id=f"{cfg.run.name}-{name}",
+                    home=home_of(role, name), will=will)  # fmt: skip
+        buses.append(b)
+        return b.connect()
+
+    try:
+        # as in run_federation: the roles' buses connect before the swarms' sockets
+        edges = []
+        for edge_id in edges_of:
+            ebus = bus("edge", edge_id, site_brokers[edge_id])
+            edges.append(EdgeServer(cfg, ebus, make_algorithm(cfg), edge_id=edge_id))
+            threads.append(threading.Thread(target=ebus.run, args=(stop.is_set,),
+                                            name=f"swarm-{edge_id}", daemon=True))  # fmt: skip
+        cbus = bus("cloud", "cloud", cloud_broker)
+        state = initial_model(cfg.model.preset, cfg.model.init, seed=cfg.run.seed).state_dict()
+        cloud = CloudServer(cfg, cbus, make_algorithm(cfg), initial_model=dict(state),
+                            on_round_end=out.rounds.append)  # fmt: skip
+        rss0 = process_rss_bytes()
+        for s in swarms.values():
+            s.start()
+        for s in swarms.values():
+            if not s.wait_registered(max(0.0, end - time.monotonic())):
+                return out
+        out.harness_rss_bytes = process_rss_bytes() - rss0
+        for edge in edges:
+            edge.start()
+        for th in threads:
+            th.start()
+        cbus.endpoint("observer", "cloud").subscribe(
+            t.cloud_round, lambda _t, p: out.round_start_bytes.append(len(p)), kind="observer"
+        )
+        t0 = time.monotonic()
+        cloud.start()
+        last, last_at = 0, time.monotonic()
+
+        def registered() -> bool:
+            nonlocal last, last_at
+            now = time.monotonic()
+            if len(cloud.devices) != last:
+                last, last_at = len(cloud.devices), now
+            return last >= n or now - last_at >= quiet_s or cloud.started
+
+        cbus.run(registered, timeout_s=max(0.0, end - time.monotonic()))
+        out.cloud_registered = len(cloud.devices)
+        out.cloud_register_s = last_at - t0
+        cbus.run(lambda: cloud.done or cloud.failed is not None,
+                 timeout_s=max(0.0, end - time.monotonic()))  # fmt: skip
+        out.run_s = time.monotonic() - t0
+        out.participants = len(cloud.participants)
+        out.contributions = cloud.contributions
+        out.cloud_done, out.cloud_failed = cloud.done, cloud.failed
+        out.rejected = {b.client_id: b.traffic.snapshot()["rejected"] for b in buses}
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+        for b in buses:
+            b.close(timeout_s=2.0)
+        for s in swarms.values():
+            s.stop()
+        out.site_swarms = {e: s.stats for e, s in swarms.items()}
+        out.swarm = merged_stats(list(out.site_swarms.values()))
+        out.process_peak_rss_bytes = process_peak_rss_bytes()
+        for e, broker in [("cloud", cloud_broker), *site_brokers.items()]:
+            peak = process_peak_rss_bytes(broker.process.pid) if broker.process else 0
+            dropped: list[str] = []
+            if broker.log_path is not None:
+                with contextlib.suppress(OSError):
+                    dropped = dropped_lines(broker.log_path.read_text(errors="replace"))
+            if e == "cloud":
+                out.broker_peak_rss_bytes, out.broker_dropped = peak, dropped
+            else:
+                out.site_broker_peak_rss_bytes[e] = peak
+                out.site_broker_dropped[e] = dropped
+    return out
+
+
 def process_rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process now, from /proc (0 where unreadable)."""
     return _status_kib(pid, "VmRSS:") * 1024

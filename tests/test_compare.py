@@ -561,8 +561,9 @@ def _shrunk(doc: dict[str, Any]) -> dict[str, Any]:
         if over.pop("train.local_epochs", None):  # the E = 5 baselines: 2 rounds of 5 steps
             over.update({"run.rounds": 2, "train.local_steps": 5})
             over.update({"eval.every": 1, "eval.sample_every": 2, "eval.checkpoint_every": 1})
-        if "algorithm.sparse_rounds" in over:
-            over["algorithm.sparse_rounds"] = 5
+        for key in ("algorithm.sparse_rounds", "algorithm.fedphd.sparse_rounds"):
+            if key in over:
+                over[key] = 5
     return doc
 
 

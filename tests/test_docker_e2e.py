@@ -1,10 +1,16 @@
 """End to end in real Docker: the images of docker/ built from a debootstrap'ed Debian base and
 local wheels (the air-gapped path), and the federation of docker/compose.yaml (2 edges, 4
-devices, fmnist-tiny, 2 rounds, deployment to the devices) brought up with docker compose.
+devices, fmnist-tiny, 2 rounds, deployment to the devices) brought up with docker compose;
+then the same images run docker/compose.per-edge.yaml, a broker per edge site bridged to the
+cloud broker.
 
 Asserts that the run completes; that the compose file's Prometheus scraped byte counters from
 every role; that devices wrote sample grids from the deployed ONNX model; that a device's
-credentials cannot publish to the cloud's topics or read another device's updates; and that
+credentials cannot publish to the cloud's topics or read another device's updates; for the
+per-edge variant, that the run completes and deploys the same way, that each site broker
+carried its devices' traffic and its bridge carried less to the cloud than those devices
+sent (their updates stayed at the site), that a device's credentials work on its own site's
+broker only, and that the cloud broker's observer sees the whole federation done; and that
 everything the test started is gone afterwards (containers, networks, volumes, the images it
 built, the base image, and dockerd if it started it).
 
@@ -43,10 +49,13 @@ pytestmark = pytest.mark.docker
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
+PER_EDGE_FILE = ROOT / "docker" / "compose.per-edge.yaml"
 RUN = "compose"  # docker/config.toml's run name: the ACL and topics are under it
 BASE = f"estuary/v1/{RUN}"
 ROLES = {"cloud", "edge0", "edge1", "dev000", "dev001", "dev002", "dev003"}
 DEVICES = sorted(r for r in ROLES if r.startswith("dev"))
+EDGES = ["edge0", "edge1"]
+HOME = {d: EDGES[i % len(EDGES)] for i, d in enumerate(DEVICES)}  # the static assignment
 BUILD_TIMEOUT_S = 1800
 RUN_TIMEOUT_S = 1200
 
@@ -139,7 +148,7 @@ def base_image(engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     try:
         yield tag
     finally:
-        _run(["docker", "rmi", "-f", tag], timeout=120, check=False)
+        _run(["docker", "rmi", "-f", tag], timeout=300, check=False)
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -194,9 +203,11 @@ class Stack:
     prometheus_port: int
     out: Path
     timings: dict[str, float] = field(default_factory=dict)
+    file: Path = COMPOSE_FILE
+    site_ports: dict[str, int] = field(default_factory=dict)  # per-edge: site -> broker port
 
     def cmd(self, *args: str) -> list[str]:
-        return [*self.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args]
+        return [*self.compose, "-p", self.project, "-f", str(self.file), *args]
 
     def container(self, service: str) -> str:
         ids = _run(["docker", "ps", "-a", "-q",
@@ -236,13 +247,17 @@ class Stack:
                     env=self.env, check=False).stdout  # fmt: skip
 
 
-def _leftovers(project: str, build: str) -> list[str]:
-    """Containers, networks, volumes and images of ``project``/``build`` that still exist."""
+def _leftovers(project: str | None, build: str | None) -> list[str]:
+    """Containers, networks and volumes of ``project`` and images of ``build`` that still
+    exist."""
     found = []
-    for kind, flt in (("ps", f"label=com.docker.compose.project={project}"),
-                      ("network ls", f"label=com.docker.compose.project={project}"),
-                      ("volume ls", f"label=com.docker.compose.project={project}"),
-                      ("images", f"label=io.estuary.build={build}")):  # fmt: skip
+    checks = []
+    if project is not None:
+        checks += [(kind, f"label=com.docker.compose.project={project}")
+                   for kind in ("ps", "network ls", "volume ls")]  # fmt: skip
+    if build is not None:
+        checks.append(("images", f"label=io.estuary.build={build}"))
+    for kind, flt in checks:
         args = ["docker", *kind.split(), "-q", "--filter", flt]
         if kind in ("ps", "images"):
             args.insert(2, "-a")
@@ -251,13 +266,24 @@ def _leftovers(project: str, build: str) -> list[str]:
     return found
 
 
+@dataclass
+class Images:
+    """The images the test built (every service's, from compose.yaml), and how."""
+
+    build: str
+    env: dict[str, str]
+    compose: list[str]
+    out: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+
 @pytest.fixture(scope="module")
-def stack(
+def images(
     base_image: str, wheel_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    """Build the images, bring the federation up, wait until the run is done; tear down."""
+) -> Iterator[Images]:
+    """Build the images once for both compose files; remove them (and their builder stages)
+    when the module is done."""
     build = uuid.uuid4().hex[:10]
-    project = f"estuarye2e{build}"
     gateway = urllib.parse.urlsplit(wheel_server).hostname or ""
     env = {
         **os.environ,
@@ -270,34 +296,89 @@ def stack(
         "ESTUARY_OFFLINE": "1",
         "ESTUARY_TORCH_SPEC": "torch==2.13.0+cpu",
         "ESTUARY_DEVICE_TORCH_SPEC": "torch==2.13.0+cpu",
-        "ESTUARY_BROKER_PORT": str(_free_port()),
-        "ESTUARY_PROMETHEUS_PORT": str(_free_port()),
     }
-    s = Stack(project=project, env=env, compose=_compose_cmd(),
-              broker_port=int(env["ESTUARY_BROKER_PORT"]),
-              prometheus_port=int(env["ESTUARY_PROMETHEUS_PORT"]),
-              out=tmp_path_factory.mktemp("e2e-out"))  # fmt: skip
+    built = Images(build=build, env=env, compose=_compose_cmd(),
+                   out=tmp_path_factory.mktemp("e2e-out"))  # fmt: skip
     try:
         t0 = time.monotonic()
-        _run(s.cmd("build"), timeout=BUILD_TIMEOUT_S, env=env)
-        s.timings["build_s"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        _run(s.cmd("up", "-d"), timeout=600, env=env)
-        _wait_for_run(s, time.monotonic() + RUN_TIMEOUT_S)
-        s.timings["run_s"] = time.monotonic() - t0
-        print(f"\ndocker e2e: build {s.timings['build_s']:.0f} s, "
-              f"run {s.timings['run_s']:.0f} s")  # fmt: skip
-        yield s
+        _run([*built.compose, "-p", f"estuarye2e{build}", "-f", str(COMPOSE_FILE), "build"],
+             timeout=BUILD_TIMEOUT_S, env=env)  # fmt: skip
+        built.timings["build_s"] = time.monotonic() - t0
+        print(f"\ndocker e2e: build {built.timings['build_s']:.0f} s")
+        yield built
     finally:
-        t0 = time.monotonic()
-        _run(s.cmd("down", "-v", "--rmi", "all", "--remove-orphans", "-t", "20"),
-             timeout=600, env=env, check=False)  # fmt: skip
+        # the top-level images (their intermediate layers go with them), as `down --rmi all`
+        ids = _run(["docker", "images", "-q", "--filter", f"label=io.estuary.build={build}"],
+                   timeout=60, check=False).stdout.split()  # fmt: skip
+        if ids:
+            _run(["docker", "rmi", "-f", *dict.fromkeys(ids)], timeout=600, check=False)
         # the builder stages are untagged images carrying the build label
         _run(["docker", "image", "prune", "-f", "--filter", f"label=io.estuary.build={build}"],
              timeout=300, check=False)  # fmt: skip
-        left = _leftovers(project, build)
-        print(f"docker e2e: teardown {time.monotonic() - t0:.0f} s")
-        assert not left, f"left behind after teardown: {left}"
+        left = _leftovers(None, build)
+        assert not left, f"images left behind: {left}"
+
+
+def _bring_up(images: Images, file: Path, name: str, sites: tuple[str, ...] = ()) -> Stack:
+    """``up -d`` of ``file`` with the built images, until the run is done."""
+    env = {
+        **images.env,
+        "ESTUARY_BROKER_PORT": str(_free_port()),
+        "ESTUARY_PROMETHEUS_PORT": str(_free_port()),
+    }
+    site_ports = {site: _free_port() for site in sites}
+    env |= {f"ESTUARY_{site.upper()}_BROKER_PORT": str(p) for site, p in site_ports.items()}
+    s = Stack(project=f"estuarye2e{name}{images.build}", env=env, compose=images.compose,
+              broker_port=int(env["ESTUARY_BROKER_PORT"]),
+              prometheus_port=int(env["ESTUARY_PROMETHEUS_PORT"]),
+              out=images.out / name, file=file, site_ports=site_ports)  # fmt: skip
+    t0 = time.monotonic()
+    _run(s.cmd("up", "-d", "--no-build"), timeout=600, env=env)
+    _wait_for_run(s, time.monotonic() + RUN_TIMEOUT_S)
+    s.timings["run_s"] = time.monotonic() - t0
+    print(f"\ndocker e2e ({file.name}): run {s.timings['run_s']:.0f} s")
+    return s
+
+
+def _tear_down(s: Stack) -> None:
+    t0 = time.monotonic()
+    _run(s.cmd("down", "-v", "--remove-orphans", "-t", "20"), timeout=600, env=s.env,
+         check=False)  # fmt: skip
+    left = _leftovers(s.project, None)
+    print(f"docker e2e ({s.file.name}): teardown {time.monotonic() - t0:.0f} s")
+    assert not left, f"left behind after teardown: {left}"
+
+
+@pytest.fixture(scope="module")
+def stack(images: Images) -> Iterator[Stack]:
+    """The federation of docker/compose.yaml brought up and run to completion; torn down."""
+    s: Stack | None = None
+    try:
+        s = _bring_up(images, COMPOSE_FILE, "one")
+        yield s
+    finally:
+        if s is None:  # up or the run failed: take down what came up
+            s = Stack(project=f"estuarye2eone{images.build}", env=images.env,
+                      compose=images.compose, broker_port=0, prometheus_port=0,
+                      out=images.out, file=COMPOSE_FILE)  # fmt: skip
+        _tear_down(s)
+
+
+@pytest.fixture(scope="module")
+def sites(images: Images) -> Iterator[Stack]:
+    """The federation of docker/compose.per-edge.yaml run to completion; torn down. (Its tests
+    come after the one-broker stack's, whose brokers and Prometheus stay up, idle, until the
+    module ends.)"""
+    s: Stack | None = None
+    try:
+        s = _bring_up(images, PER_EDGE_FILE, "sites", tuple(EDGES))
+        yield s
+    finally:
+        if s is None:
+            s = Stack(project=f"estuarye2esites{images.build}", env=images.env,
+                      compose=images.compose, broker_port=0, prometheus_port=0,
+                      out=images.out, file=PER_EDGE_FILE)  # fmt: skip
+        _tear_down(s)
 
 
 def _wait_for_run(s: Stack, deadline: float) -> None:
@@ -323,6 +404,10 @@ def _wait_for_run(s: Stack, deadline: float) -> None:
 
 
 def test_run_completes_and_deploys(stack: Stack) -> None:
+    _assert_run_completed_and_deployed(stack)
+
+
+def _assert_run_completed_and_deployed(stack: Stack) -> None:
     for role in sorted(ROLES):
         assert stack.state(role).get("ExitCode") == 0, f"{role} failed\n{stack.logs()}"
     run = stack.copy_out("cloud", "/var/lib/estuary/run")
@@ -464,3 +549,105 @@ def test_a_device_container_reads_its_mounted_image_folder(stack: Stack, tmp_pat
                 timeout=300)  # fmt: skip
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"n": 24, "labels": want.labels.tolist(), "sum": int(want.images.sum())}
+
+
+# --------------------------------------------------------------------------- per-edge
+
+
+def _interfaces(stack: Stack, service: str) -> dict[str, tuple[int, int]]:
+    """Compose network name -> (received, sent) bytes of the container's interface on it,
+    read from the kernel's counters inside the container."""
+    container = stack.container(service)
+    script = ('for i in /sys/class/net/*; do echo "$(cat $i/address) '
+              '$(cat $i/statistics/rx_bytes) $(cat $i/statistics/tx_bytes)"; done')  # fmt: skip
+    counters = {}
+    out = _run(["docker", "exec", container, "sh", "-c", script], timeout=60).stdout
+    for line in out.splitlines():
+        mac, rx, tx = line.split()
+        counters[mac.lower()] = (int(rx), int(tx))
+    fmt = "{{json .NetworkSettings.Networks}}"
+    networks = json.loads(_run(["docker", "inspect", "-f", fmt, container], timeout=30).stdout)
+    prefix = f"{stack.project}_"
+    return {name.removeprefix(prefix): counters[net["MacAddress"].lower()]
+            for name, net in networks.items()}  # fmt: skip
+
+
+def _prometheus(stack: Stack, query: str) -> dict[str, float]:
+    """instance -> value of an instant ``query`` on the stack's Prometheus."""
+    url = (f"http://127.0.0.1:{stack.prometheus_port}/api/v1/query?"
+           + urllib.parse.urlencode({"query": query}))  # fmt: skip
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        result = json.load(reply)["data"]["result"]
+    return {r["metric"]["instance"]: float(r["value"][1]) for r in result}
+
+
+def test_per_edge_run_completes_and_deploys(sites: Stack) -> None:
+    _assert_run_completed_and_deployed(sites)
+
+
+def test_per_edge_device_traffic_stays_at_its_site(sites: Stack) -> None:
+    """Each site broker received at least what its edge and devices put on the wire (the
+    devices' updates among it), and its bridge sent the cloud broker less than the edge's
+    wire bytes plus half of the devices': had the devices' updates crossed, it would have
+    sent at least the edge's and all of the devices'. The figures are printed."""
+    sent = _prometheus(sites, "max_over_time(estuary_transport_wire_bytes_sent_total[1h])")
+    assert ROLES <= set(sent), sent
+    cloud_broker = _interfaces(sites, "broker")
+    print(f"\nper-edge: cloud broker (rx, tx) {cloud_broker}; cloud sent {sent['cloud']:.0f}")
+    for edge in EDGES:
+        devices = [d for d in DEVICES if HOME[d] == edge]
+        at_site = _interfaces(sites, f"broker-{edge}")
+        assert set(at_site) == {"cloud", f"site-{edge}"}, at_site
+        site_rx, _ = at_site[f"site-{edge}"]
+        bridge_rx, bridge_tx = at_site["cloud"]
+        edge_sent, devices_sent = sent[edge], sum(sent[d] for d in devices)
+        print(f"per-edge: site {edge}: broker received {site_rx} on the site network; bridge "
+              f"sent {bridge_tx}, received {bridge_rx}; {edge} sent {edge_sent:.0f}, "
+              f"{'+'.join(devices)} sent {devices_sent:.0f}")  # fmt: skip
+        assert devices_sent > 0 and edge_sent > 0
+        assert site_rx >= edge_sent + devices_sent, "the site broker missed its roles' traffic"
+        # TCP/IP headers and acknowledgements: well under 5 % of what crosses either way
+        overhead = 0.05 * (bridge_tx + bridge_rx)
+        assert bridge_tx < edge_sent + devices_sent / 2 + overhead, (
+            f"the bridge of {edge} sent {bridge_tx} bytes to the cloud: device updates crossed?"
+        )
+
+
+def test_per_edge_device_credentials_work_on_their_sites_broker_only(sites: Stack) -> None:
+    creds = sites.copy_out("provision", "/provision/credentials")
+    host = "127.0.0.1"
+    for device in ("dev000", "dev001"):
+        password = (creds / f"{device}.password").read_text()
+        ports = {"cloud": sites.broker_port, **sites.site_ports}
+        for site, port in ports.items():
+            c, code = connect(host, port, device, password)
+            close(c)
+            assert (code == 0) == (site == HOME[device]), (device, site, code)
+
+
+def test_per_edge_status_sees_the_federation_and_the_bridges(sites: Stack) -> None:
+    """`estuary status` as the observer on the cloud broker: the cloud's, the edges' and the
+    devices' retained state all reached it (the devices' across the bridges), the run is done
+    and every device sampled the deployment; each site broker says its bridge is up."""
+    from estuary.status import bridge_state
+    from shared.config import load_config
+
+    creds = sites.copy_out("provision", "/provision/credentials")
+    password = (creds / "observer.password").read_text()
+    env = {**os.environ, "ESTUARY__BROKER__USERNAME": "observer",
+           "ESTUARY_MQTT_PASSWORD": password}  # fmt: skip
+    config = ROOT / "docker" / "config.per-edge.toml"
+    proc = _run([sys.executable, "-m", "estuary", "status", str(config), "--json",
+                 "--broker", f"127.0.0.1:{sites.broker_port}"], timeout=120, env=env)  # fmt: skip
+    doc = json.loads(proc.stdout)
+    assert doc["cloud"]["state"]["phase"] == "done" and doc["same_config"] is True, doc
+    assert set(doc["edges"]) == set(EDGES) and all(e["state"] for e in doc["edges"].values())
+    for device in DEVICES:
+        view = doc["devices"][device]
+        assert view["hello"]["device"] == device and view["deploy"]["event"] == "sampled", view
+    cfg = load_config(config)
+    for edge, port in sites.site_ports.items():
+        section = cfg.broker.model_copy(update={
+            "host": "127.0.0.1", "port": port, "username": "observer",
+            "password_file": str(creds / "observer.password")})  # fmt: skip
+        assert bridge_state(cfg.model_copy(update={"broker": section}), edge, 10.0) is True, edge

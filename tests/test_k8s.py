@@ -38,7 +38,7 @@ from shared.runtime.process import add_common_args
 from shared.transport.local_broker import find_mosquitto, free_port
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "per-edge")
 RENDERS = ("base", *OVERLAYS)
 K8S_VERSION = "1.30"  # oldest Kubernetes minor the manifests must be valid for
 NAMESPACE = "estuary"
@@ -49,6 +49,7 @@ ROLES = ("cloud", "edge", "device")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 IMAGE_TAG = "0.1.0"
 BROKER_ADDR = f"estuary-broker:{MQTT_PORT}"
+SITE = "estuary.io/site"  # per-edge overlay: the site a pod belongs to (cloud, edge0, ...)
 CONFIG_PATH = "/etc/estuary/config.toml"
 GPU = "nvidia.com/gpu"
 
@@ -325,39 +326,45 @@ def test_processes_write_only_to_volumes(rendered: dict[str, list[Obj]], name: s
         cmd = main_container(edge)["command"]
         cache = cmd[cmd.index("--cache-dir") + 1]
         assert under(cache, writable_mounts(edge, main_container(edge))), cache
-    broker = one(rendered[name], "StatefulSet", "estuary-broker")
-    conf = configmap_data(rendered[name], broker, "config")["mosquitto.conf"]
-    data_dir = re.search(r"^persistence_location (\S+)$", conf, re.M)
-    assert data_dir, "mosquitto.conf has no persistence_location"
-    mounts = pvc_mounts(broker, main_container(broker))
-    assert under(data_dir.group(1).rstrip("/"), mounts), "broker persistence is not on a PVC"
+    brokers = role_workloads(rendered[name], "broker")
+    assert one(rendered[name], "StatefulSet", "estuary-broker") in brokers
+    for broker in brokers:
+        where = broker["metadata"]["name"]
+        conf = configmap_data(rendered[name], broker, "config")["mosquitto.conf"]
+        data_dir = re.search(r"^persistence_location (\S+)$", conf, re.M)
+        assert data_dir, f"{where}: mosquitto.conf has no persistence_location"
+        mounts = pvc_mounts(broker, main_container(broker))
+        assert under(data_dir.group(1).rstrip("/"), mounts), f"{where}: persistence not on a PVC"
 
 
 @pytest.mark.parametrize("name", RENDERS)
 def test_gpu_is_requested_only_by_devices_of_the_gpu_overlay(
     rendered: dict[str, list[Obj]], name: str
 ) -> None:
-    devices = one(rendered[name], "DaemonSet", "estuary-device")
-    spec = pod_spec(devices)
-    assert spec["nodeSelector"] == {"estuary.io/role": "device"}
-    limits = main_container(devices)["resources"]["limits"]
-    tolerated = {t.get("key") for t in spec.get("tolerations", [])}
-    if name == "gpu":
-        assert str(limits.get(GPU)) == "1", f"gpu overlay: devices limits {limits}"
-        assert GPU in tolerated
-    else:
-        assert GPU not in limits, f"{name}: devices must not request {GPU}"
-        assert GPU not in tolerated
+    all_devices = role_workloads(rendered[name], "device")
+    assert all_devices
+    for devices in all_devices:
+        spec = pod_spec(devices)
+        site = {SITE: pod_labels(devices)[SITE]} if SITE in pod_labels(devices) else {}
+        assert spec["nodeSelector"] == {"estuary.io/role": "device", **site}
+        limits = main_container(devices)["resources"]["limits"]
+        tolerated = {t.get("key") for t in spec.get("tolerations", [])}
+        if name == "gpu":
+            assert str(limits.get(GPU)) == "1", f"gpu overlay: devices limits {limits}"
+            assert GPU in tolerated
+        else:
+            assert GPU not in limits, f"{name}: devices must not request {GPU}"
+            assert GPU not in tolerated
+        env = env_of(main_container(devices))
+        provider = env.get("ESTUARY__DEPLOY__PROVIDER", {}).get("value", "auto")
+        assert provider == {"base": "auto", "cpu": "cpu", "gpu": "cuda", "per-edge": "auto"}[name]
+        if name == "cpu":
+            assert env["CUDA_VISIBLE_DEVICES"]["value"] == ""
+            assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
     for w in workloads(rendered[name]):
-        if w is not devices:
+        if w not in all_devices:
             for c in all_containers(w):
                 assert GPU not in c["resources"].get("limits", {}), w["metadata"]["name"]
-    env = env_of(main_container(devices))
-    provider = env.get("ESTUARY__DEPLOY__PROVIDER", {}).get("value", "auto")
-    assert provider == {"base": "auto", "cpu": "cpu", "gpu": "cuda"}[name]
-    if name == "cpu":
-        assert env["CUDA_VISIBLE_DEVICES"]["value"] == ""
-        assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
 
 
 def test_edges_are_pinned_to_edge_nodes(rendered: dict[str, list[Obj]]) -> None:
@@ -373,16 +380,24 @@ def test_edges_are_pinned_to_edge_nodes(rendered: dict[str, list[Obj]]) -> None:
         assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate"
 
 
-def test_disruption_budgets_cover_broker_cloud_and_edges(rendered: dict[str, list[Obj]]) -> None:
-    objs = rendered["base"]
+@pytest.mark.parametrize("name", RENDERS)
+def test_disruption_budgets_cover_broker_cloud_and_edges(
+    rendered: dict[str, list[Obj]], name: str
+) -> None:
+    """Every broker, cloud and edge pod has exactly one budget: the eviction API refuses to
+    evict a pod that two budgets select, so an overlap would block every drain of its node."""
+    objs = rendered[name]
     pdbs = find(objs, "PodDisruptionBudget")
     for role in ("broker", "cloud", "edge"):
         pods = role_workloads(objs, role)
         assert pods, role
         for w in pods:
-            assert any(selector_matches(p["spec"]["selector"], pod_labels(w)) for p in pdbs), (
-                f"no PodDisruptionBudget covers {w['metadata']['name']}"
-            )
+            covering = [
+                p["metadata"]["name"]
+                for p in pdbs
+                if selector_matches(p["spec"]["selector"], pod_labels(w))
+            ]
+            assert len(covering) == 1, f"{w['metadata']['name']}: budgets {covering}"
 
 
 # --------------------------------------------------------------------------- commands
@@ -452,18 +467,20 @@ def test_edge_commands_and_credentials(rendered: dict[str, list[Obj]]) -> None:
 # --------------------------------------------------------------------------- devices
 
 
-def device_wrapper(objs: list[Obj]) -> tuple[Obj, Obj, str]:
-    devices = one(objs, "DaemonSet", "estuary-device")
+def device_wrapper(objs: list[Obj], name: str = "estuary-device") -> tuple[Obj, Obj, str]:
+    devices = one(objs, "DaemonSet", name)
     c = main_container(devices)
     assert c["command"][:2] == ["sh", "-c"] and len(c["command"]) == 3
     return devices, c, c["command"][2]
 
 
-def run_wrapper(objs: list[Obj], tmp_path: Path, node: str) -> subprocess.CompletedProcess[str]:
-    """Run the device container's shell wrapper with ``sh``: its env from the manifest, the
-    node name as the downward API would set it, the device-id ConfigMap as files, and a fake
-    ``estuary`` that records its arguments and environment."""
-    devices, c, script = device_wrapper(objs)
+def run_wrapper(
+    objs: list[Obj], tmp_path: Path, node: str, name: str = "estuary-device"
+) -> subprocess.CompletedProcess[str]:
+    """Run the shell wrapper of device DaemonSet ``name`` with ``sh``: its env from the
+    manifest, the node name as the downward API would set it, the device-id ConfigMap as
+    files, and a fake ``estuary`` that records its arguments and environment."""
+    devices, c, script = device_wrapper(objs, name)
     # kubelet expands $(NAME) in commands; the wrapper must not rely on (or trip over) that
     assert "$(" not in script
     ids_dir = tmp_path / "device-ids"
@@ -943,3 +960,281 @@ def test_mosquitto_accepts_the_broker_config(
         proc.terminate()
         output = proc.communicate(timeout=10)[0]
     assert "Error" not in output, output
+
+
+# --------------------------------------------------------------------------- per-edge sites
+
+PER_EDGE = "per-edge"
+
+
+def site_of(workload: Obj) -> str:
+    return pod_labels(workload).get(SITE, "")
+
+
+def site_broker(objs: list[Obj], site: str) -> Obj:
+    """The broker StatefulSet of ``site`` (``cloud``: the base's estuary-broker)."""
+    name = "estuary-broker" if site == "cloud" else f"estuary-broker-{site}"
+    broker = one(objs, "StatefulSet", name)
+    assert site_of(broker) == site, f"{name} carries {SITE}={site_of(broker)!r}"
+    return broker
+
+
+def reachable(objs: list[Obj], source: Obj, port: int = MQTT_PORT) -> set[str]:
+    """Names of the workloads in ``objs`` whose pods a pod of ``source`` may open TCP ``port``
+    on: the egress rules that select it (all of them, if none does) intersected with the
+    ingress rules that select the target (NetworkPolicies are allow-lists, unions of rules)."""
+
+    def allows(rules: list[Obj], peer_labels: dict[str, str]) -> bool:
+        for rule in rules:
+            ports = {(p.get("protocol", "TCP"), p.get("port")) for p in rule.get("ports") or []}
+            if ports and ("TCP", port) not in ports:
+                continue
+            peers = rule.get("to", rule.get("from")) or [{"podSelector": {}}]
+            for peer in peers:
+                if "namespaceSelector" in peer or "ipBlock" in peer:
+                    continue  # other namespaces: not an estuary pod
+                if selector_matches(peer["podSelector"], peer_labels):
+                    return True
+        return False
+
+    out_policies = policies_for(objs, pod_labels(source), "Egress")
+    out_rules = [r for p in out_policies for r in p["spec"].get("egress") or []]
+    found = set()
+    for target in workloads(objs):
+        if out_policies and not allows(out_rules, pod_labels(target)):
+            continue
+        in_policies = policies_for(objs, pod_labels(target), "Ingress")
+        in_rules = [r for p in in_policies for r in p["spec"].get("ingress") or []]
+        if in_policies and not allows(in_rules, pod_labels(source)):
+            continue
+        found.add(target["metadata"]["name"])
+    return found
+
+
+def test_per_edge_renders_one_site_per_edge(rendered: dict[str, list[Obj]]) -> None:
+    """A broker, an edge server and a device DaemonSet per configured edge, the cloud broker
+    and the cloud at the cloud site, and no device DaemonSet of the base left over."""
+    objs = rendered[PER_EDGE]
+    cfg = run_config(objs)
+    assert cfg.federation.brokers == "per-edge" and cfg.federation.assignment == "static"
+    sites: dict[str, set[str]] = {}
+    for w in workloads(objs):
+        if component(w) in (*ROLES, "broker"):
+            sites.setdefault(site_of(w), set()).add(f"{component(w)}:{w['metadata']['name']}")
+    assert sites.pop("cloud") == {"broker:estuary-broker", "cloud:estuary-cloud"}
+    assert sorted(sites) == edge_ids(cfg), f"sites {sorted(sites)}"
+    for edge, members in sites.items():
+        assert members == {
+            f"broker:estuary-broker-{edge}",
+            f"edge:estuary-edge-{edge}",
+            f"device:estuary-device-{edge}",
+        }, members
+    assert not find(objs, "DaemonSet", "estuary-device")
+
+
+def test_per_edge_roles_are_told_their_site_broker(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered[PER_EDGE]
+    cloud = main_container(one(objs, "StatefulSet", "estuary-cloud"))
+    assert parse_role_args(cloud["command"][2:])[0].broker == BROKER_ADDR
+    for edge in role_workloads(objs, "edge"):
+        cmd = main_container(edge)["command"]
+        args, rest = parse_role_args(cmd[2:])
+        assert rest[:2] == ["--id", site_of(edge)], f"edge {rest} at site {site_of(edge)}"
+        assert args.broker == f"estuary-broker-{site_of(edge)}:{MQTT_PORT}"
+    # each broker Service routes to its own site's broker pod and no other
+    for service in find(objs, "Service"):
+        name = service["metadata"]["name"]
+        if not name.startswith("estuary-broker"):
+            continue
+        site = "cloud" if name == "estuary-broker" else name.removeprefix("estuary-broker-")
+        selected = [
+            w["metadata"]["name"]
+            for w in workloads(objs)
+            if selector_matches({"matchLabels": service["spec"]["selector"]}, pod_labels(w))
+        ]
+        assert selected == [site_broker(objs, site)["metadata"]["name"]], (name, selected)
+
+
+def test_per_edge_edge_server_runs_next_to_its_broker(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered[PER_EDGE]
+    for edge in role_workloads(objs, "edge"):
+        site = site_of(edge)
+        broker = site_broker(objs, site)
+        for w in (edge, broker):  # the site's edge node pool
+            assert pod_spec(w)["nodeSelector"] == {"estuary.io/role": "edge", SITE: site}
+        (term,) = pod_spec(edge)["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        next_to = [
+            w["metadata"]["name"]
+            for w in workloads(objs)
+            if selector_matches(term["labelSelector"], pod_labels(w))
+        ]
+        assert next_to == [broker["metadata"]["name"]], next_to
+
+
+def test_per_edge_sites_are_closed_by_network_policy(rendered: dict[str, list[Obj]]) -> None:
+    """Who may open the MQTT port of whom: an edge and its site's devices only their site's
+    broker; the cloud only the cloud broker; a site broker (its bridge) only the cloud
+    broker; and nothing else reaches a broker."""
+    objs = rendered[PER_EDGE]
+    brokers = {w["metadata"]["name"] for w in role_workloads(objs, "broker")}
+    for w in workloads(objs):
+        if component(w) not in (*ROLES, "broker"):
+            continue
+        site = site_of(w)
+        if component(w) == "broker":
+            want = set() if site == "cloud" else {"estuary-broker"}
+        else:
+            want = {site_broker(objs, site)["metadata"]["name"]}
+        got = reachable(objs, w) & brokers
+        assert got == want, f"{w['metadata']['name']} reaches {sorted(got)}, not {sorted(want)}"
+    prometheus = one(objs, "Deployment", "estuary-prometheus")
+    assert not reachable(objs, prometheus) & brokers
+
+
+def test_per_edge_network_check_can_fail(rendered: dict[str, list[Obj]]) -> None:
+    objs = yaml.safe_load(yaml.safe_dump(rendered[PER_EDGE]))
+    device = one(objs, "DaemonSet", "estuary-device-edge0")
+    assert reachable(objs, device) & {"estuary-broker", "estuary-broker-edge1"} == set()
+    # the base's rule (every role to every broker) would open the other sites to it
+    egress = one(objs, "NetworkPolicy", "estuary-site-edge0-egress")
+    del egress["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"][SITE]
+    assert "estuary-broker-edge1" not in reachable(objs, device)  # its ingress still refuses
+    ingress = one(objs, "NetworkPolicy", "estuary-broker-edge1-ingress")
+    del ingress["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"][SITE]
+    assert "estuary-broker-edge1" in reachable(objs, device)
+
+
+def conf_lines(conf: str) -> list[str]:
+    """A mosquitto.conf's settings in order, comments and blank lines skipped."""
+    return [ln.strip() for ln in conf.splitlines() if ln.strip() and ln[0] != "#"]
+
+
+def test_per_edge_site_broker_config_and_secret(rendered: dict[str, list[Obj]]) -> None:
+    """Every site broker runs the overlay's mosquitto.conf: the settings of the cloud broker's
+    and, last, the bridge stanza of its Secret (`estuary provision`'s
+    DIR/sites/<edge>/mosquitto/bridge.conf) loaded from /mosquitto/bridge."""
+    objs = rendered[PER_EDGE]
+    _, cloud_conf = broker_conf(objs)
+    for edge in edge_ids(run_config(objs)):
+        broker = site_broker(objs, edge)
+        conf = configmap_data(objs, broker, "config")["mosquitto.conf"]
+        settings, cloud_settings = conf_lines(conf), conf_lines(cloud_conf)
+        assert settings[-1] == "include_dir /mosquitto/bridge", settings[-1]
+        assert settings[:-1] == cloud_settings, "site and cloud brokers differ beyond the bridge"
+        c = main_container(broker)
+        assert c["command"] == ["mosquitto", "-c", "/mosquitto/config/mosquitto.conf"]
+        secret = f"estuary-broker-{edge}-auth"
+        for path, key in (
+            ("/mosquitto/auth/passwd", "passwd"),
+            ("/mosquitto/auth/acl", "acl"),
+            ("/mosquitto/bridge/bridge.conf", "bridge.conf"),
+        ):
+            assert mounted_secret_file(broker, c, path) == (secret, key)
+        # the bridge directory holds the stanza and nothing else (include_dir loads every .conf)
+        vols = {v["name"]: v for v in pod_spec(broker)["volumes"]}
+        bridge_mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/mosquitto/bridge")
+        items = vols[bridge_mount["name"]]["secret"]["items"]
+        assert items == [{"key": "bridge.conf", "path": "bridge.conf"}]
+        assert vols[bridge_mount["name"]]["secret"]["defaultMode"] == 0o440
+
+
+def test_per_edge_device_wrappers_follow_the_static_assignment(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """A site's device agent on a node whose device the static assignment puts at that site
+    runs against the site's broker; on a node of another site's device it refuses to start."""
+    objs = rendered[PER_EDGE]
+    cfg = run_config(objs)
+    edges = edge_ids(cfg)
+    for devices in role_workloads(objs, "device"):
+        name, site = devices["metadata"]["name"], site_of(devices)
+        env = env_of(main_container(devices))
+        assert env["ESTUARY_SITE"]["value"] == site
+        assert int(env["ESTUARY_NUM_EDGES"]["value"]) == cfg.federation.num_edges
+        ids = configmap_data(objs, devices, "device-ids")
+        for node, device in sorted(ids.items()):
+            run_dir = tmp_path / f"{name}-{node}"
+            run_dir.mkdir()
+            proc = run_wrapper(objs, run_dir, node, name)
+            home = edges[device_index(device, cfg) % len(edges)]
+            if home == site:
+                assert proc.returncode == 0, proc.stderr
+                argv = (run_dir / "record.args").read_text(encoding="utf-8").splitlines()
+                args, rest = parse_role_args(argv[1:])
+                assert args.broker == f"estuary-broker-{site}:{MQTT_PORT}"
+                assert rest[:2] == ["--id", device]
+                seen = dict(
+                    line.split("=", 1)
+                    for line in (run_dir / "record.env").read_text(encoding="utf-8").splitlines()
+                    if "=" in line
+                )
+                password = seen["ESTUARY__BROKER__PASSWORD_FILE"]
+                c = main_container(devices)
+                # a site's Secret holds its own devices' passwords, no other site's
+                got = mounted_secret_file(devices, c, password)
+                assert got == (f"estuary-devices-{site}", f"{device}.password")
+            else:
+                assert proc.returncode == 64, (node, device, site, proc.stderr)
+                assert f"{device} trains at {home}" in proc.stderr
+                assert not (run_dir / "record.args").exists()
+
+
+def test_per_edge_site_broker_runs_the_provisioned_bridge(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """The overlay's cloud and site broker configs on real Mosquitto, with the files of
+    `estuary provision --cloud-broker` placed as the Secrets mount them (paths and ports moved
+    here): the site's bridge comes up, the edge's aggregate crosses to the cloud broker and
+    the device's update does not."""
+    from estuary.provision import provision
+    from shared.wire.messages import Topics
+    from tests.mosquitto_sites import local_conf, mosquitto, wait_bridge_up
+    from tests.mqtt_probe import close, inbox, login, received
+
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto missing: apt-get install mosquitto")
+    objs = rendered[PER_EDGE]
+    cfg = run_config(objs)
+    cloud_port, site_port = free_port(), free_port()
+    prov = tmp_path / "provision"
+    provision(cfg, prov, broker_user=None, cloud_broker=f"127.0.0.1:{cloud_port}")
+    site_files = prov / "sites" / "edge0" / "mosquitto"
+    dirs = {name: tmp_path / name for name in ("cloud-data", "site-data", "site-auth", "bridge")}
+    for d in dirs.values():
+        d.mkdir()
+    # what Secret estuary-broker-edge0-auth's items put in /mosquitto/auth and /mosquitto/bridge
+    for name, where in (("passwd", "site-auth"), ("acl", "site-auth"), ("bridge.conf", "bridge")):
+        shutil.copy(site_files / name, dirs[where] / name)
+    confs = {}
+    for site, port, moves in (
+        ("cloud", cloud_port, {"/mosquitto/auth/": prov / "mosquitto",
+                               "/mosquitto/data/": dirs["cloud-data"]}),
+        ("edge0", site_port, {"/mosquitto/auth/": dirs["site-auth"],
+                              "/mosquitto/data/": dirs["site-data"]}),
+    ):  # fmt: skip
+        conf = configmap_data(objs, site_broker(objs, site), "config")["mosquitto.conf"]
+        conf = conf.replace("include_dir /mosquitto/bridge\n", f"include_dir {dirs['bridge']}\n")
+        confs[site] = tmp_path / f"{site}.conf"
+        confs[site].write_text(local_conf(conf, port, moves), encoding="utf-8")
+    t = Topics(cfg.run.name)
+    creds = prov / "credentials"
+    pw = {u: (creds / f"{u}.password").read_text() for u in ("cloud", "edge0", "dev000")}
+    cloud_broker = mosquitto(binary, confs["cloud"], cloud_port)
+    with cloud_broker, mosquitto(binary, confs["edge0"], site_port):
+        wait_bridge_up(cfg, prov, "edge0", site_port)
+        cloud = login("127.0.0.1", cloud_port, "cloud", pw["cloud"])
+        edge = login("127.0.0.1", site_port, "edge0", pw["edge0"])
+        device = login("127.0.0.1", site_port, "dev000", pw["dev000"])
+        try:
+            at_cloud = inbox(cloud, f"{t.base}/#")
+            at_edge = inbox(edge, t.all_device_up)
+            device.publish(t.device_up("dev000"), b"update", qos=1).wait_for_publish(5)
+            edge.publish(t.edge_up("edge0"), b"aggregate", qos=1).wait_for_publish(5)
+            assert received(at_edge, 1.0) == {t.device_up("dev000")}
+            assert received(at_cloud, 1.5) == {t.edge_up("edge0")}
+        finally:
+            close(cloud, edge, device)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cloud import CloudServer
-from estuary.provision import acl_text
+from estuary.acl import acl_text
 from estuary.status import observer_topics
 from shared.config import BrokerSection, RunConfig
 from shared.errors import TransportError

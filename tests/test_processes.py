@@ -107,6 +107,7 @@ def _finish(hier: Hierarchy, timeout_s: float = 150) -> dict[str, Any]:
     return dict(json.loads((hier.run_dir / "summary.json").read_text()))
 
 
+@pytest.mark.slow
 def test_a_sigkilled_cloud_resumes_to_the_uninterrupted_model_for_fedavg_and_prism(
     tmp_path: Path,
     launch: Launch,

@@ -24,7 +24,8 @@ MODEL_BYTES = len(encode_tensors(build_unet("fmnist-tiny").state_dict()))
 
 @needs_fmnist
 def test_smoke_fmnist_tiny(tmp_path: Path) -> None:
-    """2 edges x 4 devices x 3 rounds on Fashion-MNIST: loss falls, bytes add up, seeded."""
+    """2 edges x 4 devices x 3 rounds on Fashion-MNIST: loss falls, bytes add up, another
+    seed another model."""
     cfg = tiny_config(
         data={"dataset": "fashion-mnist", "max_samples_per_device": 64},
         train={"local_steps": 3, "batch_size": 16, "lr": 2e-3},
@@ -54,8 +55,7 @@ def test_smoke_fmnist_tiny(tmp_path: Path) -> None:
     assert ckpt.model_sha256 == a.final_model_sha256
     assert ckpt.config == cfg
 
-    b = simulate(cfg, tmp_path / "b", progress=False)
-    assert b.final_model_sha256 == a.final_model_sha256
+    # the same seed again gives the same model: tests/test_resume.py (--fresh reruns)
     c = simulate(tiny_config(**{**{"run": {"seed": 1}}}), tmp_path / "c", progress=False)
     assert c.final_model_sha256 != a.final_model_sha256
 

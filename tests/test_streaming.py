@@ -282,3 +282,36 @@ def test_the_allocator_is_tuned_on_glibc() -> None:
         pytest.skip("glibc only")
     assert tune_allocator()
     release_memory()
+
+
+@pytest.mark.parametrize("weight", [1.0, 3.0, 700.0, 0.3, 1e-7, 12345.678])
+def test_a_sum_of_one_state_allocates_no_buffers_and_gives_the_state(weight: float) -> None:
+    """A sum of one state holds no float64 buffers (a cloud with one edge, an edge with one
+    device), and its mean is bit for bit the mean the buffers give."""
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(1000, generator=g) * 1e3, "b": torch.randn(7, generator=g) * 1e-30,
+             "steps": torch.tensor(4)}  # fmt: skip
+    one = WeightedSum()
+    one.add(state, weight, key="a")
+    assert one._flat is None  # nothing allocated for one state
+    mean = one.mean()
+    via_buffers = WeightedSum()
+    via_buffers.add(state, weight, key="a")
+    via_buffers._materialize()
+    assert via_buffers._flat is not None
+    expected = via_buffers.mean()
+    for k in state:
+        assert mean[k].dtype == expected[k].dtype
+        assert mean[k].numpy().tobytes() == expected[k].numpy().tobytes()
+    assert mean["w"].data_ptr() != state["w"].data_ptr()  # a copy, not the caller's tensor
+
+
+def test_the_deferred_first_state_folds_as_before_when_a_second_comes() -> None:
+    states, n = _states(3), [5.0, 11.0, 2.0]
+    deferred, eager = WeightedSum(), WeightedSum()
+    for i, s in enumerate(states):
+        deferred.add(s, n[i], key=str(i))
+        eager.add(s, n[i], key=str(i))
+        eager._materialize()
+    for k, v in deferred.mean().items():
+        assert v.numpy().tobytes() == eager.mean()[k].numpy().tobytes()

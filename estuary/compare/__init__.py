@@ -53,9 +53,13 @@ A finished method leaves ``<slug>/method.json`` (its rows, traffic, plan and tim
 the config digest and the content hash of the ``model.init`` file). Running the same
 comparison into the same directory again reuses every method whose record matches and runs
 the rest, so a long comparison that was interrupted (or split over several time-limited
-sessions) picks up where it stopped; ``fresh=True`` (``--fresh``) runs everything again. A
-record that does not parse or belongs to another config is ignored with the reason printed,
-and that method runs.
+sessions) picks up where it stopped. A federated method that was interrupted part-way goes on
+after its latest checkpoint, with its devices' kept state (:mod:`estuary.resume`), and ends on
+the same model as an uninterrupted run; one whose checkpoints are of another config starts
+over, said once; a centralized ceiling (checkpointed only at its end) starts over.
+``fresh=True`` (``--fresh``) runs everything again from the first round. A record that does
+not parse or belongs to another config is ignored with the reason printed, and that method
+runs.
 
 ``only`` (``--only LABEL``, repeatable) runs just those methods; the others are reused where
 they have a record, and the tables and plots are written once every method has one (until

@@ -40,10 +40,12 @@ def run_jobs(
     *,
     evaluate: bool,
     progress: bool,
+    fresh: bool = False,
 ) -> dict[str, MethodRun]:
     """Run ``todo`` in up to ``jobs`` child processes (``estuary compare --only LABEL``) and
     read back their records; every child is stopped if this one is interrupted (Ctrl-C, or
-    SIGTERM, which unwinds the same way)."""
+    SIGTERM, which unwinds the same way). A child resumes its method after the latest
+    checkpoint in its run directory unless ``fresh``."""
     if spec.source is None:
         raise ConfigError(
             f"comparison {spec.name!r} was not read from a file (load_compare), and each job "
@@ -66,7 +68,8 @@ def run_jobs(
                     log_path = out / m.slug / "compare.log"
                     log_path.parent.mkdir(parents=True, exist_ok=True)
                     cmd = [sys.executable, "-m", "estuary", "compare", str(spec.source),
-                           "--out", str(out), "--only", m.label, "--fresh", "--no-table",
+                           "--out", str(out), "--only", m.label, "--no-table",
+                           *(("--fresh",) if fresh else ()),
                            *(() if evaluate else ("--no-eval",))]  # fmt: skip
                     with log_path.open("wb") as log_file:
                         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,

@@ -245,11 +245,18 @@ def run_method(
     progress: bool,
     sizes: list[int] | None = None,
     init: str | None = None,
+    fresh: bool = False,
 ) -> MethodRun:
     """Simulate (or train centrally) one method into ``out / m.slug``, and record it there
     (``method.json``) once it has finished. ``sizes`` (the devices' sample counts, shared
     by every method of a comparison) saves splitting the data again to count steps; ``init``
-    is the :func:`~shared.models.init.init_fingerprint` taken before the run (default: now)."""
+    is the :func:`~shared.models.init.init_fingerprint` taken before the run (default: now).
+
+    A federated method interrupted before (its run directory holds checkpoints of this
+    config) goes on after its latest checkpoint unless ``fresh``
+    (:func:`~estuary.simulate.simulate`); one whose checkpoints are of another config starts
+    over, said once. A centralized ceiling checkpoints only at its end, so it starts over."""
+    from estuary.resume import ResumeRefused
     from estuary.simulate import simulate
 
     init = init or fingerprint(m)
@@ -262,10 +269,16 @@ def run_method(
         )
         run = MethodRun(m, run_dir, rows, {}, plan, time.perf_counter() - t0, steps, final=final)
     else:
-        res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate)
+        try:
+            res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate, fresh=fresh)
+        except ResumeRefused as err:
+            if progress:
+                print(f"{m.label}: not resuming ({err}); starting over")
+            res = simulate(m.cfg, run_dir, progress=progress, evaluate=evaluate, fresh=True)
         steps = steps_per_round(m.cfg, sizes or device_sizes(m.cfg))
-        run = MethodRun(m, run_dir, res.rows, res.traffic, res.plan, time.perf_counter() - t0,
-                        steps, final=res.final)  # fmt: skip
+        wall_s = res.earlier_wall_s + time.perf_counter() - t0
+        run = MethodRun(m, run_dir, res.rows, res.traffic, res.plan, wall_s, steps,
+                        final=res.final)  # fmt: skip
     run.threads = torch.get_num_threads()  # as the run set them (train.threads)
     run.deterministic = torch.are_deterministic_algorithms_enabled()
     save_record(run, evaluate=evaluate, init=init)
@@ -283,8 +296,9 @@ def run_compare(
     jobs: int = 1,
     tables: bool = True,
 ) -> CompareResult:
-    """Run every method (reusing those already finished in ``out`` unless ``fresh``), then
-    write the tables and the plots (``tables``) once every method has a record.
+    """Run every method (reusing those already finished in ``out`` and resuming those
+    interrupted after their latest checkpoint, unless ``fresh``), then write the tables and
+    the plots (``tables``) once every method has a record.
 
     ``only``: labels of the methods to run (the rest only reused); ``jobs``: how many run at
     once, each in its own process (see :mod:`estuary.compare`). Raises
@@ -334,7 +348,8 @@ def run_compare(
         if not only or m.label in only:
             todo.append((i, m, init))
     if jobs > 1 and len(todo) > 1:
-        done.update(run_jobs(spec, out, todo, jobs, evaluate=evaluate, progress=progress))
+        done.update(run_jobs(spec, out, todo, jobs, evaluate=evaluate, progress=progress,
+                             fresh=fresh))  # fmt: skip
     else:
         sizes: list[int] | None = None  # the split is the same for every method: count it once
         for i, m, init in todo:
@@ -343,7 +358,8 @@ def run_compare(
                 print(f"[{i}/{n}] {m.label} ({kind}, {m.cfg.run.rounds} rounds)")
             if sizes is None and not m.centralized:
                 sizes = device_sizes(m.cfg)
-            run = run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes, init=init)
+            run = run_method(m, out, evaluate=evaluate, progress=progress, sizes=sizes,
+                             init=init, fresh=fresh)  # fmt: skip
             done[m.label] = run
             if progress:
                 print(f"[{i}/{n}] {m.label} done in {run.wall_s:.1f} s")

@@ -68,6 +68,7 @@ __all__ = [  # the sections live in shared.config.sections and shared.config.dep
     "KIND_PLURALS",
     "ONESHOT_PRESETS",
     "PER_PROCESS_KEYS",
+    "TOPOLOGY_KEYS",
     "AlgorithmSection",
     "AutoBytes",
     "BrokerSection",
@@ -107,6 +108,9 @@ PER_PROCESS_KEYS = (
     ("data", "local_dir"),
     ("eval", "reference_dir"),
 )
+#: settings of the experiment's sections that say where the roles connect, not what they
+#: compute: left out of the digest (a run keeps its digest whichever broker layout carries it)
+TOPOLOGY_KEYS = (("federation", "brokers"),)
 #: the config format this code writes (:mod:`shared.config.legacy` reads format 1)
 FORMAT: Literal[2] = 2
 
@@ -229,6 +233,8 @@ class RunConfig(Section):
         # per-process keys count at their defaults, whatever this process set
         for section, key in PER_PROCESS_KEYS:
             data[section] = {**data[section], key: _default(self, section, key)}
+        for section, key in TOPOLOGY_KEYS:
+            data[section] = {k: v for k, v in data[section].items() if k != key}
         if self.format == 1:
             return legacy.legacy_digest(self, data)
         name = self.algorithm.name

@@ -46,6 +46,13 @@ class FederationSection(Section):
         description="static: devices train at their home edge; select: each device picks "
         "an edge per round by FedPhD eq. 25; random: each device picks one uniformly",
     )
+    brokers: Literal["one", "per-edge"] = Field(
+        "one",
+        description="one: every role talks through one broker; per-edge: each edge site "
+        "(an edge and its devices) has its own broker, bridged to the cloud's "
+        "(shared.federation.topology; needs assignment = 'static'). Where the roles connect, "
+        "not what they compute: not part of the config digest",
+    )
     #: statistical homogeneity (FedPhD eqs. 18-25): edge selection's (eq. 25) and FedPhD's
     #: weights (eqs. 22, 24) ``ReLU(n + a mu + b)``, ``mu = 2 - ||q - q_u||_2``
     sh_a: float = Field(15_000.0, ge=0.0, description="weight of the SH score against counts")
@@ -64,6 +71,12 @@ class FederationSection(Section):
                 f"cloud_every (r_g={self.cloud_every}) must be a multiple of "
                 f"edge_every (r_e={self.edge_every}) so edges hold a fresh aggregate "
                 "whenever the cloud aggregates"
+            )
+        if self.brokers == "per-edge" and self.assignment != "static":
+            raise ValueError(
+                f"federation.brokers = 'per-edge' needs federation.assignment = 'static' (got "
+                f"{self.assignment!r}): a device talks to its own site's broker only, so it "
+                "cannot train with another site's edge"
             )
         if self.num_edges > self.num_devices:
             raise ValueError(

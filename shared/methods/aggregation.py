@@ -89,15 +89,23 @@ class WeightedSum:
         self._shapes: dict[str, tuple[int, ...]] = {}
         #: the two buffers every summed tensor's hi and lo are views of, in ``_shapes`` order
         self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the first state's summed tensors and weight, until a second state comes
+        self._pending: tuple[dict[str, torch.Tensor], float] | None = None
         self.total = 0.0
         self.count = 0
 
     def add(self, state: Mapping[str, torch.Tensor], weight: float, key: str = "") -> None:
-        """Fold ``weight * state`` into the sum; every state must have the same names."""
+        """Fold ``weight * state`` into the sum; every state must have the same names.
+
+        The first state is only referenced until a second one comes (a sum of one state
+        needs no buffers: its mean is the state): its tensors must not change until then."""
         if not math.isfinite(weight) or weight < 0:
             raise EstuaryError(f"aggregation weight {weight} is not a finite number >= 0")
         if self.count and set(state) != set(self._dtypes):
             raise EstuaryError("states to average have different tensor names")
+        if self.count == 1 and self._pending is not None:
+            self._materialize()
+        summed: dict[str, torch.Tensor] = {}
         for k, t in state.items():
             if not t.is_floating_point():
                 held = self._fixed.get(k)
@@ -107,19 +115,28 @@ class WeightedSum:
                 continue
             if not self.count:
                 self._dtypes[k], self._shapes[k] = t.dtype, tuple(t.shape)
+                summed[k] = t.detach()
                 continue
             if tuple(t.shape) != self._shapes.get(k):
                 raise EstuaryError(
                     f"tensor {k!r}: shape {list(t.shape)}, expected {list(self._shapes[k])}"
                 )
             _two_sum_into(self._hi[k], self._lo[k], t.detach().reshape(-1), weight)
-        if not self.count:  # the first state: the buffers, holding weight * state
-            self._allocate()
-            for k, t in state.items():
-                if k in self._shapes:
-                    self._hi[k].copy_(t.detach().reshape(-1)).mul_(weight)
+        if not self.count:
+            self._pending = (summed, weight)
         self.total += weight
         self.count += 1
+
+    def _materialize(self) -> None:
+        """The buffers, holding the first state times its weight (the referenced state is
+        dropped)."""
+        if self._pending is None:
+            return
+        first, weight = self._pending
+        self._allocate()
+        for k, t in first.items():
+            self._hi[k].copy_(t.reshape(-1)).mul_(weight)
+        self._pending = None
 
     def _allocate(self) -> None:
         """One float64 and one float32 buffer for every summed tensor, as flat views."""
@@ -143,6 +160,7 @@ class WeightedSum:
 
     def sum(self) -> TensorDict:
         """``sum_k w_k * state_k`` in float64 (non-float tensors as taken)."""
+        self._materialize()
         return {
             k: self._fixed[k][1] if k in self._fixed
             else (self._hi[k] + self._lo[k].double()).view(self._shapes[k])
@@ -157,6 +175,18 @@ class WeightedSum:
             raise EstuaryError("aggregation weights sum to zero")
         out: TensorDict = {k: held for k, (_, held) in self._fixed.items()}
         dtypes = {self._dtypes[k] for k in self._shapes}
+        if self._pending is not None and len(dtypes) == 1 and next(iter(dtypes)) in _NARROW:
+            # one state: its copy. (w * x) / w in float64 is within 2**-52 of x, which
+            # rounds back to x in x's float32 (or narrower): the mean the buffers give
+            first = self._pending[0]
+            flat = torch.empty(sum(math.prod(s) for s in self._shapes.values()), dtype=dtypes.pop())
+            at = 0
+            for k, shape in self._shapes.items():
+                size = math.prod(shape)
+                out[k] = flat[at : at + size].copy_(first[k].reshape(-1)).view(shape)
+                at += size
+            return {k: out[k] for k in self._dtypes}
+        self._materialize()
         if len(dtypes) == 1 and self._flat is not None:  # the usual case: one flat result
             flat = self._mean_into(*self._flat, dtypes.pop())
             at = 0
@@ -176,7 +206,7 @@ class WeightedSum:
         if self._flat is not None:
             with _SPARE_LOCK:
                 _SPARE[:] = [self._flat]
-        self._flat, self._hi, self._lo = None, {}, {}
+        self._flat, self._hi, self._lo, self._pending = None, {}, {}, None
         self._shapes, self._dtypes, self._fixed = {}, {}, {}
         self.total, self.count = 0.0, 0
 
@@ -192,6 +222,9 @@ class WeightedSum:
             out[i : i + n].copy_(part.div_(self.total))
         return out
 
+
+#: dtypes whose values a float64 ``(w * x) / w`` rounds back to exactly
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
 
 #: the buffers of the last :meth:`WeightedSum.recycle`d sum (one pair at most)
 _SPARE: list[tuple[torch.Tensor, torch.Tensor]] = []

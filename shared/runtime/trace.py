@@ -4,8 +4,10 @@ time goes (``benchmarks/round_phases.py`` reads them).
 Off unless the environment names a directory: with ``ESTUARY_TRACE_DIR=DIR`` every role
 process appends to ``DIR/<name>.jsonl`` one line per event, ``{"t": <unix time>, "who":
 <name>, "ev": <event>, "round": <0-based round or null>, ...}``. Wall-clock times, so the
-lines of roles on one machine line up. A file stops growing at :data:`MAX_TRACE_BYTES`
-(said once in the log); a file that cannot be written turns tracing off for the process.
+lines of roles on one machine line up; each line also carries the process's resident memory
+then (``rss_mib``, from ``/proc/self/statm``; absent where that cannot be read). A file
+stops growing at :data:`MAX_TRACE_BYTES` (said once in the log); a file that cannot be
+written turns tracing off for the process.
 
 Events (``round`` is the federated round they belong to):
 
@@ -38,6 +40,18 @@ MAX_TRACE_BYTES = 32 * 2**20
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
+_PAGE_MIB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 0.0
+
+
+def _rss_mib() -> float | None:
+    """This process's resident memory in MiB (None where ``/proc`` cannot tell)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return round(int(fh.read().split()[1]) * _PAGE_MIB, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Trace:
     """Appends one role's events to its trace file; does nothing when tracing is off."""
 
@@ -64,10 +78,11 @@ class Trace:
         """Record event ``ev`` of round ``round_`` now, with ``fields`` (JSON values)."""
         if self.path is None:
             return
-        line = json.dumps(
-            {"t": round(time.time(), 6), "who": self.name, "ev": ev, "round": round_, **fields},
-            separators=(",", ":"),
-        )
+        record = {"t": round(time.time(), 6), "who": self.name, "ev": ev, "round": round_}
+        rss = _rss_mib()
+        if rss is not None:
+            record["rss_mib"] = rss
+        line = json.dumps({**record, **fields}, separators=(",", ":"))
         with self._lock:
             if self.path is None:
                 return

@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -218,6 +218,8 @@ class LocalBroker:
             (:func:`secured_packet_bytes`), as ``estuary provision``'s broker does. An open
             broker admits anyone anyway and keeps the 64 MiB chunk's limit.
         memory_bytes: the broker's heap limit (mosquitto ``memory_limit``).
+        extra_conf: mosquitto.conf lines appended to the config (a bridge stanza to another
+            broker: :func:`estuary.provision.bridge_conf`); mosquitto only.
 
     Use as a context manager (``with LocalBroker() as broker:``) to start and stop it.
 
@@ -238,6 +240,7 @@ class LocalBroker:
         bind_client_ids: bool = True,
         chunk_bytes: int = 1 << 20,
         memory_bytes: int = DEFAULT_BROKER_MEMORY_BYTES,
+        extra_conf: Sequence[str] = (),
     ) -> None:
         if kind not in BROKER_KINDS:
             raise ConfigError(f"broker kind {kind!r} is unknown; use one of {BROKER_KINDS}")
@@ -254,12 +257,17 @@ class LocalBroker:
             raise ConfigError(f"broker chunk_bytes {chunk_bytes} is out of range (4 KiB-64 MiB)")
         if memory_bytes < 64 << 20:
             raise ConfigError(f"broker memory_bytes {memory_bytes} is below 64 MiB")
+        if any(c in line for line in extra_conf for c in "\r\n"):
+            raise ConfigError("broker extra_conf holds a line break inside a line; pass one "
+                              "config line per item")  # fmt: skip
+        self._extra_conf = list(extra_conf)
         self._chunk_bytes, self._memory_bytes = chunk_bytes, memory_bytes
         self._mosquitto_bin = find_mosquitto()
         self._kind = self._resolve_kind(kind)
-        if self._kind == "amqtt" and (persistence or password_file or acl_file):
+        if self._kind == "amqtt" and (persistence or password_file or acl_file or extra_conf):
             raise ConfigError(
-                "persistence, password_file and acl_file need mosquitto, but the broker kind is "
+                "persistence, password_file, acl_file and extra_conf (a bridge) need mosquitto, "
+                "but the broker kind is "
                 "amqtt; install mosquitto (apt-get install mosquitto) or drop those options"
             )
         self._host = host
@@ -480,7 +488,21 @@ class LocalBroker:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             # As root mosquitto drops to user "mosquitto", which cannot write our workdir.
             lines.append("user root")
+        lines += self._extra_conf  # a bridge stanza: after every global option
         return "\n".join(lines) + "\n"
+
+    @property
+    def extra_conf(self) -> list[str]:
+        """The config lines appended to the generated config (a bridge stanza)."""
+        return list(self._extra_conf)
+
+    @extra_conf.setter
+    def extra_conf(self, lines: Sequence[str]) -> None:
+        """Replace the appended lines; they apply from the next :meth:`start` or
+        :meth:`restart` (a site broker restarted without its bridge, and with it again)."""
+        if self._kind != "mosquitto" and lines:
+            raise ConfigError("extra_conf (a bridge) needs mosquitto")
+        self._extra_conf = list(lines)
 
     def _log_tail(self) -> str:
         if self._workdir is None:
