@@ -31,7 +31,7 @@ from shared.transport.telemetry import Traffic
 from shared.wire.codec import write_asset
 from tests.conftest import needs_fmnist, tiny_config
 
-SHOES = [5, 7, 9]  # the demo devices' classes
+SHOES = [5, 7, 9]  # sandal, sneaker, ankle boot
 
 
 def test_class_shares_count_the_argmax_of_each_sample() -> None:
@@ -63,9 +63,9 @@ def test_the_demo_starts_from_the_clothes_and_its_devices_hold_the_rest() -> Non
     recipe = json.loads(DEMO_START.with_suffix(".json").read_text())
     assert recipe["sha256"] == SHIPPED_STARTS[DEMO_START.name]
     assert recipe["held_out_classes"] == [5, 7, 8, 9]  # the start saw no shoe and no bag
-    assert sorted({c for g in DEMO_GROUPS for c in g}) == SHOES
-    assert new_classes(cfg) == SHOES  # the measure: classes the start lacks, devices hold
-    assert cfg.data.dominant_uniform_fraction == 0.0  # nothing from the start's classes
+    assert sorted({c for g in DEMO_GROUPS for c in g}) == [5, 7, 8, 9]  # dominant: new ones
+    assert new_classes(cfg) == [5, 7, 8, 9]  # the measure: classes the start lacks, devices hold
+    assert cfg.data.dominant_uniform_fraction == 0.5  # and half from all ten (clothes too)
     state = load_init_state("fmnist-tiny", cfg.model.init)  # the recorded hash matches
     assert state is not None
 

@@ -6,8 +6,8 @@ classes; :func:`class_shares` is the share of samples per class. A run that star
 generator pretrained on some classes only (its ``.json`` sidecar lists the
 ``held_out_classes``, e.g. ``shared/assets/fmnist_tiny_clothes.json``) while its devices hold
 some of the others is judged by :func:`new_class_share`: the share of samples in the
-classes the start never saw and the devices hold (:func:`new_classes`). The classifier calls
-a misshapen garment a bag, so the demo's devices hold shoes only and bags are not counted.
+classes the start never saw and the devices hold (:func:`new_classes`). The classifier also
+calls a misshapen garment a bag, so :func:`class_shares` per class sits beside the sum.
 The cloud scores the starting model before the first round
 (:meth:`shared.evaluation.recorder.RunRecorder.evaluate_start`), so a run's first and last
 figures (:func:`story_figures`) tell what the devices' data added.

@@ -39,7 +39,7 @@ SHIPPED_STARTS: dict[str, str] = {
     # fmnist-tiny on the clothes only (the demo's start; scripts/pretrain_generator.py
     # --classes 0,1,2,3,4,6, recipe in fmnist_tiny_clothes.json)
     "fmnist_tiny_clothes.safetensors": (
-        "7fb8fd2a560f36d2a0897cf0bc9458c79cf0d2f9ae03fd738ef755e8147a7d93"
+        "6654e31523d1bd0848f278f9babd359552018db2883039d5f2cc16f9f4237650"
     ),
 }
 #: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
