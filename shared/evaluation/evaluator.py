@@ -29,7 +29,7 @@ from shared.data.datasets import from_model_output, load_dataset, load_image_fol
 from shared.diffusion.schedule import ddim_sample
 from shared.diffusion.training import placed
 from shared.errors import ConfigError, DataError
-from shared.evaluation import quality
+from shared.evaluation import quality, story
 from shared.evaluation.report import save_grid
 from shared.methods.registry import make_algorithm
 from shared.models.classifier import refuse_classifier
@@ -187,13 +187,23 @@ class Evaluator:
         self.cfg = cfg
         self.device = device if device is not None else torch.device("cpu")
         self.reference = quality.reference_stats(reference_images(cfg))
+        #: the classes the starting generator never saw (its recipe's), or None
+        self.new_classes = story.new_classes(cfg)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Quality metrics of ``eval.num_samples`` samples from ``model`` (on :attr:`device`)."""
-        fake = sample_images(
+        """Quality metrics of ``eval.num_samples`` samples from ``model`` (on :attr:`device`),
+        with ``class_shares`` (the share of samples the feature extractor assigns to each
+        class) and, when the run starts from a generator that never saw some classes,
+        ``new_classes`` and ``new_class_share`` (the share of samples in them)."""
+        fake = quality.one_channel(sample_images(
             self.cfg, model, self.cfg.eval.num_samples, steps=self.cfg.eval.sample_steps,
             salt=2, device=self.device,
-        )  # fmt: skip
-        out = dict(quality.evaluate(quality.one_channel(fake), self.reference))
+        ))  # fmt: skip
+        out: dict[str, Any] = dict(quality.evaluate(fake, self.reference))
         out["sample_steps"] = 1 if is_oneshot(model) else self.cfg.eval.sample_steps
+        shares = story.class_shares(quality.extract(fake)[1])
+        out["class_shares"] = [round(s, 4) for s in shares]
+        if self.new_classes is not None:
+            out["new_classes"] = self.new_classes
+            out["new_class_share"] = round(story.new_class_share(shares, self.new_classes), 4)
         return out

@@ -78,6 +78,9 @@ class RunRecorder:
         if self.classifier:
             self.evaluator = None
         self.bar: tqdm[Any] | None = None
+        #: the starting model's grid and quality (:meth:`evaluate_start`), recorded as
+        #: ``start`` in the first round's row
+        self.start: dict[str, Any] | None = None
         self.metrics_path = run_dir / "metrics.jsonl"
         if resume_after is not None and self.metrics_path.is_file():
             # a restarted cloud keeps the rows up to its checkpoint and redoes the rest
@@ -120,6 +123,8 @@ class RunRecorder:
                 "train_s": round(s.train_seconds, 4),
             },
         }
+        if self.start is not None and not self.rows:
+            row["start"], self.start = self.start, None
         accuracies = getattr(s, "accuracy", None)
         if accuracies:
             row["accuracy"] = accuracy_figures(accuracies)
@@ -132,6 +137,29 @@ class RunRecorder:
             self.bar.update(1)
             if s.mean_loss is not None:
                 self.bar.set_postfix(loss=f"{s.mean_loss:.4f}", refresh=False)
+
+    def evaluate_start(self) -> None:
+        """Score the first global model before any round: its sample grid
+        (``samples/round_000000.png``) and, when the run evaluates, its quality, kept for the
+        first round's row (``start``). Only a run that starts from given weights
+        (``model.init`` not ``random``) is scored: a random start draws noise."""
+        if self.model_fn is None or self.classifier or self.cfg.model.init == "random":
+            return
+        ev = self.cfg.eval
+        if not (ev.sample_every or self.evaluator is not None):
+            return
+        model = self.model_fn()
+        model.eval()
+        start: dict[str, Any] = {"round": 0}
+        if ev.sample_every:
+            path = write_grid(self.cfg, model, self.run_dir / "samples" / "round_000000.png",
+                              device=self.device)  # fmt: skip
+            start["grid"] = str(path.relative_to(self.run_dir))
+        if self.evaluator is not None:
+            t0 = time.perf_counter()
+            start["quality"] = self.evaluator.evaluate(model)
+            start["eval_s"] = round(time.perf_counter() - t0, 3)
+        self.start = start
 
     def _evaluate(self, s: Any, row: dict[str, Any]) -> None:
         ev = self.cfg.eval

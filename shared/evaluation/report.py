@@ -48,7 +48,8 @@ def last_quality(
 
 def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The results a reader looks for first in ``summary.json``: the mean training loss of
-    the first and the last round, the last quality evaluation and the last accuracy
+    the first and the last round, the last quality evaluation, the starting model's
+    (``start_quality``, round 0, when the cloud scored it) and the last accuracy
     measurement (each with its round; absent when the run had none)."""
     out: dict[str, Any] = {}
     losses = [(r["round"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
@@ -58,6 +59,10 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     quality = last_quality(rows)
     if quality is not None:
         out["quality"] = {k: v for k, v in quality.items() if not isinstance(v, (list, dict))}
+    start = next((r["start"] for r in rows if r.get("start")), None)
+    if start and start.get("quality"):  # the starting model, scored before round 1
+        scalars = {k: v for k, v in start["quality"].items() if not isinstance(v, (list, dict))}
+        out["start_quality"] = {"round": 0, **scalars}
     for row in reversed(rows):
         if row.get("accuracy"):
             figures = {k: v for k, v in row["accuracy"].items() if not isinstance(v, (list, dict))}
@@ -77,14 +82,46 @@ def traffic_labels(rows: list[dict[str, Any]]) -> tuple[str, str, str]:
     return "traffic per round", "up (devices→edges→cloud)", "down (cloud→edges→devices)"
 
 
-def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
-    """Three panels: training loss, bytes per round (up/down), quality per evaluation."""
+def before_after(rows: list[dict[str, Any]], run_dir: Path | None) -> tuple[Path, Path] | None:
+    """The starting model's sample grid and the last round's, when both are in ``run_dir``."""
+    if run_dir is None:
+        return None
+    start = next((r["start"] for r in rows if r.get("start")), None)
+    grids = [r["grid"] for r in rows if r.get("grid")]
+    if not start or not start.get("grid") or not grids:
+        return None
+    before, after = run_dir / start["grid"], run_dir / grids[-1]
+    return (before, after) if before.is_file() and after.is_file() else None
+
+
+def report_figure(
+    rows: list[dict[str, Any]], title: str = "", run_dir: Path | None = None
+) -> Figure:
+    """Three panels: training loss, bytes per round (up/down), quality per evaluation (the
+    starting model's at round 0 when the cloud scored it, and the share of samples in the
+    classes the start never saw when the run has them); then, when ``run_dir`` holds the
+    starting model's grid and a last one, the two side by side ("before" and "after")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    grids = before_after(rows, run_dir)
+    if grids is None:
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    else:
+        fig, all_axes = plt.subplots(
+            1, 5, figsize=(25, 4.8), gridspec_kw={"width_ratios": [1, 1, 1, 0.8, 0.8]}
+        )
+        axes = all_axes[:3]
+        rounds_of = [r["round"] for r in rows if r.get("grid")]
+        for a, path, label in zip(
+            all_axes[3:], grids, ("before: the start (round 0)", f"after: round {rounds_of[-1]}"),
+            strict=True,
+        ):  # fmt: skip
+            a.imshow(plt.imread(path), cmap="gray", vmin=0.0, vmax=1.0)  # PNG: 0..1
+            a.set_title(label)
+            a.axis("off")
     rounds = [r["round"] for r in rows]
     loss = [r.get("train_loss") for r in rows]
     ax = axes[0]
@@ -113,6 +150,9 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
 
     ax = axes[2]
     q = [(r["round"], r["quality"]) for r in rows if r.get("quality")]
+    start = next((r["start"] for r in rows if r.get("start")), None)
+    if q and start and start.get("quality"):
+        q.insert(0, (0, start["quality"]))
     if q:
         ax.plot([x for x, _ in q], [m["fid"] for _, m in q], marker="o", color="C3", label="FID")
         ax.set(ylabel=f"FID ({q[0][1].get('extractor', '?')} features)")
@@ -128,7 +168,11 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
         )
         ax2.plot([x for x, _ in q], [m["recall"] for _, m in q], ":", marker="^", color="C4",
                  label="recall")  # fmt: skip
-        ax2.set(ylim=(0, 1), ylabel="precision / recall")
+        new = [(x, m["new_class_share"]) for x, m in q if m.get("new_class_share") is not None]
+        if new:
+            ax2.plot([x for x, _ in new], [y for _, y in new], "-", marker="D", color="C1",
+                     lw=2, label="share in classes new to the start")  # fmt: skip
+        ax2.set(ylim=(0, 1), ylabel="precision / recall / share")
         handles = ax.get_lines() + ax2.get_lines()  # one legend for both axes' lines
         ax2.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right")
     else:
@@ -147,10 +191,11 @@ def report_figure(rows: list[dict[str, Any]], title: str = "") -> Figure:
 
 
 def plot_report(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """Write :func:`report_figure` of ``rows`` to ``path`` as a PNG (atomically)."""
+    """Write :func:`report_figure` of ``rows`` to ``path`` as a PNG (atomically); the rows'
+    sample grids are read relative to ``path``'s folder (the run directory)."""
     import matplotlib.pyplot as plt
 
-    fig = report_figure(rows, title)
+    fig = report_figure(rows, title, run_dir=path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -33,6 +33,15 @@ PRETRAINED: dict[str, tuple[str, str]] = {
         "347d945a8aeee353985676c5302762b74340e457597322eb6af6ed96343af9c7",
     ),
 }
+#: other starting generators shipped in shared/assets, which ``model.init`` names by path:
+#: file name -> sha256 of the file (checked whenever a run starts from that file there)
+SHIPPED_STARTS: dict[str, str] = {
+    # fmnist-tiny on the clothes only (the demo's start; scripts/pretrain_generator.py
+    # --classes 0,1,2,3,4,6, recipe in fmnist_tiny_clothes.json)
+    "fmnist_tiny_clothes.safetensors": (
+        "6654e31523d1bd0848f278f9babd359552018db2883039d5f2cc16f9f4237650"
+    ),
+}
 #: largest file ``model.init`` may name (ddpm-cifar10 in fp32 is 143 MB)
 MAX_INIT_BYTES = 1 << 30
 PRETRAIN_HINT = "Retrain it with `python scripts/pretrain_generator.py`"
@@ -46,6 +55,16 @@ def pretrained_path(preset: str) -> Path:
             f"(available: {sorted(PRETRAINED)}); use 'random' or the path of a checkpoint"
         )
     return ASSETS / PRETRAINED[preset][0]
+
+
+def shipped_start_sha256(path: Path) -> str | None:
+    """The recorded sha256 of ``path`` when it is a starting generator shipped in
+    shared/assets (:data:`SHIPPED_STARTS`), else None."""
+    try:
+        in_assets = path.resolve().parent == ASSETS.resolve()
+    except OSError:
+        return None
+    return SHIPPED_STARTS.get(path.name) if in_assets else None
 
 
 def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
@@ -68,6 +87,14 @@ def load_init_state(preset: str, init: str) -> dict[str, torch.Tensor] | None:
         hint = f" {PRETRAIN_HINT}." if init == "pretrained" else ""
         raise ConfigError(f"model.init: cannot read {path}: {err.strerror}.{hint}") from None
     digest = sha256_hex(data)
+    shipped = shipped_start_sha256(path)
+    if shipped is not None and digest != shipped:
+        raise ConfigError(
+            f"model.init: {path} has sha256 {digest[:16]}…, expected {shipped[:16]}… (the "
+            "shipped file's); it is corrupt or from another training run. Retrain it with "
+            "the command in its .json recipe and update SHIPPED_STARTS in "
+            "shared/models/init.py."
+        )
     if init == "pretrained" and digest != PRETRAINED[preset][1]:
         raise ConfigError(
             f"model.init: {path} has sha256 {digest[:16]}…, expected "
