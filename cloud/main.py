@@ -239,6 +239,7 @@ def _serve(
     serve_metrics(cloud, cfg)
     if resumed is None:
         cloud.clear_deployment()  # an earlier run's under this name is not this run's
+        cloud.metrics.phase.state("scoring")  # the demo's bar says so, not "waiting"
         recorder.evaluate_start()  # the start's grid and quality: what the rounds change
     cloud.start()
     log.info("cloud session %s waiting for %d devices", cloud.session, cfg.federation.num_devices)

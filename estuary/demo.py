@@ -299,6 +299,8 @@ def phase_text(
     state = _state_of(cloud) if cloud else None
     if cloud is None or state is None:
         return "starting processes"
+    if state == "scoring":
+        return f"scoring the start (FID on {cfg.eval.num_samples} samples)"
     if state in ("idle", "waiting"):
         online = sum(
             int(v) for samples in scrapes.values() for k, v in samples.items()

@@ -88,7 +88,7 @@ def test_instrumentation_is_scraped(edge: RoleMetrics) -> None:
     phases = {k: v for k, v in samples.items() if k.startswith("estuary_phase{")}
     assert phases == {
         f'estuary_phase{{estuary_phase="{s}"}}': float(s == "aggregating")
-        for s in ("idle", "waiting", "training", "aggregating", "deploying", "done")
+        for s in ("idle", "scoring", "waiting", "training", "aggregating", "deploying", "done")
     }
     assert samples["estuary_round_duration_seconds_count"] == 1
     assert samples["estuary_round_duration_seconds_sum"] == 12.5

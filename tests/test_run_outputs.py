@@ -61,6 +61,7 @@ def test_demo_progress_says_what_is_happening() -> None:
         "edge1": {'estuary_connected_devices{edge="edge1"}': 2.0},
     }
     assert phase_text(cfg, waiting, 0) == "waiting for devices (5/6 connected)"
+    assert phase_text(cfg, cloud("scoring", 0), 0) == "scoring the start (FID on 250 samples)"
     assert phase_text(cfg, cloud("training", 2), 2) == "round 3: devices training"
     # the demo evaluates every 2 rounds: round 2 is an evaluation round, round 3 is not
     assert "evaluating (FID on 250 samples)" in phase_text(cfg, cloud("aggregating", 1), 1)

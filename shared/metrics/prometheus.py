@@ -50,7 +50,9 @@ from shared.transport.telemetry import Traffic
 log = logging.getLogger(__name__)
 
 ROLES: Final = ("cloud", "edge", "device", "observer")  # observer: estuary status
-PHASES: Final = ("idle", "waiting", "training", "aggregating", "deploying", "done")
+PHASES: Final = (
+    "idle", "scoring", "waiting", "training", "aggregating", "deploying", "done"
+)  # fmt: skip
 """States of ``estuary_phase``; the first one is the state a fresh role starts in."""
 UPDATE_OUTCOMES: Final = ("accepted", "rejected", "late", "duplicate")
 DEPLOY_OUTCOMES: Final = ("loaded", "refused")
