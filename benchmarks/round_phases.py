@@ -224,6 +224,8 @@ def floor_of(devices: int, size: int, rounds: int) -> dict[str, Any]:
 def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     """One federation of ``devices`` devices: its per-round phases, peak RSS and bytes."""
     cfg = bench_config(args.rounds, devices, args.preset, args.batch, args.samples, args.deadline)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"phases{devices}-", dir=args.workdir))
     config_path = work / "config.json"
     config_path.write_text(cfg.to_json())
@@ -433,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
             size = int(statistics.median(r["median"]["blob_bytes"] for r in runs["quiet"]))
             size //= 2 * n + 2  # the round's blob bytes are 2n + 2 models (see phases_of)
             print(f"-- {n} devices, transfer floor ({size / 2**20:.0f} MiB model)", flush=True)
-            row["floor"] = floor_of(n, size, args.floor_rounds)
+            try:
+                row["floor"] = floor_of(n, size, args.floor_rounds)
+            except (TimeoutError, OSError) as err:  # the figures so far are still written
+                row["floor_error"] = f"{type(err).__name__}: {err}"
+                print(f"   no floor: {row['floor_error']}", flush=True)
+                row["runs"] = runs
+                comparisons.append(row)
+                continue
             f = row["floor"]["median"]["floor"]
             row["overhead_over_floor"] = round(row["quiet"]["overhead"] / f, 2)
             print(f"   floor {f:.2f} s (" + ", ".join(
