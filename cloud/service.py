@@ -238,6 +238,13 @@ class CloudServer(CloudProducts, CloudCheckpoints):
             return
         if not self._forwards_ok(msg):
             return
+        home = cloud_only_home(home_of("edge", msg.edge))
+        if msg.model_ref is not None and msg.model_ref.src != home:
+            # an edge serves its model to the cloud alone: any other source is not its own
+            # (asking it would make the cloud fetch from whoever the report names)
+            self.reject("foreign_source", f"{msg.edge} round {msg.round + 1}: its model is "
+                        f"served by {msg.model_ref.src!r}, not by {home!r}")  # fmt: skip
+            return
         if self.ep.bus.blobs_local:  # in-process: nothing to wait for
             try:
                 fetched, error = self._report_fetcher(msg, self.cloud_deadline_s, None)(), None

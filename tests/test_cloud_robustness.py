@@ -21,7 +21,7 @@ from shared.errors import ConfigError
 from shared.metrics.prometheus import parse_exposition
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.wire.messages import EdgeUpdate, Topics, encode
+from shared.wire.messages import EdgeUpdate, Topics, cloud_only_home, encode, home_of
 from tests.conftest import tiny_config
 from tests.hand_roles import registered_cloud
 
@@ -44,7 +44,8 @@ def _report(
     counts: list[int],
     part_samples: dict[str, int] | None = None,
 ) -> None:
-    ref = cloud.put_tensors(cloud.model, "edge_model")
+    ref = cloud.put_tensors(cloud.model, "edge_model")  # in-process: found by its hash
+    ref = ref.model_copy(update={"src": cloud_only_home(home_of("edge", edge))})
     msg = EdgeUpdate(
         round=cloud.round, session=cloud.session, edge=edge, model_ref=ref, n_samples=10,
         label_counts=counts, devices=[], train_seconds=0.0, part_samples=part_samples,

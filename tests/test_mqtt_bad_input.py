@@ -44,6 +44,7 @@ from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import diff_counts
 from shared.wire.codec import encode_tensors, encoded_size_limit, sha256_hex
 from shared.wire.messages import (
+    CLOUD_RECIPIENT,
     MAX_MESSAGE_BYTES,
     BlobRef,
     DeviceHello,
@@ -52,6 +53,7 @@ from shared.wire.messages import (
     Presence,
     RoundStart,
     Topics,
+    cloud_only_home,
     decode,
     encode,
 )
@@ -750,8 +752,10 @@ def test_blob_the_source_does_not_have_is_rejected(
 def test_cloud_rejects_bad_edge_reports_and_keeps_serving(
     broker: LocalBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Malformed EdgeUpdates and a NaN edge model are counted under ``cloud:``; the cloud
-    still runs its round to completion with a good report."""
+    """Malformed EdgeUpdates, a report whose model is served anywhere but under the edge's
+    cloud-only path (where its devices could read it, or another client serves it) and a NaN
+    edge model are counted under ``cloud:``; the cloud still runs its round to completion
+    with a good report."""
     caplog.set_level(logging.WARNING)
     cfg = tiny_config(
         run={"name": "badcloud", "rounds": 1},
@@ -783,10 +787,14 @@ def test_cloud_rejects_bad_edge_reports_and_keeps_serving(
         edge_ep.publish(topics.device_hello(GOOD), encode(hello), kind="x")
         pump_until(lambda: cloud.started and cloud.timer is not None, "round start")
 
-        def report(tensors: TensorDict) -> bytes:
+        def report(tensors: TensorDict, *, cloud_only: bool = True) -> bytes:
             data = encode_tensors(tensors)
-            sha = edge_ep.put_blob(data, kind="edge_update")
-            ref = BlobRef(sha256=sha, size=len(data), kind="edge_update", src=f"edge/{EDGE}")
+            if cloud_only:
+                sha = edge_ep.put_blob(data, kind="edge_update", recipient=CLOUD_RECIPIENT)
+                src = cloud_only_home(f"edge/{EDGE}")
+            else:  # the edge's own subtree, which its devices read
+                sha, src = edge_ep.put_blob(data, kind="edge_update"), f"edge/{EDGE}"
+            ref = BlobRef(sha256=sha, size=len(data), kind="edge_update", src=src)
             msg = EdgeUpdate(
                 round=0,
                 session=cloud.session,
@@ -800,6 +808,11 @@ def test_cloud_rejects_bad_edge_reports_and_keeps_serving(
             )
             return encode(msg)
 
+        served = edge_bus.traffic.transport().get("blob_requests_served", 0)
+        edge_ep.publish(topics.edge_up(EDGE), report(perturbed(state, 0.5), cloud_only=False),
+                        kind="x")  # fmt: skip
+        pump_until(lambda: rejected().get("cloud:foreign_source", 0) == 1, "foreign_source")
+        assert edge_bus.traffic.transport().get("blob_requests_served", 0) == served  # not asked
         edge_ep.publish(topics.edge_up(EDGE), report(_poke(float("nan"))(state)), kind="x")
         pump_until(lambda: rejected().get("cloud:bad_tensors", 0) == 1, "bad_tensors rejection")
         edge_ep.publish(topics.edge_up(EDGE), report(perturbed(state, 0.5)), kind="x")
@@ -808,13 +821,14 @@ def test_cloud_rejects_bad_edge_reports_and_keeps_serving(
         assert diff_counts(rejected(), before) == {
             "cloud:bad_json": 1,
             "cloud:missing_field": 1,
+            "cloud:foreign_source": 1,
             "cloud:bad_tensors": 1,
         }
         assert cloud.aggregations == 1
         first = next(iter(state))
         assert torch.equal(cloud.model[first], perturbed(state, 0.5)[first])
         logged = " ".join(rec.getMessage() for rec in caplog.records)
-        for reason in ("bad_json", "missing_field", "bad_tensors"):
+        for reason in ("bad_json", "missing_field", "foreign_source", "bad_tensors"):
             assert f"cloud rejected input ({reason})" in logged
     finally:
         for bus in buses:
