@@ -21,20 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.data.images import FASHION_MNIST_CLASSES  # noqa: E402
+from shared.evaluation.story import class_names, evaluations, story_figures  # noqa: E402
 
 
 def story(run_dir: Path) -> dict[str, Any]:
     """The figures of one finished demo run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    if not rows or "start" not in rows[0] or "quality" not in rows[0]["start"]:
+    evals = dict(evaluations(rows))
+    if 0 not in evals:
         raise SystemExit(f"{run_dir}: the start was not scored (not a demo with a shipped start)")
-    evals = {0: rows[0]["start"]["quality"]} | {r["round"]: r["quality"] for r in rows
-                                                if r.get("quality")}  # fmt: skip
     first, last = evals[0], evals[max(evals)]
     return {
         "rounds": len(rows),
-        "train_loss_first_last": [rows[0]["train_loss"], rows[-1]["train_loss"]],
+        "train_loss_first_last": list(story_figures(rows)["loss"]),
         "fid_by_eval": {str(k): v["fid"] for k, v in evals.items()},
         "new_classes": first["new_classes"],
         "new_class_share_by_eval": {str(k): v["new_class_share"] for k, v in evals.items()},
@@ -49,7 +49,6 @@ def story(run_dir: Path) -> dict[str, Any]:
 def table(figures: dict[str, Any]) -> str:
     """``figures`` as Markdown."""
     evals = list(figures["fid_by_eval"])
-    names = [FASHION_MNIST_CLASSES[c] for c in figures["new_classes"]]
     head = ["start (round 0)" if k == "0" else f"round {k}" for k in evals]
     lines = [
         "| | " + " | ".join(head) + " |",
@@ -57,7 +56,7 @@ def table(figures: dict[str, Any]) -> str:
         "| FID (250 samples) | "
         + " | ".join(f"{figures['fid_by_eval'][k]:.1f}" for k in evals)
         + " |",
-        f"| share in {', '.join(names)} | "
+        f"| share in {class_names(figures['new_classes'])} | "
         + " | ".join(f"{100 * figures['new_class_share_by_eval'][k]:.1f}%" for k in evals)
         + " |",
         "",

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from device_agent.service import DeviceAgent
-from estuary.compare import load_compare, run_compare
+from estuary.compare import CompareSpec, load_compare, run_compare
 from estuary.resume import STATE_DIR, ResumeRefused, round_state_dir
 from estuary.simulate import SimulationResult, simulate
 from shared.config import RunConfig
@@ -238,9 +238,12 @@ def _final_sha(run_dir: Path) -> str:
     return str(json.loads((run_dir / "summary.json").read_text())["final_model_sha256"])
 
 
-def test_compare_resumes_an_interrupted_method(
-    tmp_path: Path, interrupt: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
-) -> None:
+def _interrupted_fedavg(
+    tmp_path: Path, interrupt: Callable[[Path], None]
+) -> tuple[CompareSpec, Path, Path, str]:
+    """A compare spec whose FedAvg run into ``tmp_path/out`` was interrupted after round
+    :data:`STOP_AFTER`: (the spec, the output folder, FedAvg's run folder, the final model
+    of an uninterrupted run of the same config)."""
     spec = load_compare(_compare_file(tmp_path / "c.toml"))
     fedavg = spec.methods[0]
     reference = simulate(fedavg.cfg, tmp_path / "reference", progress=False, evaluate=False)
@@ -248,23 +251,30 @@ def test_compare_resumes_an_interrupted_method(
     interrupt(out / fedavg.slug)
     with pytest.raises(KeyboardInterrupt):
         run_compare(spec, out, evaluate=False, only=["FedAvg"], tables=False)
+    return spec, out, out / fedavg.slug, reference.final_model_sha256
+
+
+def test_compare_resumes_an_interrupted_method(
+    tmp_path: Path, interrupt: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, out, run_dir, reference = _interrupted_fedavg(tmp_path, interrupt)
     capsys.readouterr()
     done = run_compare(spec, out, evaluate=False, only=["FedAvg"], tables=False)
-    assert f"resuming {out / fedavg.slug} after round {STOP_AFTER}" in capsys.readouterr().out
+    assert f"resuming {run_dir} after round {STOP_AFTER}" in capsys.readouterr().out
     (run,) = done.runs
     assert [r["round"] for r in run.rows] == list(range(1, ROUNDS + 1))
-    assert _final_sha(out / fedavg.slug) == reference.final_model_sha256
+    assert _final_sha(run_dir) == reference
 
     # the same method under another config: its checkpoints are not resumed, said once
     other = load_compare(_compare_file(tmp_path / "other.toml", lr=1e-3))
-    interrupt(out / fedavg.slug)
+    interrupt(run_dir)
     with pytest.raises(KeyboardInterrupt):
         run_compare(other, out, evaluate=False, only=["FedAvg"], tables=False)
     capsys.readouterr()
     run_compare(spec, out, evaluate=False, only=["FedAvg"], tables=False)
     said = capsys.readouterr().out
     assert said.count("not resuming") == 1 and "starting over" in said
-    assert _final_sha(out / fedavg.slug) == reference.final_model_sha256
+    assert _final_sha(run_dir) == reference
 
 
 @pytest.mark.slow  # CI's slow stage: --jobs children take the in-process path's resume
@@ -272,19 +282,13 @@ def test_compare_jobs_resume_an_interrupted_method(
     tmp_path: Path, interrupt: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--jobs 2``: the child process that runs the interrupted method resumes it."""
-    spec = load_compare(_compare_file(tmp_path / "c.toml"))
-    fedavg = spec.methods[0]
-    reference = simulate(fedavg.cfg, tmp_path / "reference", progress=False, evaluate=False)
-    out = tmp_path / "out"
-    interrupt(out / fedavg.slug)
-    with pytest.raises(KeyboardInterrupt):
-        run_compare(spec, out, evaluate=False, only=["FedAvg"], tables=False)
+    spec, out, run_dir, reference = _interrupted_fedavg(tmp_path, interrupt)
     done = run_compare(spec, out, evaluate=False, jobs=2)
     assert [r.method.label for r in done.runs] == ["FedAvg", "SCAFFOLD"] and done.rows
-    log = (out / fedavg.slug / "compare.log").read_text()
+    log = (run_dir / "compare.log").read_text()
     assert f"after round {STOP_AFTER}" in log
-    summary = json.loads((out / fedavg.slug / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_after_round"] == STOP_AFTER
-    assert summary["final_model_sha256"] == reference.final_model_sha256
+    assert summary["final_model_sha256"] == reference
     scaffold = json.loads((out / spec.methods[1].slug / "summary.json").read_text())
     assert scaffold["resumed_after_round"] is None

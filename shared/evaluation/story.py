@@ -87,6 +87,16 @@ def class_names(classes: Sequence[int]) -> str:
     return ", ".join(FASHION_MNIST_CLASSES[c] for c in classes)
 
 
+def evaluations(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """A run's evaluations in order, as ``(round, quality)`` from its ``metrics.jsonl``
+    rows: the start's (round 0), when the cloud scored it, then each evaluated round's."""
+    evaluated = [(int(r["round"]), r["quality"]) for r in rows if r.get("quality")]
+    start = next((r["start"] for r in rows if r.get("start")), None)
+    if start and start.get("quality"):
+        evaluated.insert(0, (0, start["quality"]))
+    return evaluated
+
+
 def story_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """First and last of a run's headline figures from its ``metrics.jsonl`` rows: training
     loss (first and last round), FID and the new-class share (the start's evaluation, when
@@ -97,10 +107,8 @@ def story_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
     if losses:
         out["loss"] = (losses[0], losses[-1])
-    evaluated = [(r["round"], r["quality"]) for r in rows if r.get("quality")]
+    evaluated = evaluations(rows)
     start = next((r["start"] for r in rows if r.get("start")), None)
-    if start and start.get("quality"):
-        evaluated.insert(0, (0, start["quality"]))
     if evaluated:
         (r0, q0), (r1, q1) = evaluated[0], evaluated[-1]
         out["rounds"] = (r0, r1)
