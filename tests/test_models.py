@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -303,3 +305,38 @@ def test_shipped_preset_table_matches_the_presets() -> None:
     assert load_table() == compute_table(), (
         "a preset changed: python -m shared.models.info_table writes the table again"
     )
+
+
+def test_shipped_unet_specs_match_the_presets() -> None:
+    """An edge and the cloud check uploads against shared/assets/unet_specs.json instead of
+    building the U-Net: it must be what every U-Net preset builds now, in state-dict order."""
+    from shared.models.info_table import compute_unet_specs
+    from shared.models.presets import (
+        ALL_PRESETS,
+        construct_spec,
+        kind_of,
+        shipped_unet_specs,
+        state_spec,
+    )
+
+    assert shipped_unet_specs() == compute_unet_specs(), (
+        "a U-Net preset changed: python -m shared.models.info_table writes the specs again"
+    )
+    for preset in sorted(ALL_PRESETS):
+        if kind_of(preset) == "unet":
+            assert list(state_spec(preset).items()) == list(construct_spec(preset).items())
+
+
+def test_a_role_that_moves_tensors_never_imports_diffusers() -> None:
+    """The edge and the cloud import no diffusers at start, and checking a U-Net upload
+    against its preset loads none either (about 165 MiB resident per role)."""
+    code = (
+        "import sys, edge_node.main, cloud.main\n"
+        "from shared.models.plan import model_spec\n"
+        "spec = model_spec('ddpm-cifar10', None)\n"
+        "assert len(spec) > 100\n"
+        "print('diffusers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False", out.stderr

@@ -28,14 +28,16 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import DDPMScheduler
 from torch import nn
 
 from shared.diffusion.hooks import ExtraLoss, GradHook
 from shared.diffusion.schedule import denoising_loss, draw_noise
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
 
 #: eager steps before the capture (PyTorch's recipe: lets lazily built state, such as the
 #: optimizer's moments and cuBLAS workspaces, exist before the graph records addresses)

@@ -5,17 +5,20 @@ CUDA-graph loop can both name them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import DDPMScheduler
 from torch import nn
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
 
 #: added to the DDPM loss (FedProx's proximal term, FedPhD's group penalty)
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
 
 
 #: replaces the DDPM loss: (model, x0 batch, scheduler, generator) -> scalar loss
-LossFn = Callable[[nn.Module, torch.Tensor, DDPMScheduler, torch.Generator], torch.Tensor]
+LossFn = Callable[[nn.Module, torch.Tensor, "DDPMScheduler", torch.Generator], torch.Tensor]
 
 
 #: runs between ``backward`` and the optimizer step (e.g. SCAFFOLD's gradient correction)

@@ -6,17 +6,23 @@ eta = 0 for sampling. Every random draw takes a ``torch.Generator`` the caller o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
 from shared.config import DiffusionSection
 from shared.models.presets import module_device, num_classes_of
 
+if TYPE_CHECKING:
+    from diffusers import DDIMScheduler, DDPMScheduler
+
 
 def make_train_scheduler(cfg: DiffusionSection) -> DDPMScheduler:
     """The forward-noising schedule used for training."""
+    from diffusers import DDPMScheduler  # on first use: a role that trains nothing skips it
+
     return DDPMScheduler(
         num_train_timesteps=cfg.num_train_timesteps,
         beta_start=cfg.beta_start,
@@ -28,6 +34,8 @@ def make_train_scheduler(cfg: DiffusionSection) -> DDPMScheduler:
 
 def make_sample_scheduler(cfg: DiffusionSection) -> DDIMScheduler:
     """The DDIM sampler matching :func:`make_train_scheduler`'s schedule."""
+    from diffusers import DDIMScheduler
+
     return DDIMScheduler(
         num_train_timesteps=cfg.num_train_timesteps,
         beta_start=cfg.beta_start,

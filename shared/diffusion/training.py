@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler
 from torch import nn
 
 from shared.config import TrainSection
@@ -28,6 +28,9 @@ from shared.diffusion.hooks import ExtraLoss, GradHook, LossFn
 from shared.diffusion.schedule import ddpm_loss
 from shared.errors import ConfigError
 from shared.models.presets import module_device
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
 
 log = logging.getLogger(__name__)
 

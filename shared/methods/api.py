@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from shared.diffusion.training import TrainResult
 from shared.errors import MessageError
 from shared.models.plan import ChannelPlan
 from shared.settings import AlgorithmConfig, Traffic
@@ -32,6 +31,7 @@ from shared.wire.codec import TensorSpec
 
 if TYPE_CHECKING:
     from shared.config import TrainSection
+    from shared.diffusion.training import TrainResult
 
 TensorDict = dict[str, torch.Tensor]
 

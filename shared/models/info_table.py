@@ -56,5 +56,31 @@ def write_table(path: Path = TABLE_PATH) -> Path:
     return path
 
 
+def compute_unet_specs() -> dict[str, list[list[Any]]]:
+    """Each U-Net preset's state dict as ``[name, shape, dtype]`` rows, in state-dict order
+    (builds each model on the meta device; torch and diffusers)."""
+    from shared.models.presets import ALL_PRESETS, construct_spec, kind_of
+
+    return {
+        preset: [[k, list(s.shape), str(s.dtype).removeprefix("torch.")]
+                 for k, s in construct_spec(preset).items()]
+        for preset in sorted(ALL_PRESETS) if kind_of(preset) == "unet"
+    }  # fmt: skip
+
+
+def write_unet_specs(path: Path | None = None) -> Path:
+    """Compute every U-Net preset's state spec and write it (atomically; by default to
+    :data:`shared.models.presets.UNET_SPECS_PATH`, what :func:`~shared.models.presets.
+    state_spec` reads)."""
+    from shared.models.presets import UNET_SPECS_PATH
+
+    path = path or UNET_SPECS_PATH
+    doc = {"about": "written by python -m shared.models.info_table",
+           "presets": compute_unet_specs()}  # fmt: skip
+    atomic_write(path, (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode())
+    return path
+
+
 if __name__ == "__main__":
     print(f"wrote {write_table()}")
+    print(f"wrote {write_unet_specs()}")

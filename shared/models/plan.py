@@ -14,14 +14,9 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import UNet2DModel
-from diffusers.models.attention_processor import Attention
-from diffusers.models.downsampling import Downsample2D
-from diffusers.models.resnet import ResnetBlock2D
-from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from shared.errors import ConfigError, EstuaryError
@@ -37,6 +32,10 @@ from shared.models.presets import (
     state_spec,
 )
 from shared.wire.codec import TensorSpec, spec_of
+
+if TYPE_CHECKING:
+    from diffusers import UNet2DModel
+    from diffusers.models.attention_processor import Attention
 
 #: a channel plan as JSON: ``{"format": PLAN_FORMAT, "preset": ..., "modules": {...}}``
 Plan = dict[str, Any]
@@ -150,7 +149,17 @@ def build_model(preset: str, plan: ChannelPlan | None, *, seed: int = 0) -> nn.M
 PLAN_FORMAT = "estuary.channel-plan/1"
 #: modules a plan sizes: Conv2d, Linear, GroupNorm and Embedding by their weights
 SIZED_MODULES = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.Embedding)
-_PLANNED = (*SIZED_MODULES, Attention)
+
+
+def _planned() -> tuple[type[nn.Module], ...]:
+    """The module types a plan sizes: :data:`SIZED_MODULES` and diffusers' attention.
+
+    diffusers is imported where a U-Net's modules are looked at, never at import: a role
+    that only moves and averages tensors (an edge, the cloud between evaluations) does not
+    load it (about 165 MiB of resident memory)."""
+    from diffusers.models.attention_processor import Attention
+
+    return (*SIZED_MODULES, Attention)
 
 
 #: plan entry sizes that pruning never changes: GroupNorm groups, attention heads (a head
@@ -180,6 +189,11 @@ def sync_attributes(model: nn.Module) -> None:
     attributes that diffusers blocks check or use in ``forward``; this sets all of them from
     the weight shapes, so a pruned or plan-built U-Net runs, trains and exports.
     """
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.downsampling import Downsample2D
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.upsampling import Upsample2D
+
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             m.out_channels, m.in_channels = m.weight.shape[0], m.weight.shape[1] * m.groups
@@ -242,11 +256,13 @@ def channel_plan(model: UNet2DModel, *, preset: str | None = None) -> dict[str, 
     presets), each with its ``type``. Sizes are read from the weights.
     """
     name = preset if preset is not None else preset_of(model)
-    modules = {n: _entry(m) for n, m in model.named_modules() if isinstance(m, _PLANNED)}
+    modules = {n: _entry(m) for n, m in model.named_modules() if isinstance(m, _planned())}
     return {"format": PLAN_FORMAT, "preset": name, "modules": modules}
 
 
 def _entry(m: nn.Module) -> dict[str, Any]:
+    from diffusers.models.attention_processor import Attention
+
     if isinstance(m, nn.Conv2d):
         out, inp = channel_dims(m)
         return {"type": "Conv2d", "in_channels": inp, "out_channels": out}
@@ -362,6 +378,9 @@ def _check_couplings(model: UNet2DModel, modules: Mapping[str, Any]) -> None:
     """Sizes that must be equal where the forward pass would only broadcast them: a residual
     add, a time-embedding add, attention's projections and its residual, the class
     embedding added to the time embedding. ``model`` is the dense preset (names only)."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.resnet import ResnetBlock2D
+
 
     def size(name: str, key: str) -> int:
         value: int = modules[name][key]
@@ -427,6 +446,8 @@ def _check_forward(preset: str, modules: Mapping[str, Any]) -> None:
 
 def _apply_plan(model: nn.Module, modules: Mapping[str, Any]) -> None:
     """Resize ``model``'s parameters to ``modules`` (keeping leading channels) in place."""
+    from diffusers.models.attention_processor import Attention
+
     for name, entry in modules.items():
         m = model.get_submodule(name)
         if isinstance(m, nn.Conv2d):

@@ -15,14 +15,16 @@ are one-channel 32x32 models (28x28 images padded by two pixels).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import UNet2DModel
 from torch import nn
 
 from shared.errors import ConfigError, did_you_mean
@@ -33,7 +35,13 @@ from shared.models.oneshot import ONESHOT_PRESETS, build_oneshot, is_oneshot, la
 from shared.wire.codec import TensorSpec, spec_of
 
 if TYPE_CHECKING:
+    from diffusers import UNet2DModel
+
     from shared.config import RunConfig
+
+#: every U-Net preset's state-dict names, shapes and dtypes: an edge or the cloud checks an
+#: upload against its preset from here, without importing diffusers (about 165 MiB resident)
+UNET_SPECS_PATH = Path(__file__).resolve().parents[1] / "assets" / "unet_specs.json"
 
 PRESETS: dict[str, dict[str, Any]] = {
     "fmnist-tiny": {
@@ -134,7 +142,10 @@ def build_unet(preset: str, *, seed: int = 0) -> UNet2DModel:
 
 def construct_unet(preset: str) -> UNet2DModel:
     """``preset``'s U-Net built with the current RNG and default device (its domain axis
-    added, :data:`DOMAIN_AXIS`)."""
+    added, :data:`DOMAIN_AXIS`). diffusers is imported here, on first use: a role that only
+    moves and averages tensors never loads it."""
+    from diffusers import UNet2DModel
+
     unet = UNet2DModel(**PRESETS[preset])
     if preset in DOMAIN_AXIS:
         add_domain_axis(unet, DOMAIN_AXIS[preset])
@@ -142,7 +153,19 @@ def construct_unet(preset: str) -> UNet2DModel:
 
 
 def state_spec(preset: str) -> dict[str, TensorSpec]:
-    """Names, shapes and dtypes of the preset's state dict, without initializing weights."""
+    """Names, shapes and dtypes of the preset's state dict, without initializing weights.
+
+    A U-Net preset's comes from ``shared/assets/unet_specs.json`` (a test holds it to
+    :func:`construct_spec`), so a role that checks uploads never imports diffusers."""
+    if kind_of(preset) == "unet":
+        shipped = _shipped_unet_spec(preset)
+        if shipped is not None:
+            return dict(shipped)
+    return construct_spec(preset)
+
+
+def construct_spec(preset: str) -> dict[str, TensorSpec]:
+    """:func:`state_spec` measured: the preset built on the meta device."""
     kind = kind_of(preset)
     with torch.device("meta"):
         if kind == "oneshot":
@@ -152,6 +175,23 @@ def state_spec(preset: str) -> dict[str, TensorSpec]:
         else:
             model = construct_unet(preset)
         return spec_of(model.state_dict())
+
+
+def shipped_unet_specs(path: Path = UNET_SPECS_PATH) -> dict[str, list[list[Any]]]:
+    """Preset name -> its shipped ``[name, shape, dtype]`` rows (``{}`` when missing;
+    ``python -m shared.models.info_table`` writes them)."""
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    return dict(doc["presets"])
+
+
+@functools.lru_cache(maxsize=16)
+def _shipped_unet_spec(preset: str) -> dict[str, TensorSpec] | None:
+    rows = shipped_unet_specs().get(preset)
+    if rows is None:
+        return None
+    return {name: TensorSpec(tuple(shape), getattr(torch, dtype)) for name, shape, dtype in rows}
 
 
 def is_weight(name: str, shape: tuple[int, ...]) -> bool:

@@ -32,10 +32,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler
 from torch import nn
 
 from shared.diffusion.hooks import LossFn
@@ -44,6 +44,9 @@ from shared.errors import ConfigError
 from shared.methods.base import DeviceContext, LocalResult, TensorDict, model_state
 from shared.methods.baselines.config import MoonConfig
 from shared.methods.baselines.fedavg import FedAvg
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
 
 # DeviceContext.state keys
 GLOBAL = "moon.global"  # the state received last (the positive pair's model)
