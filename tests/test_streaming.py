@@ -315,3 +315,24 @@ def test_the_deferred_first_state_folds_as_before_when_a_second_comes() -> None:
         eager._materialize()
     for k, v in deferred.mean().items():
         assert v.numpy().tobytes() == eager.mean()[k].numpy().tobytes()
+
+
+def test_a_large_blob_is_served_from_its_disk_copy_once_written(tmp_path: Path) -> None:
+    """A blob of at least spill_bytes leaves memory once its disk copy is written; its chunks
+    are read from the file, which is verified again after it changed (a corrupt one is
+    deleted, never served). Below the threshold, and without disk, blobs stay in memory."""
+    store = BlobStore(tmp_path / "cache", spill_bytes=1000)
+    big, small = bytes(range(256)) * 8, b"s" * 100
+    sha, sha_small = store.put(big), store.put(small)
+    assert store.flush(10)
+    assert sha not in store._mem and sha_small in store._mem
+    assert [store.chunk(sha, i, 700) for i in range(3)] == [big[:700], big[700:1400], big[1400:]]
+    assert store.chunk(sha, 3, 700) is None
+    assert sha not in store._mem  # read range by range, not loaded back
+    assert store.get(sha) == big and sha not in store._mem
+    path = tmp_path / "cache" / sha[:2] / sha
+    path.write_bytes(b"x" + big[1:])  # changed behind the store's back
+    assert store.chunk(sha, 0, 700) is None and not path.exists()
+    memory_only = BlobStore(None, spill_bytes=10)
+    sha = memory_only.put(big)
+    assert memory_only.chunk(sha, 0, 700) == big[:700] and sha in memory_only._mem

@@ -6,12 +6,16 @@ serves a blob from memory while its disk copy is written; at most
 :data:`MAX_PENDING_WRITE_BYTES` wait to be written, beyond that ``put`` writes itself);
 ``get`` reads memory first, then disk, and verifies the hash of anything read back from
 disk (a corrupt cache file is deleted, never served). Both tiers evict least-recently-used
-blobs above their byte limits.
+blobs above their byte limits. A blob of at least ``spill_bytes`` leaves memory once its
+disk copy is written: its chunks are then read from that file, range by range (a role does
+not hold a second copy of a model it serves; the file is verified again whenever it changed
+since this store wrote or verified it).
 Thread-safe: the bus's I/O thread serves chunks while a role thread stores new blobs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -26,6 +30,12 @@ log = logging.getLogger(__name__)
 
 #: bytes of blobs put but not yet on disk; a put beyond this writes its copy itself
 MAX_PENDING_WRITE_BYTES = 1 << 30
+#: blobs at least this large are served from their disk copy once it is written
+SPILL_BYTES = 16 << 20
+#: disk copies whose identity (inode, size, mtime) this store remembers as verified
+MAX_TRUSTED_FILES = 4096
+#: bytes read at a time when a disk copy is verified
+VERIFY_BLOCK_BYTES = 8 << 20
 
 
 class BlobStore:
@@ -37,10 +47,15 @@ class BlobStore:
         *,
         memory_limit_bytes: int = 2 << 30,
         disk_limit_bytes: int = 8 << 30,
+        spill_bytes: int | None = SPILL_BYTES,
     ) -> None:
         self.directory = directory
         self.memory_limit_bytes = memory_limit_bytes
         self.disk_limit_bytes = disk_limit_bytes
+        #: blobs this large leave memory once on disk (None: never; no effect without disk)
+        self.spill_bytes = spill_bytes if directory is not None else None
+        #: sha256 -> (inode, size, mtime_ns) of a disk copy written or verified here
+        self._trusted: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._mem: OrderedDict[str, bytes] = OrderedDict()
         self._mem_bytes = 0
         self._lock = threading.RLock()
@@ -74,8 +89,10 @@ class BlobStore:
                 self._pending_bytes += len(data)
                 self._start_writer()
                 self._wake.notify()
-        if not queued:
-            self._write(path, data)
+        if not queued and self._write(path, data) and self._spills(len(data)):
+            with self._lock:
+                if digest in self._mem:
+                    self._mem_bytes -= len(self._mem.pop(digest))
         return digest
 
     def flush(self, timeout_s: float = 60.0) -> bool:
@@ -105,11 +122,12 @@ class BlobStore:
                     return
                 digest, data = next(iter(self._pending.items()))
             path = self._path(digest)
-            if path is not None and not path.exists():
-                self._write(path, data)
+            written = path is not None and not path.exists() and self._write(path, data)
             with self._lock:
                 self._pending.pop(digest, None)
                 self._pending_bytes -= len(data)
+                if written and self._spills(len(data)) and digest in self._mem:
+                    self._mem_bytes -= len(self._mem.pop(digest))  # served from disk now
                 self._wake.notify_all()
 
     def get(self, sha256: str) -> bytes | None:
@@ -142,7 +160,10 @@ class BlobStore:
         except OSError:
             pass  # evicted (or replaced) since we read it: the verified bytes are still good
         with self._lock:
-            self._remember(sha256, data)
+            if self._spills(len(data)):
+                self._trust(sha256, path)  # the caller holds these bytes; chunks read the file
+            else:
+                self._remember(sha256, data)
         return data
 
     def has(self, sha256: str) -> bool:
@@ -170,11 +191,72 @@ class BlobStore:
 
     def chunk(self, sha256: str, index: int, chunk_bytes: int) -> bytes | None:
         """Bytes of chunk ``index`` (``chunk_bytes`` per chunk), or None if the blob is gone."""
-        data = self.get(sha256)
+        start = index * chunk_bytes
+        with self._lock:
+            data = self._mem.get(sha256)
+            if data is None:
+                data = self._pending.get(sha256)
+            else:
+                self._mem.move_to_end(sha256)
+        if data is None and self.spill_bytes is not None:
+            part = self._read_range(sha256, start, chunk_bytes)
+            if part is not None:
+                return part
+        if data is None:
+            data = self.get(sha256)
         if data is None:
             return None
-        start = index * chunk_bytes
         return data[start : start + chunk_bytes] if start < max(1, len(data)) else None
+
+    def _spills(self, size: int) -> bool:
+        return self.spill_bytes is not None and size >= self.spill_bytes
+
+    def _trust(self, sha256: str, path: Path) -> None:
+        """Remember ``path`` (holding ``sha256``'s verified bytes) by its identity now."""
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        with self._lock:
+            self._trusted[sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            self._trusted.move_to_end(sha256)
+            while len(self._trusted) > MAX_TRUSTED_FILES:
+                self._trusted.popitem(last=False)
+
+    def _read_range(self, sha256: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` of a spilled blob's disk copy, or None (not on disk,
+        not a spilled size, or failing verification: then deleted). The file is hashed again
+        whenever its identity is not the one this store wrote or verified."""
+        path = self._path(sha256)
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not self._spills(st.st_size):
+                return None
+            with self._lock:
+                known = self._trusted.get(sha256)
+            if known != (st.st_ino, st.st_size, st.st_mtime_ns):
+                if not _file_hashes_to(fd, st.st_size, sha256):
+                    log.warning("blob cache file %s is corrupt; deleting it", path)
+                    path.unlink(missing_ok=True)
+                    return None
+                with self._lock:
+                    self._trusted[sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
+                    while len(self._trusted) > MAX_TRUSTED_FILES:
+                        self._trusted.popitem(last=False)
+            if start >= max(1, st.st_size):
+                return None
+            return os.pread(fd, min(length, st.st_size - start), start)
+        except OSError as err:
+            log.warning("cannot read cached blob %s: %s", sha256[:12], err)
+            return None
+        finally:
+            os.close(fd)
 
     def release(self, sha256: str) -> bool:
         """Drop the blob from memory where a disk copy keeps it (written, or queued to be):
@@ -199,8 +281,9 @@ class BlobStore:
             _, old = self._mem.popitem(last=False)
             self._mem_bytes -= len(old)
 
-    def _write(self, path: Path, data: bytes) -> None:
-        """Write a blob's disk copy to ``path`` atomically, then evict the oldest copies."""
+    def _write(self, path: Path, data: bytes) -> bool:
+        """Write a blob's disk copy to ``path`` atomically, then evict the oldest copies;
+        whether it was written."""
         digest = path.name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -211,8 +294,10 @@ class BlobStore:
         except OSError as err:
             tmp.unlink(missing_ok=True)
             log.warning("cannot cache blob %s on disk: %s", digest[:12], err)
-            return
+            return False
+        self._trust(digest, path)
         self._evict_disk()
+        return path.is_file()
 
     def _evict_disk(self) -> None:
         if self.directory is None:  # memory only: no disk copies to evict
@@ -233,3 +318,17 @@ class BlobStore:
                 break
             total -= sizes[p].st_size
             p.unlink(missing_ok=True)
+
+
+def _file_hashes_to(fd: int, size: int, sha256: str) -> bool:
+    """Whether the ``size`` bytes of open file ``fd`` hash to ``sha256`` (read in blocks of
+    :data:`VERIFY_BLOCK_BYTES`)."""
+    h = hashlib.sha256()
+    at = 0
+    while at < size:
+        block = os.pread(fd, min(VERIFY_BLOCK_BYTES, size - at), at)
+        if not block:
+            return False
+        h.update(block)
+        at += len(block)
+    return h.hexdigest() == sha256
