@@ -530,9 +530,11 @@ class DeviceAgent(RoleService):
             and shared is not None
             and self.algorithm.device.device_holds_rest(ctx, self.spec)
         ):  # the device has the rest (its local parts): only the shared tensors travel
-            state = self.fetch_tensors(msg.shared_ref, shared)
+            state = self.fetch_tensors(msg.shared_ref, shared, keep=False)
         else:
-            state = self.fetch_tensors(msg.model_ref, self.spec)
+            state = self.fetch_tensors(msg.model_ref, self.spec, keep=False)
+        # not kept: no one fetches the round's model from a device, and its bytes would sit
+        # beside the training's activations (the device holds its own copy in the model)
         if state is None:
             return False  # the edge's deadline covers the missing update
         self.algorithm.device.device_load(ctx, self.model, state)

@@ -152,7 +152,15 @@ class MqttBus(Bus):
         ctx = BlobContext(
             settings, self.store, self.topics, home, self.traffic, self._publish_qos, client_id
         )
-        self._blob_server = BlobServer(ctx, on_served=self._fetched)  # driven by _io
+        private = None
+        if self.store.directory is not None:  # large private blobs served from disk too
+            private = BlobStore(
+                self.store.directory / "private",
+                memory_limit_bytes=settings.memory_limit_bytes,
+                disk_limit_bytes=settings.cache_limit_bytes,
+            )
+        self._blob_server = BlobServer(ctx, on_served=self._fetched,  # driven by _io
+                                       private_store=private)  # fmt: skip
         self._blob_fetcher = BlobFetcher(  # runs on the thread calling get_blob
             ctx,
             subscribe=self._subscribe_wait,
