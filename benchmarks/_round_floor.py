@@ -8,7 +8,9 @@ it, every receiver keeping every payload (the least a receiver must do to hold t
 
 1. cloud -> edge (the global model),
 2. edge -> the ``n`` devices (one publish, ``n`` subscribers: the edge's model),
-3. the ``n`` devices -> edge, all at once (their updates),
+3. the ``n`` devices -> edge, ``turns`` at a time (their updates; the edge fetches
+   ``broker.max_update_fetches``, 2, at once, and with all eight at once the broker's queue
+   for the one subscriber overflows and drops chunks),
 4. edge -> cloud (the edge's aggregate).
 
 Each leg is timed from its first publish to the moment its last receiver holds the last chunk
@@ -20,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -92,8 +95,9 @@ def _role(name: str, host: str, port: int, size: int, conn: Connection, timeout_
 class FloorRound:
     """The processes of one edge, ``devices`` devices and the cloud, as plain paho clients."""
 
-    def __init__(self, host: str, port: int, devices: int, size: int, timeout_s: float = 300.0):
-        self.size, self.timeout_s = size, timeout_s
+    def __init__(self, host: str, port: int, devices: int, size: int, timeout_s: float = 300.0,
+                 turns: int = 2):  # fmt: skip
+        self.size, self.timeout_s, self.turns = size, timeout_s, turns
         self.chunks = -(-size // MIB)
         ctx = mp.get_context("spawn")  # a clean interpreter each, as the roles are
         self.names = ["cloud", "edge", *(f"dev{i}" for i in range(devices))]
@@ -112,23 +116,38 @@ class FloorRound:
             raise TimeoutError(f"floor: {name} did not answer within {self.timeout_s:g} s")
         return conn.recv()  # type: ignore[no-any-return]
 
-    def leg(self, senders: list[str], receivers: list[str], topic: str) -> float:
+    def leg(self, senders: list[str], receivers: list[str], topic: str,
+            at_once: int | None = None) -> float:  # fmt: skip
         """Seconds from the first publish until every receiver holds every chunk of every
-        sender (each sender publishes the model under ``topic/<sender>``)."""
+        sender (each sender publishes the model under ``topic/<sender>``; with ``at_once``,
+        that many senders at a time, the next starting as one has every PUBACK)."""
         for r in receivers:
             self.conns[r].send(("sub", f"{topic}/+/+", self.chunks * len(senders)))
         for r in receivers:
             self._recv(r)
         start = time.monotonic()
-        for s in senders:
-            self.conns[s].send(("pub", f"{topic}/{s}"))
+        waiting = list(senders)
+        busy: list[str] = []
+        while waiting or busy:
+            while waiting and len(busy) < (at_once or len(senders)):
+                s = waiting.pop(0)
+                self.conns[s].send(("pub", f"{topic}/{s}"))
+                busy.append(s)
+            if not waiting:
+                break
+            ready = mp_connection.wait([self.conns[s] for s in busy], self.timeout_s)
+            if not ready:
+                raise TimeoutError(f"floor: no sender of {topic} finished in {self.timeout_s:g} s")
+            for s in [s for s in busy if self.conns[s] in ready]:
+                self._recv(s)
+                busy.remove(s)
         ends = []
         for r in receivers:
             _, t, nbytes = self._recv(r)
             if nbytes != self.size * len(senders):
                 raise RuntimeError(f"floor: {r} got {nbytes} bytes")
             ends.append(t)
-        for s in senders:
+        for s in busy:
             self._recv(s)
         return max(ends) - start
 
@@ -138,7 +157,7 @@ class FloorRound:
         legs = {
             "cloud_to_edge": self.leg(["cloud"], ["edge"], f"floor/{tag}/g"),
             "edge_to_devices": self.leg(["edge"], devs, f"floor/{tag}/e"),
-            "devices_to_edge": self.leg(devs, ["edge"], f"floor/{tag}/u"),
+            "devices_to_edge": self.leg(devs, ["edge"], f"floor/{tag}/u", self.turns),
             "edge_to_cloud": self.leg(["edge"], ["cloud"], f"floor/{tag}/a"),
         }
         legs["floor"] = sum(legs.values())

@@ -209,8 +209,11 @@ def floor_of(devices: int, size: int, rounds: int) -> dict[str, Any]:
     median over ``rounds`` rounds, per leg."""
     from _round_floor import FloorRound
 
+    from shared.config.deployment import BrokerSection
+
+    turns = BrokerSection().max_update_fetches  # the edge's downloads at once
     with LocalBroker(kind="mosquitto") as broker:
-        floor = FloorRound(broker.host, broker.port, devices, size)
+        floor = FloorRound(broker.host, broker.port, devices, size, turns=turns)
         try:
             rows = [floor.round(f"r{i}") for i in range(rounds)]
         finally:
