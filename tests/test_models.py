@@ -225,6 +225,28 @@ def test_bf16_precision_runs_the_forward_passes_in_bf16_and_keeps_fp32_weights(
     assert any(not torch.equal(a, b) for a, b in pairs)
 
 
+def test_activation_checkpointing_makes_the_same_steps() -> None:
+    """``train.activation_checkpointing``: the U-Net recomputes its blocks' activations in
+    the backward pass; the five steps' loss and weights are those of the plain run (fp32 on
+    the CPU: the same operations, recomputed), and the setting follows the config."""
+    from shared.config import config_from_dict
+    from shared.diffusion.training import train_local
+
+    x = torch.rand(32, 1, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    runs = []
+    for on in (False, True):
+        cfg = config_from_dict({"train": {"local_steps": 5, "batch_size": 8,
+                                          "activation_checkpointing": on}})  # fmt: skip
+        model = build_unet("fmnist-tiny", seed=0)
+        result = train_local(model, x, cfg.train, make_train_scheduler(cfg.diffusion),
+                             torch.Generator().manual_seed(1))  # fmt: skip
+        assert model.is_gradient_checkpointing == on
+        runs.append((result.mean_loss, model.state_dict()))
+    (loss, plain), (loss_ckpt, ckpt) = runs
+    assert loss_ckpt == pytest.approx(loss, rel=1e-5)
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+
+
 def test_bf16_is_refused_on_a_gpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before Ampere, CUDA would emulate bf16 (slower than fp32): refused with the reason.
     (The GPU's answers are stood in for; the refusal is this module's own logic.)"""

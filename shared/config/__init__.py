@@ -103,11 +103,15 @@ DEPLOYMENT_SECTIONS = ("broker", "metrics", "deploy", "compute")
 PER_PROCESS_KEYS = (
     ("train", "threads"),
     ("train", "precision"),
+    ("train", "activation_checkpointing"),
     ("train", "cuda_graph"),
     ("train", "cuda_graph_reuse"),
     ("data", "local_dir"),
     ("eval", "reference_dir"),
 )
+#: per-process keys added after format 2's digests were first recorded: left out of the
+#: digest altogether, so every stored run and every role of an older version keeps its digest
+LATER_PER_PROCESS_KEYS = (("train", "activation_checkpointing"),)
 #: settings of the experiment's sections that say where the roles connect, not what they
 #: compute: left out of the digest (a run keeps its digest whichever broker layout carries it)
 TOPOLOGY_KEYS = (("federation", "brokers"),)
@@ -233,7 +237,7 @@ class RunConfig(Section):
         # per-process keys count at their defaults, whatever this process set
         for section, key in PER_PROCESS_KEYS:
             data[section] = {**data[section], key: _default(self, section, key)}
-        for section, key in TOPOLOGY_KEYS:
+        for section, key in (*TOPOLOGY_KEYS, *LATER_PER_PROCESS_KEYS):
             data[section] = {k: v for k, v in data[section].items() if k != key}
         if self.format == 1:
             return legacy.legacy_digest(self, data)

@@ -44,6 +44,16 @@ class TrainResult:
     seconds: float
 
 
+def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
+    """``train.activation_checkpointing``: turn diffusers' gradient checkpointing on or off
+    for a model that has it (a U-Net); other models train as they are."""
+    if getattr(model, "_supports_gradient_checkpointing", False):
+        if on and not getattr(model, "is_gradient_checkpointing", False):
+            model.enable_gradient_checkpointing()  # type: ignore[operator]
+        elif not on and getattr(model, "is_gradient_checkpointing", False):
+            model.disable_gradient_checkpointing()  # type: ignore[operator]
+
+
 def num_local_steps(n_samples: int, cfg: TrainSection) -> int:
     """``local_steps`` when set, else ``local_epochs`` passes over the data.
 
@@ -267,6 +277,7 @@ def train_local(
     steps = steps if steps is not None else num_local_steps(n, cfg)
     on = device if device is not None and device.type != "cpu" else None
     autocast = autocast_for(cfg.precision, on or torch.device("cpu"))
+    set_activation_checkpointing(model, cfg.activation_checkpointing)
     graph_on = on if _graphable(cfg, on, loss_fn, steps) else None  # None: eager steps
     cond_labels = labels if conditional else None  # not None when conditional (checked above)
     per_call = (optimizer, extra_loss, grad_hook, after_step)  # what a reused capture lacks

@@ -206,11 +206,11 @@ class BlobServer:
 
     Private blobs (:meth:`put_private`) live in ``private_store`` (by default in memory
     only, within ``memory_limit_bytes``; an MQTT role with a disk cache gives it
-    ``<cache>/private``, where large ones are served from disk), apart from ``store``: the shared path never finds
-    them there, and a recipient forgotten (restart, :data:`MAX_PRIVATE_BLOBS`) leaves its
-    blob served to nobody, never to everybody. A request for a private blob on the shared
-    path, or on another device's downlink, gets the ``missing`` answer and is counted
-    (``blob_server`` rejections).
+    ``<cache>/private``, where large ones are served from disk), apart from ``store``: the
+    shared path never finds them there, and a recipient forgotten (restart,
+    :data:`MAX_PRIVATE_BLOBS`) leaves its blob served to nobody, never to everybody. A
+    request for a private blob on the shared path, or on another device's downlink, gets the
+    ``missing`` answer and is counted (``blob_server`` rejections).
     """
 
     def __init__(
