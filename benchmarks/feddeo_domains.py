@@ -11,6 +11,14 @@ the FedAvg classifier and the Ceiling come from there too, or, where a seed lack
 from ``--baselines`` (default benchmarks/results/compare_feddeo_cpu: the same split, model
 and recipe). Writes ``table.md``, ``table.json``, ``accuracy_seeds.png`` and
 ``grids_seed<s>.png`` (the first seed) in ``OUT``.
+
+The variants on the same generator, where ``OUT`` holds them (run by ``bash
+benchmarks/feddeo_domains.sh``'s commands on ``compare_feddeo_dom_labelskew_cpu.toml`` into
+``OUT/labelskew-seed<s>`` and ``compare_feddeo_dom_ablation_cpu.toml`` into
+``OUT/ablation-seed<s>``), go to ``variants.md``: label skew (FedDEO and Prompts-Only with
+their guidance controls; the FedAvg classifier and the Ceiling from ``--baselines``'
+``labelskew-seed<s>/table.json``) and the description passes E (0.5, 3 and the main
+table's 1), each at (3, 3) and with the descriptions alone (0, 3).
 """
 
 from __future__ import annotations
@@ -180,6 +188,65 @@ def grids_figure(out: Path, seed: int, path: Path) -> Path | None:
     return path
 
 
+#: (row label, method folder, accuracy_by_guidance key) of the label-skew variant
+LABELSKEW_ROWS = (
+    ("Prompts-Only (w_t 3)", "prompts-only", None),
+    ("Prompts-Only (w_t 6)", "prompts-only", "wt6_wd0"),
+    ("FedDEO (3, 3)", "feddeo", None),
+    ("FedDEO descriptions only (0, 3)", "feddeo", "wt0_wd3"),
+)
+#: (E, folder prefix, method folder) of the description-pass ablation; E = 1 is the main run
+ABLATION_ROWS = (
+    ("0.5", "ablation-seed", "feddeo-e-0-5"),
+    ("1", "seed", "feddeo"),
+    ("3", "ablation-seed", "feddeo-e-3"),
+)
+
+
+def _cell(values: list[float]) -> str:
+    m, sd = mean_sd(values)
+    return f"{pct(m)} ± {pct(sd)}"
+
+
+def variants(out: Path, baselines: Path) -> list[str]:
+    """``variants.md``'s lines: the label-skew rows and the E ablation over the seeds
+    ``out`` holds of each (empty where it holds none)."""
+    lines: list[str] = []
+    seeds = seeds_of(out, "labelskew-seed")
+    if seeds:
+        lines += ["## Label skew (5 devices x 2 classes, no transform; identity test split)", "",
+                  "| row | accuracy (%) | seeds |", "|---|---|---|"]  # fmt: skip
+        for label, folder, key in LABELSKEW_ROWS:
+            got = [(s, row_of(out / f"labelskew-seed{s}" / folder, key)["mean"]) for s in seeds
+                   if (out / f"labelskew-seed{s}" / folder / "summary.json").is_file()]
+            if got:
+                lines.append(f"| {label} | {_cell([v for _, v in got])} | "
+                             f"{', '.join(str(s) for s, _ in got)} |")  # fmt: skip
+        for label in ("FedAvg classifier", "Ceiling"):
+            got = [(s, row["mean"]) for s in seeds
+                   if (row := baseline_row(baselines / f"labelskew-seed{s}" / "table.json",
+                                           label)) is not None]  # fmt: skip
+            if got:
+                lines.append(f"| {label} (the earlier run's, same split) | "
+                             f"{_cell([v for _, v in got])} | "
+                             f"{', '.join(str(s) for s, _ in got)} |")  # fmt: skip
+        lines.append("")
+    seeds = seeds_of(out, "ablation-seed")
+    if seeds:
+        lines += ["## Description passes E (feature skew, mean over the domains, %)", "",
+                  "| E | FedDEO (3, 3) | descriptions only (0, 3) | seeds |", "|---|---|---|---|"]
+        for e, prefix, folder in ABLATION_ROWS:
+            dirs = [(s, out / f"{prefix}{s}" / folder) for s in seeds]
+            dirs = [(s, d) for s, d in dirs if (d / "summary.json").is_file()]
+            if dirs:
+                both = [_cell([row_of(d, key)["mean"] for _, d in dirs])
+                        for key in (None, "wt0_wd3")]  # fmt: skip
+                lines.append(f"| {e} | {both[0]} | {both[1]} | "
+                             f"{', '.join(str(s) for s, _ in dirs)} |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -199,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
          args.out / "accuracy_seeds.png")  # fmt: skip
     if seeds:
         grids_figure(args.out, seeds[0], args.out / f"grids_seed{seeds[0]}.png")
-    print("\n".join(lines))
+    extra = variants(args.out, args.baselines)
+    if extra:
+        (args.out / "variants.md").write_text("\n".join(["# FedDEO's variants on fmnist-tiny-dom",
+                                                         "", *extra]))  # fmt: skip
+    print("\n".join([*lines, *extra]))
     return 0
 
 
