@@ -217,6 +217,9 @@ class BlobStore:
             st = path.stat()
         except OSError:
             return
+        self._trust_identity(sha256, st)
+
+    def _trust_identity(self, sha256: str, st: os.stat_result) -> None:
         with self._lock:
             self._trusted[sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
             self._trusted.move_to_end(sha256)
@@ -245,10 +248,7 @@ class BlobStore:
                     log.warning("blob cache file %s is corrupt; deleting it", path)
                     path.unlink(missing_ok=True)
                     return None
-                with self._lock:
-                    self._trusted[sha256] = (st.st_ino, st.st_size, st.st_mtime_ns)
-                    while len(self._trusted) > MAX_TRUSTED_FILES:
-                        self._trusted.popitem(last=False)
+                self._trust_identity(sha256, st)
             if start >= max(1, st.st_size):
                 return None
             return os.pread(fd, min(length, st.st_size - start), start)
