@@ -239,8 +239,11 @@ def variants(out: Path, baselines: Path) -> list[str]:
             dirs = [(s, out / f"{prefix}{s}" / folder) for s in seeds]
             dirs = [(s, d) for s, d in dirs if (d / "summary.json").is_file()]
             if dirs:
-                both = [_cell([row_of(d, key)["mean"] for _, d in dirs])
-                        for key in (None, "wt0_wd3")]  # fmt: skip
+                both = [_cell([row_of(d, None)["mean"] for _, d in dirs])]
+                try:  # the ablation's spec generates no (0, 3) control; the main run does
+                    both.append(_cell([row_of(d, "wt0_wd3")["mean"] for _, d in dirs]))
+                except KeyError:
+                    both.append("-")
                 lines.append(f"| {e} | {both[0]} | {both[1]} | "
                              f"{', '.join(str(s) for s, _ in dirs)} |")  # fmt: skip
         lines.append("")
