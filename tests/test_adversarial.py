@@ -101,6 +101,7 @@ def test_a_run_no_device_ever_contributed_to_fails_instead_of_deploying() -> Non
 
 
 @pytest.mark.process
+@pytest.mark.slow  # 48 s: CI's slow stage runs it
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 def test_a_rerun_on_a_broker_holding_a_finished_run_trains_to_the_same_model(
     tmp_path: Path,

@@ -245,9 +245,9 @@ scaffold_reference = pytest.mark.xdist_group("device-state-scaffold")
 @pytest.mark.parametrize(
     ("algorithm", "edge_every"),
     [
-        pytest.param({"name": "scaffold"}, 1, marks=scaffold_reference),
-        # slow (CI's slow stage): the default run keeps SCAFFOLD (a variate) and PRISM
-        # (an optimizer's moments)
+        pytest.param({"name": "scaffold"}, 1, marks=[scaffold_reference, pytest.mark.slow]),
+        # slow (CI's slow stage): the default run keeps PRISM (an optimizer's moments);
+        # SCAFFOLD's variate restored is the slow stage's
         pytest.param({"name": "scaffold"}, 2, marks=pytest.mark.slow),
         pytest.param({"name": "feddiffuse", "split": "ulatdec"}, 1, marks=pytest.mark.slow),
         pytest.param({"name": "moon"}, 1, marks=pytest.mark.slow),
