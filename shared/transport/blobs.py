@@ -89,10 +89,8 @@ class BlobStore:
                 self._pending_bytes += len(data)
                 self._start_writer()
                 self._wake.notify()
-        if not queued and self._write(path, data) and self._spills(len(data)):
-            with self._lock:
-                if digest in self._mem:
-                    self._mem_bytes -= len(self._mem.pop(digest))
+        if not queued and self._write(path, data):
+            self._drop_spilled(digest, len(data))
         return digest
 
     def flush(self, timeout_s: float = 60.0) -> bool:
@@ -126,8 +124,8 @@ class BlobStore:
             with self._lock:
                 self._pending.pop(digest, None)
                 self._pending_bytes -= len(data)
-                if written and self._spills(len(data)) and digest in self._mem:
-                    self._mem_bytes -= len(self._mem.pop(digest))  # served from disk now
+                if written:
+                    self._drop_spilled(digest, len(data))
                 self._wake.notify_all()
 
     def get(self, sha256: str) -> bytes | None:
@@ -210,6 +208,14 @@ class BlobStore:
 
     def _spills(self, size: int) -> bool:
         return self.spill_bytes is not None and size >= self.spill_bytes
+
+    def _drop_spilled(self, digest: str, size: int) -> None:
+        """A blob of a spilled size whose disk copy was just written leaves memory: its
+        chunks are read from the file from now on."""
+        if self._spills(size):
+            with self._lock:
+                if digest in self._mem:
+                    self._mem_bytes -= len(self._mem.pop(digest))
 
     def _trust(self, sha256: str, path: Path) -> None:
         """Remember ``path`` (holding ``sha256``'s verified bytes) by its identity now."""
