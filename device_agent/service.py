@@ -140,8 +140,8 @@ class DeviceAgent(RoleService):
         self.reannounces = 0  # registrations sent again, over the process's life
 
     def joined_session(self) -> str | None:
-        """The session of the last round this device was announced (restored state does not
-        count: it may be a finished run's)."""
+        """The session of the last round the cloud announced to this device or it trained in
+        (restored state does not count: it may be a finished run's)."""
         return self.current[0] if self.current is not None else None
 
     def start(self) -> None:
@@ -593,6 +593,9 @@ class DeviceAgent(RoleService):
         if last is not None and last.session == msg.session and msg.round < last.round:
             self.reject("late", f"round {msg.round + 1} announced after round {last.round + 1}")
             return
+        # a device of a static assignment hears no RoundStart: its edge's announcement is
+        # how it joins the session (its deployment reports name it)
+        self._advance(msg.session, msg.round)
         if not self._adopt_announced(msg.arch):
             return
         if not waited and self._await_personal(msg):

@@ -192,6 +192,19 @@ def test_honest_local_round_is_still_continued() -> None:
     assert [(u.round, u.update_ref is None) for u in ups] == [(0, True), (1, False)]
 
 
+def test_a_device_of_a_static_assignment_joins_the_session_its_edge_announces() -> None:
+    """Without edge selection no RoundStart reaches a device; the round it trains makes its
+    session the device's, which its deployment reports name (the cloud counts only reports
+    of its own session: before, a pFedGPA device's own-classifier report named none and the
+    demo's cloud waited deploy.wait_s and counted 0 of 5)."""
+    bus, dev, edge, ups = edge_setup()
+    assert not dev.selecting and dev.joined_session() is None
+    edge.announce(0, upload=True)
+    bus.run(lambda: False)
+    assert rejected(bus) == {} and len(ups) == 1
+    assert dev.joined_session() == SESSION
+
+
 # -- joins and edge counts (device-selected edges) ----------------------------------------------
 
 
