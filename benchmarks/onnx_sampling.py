@@ -37,7 +37,7 @@ from shared.deploy.export import export_module
 from shared.deploy.onnx_sampler import OnnxGenerator
 from shared.diffusion.schedule import ddim_sample, make_train_scheduler
 from shared.diffusion.training import train_local
-from shared.models.plan import channel_plan
+from shared.models.plan import ChannelPlan
 from shared.models.presets import build_unet, count_params
 from shared.models.pruning import prune_unet
 
@@ -62,7 +62,7 @@ def prepare(preset: str, sp: float, train_steps: int, out: Path) -> tuple[nn.Mod
         labels = torch.from_numpy(data.labels[:2048]).long()
         train_local(model, x, cfg.train, make_train_scheduler(cfg.diffusion), gen, labels=labels)
     model.eval()
-    plan = channel_plan(model) if sp else None
+    plan = ChannelPlan.of_module(model, preset=preset) if sp else None
     result = export_module(cfg, model, plan, out, round_=None, source="benchmark",
                            threshold=1e-4, parity_steps=20)  # fmt: skip
     return model, {"params": count_params(model), "card": result.card,

@@ -22,7 +22,7 @@ from typing import Any
 from estuary.compare import load_compare
 from estuary.resume import StateCost
 from estuary.simulate import simulate
-from shared.config import RunConfig, config_from_dict
+from shared.config import RunConfig, config_from_dict, with_overrides
 
 
 def short(cfg: RunConfig) -> RunConfig:
@@ -37,10 +37,7 @@ def short(cfg: RunConfig) -> RunConfig:
         }
     )
     if cfg.algorithm.name == "prism":
-        prism = cfg.algorithm.prism.model_copy(update={"local_iters": 1})
-        cfg = cfg.model_copy(
-            update={"algorithm": cfg.algorithm.model_copy(update={"prism": prism})}
-        )
+        cfg = with_overrides(cfg, {"algorithm": {"prism": {"local_iters": 1}}})
     return cfg
 
 
