@@ -4,45 +4,25 @@ assigned, upload.
 Raw data never leaves this object; only model tensors (through blobs), the label histogram
 in the registration message and, with device-selected edges, the chosen edge do. With
 ``federation.assignment = "select"`` the device draws its edge from FedPhD eq. 25 with its
-own seeded RNG (``"random"``: uniformly), skipping edges it has seen go offline.
+own seeded RNG (``"random"``: uniformly), skipping edges it has seen go offline
+(:mod:`device_agent.choosing`). With ``--state-dir`` it keeps its state across restarts
+(:mod:`device_agent.keeping`); what it holds in memory is :class:`~device_agent.base.DeviceBase`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
-from device_agent.state import DeviceState, read_state, save_state, set_aside, state_path
+from device_agent.base import MAX_PENDING_ROUNDS
+from device_agent.choosing import EdgeChoosing
+from device_agent.keeping import StateKeeping
 from shared import seeds
-from shared.config import RunConfig
-from shared.data.datasets import NUM_CLASSES, histogram_problem
-from shared.errors import CodecError, ConfigError, StateError
-from shared.federation.selection import (
-    choose_edge,
-    selection_probs,
-    selection_rng,
-    selection_settings,
-)
-from shared.methods.api import DeviceContext, LocalResult, Method
-from shared.models.plan import (
-    ChannelPlan,
-    Plan,
-    build_model,
-    model_spec,
-    parse_plan,
-    plan_digest,
-    plan_doc,
-)
-from shared.runtime.service import RoleService
-from shared.transport.bus import Bus, Timer
-from shared.wire.codec import check_spec
+from shared.errors import ConfigError
+from shared.methods.api import DeviceContext, LocalResult
+from shared.models.plan import Plan, model_spec, parse_plan, plan_digest
 from shared.wire.messages import (
     CloudState,
     DeviceHello,
@@ -56,8 +36,6 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING_ROUNDS = 64  # edge announcements kept while the device has not chosen yet
-MAX_KEPT_JOINS = 100_000  # other participants' choices kept (this and the next rounds)
 #: seconds after a device sees a cloud session waiting for registrations before it sends its
 #: registration again (then each time twice as long, at most REANNOUNCE_MAX_S apart), for as
 #: long as that session still waits: a cloud whose broker dropped the retained registration
@@ -71,78 +49,10 @@ def device_seed(seed: int, index: int, round_: int) -> int:
     return seeds.integer("device.round", seed, device=index, round=round_)
 
 
-class DeviceAgent(RoleService):
-    """One device: private ``data`` (float images in [-1, 1]) and ``labels``."""
-
-    role = "device"
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        bus: Bus,
-        algorithm: Method,
-        *,
-        device_id: str,
-        index: int,
-        home_edge: str,
-        data: torch.Tensor,
-        labels: torch.Tensor,
-        state_dir: Path | None = None,
-        test_data: torch.Tensor | None = None,
-        test_labels: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(device_id, cfg, bus)
-        #: the device's own test split (a classifier reports its accuracy on it)
-        self.test_data, self.test_labels = test_data, test_labels
-        #: personal models the cloud sent for (session, round), newest last (at most
-        #: MAX_PENDING_ROUNDS); a round announced as personal waits for its own
-        self.personal: OrderedDict[tuple[str, int], PersonalModel] = OrderedDict()
-        #: the personal round waiting for its model, and the timer that gives up on it
-        self.awaiting: tuple[EdgeRound, Timer] | None = None
-        #: called with the round after the device trained the run's last round (a
-        #: classifier exports and serves its own model: device_agent.own_classifier)
-        #: called with the 1-based number of the last round once it is trained
-        self.after_last_round: Callable[[int], None] | None = None
-        self.index = index
-        self.home_edge = home_edge
-        self.algorithm = algorithm
-        self.data = data
-        self.labels = labels
-        self.plan: ChannelPlan | None = None
-        self.model = build_model(cfg.model.preset, None, seed=cfg.run.seed)
-        self.spec = algorithm.format.global_spec(model_spec(cfg.model.preset, None))
-        self.algo_state: dict[str, Any] = {}  # the algorithm's per-device state, kept here
-        self.label_counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES).tolist()
-        self.last_update: DeviceUpdate | None = None
-        #: (session, round, edge, edge model sha) of a round trained without upload: the
-        #: next round continues this model when it matches (the edge model is the same)
-        self.kept_local: tuple[str, int, str, str] | None = None
-        self.selecting = cfg.federation.assignment != "static"
-        self.offline_edges: set[str] = set()
-        self.offline_devices: set[str] = set()
-        self.selection: RoundStart | None = None  # the round whose choice is pending
-        self.sel_timer: Timer | None = None
-        # other participants' choices as (edge, label counts), keyed (session, round, device);
-        # only the current session's current and later rounds, at most MAX_KEPT_JOINS
-        self.joins: OrderedDict[tuple[str, int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
-        self.current: tuple[str, int] | None = None  # (session, round) of the last RoundStart
-        self.choices: OrderedDict[tuple[str, int], str] = OrderedDict()  # (session, round)
-        self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
-        #: the session of the last round trained (the first round of another one: a new run)
-        self.state_session: str | None = None
-        #: where the state is kept across restarts (``--state-dir``); None: memory only
-        self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
-        self.config_digest = cfg.digest()
-        #: the cloud session now waiting for registrations (None: the cloud is past that, or
-        #: unknown) and the one this device last repeated its registration for
-        self.cloud_waiting: str | None = None
-        self.reannounced: str | None = None
-        self.reannounces = 0  # registrations sent again, over the process's life
-
-    def joined_session(self) -> str | None:
-        """The session of the last round the cloud announced to this device or it trained in
-        (restored state does not count: it may be a finished run's)."""
-        return self.current[0] if self.current is not None else None
+class DeviceAgent(EdgeChoosing, StateKeeping):
+    """One device: private ``data`` (float images in [-1, 1]) and ``labels``
+    (:class:`~device_agent.base.DeviceBase`): registers, (chooses an edge,) trains the
+    rounds it is given and uploads."""
 
     def start(self) -> None:
         """Read the saved state (``--state-dir``), subscribe to round announcements and
@@ -201,256 +111,6 @@ class DeviceAgent(RoleService):
             self._reannounce_later(session, min(delay_s * 2, REANNOUNCE_MAX_S), waited_s)
 
         self.ep.call_later(delay_s, again)
-
-    # -- edge selection (assignment "select" / "random") ----------------------------------
-    def on_presence(self, msg: Presence) -> None:
-        """Remember which edges and devices are offline (their last will): an offline edge
-        is not chosen, an offline earlier participant is not waited for."""
-        target = self.offline_edges if msg.role == "edge" else self.offline_devices
-        if msg.online:
-            target.discard(msg.name)
-        else:
-            target.add(msg.name)
-            if msg.role == "device" and self.selection is not None:
-                self._decide()
-
-    def on_join(self, msg: DeviceJoin) -> None:
-        """Another participant's choice; the choice this device waits for may be complete."""
-        if msg.device == self.name:
-            return
-        reason = histogram_problem(msg.label_counts)
-        if reason:
-            self.reject("bad_join", f"{msg.device} round {msg.round + 1}: {reason}")
-            return
-        if self._stale(msg.session, msg.round):
-            log.debug("%s: dropped %s's join for past round %d", self.name, msg.device,
-                      msg.round + 1)  # fmt: skip
-            return
-        self.joins[(msg.session, msg.round, msg.device)] = (msg.edge, tuple(msg.label_counts))
-        while len(self.joins) > MAX_KEPT_JOINS:
-            self.joins.popitem(last=False)
-        if self.selection is not None and self.selection.session == msg.session:
-            self._decide()
-
-    def _stale(self, session: str, round_: int) -> bool:
-        """Whether ``(session, round_)`` is before the current round of the current session."""
-        return self.current is not None and session == self.current[0] and round_ < self.current[1]
-
-    def _advance(self, session: str, round_: int) -> None:
-        """Make ``(session, round_)`` current (unless it is in the past) and drop the joins
-        that are not for it or a later round of its session."""
-        if self._stale(session, round_):
-            return
-        self.current = (session, round_)
-        for key in [k for k in self.joins if k[0] != session or k[1] < round_]:
-            del self.joins[key]
-
-    def on_round_start(self, msg: RoundStart) -> None:
-        """A participant picks its edge once every earlier participant (sorted order) has
-        picked or is offline, or after ``join_timeout_s``; then it tells everyone and trains
-        when that edge's announcement is here (it may already be)."""
-        if not msg.edge_counts:
-            return
-        for edge, counts in msg.edge_counts.items():
-            reason = histogram_problem(counts)
-            if reason:
-                self.reject("bad_edge_counts", f"round {msg.round + 1}, edge {edge}: {reason}")
-                return
-        self._advance(msg.session, msg.round)
-        if self.name not in msg.participants:
-            return
-        key = (msg.session, msg.round)
-        if key in self.choices:  # a replay (reconnect, restarted edge): repeat the choice
-            self._joined(msg, self.choices[key])
-            return
-        if self.selection is not None and self.sel_timer is not None:
-            self.sel_timer.cancel()
-        self.selection = msg
-        self.sel_timer = self.ep.call_later(
-            self.cfg.federation.join_timeout_s, lambda: self._decide(force=True)
-        )
-        self._decide()
-
-    def _decide(self, force: bool = False) -> None:
-        msg = self.selection
-        if msg is None:
-            return
-        order = sorted(msg.participants)
-        before = order[: order.index(self.name)]
-        known = {d: self.joins.get((msg.session, msg.round, d)) for d in before}
-        waiting = [d for d, j in known.items() if j is None and d not in self.offline_devices]
-        if waiting and not force:
-            return
-        if waiting:
-            log.warning(
-                "%s: round %d: choosing without %d earlier choices", self.name, msg.round,
-                len(waiting),
-            )  # fmt: skip
-        self.selection = None
-        if self.sel_timer is not None:
-            self.sel_timer.cancel()
-            self.sel_timer = None
-        counts = {e: list(c) for e, c in msg.edge_counts.items()}
-        for j in known.values():
-            if j is not None and j[0] in counts:  # lengths were checked on receipt
-                counts[j[0]] = [a + b for a, b in zip(counts[j[0]], j[1], strict=True)]
-        try:
-            edge = self.choose(msg.round, counts)
-        except ValueError:
-            self.reject("no_edge_online", f"round {msg.round + 1}")
-            return
-        self.choices[(msg.session, msg.round)] = edge
-        while len(self.choices) > MAX_PENDING_ROUNDS:
-            self.choices.popitem(last=False)
-        log.debug("%s round %d picked %s", self.name, msg.round + 1, edge)
-        self._joined(msg, edge)
-
-    def choose(self, round_: int, edge_counts: dict[str, list[int]]) -> str:
-        """This device's edge for ``round_`` (eq. 25 or uniform) among the online edges."""
-        edges = sorted(edge_counts)
-        rng = selection_rng(self.cfg.run.seed, self.index, round_)
-        if self.cfg.federation.assignment == "random":
-            probs = {e: 1.0 / len(edges) for e in edges}
-        else:
-            a, b, target = selection_settings(self.cfg)
-            probs = selection_probs(edge_counts, self.label_counts, a, b, target)
-        online = {e for e in edges if e not in self.offline_edges}
-        return choose_edge(probs, online, rng)
-
-    def _joined(self, msg: RoundStart, edge: str) -> None:
-        join = DeviceJoin(
-            round=msg.round,
-            session=msg.session,
-            device=self.name,
-            edge=edge,
-            label_counts=self.label_counts,
-        )
-        self.send(self.topics.device_join(self.name), join)
-        pending = self.announced.pop((msg.session, msg.round, edge), None)
-        if pending is not None:
-            self.train_round(pending)
-
-    # -- state across restarts (--state-dir, device_agent.state) ----------------------------
-    def restore_state(self, path: Path | None = None) -> bool:
-        """Take up the state saved by this device's last run of this config (in ``path``,
-        by default its ``--state-dir`` file), if there is one; an unusable file is moved
-        aside (never deleted) and the device starts afresh. Returns whether a state was
-        restored."""
-        path = path or self.state_file
-        if path is None:
-            return False
-        try:
-            saved = read_state(path)
-        except (StateError, CodecError, OSError) as err:
-            self._set_aside(path, "unreadable", f"{type(err).__name__}: {err}")
-            return False
-        if saved is None:
-            return False
-        plan, why = self._check_saved(saved)
-        last = None  # the update to resend if its round is announced again
-        if not why and saved.last_update is not None:
-            try:
-                last = DeviceUpdate.model_validate(saved.last_update)
-            except ValueError as err:  # pydantic's ValidationError
-                why = "bad-update", str(err).splitlines()[0]
-        if why:
-            self._set_aside(path, *why)
-            return False
-        self._adopt_arch(plan)
-        self.algo_state.clear()
-        self.algo_state.update(saved.algo_state)
-        if saved.model is not None:
-            self.model.load_state_dict(saved.model)
-        self.kept_local = saved.kept_local
-        self.last_update = last
-        self.state_session = saved.session
-        self.choices = OrderedDict(((s, r), e) for s, r, e in saved.choices)
-        self.metrics.device_state.labels(event="restored").inc()
-        log.info(
-            "%s: restored its state from %s (round %d of session %s: %s)", self.name, path,
-            saved.round, saved.session, ", ".join(sorted(saved.algo_state)) or "no entries",
-        )  # fmt: skip
-        return True
-
-    def _check_saved(self, saved: DeviceState) -> tuple[ChannelPlan | None, tuple[str, str] | None]:
-        """``saved``'s architecture, checked once, and (reason slug, detail) when ``saved``
-        is not this device's state for this run (None when it is)."""
-        if saved.device != self.name:
-            return None, ("other-device", f"it is {saved.device}'s")
-        if saved.config_digest != self.config_digest:
-            return None, ("other-config", (
-                f"saved under config {saved.config_digest}, this run is {self.config_digest}"
-            ))  # fmt: skip
-        if saved.round >= self.cfg.run.rounds:  # no real round of this run can be that late
-            return None, ("bad-round", f"round {saved.round + 1} of a "
-                          f"{self.cfg.run.rounds}-round run")  # fmt: skip
-        try:
-            plan = parse_plan(self.cfg.model.preset, saved.plan)
-        except ConfigError as err:
-            return None, ("bad-plan", f"bad architecture plan: {err}")
-        if saved.model is not None:
-            try:
-                check_spec(saved.model, model_spec(self.cfg.model.preset, plan))
-            except CodecError as err:
-                return plan, ("bad-model", str(err))
-        return plan, None
-
-    def _set_aside(self, path: Path, reason: str, detail: str) -> None:
-        """Move the unusable state file ``path`` aside (never deleted), counted and said."""
-        try:
-            moved = str(set_aside(path, reason))
-        except OSError as err:
-            moved = f"not moved ({err})"
-        self.metrics.device_state.labels(event="set_aside").inc()
-        log.warning("%s: state file %s not used (%s): %s; starting afresh", self.name,
-                    path, detail, moved)  # fmt: skip
-
-    def kept_state(self, round_: int, session: str) -> DeviceState:
-        """What this device keeps between rounds, as of ``round_`` of ``session``."""
-        return DeviceState(
-            device=self.name,
-            config_digest=self.config_digest,
-            plan=plan_doc(self.plan),
-            algo_state=self.algo_state,
-            round=round_,
-            session=session,
-            kept_local=self.kept_local,
-            model=dict(self.model.state_dict()) if self.kept_local is not None else None,
-            last_update=self.last_update.model_dump(mode="json") if self.last_update else None,
-            choices=[(s, r, e) for (s, r), e in self.choices.items()],
-        )
-
-    def write_state(self, path: Path, round_: int, session: str) -> int:
-        """Write :meth:`kept_state` to ``path`` atomically (the ``--state-dir`` format);
-        returns the bytes written. StateError or OSError when it cannot be written."""
-        state = self.kept_state(round_, session)
-        return save_state(path, state, self.algorithm.device.device_cache_keys)
-
-    def save_state(self, round_: int, session: str) -> None:
-        """Write what this device keeps between rounds (after a round it trained)."""
-        self.state_session = session
-        if self.state_file is None:
-            return
-        try:
-            size = self.write_state(self.state_file, round_, session)
-        except (StateError, OSError) as err:
-            # the round still counts: only a restart would lose what is not on disk
-            self.metrics.device_state.labels(event="save_failed").inc()
-            log.error("%s: state not saved to %s: %s", self.name, self.state_file, err)
-            return
-        self.metrics.device_state.labels(event="saved").inc()
-        log.debug("%s: state saved (%d bytes)", self.name, size)
-
-    def _start_over(self, session: str) -> None:
-        """The first round (index 0) from another session than the kept state's: the cloud
-        started the run over (a resumed cloud starts at a later round), so nothing kept applies."""
-        log.info("%s: the first round of session %s after session %s: the run started over; "
-                 "dropping the state kept from before", self.name, session,
-                 self.state_session)  # fmt: skip
-        self.algo_state.clear()
-        self.kept_local = None
-        self.last_update = None
-        self.state_session = None
 
     # -- training ------------------------------------------------------------------------
     def on_edge_round(self, msg: EdgeRound) -> None:
@@ -552,17 +212,6 @@ class DeviceAgent(RoleService):
             return False
         self._adopt_arch(plan)
         return True
-
-    def _adopt_arch(self, plan: ChannelPlan | None) -> None:
-        """Rebuild the module when the architecture changed (pruning)."""
-        if plan_digest(plan) == plan_digest(self.plan):
-            return
-        self.plan = plan
-        self.model = build_model(self.cfg.model.preset, plan, seed=self.cfg.run.seed)
-        self.spec = self.algorithm.format.global_spec(model_spec(self.cfg.model.preset, plan))
-        self.algo_state.clear()  # per-device state of the old architecture no longer fits
-        self.kept_local = None
-        log.info("%s: architecture %s", self.name, plan_digest(plan))
 
     def _divergence(self, result: LocalResult) -> str:
         """Why local training diverged (non-finite mean loss or model weights), or ``""``.

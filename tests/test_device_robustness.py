@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-import device_agent.service as device_service
+import device_agent.choosing as device_choosing
 from device_agent.service import DeviceAgent
 from shared.config import RunConfig
 from shared.methods.registry import make_algorithm
@@ -289,7 +289,7 @@ def test_joins_are_kept_only_for_the_current_session_and_later_rounds() -> None:
 
 
 def test_kept_joins_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device_service, "MAX_KEPT_JOINS", 5)
+    monkeypatch.setattr(device_choosing, "MAX_KEPT_JOINS", 5)
     bus, dev, _, peer, _ = select_setup()
     for r in range(12):
         peer.join(r, COUNTS)
