@@ -217,8 +217,11 @@ def variants(out: Path, baselines: Path) -> list[str]:
         lines += ["## Label skew (5 devices x 2 classes, no transform; identity test split)", "",
                   "| row | accuracy (%) | seeds |", "|---|---|---|"]  # fmt: skip
         for label, folder, key in LABELSKEW_ROWS:
-            got = [(s, row_of(out / f"labelskew-seed{s}" / folder, key)["mean"]) for s in seeds
-                   if (out / f"labelskew-seed{s}" / folder / "summary.json").is_file()]
+            got = [
+                (s, row_of(out / f"labelskew-seed{s}" / folder, key)["mean"])
+                for s in seeds
+                if (out / f"labelskew-seed{s}" / folder / "summary.json").is_file()
+            ]
             if got:
                 lines.append(f"| {label} | {_cell([v for _, v in got])} | "
                              f"{', '.join(str(s) for s, _ in got)} |")  # fmt: skip
@@ -233,8 +236,12 @@ def variants(out: Path, baselines: Path) -> list[str]:
         lines.append("")
     seeds = seeds_of(out, "ablation-seed")
     if seeds:
-        lines += ["## Description passes E (feature skew, mean over the domains, %)", "",
-                  "| E | FedDEO (3, 3) | descriptions only (0, 3) | seeds |", "|---|---|---|---|"]
+        lines += [
+            "## Description passes E (feature skew, mean over the domains, %)",
+            "",
+            "| E | FedDEO (3, 3) | descriptions only (0, 3) | seeds |",
+            "|---|---|---|---|",
+        ]
         for e, prefix, folder in ABLATION_ROWS:
             dirs = [(s, out / f"{prefix}{s}" / folder) for s in seeds]
             dirs = [(s, d) for s, d in dirs if (d / "summary.json").is_file()]

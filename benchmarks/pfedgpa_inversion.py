@@ -149,7 +149,10 @@ def swap_table(devs: Devices, uploads: torch.Tensor, dm: ParamDM) -> dict[str, A
 
 
 def diagnostic(
-    devs: Devices, dm: ParamDM, generated: torch.Tensor, uploads: torch.Tensor,
+    devs: Devices,
+    dm: ParamDM,
+    generated: torch.Tensor,
+    uploads: torch.Tensor,
     store: torch.Tensor,
 ) -> dict[str, Any]:
     """What the parameter model learned: generated models against the last uploads."""
@@ -288,10 +291,18 @@ def table_md(doc: dict[str, Any]) -> str:
                    f"{b['sd']:.2f} | {b['under_60']} | {after} |")  # fmt: skip
     c = doc["run_check"]
     if c.get("checked"):
-        out += ["", f"The run's own devices before FT ({c['row']}): {c['run_before_mean']:.2f}; "
-                f"largest per-device difference from this row {c['max_abs_diff']:.4f}."]
-    out += ["", "Device i with device j's upload (before FT):", "",
-            "| pairs | mean (%) | sd | pairs | pairs < 60 % |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"The run's own devices before FT ({c['row']}): {c['run_before_mean']:.2f}; "
+            f"largest per-device difference from this row {c['max_abs_diff']:.4f}.",
+        ]
+    out += [
+        "",
+        "Device i with device j's upload (before FT):",
+        "",
+        "| pairs | mean (%) | sd | pairs | pairs < 60 % |",
+        "|---|---|---|---|---|",
+    ]
     for k, v in doc["swap"]["cells"].items():
         out.append(f"| {k} | {v['mean']:.2f} | {v['sd']:.2f} | {v['pairs']} | {v['under_60']} |")
     g = doc["diagnostic"]
@@ -301,13 +312,18 @@ def table_md(doc: dict[str, Any]) -> str:
             "|---|---|---|---|"]  # fmt: skip
     for k in ("uploads", "generated"):
         p = g[k]
-        out.append(f"| {k} | {p['best_device_mean']:.2f} / {p['best_device_min']:.2f} | "
-                   f"{p['all_devices_mean']:.2f} | {p['groups_served']} |")
-    out += ["", f"Normalized distances: generated to the nearest stored upload "
-            f"{g['nn_distance_generated_to_store']:.1f}, a stored upload to its nearest other "
-            f"{g['nn_distance_within_store']:.1f}, a stored upload to the store's mean "
-            f"{g['distance_store_to_its_mean']:.1f}; the autoencoder's normalized MSE on the "
-            f"store {g['ae_normalized_mse']:.3f} (1 = predicting the mean)."]
+        out.append(
+            f"| {k} | {p['best_device_mean']:.2f} / {p['best_device_min']:.2f} | "
+            f"{p['all_devices_mean']:.2f} | {p['groups_served']} |"
+        )
+    out += [
+        "",
+        f"Normalized distances: generated to the nearest stored upload "
+        f"{g['nn_distance_generated_to_store']:.1f}, a stored upload to its nearest other "
+        f"{g['nn_distance_within_store']:.1f}, a stored upload to the store's mean "
+        f"{g['distance_store_to_its_mean']:.1f}; the autoencoder's normalized MSE on the "
+        f"store {g['ae_normalized_mse']:.3f} (1 = predicting the mean).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -343,16 +359,21 @@ def main() -> None:
     p.add_argument("run", type=Path, help="a pFedGPA run directory (whole-model generation)")
     p.add_argument("--out", type=Path, required=True, help="where the tables go")
     p.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
-    p.add_argument("--no-fine-tune", dest="fine_tune", action="store_false",
-                   help="before FT only (faster)")
-    p.add_argument("--direct-run", type=Path,
-                   help="the run's direct-generation twin: its diffusion model must be the same")
+    p.add_argument(
+        "--no-fine-tune", dest="fine_tune", action="store_false", help="before FT only (faster)"
+    )
+    p.add_argument(
+        "--direct-run",
+        type=Path,
+        help="the run's direct-generation twin: its diffusion model must be the same",
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.direct_run is not None:
-        a, b = (r / "checkpoints" / STATE_DIR / "dm.safetensors" for r in (args.run,
-                                                                            args.direct_run))
+        a, b = (
+            r / "checkpoints" / STATE_DIR / "dm.safetensors" for r in (args.run, args.direct_run)
+        )
         if a.read_bytes() != b.read_bytes():
             raise SystemExit(f"{a} and {b} differ: the two arms trained different models")
     doc = sweep(args)

@@ -108,8 +108,13 @@ def sweeps_md(out: Path) -> tuple[str, dict[str, Any]]:
                               "after_under_60": ua}  # fmt: skip
         lines.append(f"| {label} | {b[0]:.2f} ± {b[1]:.2f} | {ub:.1f} | {a[0]:.2f} ± {a[1]:.2f} "
                      f"| {ua:.1f} |")  # fmt: skip
-    lines += ["", "Device i with device j's upload, before FT (mean ± sd over seeds, %):", "",
-              "| pairs | accuracy | pairs < 60 % (per seed) |", "|---|---|---|"]
+    lines += [
+        "",
+        "Device i with device j's upload, before FT (mean ± sd over seeds, %):",
+        "",
+        "| pairs | accuracy | pairs < 60 % (per seed) |",
+        "|---|---|---|",
+    ]
     for key in docs[0]["swap"]["cells"]:
         m = mean_sd([d["swap"]["cells"][key]["mean"] for d in docs])
         u = statistics.fmean(d["swap"]["cells"][key]["under_60"] for d in docs)

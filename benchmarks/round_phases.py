@@ -384,12 +384,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--workdir", help="parent of the run directories (default: /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
-    ap.add_argument("--load", type=int, default=0, metavar="N",
-                    help="also run each federation beside N busy processes (one core each)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="quiet/loaded pairs per device count (the order alternates)")
-    ap.add_argument("--floor", action="store_true",
-                    help="measure the transfer floor of a round beside each device count")
+    ap.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run each federation beside N busy processes (one core each)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="quiet/loaded pairs per device count (the order alternates)",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure the transfer floor of a round beside each device count",
+    )
     ap.add_argument("--floor-rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, help="JSON of the figures")
     ap.add_argument("--plot", type=Path, help="PNG plot")
@@ -432,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                 for k in keys
             }
             ratio = row["loaded_over_quiet"]
-            print(f"   loaded / quiet: wall {ratio['wall']}, overhead {ratio['overhead']}, "
-                  + ", ".join(f"{p} {ratio[p]}" for p in PHASES), flush=True)
+            print(
+                f"   loaded / quiet: wall {ratio['wall']}, overhead {ratio['overhead']}, "
+                + ", ".join(f"{p} {ratio[p]}" for p in PHASES),
+                flush=True,
+            )
         if args.floor:
             size = int(statistics.median(r["median"]["blob_bytes"] for r in runs["quiet"]))
             size //= 2 * n + 2  # the round's blob bytes are 2n + 2 models (see phases_of)
@@ -474,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot, f"{args.preset}, 1 edge, one local step (batch {args.batch}), "
              f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
-    ok = all(r["cloud_exit"] == 0 and r["median"]
-             for c in comparisons for leg in c["runs"].values() for r in leg)
+    ok = all(
+        r["cloud_exit"] == 0 and r["median"]
+        for c in comparisons
+        for leg in c["runs"].values()
+        for r in leg
+    )
     return 0 if ok else 1
 
 

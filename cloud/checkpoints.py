@@ -14,6 +14,7 @@ from shared.runtime.memory import release_memory
 
 log = logging.getLogger(__name__)
 
+
 class CloudCheckpoints(CloudBase):
     """The cloud's checkpoints and round summaries."""
 

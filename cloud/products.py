@@ -19,6 +19,7 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+
 class CloudProducts(CloudBase):
     """The cloud's personal models and its final product."""
 

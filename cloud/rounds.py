@@ -22,6 +22,7 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+
 def sample_participants(devices: list[str], kappa: float, seed: int, round_: int) -> list[str]:
     """ceil(kappa * N) devices drawn without replacement by a per-round seeded RNG
     (derived from (seed, round) so a resumed run draws the same devices)."""

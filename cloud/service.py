@@ -59,10 +59,8 @@ SETTLE_S = 1.0
 FETCH_POLL_S = 0.01  # how often the message thread looks for edge downloads that finished
 
 
-
 class CloudServer(CloudProducts, CloudCheckpoints):
     """The cloud: owns the global model and the round counter."""
-
 
     def clear_deployment(self) -> None:
         """Clear the retained deployment (an empty retained publish on ``cloud/deploy``): a
@@ -88,7 +86,6 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         # here only once both had time to arrive, so that the registrations a finished run
         # left behind (their devices offline) cannot start a round before this run's devices
         self.ep.call_later(SETTLE_S, self._settled)
-
 
     # -- registration ------------------------------------------------------------------
     def _configured_device(self, name: str) -> bool:
@@ -154,7 +151,6 @@ class CloudServer(CloudProducts, CloudCheckpoints):
             self.done = True
             self._publish_state("done")
 
-
     def _begin(self) -> None:
         self.started = True
         with self._transition("starting"):
@@ -211,7 +207,6 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         self.metrics.round_deadline.set(self.cloud_deadline_s)
         self.deadline_at = self.ep.now() + self.cloud_deadline_s
         self.timer = self.ep.call_later(self.cloud_deadline_s, self._on_deadline)
-
 
     def on_edge_update(self, msg: EdgeUpdate) -> None:
         """Collect one report per edge for the open round."""
@@ -373,8 +368,11 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 return False
             if f.update_ref.src != cloud_only_home(home_of("edge", msg.edge)):
                 # served anywhere else, a device of that edge could read another's upload
-                self.reject("bad_forward", f"{msg.edge} round {msg.round + 1}: {f.device}'s "
-                            f"upload is served by {f.update_ref.src!r}, not for the cloud alone")
+                self.reject(
+                    "bad_forward",
+                    f"{msg.edge} round {msg.round + 1}: {f.device}'s "
+                    f"upload is served by {f.update_ref.src!r}, not for the cloud alone",
+                )
                 return False
             seen.add(f.device)
         return True
@@ -468,7 +466,6 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         else:
             self._open_round()
 
-
     def _finish(self) -> None:
         self.checkpoints.wait()  # the run's last checkpoint is on disk before anything ends
         ran = self.round - self.start_round
@@ -492,5 +489,3 @@ class CloudServer(CloudProducts, CloudCheckpoints):
             self._finalize(finalizer)
             return
         self._trained()
-
-

@@ -21,6 +21,7 @@ from shared.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+
 class _Closed(NamedTuple):
     """What closing a round computes; the edge takes it on only once all of it is known."""
 
@@ -179,8 +180,7 @@ class EdgeReporting(EdgeRoundState):
         return [
             Forwarded(
                 device=d,
-                update_ref=self.put_cloud_only_tensors(self.updates[d].tensors,
-                                                       "forwarded_update"),
+                update_ref=self.put_cloud_only_tensors(self.updates[d].tensors, "forwarded_update"),
                 n_samples=contributors[d].n_samples,
             )
             for d in sorted(contributors)

@@ -43,7 +43,6 @@ MAX_EARLY_JOINS = 100_000  # joins kept for rounds this edge has not opened yet
 class EdgeServer(UpdateFetching, EdgeReporting):
     """One edge aggregator, named ``edge_id``."""
 
-
     def start(self) -> None:
         """Subscribe to round starts and device updates."""
         self.on(self.topics.cloud_round, RoundStart, self.on_round_start, "msg_round_start")
@@ -89,7 +88,6 @@ class EdgeServer(UpdateFetching, EdgeReporting):
                 self._maybe_close()
         self._update_device_gauge()
 
-
     def on_join(self, msg: DeviceJoin) -> None:
         """A participant's edge choice: ours joins the round, another's releases it."""
         if msg.session != self.session or msg.round != self.round:
@@ -134,7 +132,6 @@ class EdgeServer(UpdateFetching, EdgeReporting):
             )
             return None, True
         return merged, True
-
 
     # -- round start -------------------------------------------------------------------
     def on_round_start(self, msg: RoundStart) -> None:
@@ -253,15 +250,12 @@ class EdgeServer(UpdateFetching, EdgeReporting):
                 del self.early_joins[key]
         self._maybe_close()
 
-
-
     def _maybe_close(self) -> None:
         if self.closed:
             return
         settled = set(self.reported) | self.dropped | self.elsewhere
         if all(d in settled for d in self.candidates):
             self._close()
-
 
     def _on_deadline(self) -> None:
         if self.closed:
@@ -274,6 +268,3 @@ class EdgeServer(UpdateFetching, EdgeReporting):
             len(self.assigned),
         )
         self._close()
-
-
-

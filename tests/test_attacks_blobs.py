@@ -190,8 +190,9 @@ def blob_run(tmp_path_factory: pytest.TempPathFactory) -> BlobRun:
                     seen.add(payload)
                     evil.client.publish(asked, payload, qos=1)
                     for d in fed.devices:
-                        evil.client.publish(topics.blob_want(f"device/{ATTACKER}",
-                                                             f"device/{d}"), payload, qos=1)
+                        evil.client.publish(
+                            topics.blob_want(f"device/{ATTACKER}", f"device/{d}"), payload, qos=1
+                        )
 
             evil.on_message = ask_again
             # what its account may read, and what it may not (the broker refuses the latter)
@@ -210,8 +211,11 @@ def blob_run(tmp_path_factory: pytest.TempPathFactory) -> BlobRun:
             start = next(decode(p, RoundStart) for t, p in evil.received(topics.cloud_round))
             glob = start.global_ref
             before = sent_bytes(cloud_bus)
-            flood(evil, f"{topics.base}/device/{ATTACKER}/want/cloud",
-                  want_all(glob.sha256, glob.size, chunk))
+            flood(
+                evil,
+                f"{topics.base}/device/{ATTACKER}/want/cloud",
+                want_all(glob.sha256, glob.size, chunk),
+            )
             settle(cloud_bus)
             cloud_sent = sent_bytes(cloud_bus) - before
             fed.release(0)
@@ -323,7 +327,6 @@ def test_a_requesters_budget_bounds_what_it_is_sent(broker: LocalBroker) -> None
     finally:
         evil.close()
         server.close(timeout_s=1.0)
-
 
 
 # -- an edge that dies right after it reports ---------------------------------------------------

@@ -178,8 +178,11 @@ def test_unknown_override_key_is_named() -> None:
             {
                 "label": "A",
                 "centralized": True,
-                "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
-                              "algorithm.fedphd.sparse_rounds": 1},
+                "overrides": {
+                    "algorithm.name": "fedphd",
+                    "algorithm.fedphd.prune_ratio": 0.44,
+                    "algorithm.fedphd.sparse_rounds": 1,
+                },
             },
             "prunes only before its first step",
         ),
@@ -395,8 +398,11 @@ def test_centralized_training_of_a_pruned_architecture(tmp_path: Path) -> None:
     pruned = {
         "label": "Centralized (s_p=0.44)",
         "centralized": True,
-        "overrides": {"algorithm.name": "fedphd", "algorithm.fedphd.prune_ratio": 0.44,
-                      "algorithm.fedphd.prune_at": "init"},
+        "overrides": {
+            "algorithm.name": "fedphd",
+            "algorithm.fedphd.prune_ratio": 0.44,
+            "algorithm.fedphd.prune_at": "init",
+        },
     }
     raw = _raw(method=[{"label": "FedAvg"}, {"label": "Centralized", "centralized": True}, pruned])
     spec = parse_compare(raw, Path("x.toml"))

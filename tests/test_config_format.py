@@ -50,8 +50,10 @@ def test_flat_keys_go_to_their_tables_with_a_note_and_the_old_digest(
         if key in FLAT_KEYS:
             section, table, name = FLAT_KEYS[key]
             where = f"{section}.{table}.{name}" if table else f"{section}.{name}"
-            value = getattr(cfg.algorithm.settings_of(table), name) if table else (
-                getattr(cfg.federation, name)
+            value = (
+                getattr(cfg.algorithm.settings_of(table), name)
+                if table
+                else (getattr(cfg.federation, name))
             )
             assert value == data["algorithm"][key]
             notes = [r.message for r in caplog.records if f"algorithm.{key} " in r.message]
@@ -122,10 +124,19 @@ def test_format1_pfedgpa_depth_zero_is_read_as_the_whole_chain() -> None:
     assert depth({"pfedgpa_invert_from": 30, "pfedgpa_timesteps": 50}) == 30
     assert depth({"pfedgpa": {"invert_from": 0}}) == 0  # format 2: the reconstruction
     assert depth({}) == 200
-    same = [config_from_dict({**run, "algorithm": {"name": "pfedgpa", **a}}).digest()
-            for a in ({"pfedgpa_batch": 8}, {"pfedgpa_batch": 8, "pfedgpa_invert_from": 0})]
-    assert same[0] == same[1] != config_from_dict(
-        {**run, "algorithm": {"name": "pfedgpa", "pfedgpa_batch": 8, "pfedgpa_invert_from": 200}}
-    ).digest()
+    same = [
+        config_from_dict({**run, "algorithm": {"name": "pfedgpa", **a}}).digest()
+        for a in ({"pfedgpa_batch": 8}, {"pfedgpa_batch": 8, "pfedgpa_invert_from": 0})
+    ]
+    assert (
+        same[0]
+        == same[1]
+        != config_from_dict(
+            {
+                **run,
+                "algorithm": {"name": "pfedgpa", "pfedgpa_batch": 8, "pfedgpa_invert_from": 200},
+            }
+        ).digest()
+    )
     with pytest.raises(ConfigError, match=r"invert_from \(60\) cannot exceed timesteps \(50\)"):
         depth({"pfedgpa": {"invert_from": 60, "timesteps": 50}})

@@ -37,8 +37,15 @@ PACKAGES = ("shared", "cloud", "edge_node", "device_agent", "estuary")
 ROLES = ("cloud", "edge_node", "device_agent")
 #: shared's floors, lowest first: a module imports only from its own floor and lower ones
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("shared", "shared.errors", "shared.atomic", "shared.lifetime", "shared.settings",
-     "shared.families", "shared.seeds"),
+    (
+        "shared",
+        "shared.errors",
+        "shared.atomic",
+        "shared.lifetime",
+        "shared.settings",
+        "shared.families",
+        "shared.seeds",
+    ),
     ("shared.config", "shared.methods.registry"),
     ("shared.wire",),
     ("shared.transport",),
@@ -441,8 +448,10 @@ BROKEN = {
     ),
     "paho": ({"edge_node/service.py": "import paho.mqtt.client as mqtt\n"}, "edge_node.service:1"),
     "interface": (
-        {"shared/methods/prism/method.py": "x = 1\n",
-         "estuary/simulate.py": "from shared.methods.prism.method import x\n"},
+        {
+            "shared/methods/prism/method.py": "x = 1\n",
+            "estuary/simulate.py": "from shared.methods.prism.method import x\n",
+        },
         "estuary.simulate:1 imports shared.methods.prism.method",
     ),
     "names": (

@@ -61,9 +61,7 @@ class Edge(RoleService):
 
     role = "edge"
 
-    def announce(
-        self, round_: int, *, upload: bool, ref: Any = None, select: bool = False
-    ) -> Any:
+    def announce(self, round_: int, *, upload: bool, ref: Any = None, select: bool = False) -> Any:
         """Send an EdgeRound for ``round_`` (a fresh model blob unless ``ref``); the ref."""
         if ref is None:
             ref = put_model(self, "edge_model")

@@ -646,7 +646,8 @@ def test_a_silent_blob_source_holds_up_no_one_else(
     nothing honest is counted late."""
     server = fed.evil_bus._blob_server
     monkeypatch.setattr(
-        server, "handle_want",
+        server,
+        "handle_want",
         lambda payload, _requester, device=None: server.release_want(payload),
     )
     before = fed.rejected()

@@ -42,8 +42,7 @@ pytestmark = pytest.mark.xdist_group("param_diffusion")
 
 D = 150
 #: a tiny DM on the production schedule: T = 1000 steps of the linear 1e-4 -> 2e-2 betas
-TINY = ParamDMConfig(ae_steps=300, dm_steps=200, timesteps=1000, denoiser_width=16,
-                     batch_size=32)
+TINY = ParamDMConfig(ae_steps=300, dm_steps=200, timesteps=1000, denoiser_width=16, batch_size=32)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -86,10 +85,20 @@ def trained() -> tuple[ParamDM, Tensor, list[tuple[str, int, int]]]:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("ae_size", "large"), ("denoiser_width", 0), ("ae_steps", -1), ("dm_steps", 0),
-     ("batch_size", 0), ("timesteps", 0), ("lr", 0.0), ("input_noise", 1.0),
-     ("denoiser", "unet"),
-     ("latent_noise", -0.1), ("ema", 1.0), ("ema", 0.0)],
+    [
+        ("ae_size", "large"),
+        ("denoiser_width", 0),
+        ("ae_steps", -1),
+        ("dm_steps", 0),
+        ("batch_size", 0),
+        ("timesteps", 0),
+        ("lr", 0.0),
+        ("input_noise", 1.0),
+        ("denoiser", "unet"),
+        ("latent_noise", -0.1),
+        ("ema", 1.0),
+        ("ema", 0.0),
+    ],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -117,8 +126,9 @@ def test_eq14_reconstructs_z0_exactly_in_float64() -> None:
     assert (reconstruct(z_t, eps_tilde, betas) - z0).abs().max().item() < 1e-10
     # eq. 12 recovers the noise that eq. 11 drew
     g = _gen(7)
-    drawn = torch.stack([torch.randn(z0.shape, generator=g, dtype=torch.float64)
-                         for _ in range(1000)])
+    drawn = torch.stack(
+        [torch.randn(z0.shape, generator=g, dtype=torch.float64) for _ in range(1000)]
+    )
     assert (eps_tilde - drawn).abs().max().item() < 1e-9
     # a shorter chain reconstructs too, and t0 = 0 is the identity
     z_s, eps_s = forward_chain(z0, betas, _gen(8), t0=37)
@@ -134,9 +144,16 @@ def test_eq14_reconstructs_z0_exactly_in_float64() -> None:
 
 @pytest.mark.parametrize(
     ("in_dim", "size", "latent"),
-    [(1, "small", (2, 2)), (7, "small", (2, 2)), (83, "small", (2, 2)), (163, "small", (2, 3)),
-     (1290, "small", (2, 16)), (1706, "small", (2, 22)), (301, "medium", (4, 2)),
-     (2048, "medium", (4, 4))],
+    [
+        (1, "small", (2, 2)),
+        (7, "small", (2, 2)),
+        (83, "small", (2, 2)),
+        (163, "small", (2, 3)),
+        (1290, "small", (2, 16)),
+        (1706, "small", (2, 22)),
+        (301, "medium", (4, 2)),
+        (2048, "medium", (4, 4)),
+    ],
 )
 def test_autoencoder_shapes(in_dim: int, size: str, latent: tuple[int, int]) -> None:
     with torch.random.fork_rng(devices=[]):
@@ -185,8 +202,11 @@ def test_linear_autoencoder_learns_directions_the_conv_one_cannot() -> None:
 def test_denoiser_conditions_each_sample_on_its_own_timestep(kind: str) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        den: nn.Module = (LatentDenoiser((2, 8), width=8, timesteps=50) if kind == "conv"
-                          else MLPDenoiser((2, 8), width=16, timesteps=50)).eval()
+        den: nn.Module = (
+            LatentDenoiser((2, 8), width=8, timesteps=50)
+            if kind == "conv"
+            else MLPDenoiser((2, 8), width=16, timesteps=50)
+        ).eval()
     z = torch.randn(4, 2, 8, generator=_gen(1))
     t = torch.tensor([0, 13, 27, 49])
     with torch.no_grad():
@@ -311,8 +331,9 @@ def test_save_load_round_trip(trained: tuple[ParamDM, Tensor, list], tmp_path: P
     back = ParamDM.load(path)
     assert _same(back.state_dict(), dm.state_dict()) and back.meta() == dm.meta()
     assert back.config == dm.config and back.shapes == [(D,)] and back.names == ["w"]
-    assert torch.equal(invert(back, store[:3], _gen(9), t0=50),
-                       invert(dm, store[:3], _gen(9), t0=50))
+    assert torch.equal(
+        invert(back, store[:3], _gen(9), t0=50), invert(dm, store[:3], _gen(9), t0=50)
+    )
     assert torch.equal(generate(back, 2, _gen(9)), generate(dm, 2, _gen(9)))
     (tmp_path / "junk.safetensors").write_bytes(b"not a dm")
     with pytest.raises(CodecError):
@@ -325,7 +346,8 @@ def test_invert_t0_zero_is_the_autoencoder_reconstruction(
     dm, store, _ = trained
     with torch.no_grad():
         expected = dm.normalizer.denormalize(
-            dm.autoencoder.decode(dm.autoencoder.encode(dm.normalizer.normalize(store[:5]))))
+            dm.autoencoder.decode(dm.autoencoder.encode(dm.normalizer.normalize(store[:5])))
+        )
     torch.testing.assert_close(invert(dm, store[:5], _gen(0), t0=0), expected)
 
 

@@ -196,7 +196,7 @@ def _method(entry: Any, i: int, base: dict[str, Any], path: Path, taken: set[str
         raise ConfigError(
             f"{path}: method {label!r}: algorithm.prune_ratio is FedPhD's setting "
             "(algorithm.fedphd.prune_ratio): a pruned centralized ceiling names fedphd "
-            "(\"algorithm.name\" = \"fedphd\")"
+            '("algorithm.name" = "fedphd")'
         )
     if centralized:
         try:

@@ -400,5 +400,3 @@ class OnnxGenerator:
         seconds = time.perf_counter() - start
         passes = 1 if self.kind == "oneshot" else steps
         return np.concatenate(out), SampleStats(n, passes, seconds, min(batch_size, n))
-
-

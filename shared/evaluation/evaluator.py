@@ -79,9 +79,7 @@ def sample_images(
     where it was on return. A one-shot generator maps ``n`` such latents in one pass each
     (``steps`` unused), in eval mode."""
     refuse_classifier(model, "sampling")
-    gen = torch.Generator().manual_seed(
-        seeds.integer("eval.samples", cfg.run.seed, salt=salt)
-    )
+    gen = torch.Generator().manual_seed(seeds.integer("eval.samples", cfg.run.seed, salt=salt))
     if is_oneshot(model):
         return oneshot_sample(model, n, gen, device=device)
     shape = (n, *image_shape(cfg.model.preset))

@@ -162,7 +162,8 @@ class WeightedSum:
         """``sum_k w_k * state_k`` in float64 (non-float tensors as taken)."""
         self._materialize()
         return {
-            k: self._fixed[k][1] if k in self._fixed
+            k: self._fixed[k][1]
+            if k in self._fixed
             else (self._hi[k] + self._lo[k].double()).view(self._shapes[k])
             for k in self._dtypes
         }

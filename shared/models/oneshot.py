@@ -130,9 +130,7 @@ def recalibrate_bn(
     for m in norms:
         m.reset_running_stats()
         m.momentum = None  # cumulative average over the calibration batches
-    gen = torch.Generator().manual_seed(
-        seeds.integer("oneshot.bn", seed)
-    )
+    gen = torch.Generator().manual_seed(seeds.integer("oneshot.bn", seed))
     first = next(model.parameters())
     model.train()
     count, size = batches

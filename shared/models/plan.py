@@ -381,7 +381,6 @@ def _check_couplings(model: UNet2DModel, modules: Mapping[str, Any]) -> None:
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
 
-
     def size(name: str, key: str) -> int:
         value: int = modules[name][key]
         return value

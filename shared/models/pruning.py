@@ -353,5 +353,3 @@ def _unit_order(groups: Sequence[DependencyGroup], method: str, seed: int) -> li
 
 
 # -- sparse training (eqs. 16-17) ---------------------------------------------------------
-
-

@@ -42,6 +42,7 @@ __all__ = ["REJECT_LOG_BURST", "REJECT_LOG_WINDOW_S", "LogLimiter", "RoleService
 
 M = TypeVar("M")
 
+
 class RoleService:
     """Base of the cloud, edge and device services: one endpoint, one name, one config."""
 
@@ -212,7 +213,12 @@ class RoleService:
                 reason="blob_too_large",
             )
         data = self.ep.get_blob(
-            ref.sha256, ref.size, kind=ref.kind, src=ref.src, timeout_s=timeout_s, cache=False,
+            ref.sha256,
+            ref.size,
+            kind=ref.kind,
+            src=ref.src,
+            timeout_s=timeout_s,
+            cache=False,
             stall_s=stall_s,
         )
         tensors = decode_tensors(data, expected=spec, partial=partial, copy=not views)

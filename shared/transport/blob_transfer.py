@@ -245,8 +245,9 @@ class BlobServer:
         # deployment) serves devices what the cloud does: the current deployment
         self._device_kinds = DEVICE_KINDS.get(role, DEVICE_KINDS["cloud"])
         #: the newest blobs of each device-fetchable kind (put or kept on the role's thread)
-        self._current: dict[str, OrderedDict[str, None]] = {k: OrderedDict()
-                                                           for k in self._device_kinds}
+        self._current: dict[str, OrderedDict[str, None]] = {
+            k: OrderedDict() for k in self._device_kinds
+        }
         self._current_lock = threading.Lock()
         # I/O worker only: when a chunk was last queued for a requester, and each
         # requester's (window start, bytes queued) of the budget's minute

@@ -164,9 +164,7 @@ class Moon(FedAvg):
             device = self.training_device
             glob = frozen_copy(model, ctx.state[GLOBAL], device)
             prev = frozen_copy(model, prev_state, device)
-        result = self.train(
-            ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.mu, cfg.tau)
-        )
+        result = self.train(ctx, model, loss_fn=moon_ddpm_loss(glob, prev, cfg.mu, cfg.tau))
         glob = prev = None  # free the frozen copies (GPU memory) before the upload's copies
         if not upload:
             return LocalResult(None, result)

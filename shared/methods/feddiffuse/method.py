@@ -87,7 +87,6 @@ _PART_OF_ROOT: dict[str, Part] = {
 }
 
 
-
 def part_of(name: str) -> Part:
     """The U-Net part that owns state-dict tensor ``name``.
 

@@ -107,9 +107,7 @@ class PFedGPA(Algorithm):
         s = self.settings
         #: how :meth:`personalize` makes the devices' models (``PersonalModel.mode``)
         self.personal_mode: Literal["inversion", "generation", "guidance"] = s.mode
-        self.names = generated_names(
-            cfg.model.preset, s.layers, resolve_device(cfg.compute.device)
-        )
+        self.names = generated_names(cfg.model.preset, s.layers, resolve_device(cfg.compute.device))
         spec = state_spec(cfg.model.preset)
         self.shapes = [tuple(spec[k].shape) for k in self.names]
         #: vectors the store holds at most (:data:`MAX_STORE_BYTES` of float32 vectors)

@@ -327,9 +327,7 @@ class Prism(Algorithm):
         )
         scores = {n: initial_scores(key, run_seed, n, spec[n].shape) for n in frozen}
         net = MaskedModule(model, frozen, scores, estimator=st.estimator, seed=seed)
-        opt = torch.optim.Adam(
-            list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2)
-        )
+        opt = torch.optim.Adam(list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2))
 
         def state(round_: int) -> TensorDict:
             out: TensorDict = {THETA + n: p for n, p in net.probabilities().items()}
@@ -462,9 +460,7 @@ class Prism(Algorithm):
         entry ``(round, shapes, state)``); a round trained again starts where it first
         started. Returns the optimizer and the entry it started from."""
         st = self.settings
-        opt = torch.optim.Adam(
-            list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2)
-        )
+        opt = torch.optim.Adam(list(net.scores), lr=st.lr, betas=(st.beta1, st.beta2))
         shapes = tuple(tuple(p.shape) for p in net.scores)
         kept = ctx.state.get(ADAM)
         if kept is not None and kept[0] >= round_:  # this round again (or the run restarted)
@@ -481,11 +477,7 @@ class Prism(Algorithm):
         noise = self.dp_noise
         dp = noise > 0
         released = int(ctx.state.get(RELEASES, 0))
-        if (
-            dp
-            and upload
-            and dp_epsilon(noise, released + 1, st.dp_delta) > (st.dp_epsilon)
-        ):
+        if dp and upload and dp_epsilon(noise, released + 1, st.dp_delta) > (st.dp_epsilon):
             log.warning(
                 "%s: one more release would exceed the privacy budget epsilon = %g: "
                 "nothing trained or uploaded", ctx.device, st.dp_epsilon,
