@@ -39,10 +39,12 @@ from shared.methods.prism.method import (
     STEP,
     THETA,
     Prism,
+    mask_distance,
+)
+from shared.methods.prism.privacy import (
     dp_epsilon,
     dp_noise_for,
     dp_rounds,
-    mask_distance,
     privatize,
     sensitivity,
 )
