@@ -16,6 +16,7 @@ from shared.diffusion.schedule import make_train_scheduler
 from shared.errors import ConfigError, MessageError
 from shared.methods.base import Update
 from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddeo.descriptions import train_descriptions
 from shared.methods.feddeo.guidance import (
     class_table,
     compose_eps,
@@ -30,7 +31,6 @@ from shared.methods.feddeo.method import (
     image_seed,
     prompt_norm,
     start_noise,
-    train_descriptions,
 )
 from shared.methods.registry import make_algorithm
 from shared.models.plan import model_spec

@@ -16,6 +16,7 @@ from shared.data.domains import DOMAINS
 from shared.diffusion.schedule import make_train_scheduler
 from shared.errors import ConfigError
 from shared.methods.feddeo.config import FedDEOConfig
+from shared.methods.feddeo.descriptions import train_descriptions
 from shared.methods.feddeo.guidance import (
     class_table,
     domain_grid,
@@ -24,7 +25,7 @@ from shared.methods.feddeo.guidance import (
     guided_ddim,
     null_row,
 )
-from shared.methods.feddeo.method import image_seed, start_noise, train_descriptions
+from shared.methods.feddeo.method import image_seed, start_noise
 from shared.models.domain_axis import CLASS_ROWS, ClassDomainEmbedding, encode
 from shared.models.plan import preset_of
 from shared.models.presets import build_unet, null_class, num_classes_of, state_spec
