@@ -141,7 +141,7 @@ def transport_only(
     transport path from the verification work a real fetch does."""
     import queue as queue_mod
 
-    from shared.transport.blob_transfer import _Fetch
+    from shared.transport.blob_fetcher import Fetch
 
     n = chunk_count(size, settings.chunk_bytes)
     receiver = connect_bus(settings, "edge/edge0", f"bench-tonly-{tag}")
@@ -158,7 +158,7 @@ def transport_only(
         receiver._subscribe_wait(
             receiver.topics.blob_chunk(SENDER_HOME, sha, settings.chunk_bytes, "+")
         )
-        fetch = _Fetch(
+        fetch = Fetch(
             sha, SENDER_HOME, size, settings.chunk_bytes, n, queue_mod.Queue(), bytearray(n)
         )
         start = time.perf_counter()

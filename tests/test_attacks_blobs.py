@@ -44,7 +44,8 @@ import pytest
 
 from estuary.provision import provision
 from shared.config import BrokerSection, RunConfig
-from shared.transport.blob_transfer import BlobContext, BlobServer
+from shared.transport.blob_server import BlobServer
+from shared.transport.blob_transfer import BlobContext
 from shared.transport.blobs import BlobStore
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus

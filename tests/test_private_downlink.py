@@ -22,7 +22,8 @@ from shared.errors import TransportError
 from shared.methods.registry import make_algorithm
 from shared.models.presets import build_unet
 from shared.runtime.service import RoleService
-from shared.transport.blob_transfer import BlobContext, BlobServer
+from shared.transport.blob_server import BlobServer
+from shared.transport.blob_transfer import BlobContext
 from shared.transport.blobs import BlobStore
 from shared.transport.bus import MemoryBus, topic_matches
 from shared.transport.local_broker import LocalBroker, find_mosquitto

@@ -122,7 +122,8 @@ def test_every_metric_the_rules_use_is_one_a_role_exposes() -> None:
         for key in parse_exposition(RoleMetrics(role, name, traffic).render().decode())
     }
     transport = "".join(
-        (ROOT / "shared" / "transport" / f).read_text() for f in ("mqtt.py", "blob_transfer.py")
+        (ROOT / "shared" / "transport" / f).read_text()
+        for f in ("mqtt.py", "blob_server.py", "blob_fetcher.py")
     )
     # metric names (estuary_phase is also a label name, of the same metric)
     used = set(re.findall(r"\b(?:estuary|process)_[a-z_]+", RULES.read_text()))

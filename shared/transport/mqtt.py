@@ -18,8 +18,8 @@ Threads and who does what:
 This module holds the connection, the callbacks, dispatch and timers. Blob transfer (DESIGN
 section 2: content-addressed blobs moved in resumable, hash-verified chunks) is in
 :mod:`shared.transport.blob_transfer`: the bus owns one
-:class:`~shared.transport.blob_transfer.BlobServer`, driven by its I/O worker, and one
-:class:`~shared.transport.blob_transfer.BlobFetcher`, which ``get_blob`` runs on the calling
+:class:`~shared.transport.blob_server.BlobServer`, driven by its I/O worker, and one
+:class:`~shared.transport.blob_fetcher.BlobFetcher`, which ``get_blob`` runs on the calling
 thread. Received and published blobs live in a :class:`~shared.transport.blobs.BlobStore`
 (memory LRU + optional disk cache), so an edge fetches each global model once and serves it
 to all its devices. Private blobs (``put_blob(..., recipient=d)``, the cloud's personal model
@@ -53,7 +53,9 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from shared.config import BrokerSection
 from shared.errors import TransportError
 from shared.logs import LogLimiter
-from shared.transport.blob_transfer import BlobContext, BlobFetcher, BlobServer
+from shared.transport.blob_fetcher import BlobFetcher
+from shared.transport.blob_server import BlobServer
+from shared.transport.blob_transfer import BlobContext
 from shared.transport.blobs import BlobStore
 from shared.transport.bus import Bus, Handler, HeapTimer, Timer, topic_matches
 from shared.transport.connection import (
