@@ -205,6 +205,8 @@ def write_plots(runs: dict[str, dict[int, dict[str, Any]]], out: Path) -> None:
     plt.close(fig)
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    # one colour per method in every panel (a method without lambda is absent from one)
+    colour = {label: f"C{i}" for i, label in enumerate(runs)}
     for ax, key in zip(axes.flat, FIGURES, strict=True):
         for label, by_seed in runs.items():
             series = [r["figures"][key] for r in by_seed.values() if r["figures"][key]]
@@ -212,12 +214,12 @@ def write_plots(runs: dict[str, dict[int, dict[str, Any]]], out: Path) -> None:
                 continue
             n = min(len(v) for v in series)
             mean = [statistics.fmean(v[i] for v in series) for i in range(n)]
-            ax.plot(range(1, n + 1), mean, label=label)
+            ax.plot(range(1, n + 1), mean, label=label, color=colour[label])
         ax.set_title(key)
         ax.grid(alpha=0.3)
     axes[1, 0].set_xlabel("round")
     axes[1, 1].set_xlabel("round")
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 1].legend(fontsize=8)  # the distance: every PRISM method records it
     fig.tight_layout()
     fig.savefig(out / "mada.png", dpi=120)
     plt.close(fig)
