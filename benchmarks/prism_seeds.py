@@ -178,7 +178,8 @@ def write_plots(runs: dict[str, dict[int, dict[str, Any]]], out: Path) -> None:
             continue
         stats = [mean_sd([r["fid"][k] for r in by_seed.values()]) for k in rounds]
         mean = [m for m, _ in stats]
-        ax.plot(rounds, mean, marker="o", label=f"{label} ({len(by_seed)} seeds)")
+        seeds = f"{len(by_seed)} seed{'' if len(by_seed) == 1 else 's'}"
+        ax.plot(rounds, mean, marker="o", label=f"{label} ({seeds})")
         ax.fill_between(rounds, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("FID (1,000 samples)")
