@@ -25,13 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-UPLOAD = "received:device_update"
-
-
-def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """The round rows of ``run_dir/metrics.jsonl``."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in (json.loads(line) for line in lines if line) if "round" in r]
+from prism_seeds import read_rows, run_figures  # the MADA comparison's reader, beside this
 
 
 def budget_of(run_dir: Path) -> tuple[float, float] | None:
@@ -54,9 +48,9 @@ def method_figures(run_dir: Path) -> dict[str, Any]:
     """One method's row of the table."""
     rows = read_rows(run_dir)
     devices = max((r.get("participants", 0) for r in rows), default=0)
-    fid = {r["round"]: r["quality"]["fid"] for r in rows if r.get("quality")}
+    figures = run_figures(rows, max(devices, 1))
+    fid, up = figures["fid"], figures["up"]
     algo = rows[-1].get("algorithm", {}) if rows else {}
-    uploaded = sum(r.get("bytes", {}).get(UPLOAD, 0) for r in rows)
     grid = last_grid(run_dir)
     return {
         "folder": run_dir.name,
@@ -68,7 +62,7 @@ def method_figures(run_dir: Path) -> dict[str, Any]:
         "fid": fid,
         "final_fid": fid[max(fid)] if fid else None,
         "best_fid": min(fid.values()) if fid else None,
-        "upload_bytes_per_device": uploaded / devices if devices else None,
+        "upload_bytes_per_device": up[max(up)] if up else None,
         "grid": None if grid is None else str(grid.relative_to(run_dir)),
     }
 
