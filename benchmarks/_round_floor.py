@@ -15,10 +15,15 @@ it, every receiver keeping every payload (the least a receiver must do to hold t
 
 Each leg is timed from its first publish to the moment its last receiver holds the last chunk
 (``time.monotonic``, one clock for every process); the floor is the sum of the four legs.
+
+``hashed``: the same with the least a content-addressed transfer adds, sha256 over the bytes
+on both sides (a sender hashes the model before its first publish, inside the leg; a
+receiver hashes every chunk as it arrives), still no encoding, checking or aggregating.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import threading
 import time
@@ -31,20 +36,30 @@ QOS = 1
 
 
 def _receive(
-    client: Any, pattern: str, expected: int, conn: Connection, name: str, timeout_s: float
+    client: Any,
+    pattern: str,
+    expected: int,
+    conn: Connection,
+    name: str,
+    timeout_s: float,
+    hashed: bool = False,
 ) -> tuple[float, int]:
-    """Subscribe to ``pattern``, answer ``ready`` once subscribed, keep every payload until
-    ``expected`` distinct chunks are in: (the time the last arrived, the bytes held)."""
+    """Subscribe to ``pattern``, answer ``ready`` once subscribed, keep every payload (and
+    with ``hashed`` hash it) until ``expected`` distinct chunks are in: (the time the last
+    arrived, the bytes held)."""
     seen: set[str] = set()
     kept: list[bytes] = []
     done, acked = threading.Event(), threading.Event()
     last = [0.0]
+    hasher = hashlib.sha256()
 
     def on_message(_c: Any, _u: Any, msg: Any) -> None:
         if msg.topic in seen:
             return
         seen.add(msg.topic)
         kept.append(msg.payload)
+        if hashed:
+            hasher.update(msg.payload)
         if len(seen) == expected:
             last[0] = time.monotonic()
             done.set()
@@ -61,11 +76,20 @@ def _receive(
     return last[0], sum(len(k) for k in kept)
 
 
-def _role(name: str, host: str, port: int, size: int, conn: Connection, timeout_s: float) -> None:
+def _role(
+    name: str,
+    host: str,
+    port: int,
+    size: int,
+    conn: Connection,
+    timeout_s: float,
+    hashed: bool = False,
+) -> None:
     """One role process, a paho client as blob_transfer.py's raw leg: obeys ``("sub",
     pattern, chunks)`` (subscribe, answer ``ready``, then ``got <t>`` once it holds that many
     distinct chunks) and ``("pub", prefix)`` (publish the model as chunks ``prefix/i``,
-    answer ``sent <t>`` when every PUBACK is in)."""
+    answer ``sent <t>`` when every PUBACK is in); with ``hashed`` it hashes what it
+    publishes first and what it receives as it comes."""
     payload = bytes(size)  # the model's bytes: content does not matter to the broker
     from blob_transfer import raw_client  # the raw leg of the blob benchmark
 
@@ -77,10 +101,13 @@ def _role(name: str, host: str, port: int, size: int, conn: Connection, timeout_
                 return
             if cmd[0] == "sub":
                 _, pattern, expected = cmd
-                last, nbytes = _receive(client, pattern, expected, conn, name, timeout_s)
+                last, nbytes = _receive(client, pattern, expected, conn, name, timeout_s,
+                                        hashed)  # fmt: skip
                 conn.send(("got", last, nbytes))
             elif cmd[0] == "pub":
                 _, prefix = cmd
+                if hashed:
+                    hashlib.sha256(payload).hexdigest()
                 view = memoryview(payload)
                 infos = [client.publish(f"{prefix}/{i}", view[o:o + MIB].tobytes(), qos=QOS)
                          for i, o in enumerate(range(0, size, MIB))]  # fmt: skip
@@ -96,7 +123,7 @@ class FloorRound:
     """The processes of one edge, ``devices`` devices and the cloud, as plain paho clients."""
 
     def __init__(self, host: str, port: int, devices: int, size: int, timeout_s: float = 300.0,
-                 turns: int = 2):  # fmt: skip
+                 turns: int = 2, hashed: bool = False):  # fmt: skip
         self.size, self.timeout_s, self.turns = size, timeout_s, turns
         self.chunks = -(-size // MIB)
         ctx = mp.get_context("spawn")  # a clean interpreter each, as the roles are
@@ -105,8 +132,8 @@ class FloorRound:
         self.procs: list[Any] = []
         for name in self.names:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_role, args=(name, host, port, size, child, timeout_s),
-                            daemon=True)  # fmt: skip
+            p = ctx.Process(target=_role, args=(name, host, port, size, child, timeout_s,
+                                                hashed), daemon=True)  # fmt: skip
             p.start()
             self.conns[name], self.procs = parent, [*self.procs, p]
 

@@ -33,7 +33,8 @@ keeps one core busy (a plain Python loop at normal priority, started before the 
 killed after them), the order alternating with ``--repeats``; the table gives per phase the
 median loaded / quiet ratio. ``--floor`` measures, beside each device count, the transfer
 floor of a round (``benchmarks/_round_floor.py``: the same bytes along the same four legs
-through the same broker by plain paho clients, no model work) and the overhead / floor
+through the same broker by plain paho clients, no model work; and again with sha256 over
+the bytes on both sides, the least a content-addressed transfer adds) and the overhead / floor
 ratio::
 
     python benchmarks/round_phases.py --devices 4 8 --load 1 --floor \\
@@ -203,17 +204,17 @@ class BusyLoad:
         self.procs = []
 
 
-def floor_of(devices: int, size: int, rounds: int) -> dict[str, Any]:
+def floor_of(devices: int, size: int, rounds: int, hashed: bool = False) -> dict[str, Any]:
     """The transfer floor of a round of ``devices`` devices and a ``size``-byte model
-    (``_round_floor.FloorRound``) through a fresh mosquitto set up as the federation's: the
-    median over ``rounds`` rounds, per leg."""
+    (``_round_floor.FloorRound``; ``hashed``: with sha256 on both sides) through a fresh
+    mosquitto set up as the federation's: the median over ``rounds`` rounds, per leg."""
     from _round_floor import FloorRound
 
     from shared.config.deployment import BrokerSection
 
     turns = BrokerSection().max_update_fetches  # the edge's downloads at once
     with LocalBroker(kind="mosquitto") as broker:
-        floor = FloorRound(broker.host, broker.port, devices, size, turns=turns)
+        floor = FloorRound(broker.host, broker.port, devices, size, turns=turns, hashed=hashed)
         try:
             rows = [floor.round(f"r{i}") for i in range(rounds)]
         finally:
@@ -467,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.2f}" for k, v in row["floor"]["median"].items() if k != "floor")
                 + f"); quiet overhead {row['quiet']['overhead']:.2f} s = "
                 f"{row['overhead_over_floor']}x the floor", flush=True)  # fmt: skip
+            try:  # the same with the sha256 a content-addressed transfer cannot skip
+                row["floor_hashed"] = floor_of(n, size, args.floor_rounds, hashed=True)
+            except (TimeoutError, OSError) as err:
+                row["floor_hashed_error"] = f"{type(err).__name__}: {err}"
+            else:
+                fh = row["floor_hashed"]["median"]["floor"]
+                row["overhead_over_hashed_floor"] = round(row["quiet"]["overhead"] / fh, 2)
+                print(f"   floor with sha256 on both sides {fh:.2f} s; quiet overhead = "
+                      f"{row['overhead_over_hashed_floor']}x it", flush=True)  # fmt: skip
         row["runs"] = runs
         comparisons.append(row)
     record = {
