@@ -40,7 +40,6 @@ from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
-from shared.wire.codec import Blob
 from shared.wire.messages import Deployment, DeploymentReport, SampleRequest, decode, encode
 from tests.mqtt_probe import close, connect
 
@@ -297,7 +296,7 @@ class StallingBus(MemoryBus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> Blob:
+    ) -> bytes:
         self.sources.append(src)
         if sha256 in self.stalled:
             self.fetch_threads.add(threading.current_thread().name)
