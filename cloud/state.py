@@ -27,7 +27,7 @@ from shared.naming import edge_ids
 from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
-from shared.wire.codec import decode_tensors, encode_tensors, spec_of
+from shared.wire.codec import decode_tensors, spec_of
 from shared.wire.messages import (
     BlobRef,
     CloudState,
@@ -212,7 +212,7 @@ class CloudBase(RoleService):
             if shared is None and self.algorithm.aggregation.aggregation_stateless:
                 # a plain mean is never written to: the model is read in place from its
                 # blob (one copy of the global in memory, not two)
-                data = encode_tensors(self.model)
+                data = self.ep.encode_tensors(self.model)
                 self.global_ref, self.shared_ref = self.put_encoded(data, "global_model"), None
                 self.model = decode_tensors(data, copy=False)
                 del data

@@ -388,7 +388,7 @@ class DeploymentReceiver(SampleTask, ClassifyTask):
             want["sha256"], want["size"], kind=kind, src=src, timeout_s=self.cfg.fetch_timeout_s,
         )  # fmt: skip
         check_model_bytes(data, manifest, entry)  # the blob layer checked; the file is what runs
-        return data
+        return data if isinstance(data, bytes) else bytes(data)  # a large one came mapped
 
     def _fetched(self, item: Admitted, result: Fetched | None, error: BaseException | None) -> None:
         """On the role thread: serve the fetched deployment (or refuse it), then start the

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,9 +12,11 @@ import torch
 
 from shared.errors import CodecError
 from shared.wire.codec import (
+    MappedBlob,
     TensorSpec,
     decode_tensors,
     encode_tensors,
+    encode_tensors_to_file,
     read_metadata,
     sha256_hex,
     spec_of,
@@ -128,3 +132,38 @@ def _with_header(data: bytes, header: dict[str, Any]) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def _rss_file_pages_kib() -> int:
+    """This process's resident pages of mapped files (RssFile), in KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_a_blob_encoded_to_a_file_is_the_same_blob_and_gives_its_pages_back(
+    tmp_path: Path,
+) -> None:
+    """encode_tensors_to_file writes encode_tensors' bytes (the same sha256, computed as it
+    writes; the library's layout included), maps them without reading them in, and decoding
+    views of the map gives each checked tensor's pages back, where copies give all of them
+    back; the staged file goes when the map does."""
+    big = {"w": torch.randn(1024, 1024), "b": torch.arange(7, dtype=torch.int64)}
+    for i, tensors in enumerate((_mixed(), big, {'say "hi"': torch.ones(3)})):
+        path = tmp_path / f"{i}.part"
+        blob = encode_tensors_to_file(tensors, path)
+        assert isinstance(blob, MappedBlob) and blob.path == path
+        assert blob[:] == encode_tensors(tensors) and blob.sha256 == sha256_hex(blob[:])
+        del blob
+        gc.collect()
+        assert not path.exists()
+
+    blob = encode_tensors_to_file(big, tmp_path / "big.part")
+    before = _rss_file_pages_kib()
+    viewed = decode_tensors(blob, copy=False)
+    assert _rss_file_pages_kib() - before < 1024  # 4 MiB checked, its pages given back
+    assert torch.equal(viewed["w"], big["w"])  # read in again as used
+    assert _rss_file_pages_kib() - before >= 3 * 1024
+    copied = decode_tensors(blob)
+    assert _rss_file_pages_kib() - before < 1024 and torch.equal(copied["w"], big["w"])

@@ -40,6 +40,7 @@ from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
+from shared.wire.codec import Blob
 from shared.wire.messages import Deployment, DeploymentReport, SampleRequest, decode, encode
 from tests.mqtt_probe import close, connect
 
@@ -296,7 +297,7 @@ class StallingBus(MemoryBus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         self.sources.append(src)
         if sha256 in self.stalled:
             self.fetch_threads.add(threading.current_thread().name)

@@ -4,9 +4,11 @@ MemoryBus: same final model, same messages and blob bytes; plus MqttBus blob-lay
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +21,18 @@ from estuary.simulate import build_federation
 from shared.config import BrokerSection, RunConfig
 from shared.data.datasets import load_dataset, to_model_input
 from shared.data.partition import make_partition
-from shared.errors import TransportError
+from shared.errors import CodecError, TransportError
 from shared.methods.registry import make_algorithm
 from shared.models.init import initial_model
 from shared.naming import device_name, edge_ids, home_edge
+from shared.transport import blobs
 from shared.transport.blob_transfer import chunk_count
+from shared.transport.blobs import BlobStore
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
 from shared.transport.mqtt import MqttBus
 from shared.transport.telemetry import Traffic
+from shared.wire.codec import Blob, MappedBlob
 from shared.wire.messages import Presence, encode, home_of
 from tests.conftest import shared_broker, tiny_config
 
@@ -225,7 +230,7 @@ def test_blob_roundtrip_resume_and_fanout(broker: LocalBroker) -> None:
         while traffic.transport()["chunks_sent"] != sent_before and time.monotonic() < deadline:
             sent_before = traffic.transport()["chunks_sent"]
             time.sleep(0.5)
-        results: dict[int, bytes] = {}
+        results: dict[int, Blob] = {}
 
         def fetch(i: int) -> None:
             ep = receivers[i].endpoint(f"e{i}", f"edge/e{i}")
@@ -246,6 +251,61 @@ def test_blob_roundtrip_resume_and_fanout(broker: LocalBroker) -> None:
     finally:
         for b in [sender, *receivers]:
             b.close()
+
+
+def test_a_large_blob_is_received_into_a_file_and_mapped(
+    broker: LocalBroker, tmp_path: Path
+) -> None:
+    """A blob the receiver's store would spill arrives in a staged file, never whole in
+    memory: the fetch returns a map of it (the same bytes); the file goes when the map of
+    an uncached fetch does, a kept one becomes the disk copy (renamed, not copied) that the
+    receiver then serves from, and a blob whose bytes are not the ones asked for leaves
+    nothing behind."""
+    cs = 64 * 1024
+    sender = _bus(broker, "recv", "cloud", "cloud", Traffic(), chunk_bytes=cs)
+    store = BlobStore(tmp_path / "edge", spill_bytes=4 * cs)
+    receiver = MqttBus(
+        BrokerSection(port=broker.port, chunk_bytes=cs, chunk_timeout_s=1),
+        run="recv", client_id="recv-e0", home="edge/e0", traffic=Traffic(), store=store,
+    ).connect()  # fmt: skip
+    staged = tmp_path / "edge" / blobs.STAGING_DIR
+    try:
+        big, other, small = os.urandom(cs * 6 + 100), os.urandom(cs * 5), os.urandom(cs)
+        put = sender.endpoint("cloud", "cloud").put_blob
+        sha, sha_other, sha_small = put(big, kind="x"), put(other, kind="x"), put(small, kind="x")
+        ep = receiver.endpoint("e0", "edge/e0")
+
+        got = ep.get_blob(sha_other, len(other), kind="x", src="cloud", cache=False)
+        assert isinstance(got, MappedBlob) and got[:] == other and got.sha256 == sha_other
+        assert not store.has(sha_other) and len(list(staged.iterdir())) == 1
+        del got
+        gc.collect()
+        assert not list(staged.iterdir())  # an uncached blob's file goes with its map
+
+        small_got = ep.get_blob(sha_small, len(small), kind="x", src="cloud", cache=False)
+        assert isinstance(small_got, bytes) and small_got == small  # below the spill size
+
+        got = ep.get_blob(sha, len(big), kind="x", src="cloud", cache=False)
+        ep.keep_blob(got, sha, kind="x")  # validated: kept, its file renamed into the store
+        assert not list(staged.iterdir()) and sha not in store._mem
+        assert (tmp_path / "edge" / sha[:2] / sha).read_bytes() == big
+        assert store.chunk(sha, 1, cs) == big[cs : 2 * cs]
+        again = store.get(sha)  # from disk: mapped, not read whole
+        assert isinstance(again, MappedBlob) and again[:] == big
+        del got, again
+        gc.collect()
+        assert (tmp_path / "edge" / sha[:2] / sha).is_file()  # the store's copy stays
+
+        # a sender whose blob is not what the hash names: refused, and no file stays
+        lie = os.urandom(len(big))
+        fake = "0" * 64
+        sender.store.put(lie, fake)
+        with pytest.raises((CodecError, TransportError)):
+            ep.get_blob(fake, len(lie), kind="x", src="cloud", cache=False, timeout_s=10)
+        assert not store.has(fake) and not list(staged.iterdir())
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_blob_limits_and_missing(broker: LocalBroker) -> None:

@@ -52,6 +52,7 @@ from shared.models.plan import model_spec
 from shared.models.presets import build_unet
 from shared.transport.bus import MemoryBus
 from shared.wire.codec import (
+    Blob,
     TensorSpec,
     decode_tensors,
     encode_tensors,
@@ -452,8 +453,8 @@ class RecordingBus(MemoryBus):
         self.payloads.append(payload)
         super()._publish(topic, payload, retain)
 
-    def _put_blob(self, data: bytes) -> str:
-        self.payloads.append(data)
+    def _put_blob(self, data: Blob) -> str:
+        self.payloads.append(bytes(data))
         return super()._put_blob(data)
 
 

@@ -22,7 +22,7 @@ from shared.models.checkpoint import CheckpointWriter
 from shared.runtime.trace import ENV_DIR, Trace
 from shared.transport import blobs
 from shared.transport.blobs import BlobStore
-from shared.wire.codec import sha256_hex
+from shared.wire.codec import MappedBlob, sha256_hex
 from tests.conftest import tiny_config
 
 
@@ -329,10 +329,71 @@ def test_a_large_blob_is_served_from_its_disk_copy_once_written(tmp_path: Path) 
     assert [store.chunk(sha, i, 700) for i in range(3)] == [big[:700], big[700:1400], big[1400:]]
     assert store.chunk(sha, 3, 700) is None
     assert sha not in store._mem  # read range by range, not loaded back
-    assert store.get(sha) == big and sha not in store._mem
+    again = store.get(sha)  # mapped from the file, not read back into memory
+    assert isinstance(again, MappedBlob) and again[:] == big and sha not in store._mem
+    del again
     path = tmp_path / "cache" / sha[:2] / sha
     path.write_bytes(b"x" + big[1:])  # changed behind the store's back
     assert store.chunk(sha, 0, 700) is None and not path.exists()
     memory_only = BlobStore(None, spill_bytes=10)
     sha = memory_only.put(big)
     assert memory_only.chunk(sha, 0, 700) == big[:700] and sha in memory_only._mem
+
+
+def test_a_fold_of_mapped_uploads_gives_their_pages_back(tmp_path: Path) -> None:
+    """Uploads received into files are folded from views of their maps: each tensor's pages
+    go back once folded in (the sum holds none of the uploads in memory), and the mean is
+    the one the same tensors in memory give, bit for bit."""
+    from shared.wire.codec import decode_tensors, encode_tensors_to_file
+
+    g = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(4096, 1024, generator=g), "v": torch.randn(4096, generator=g)}
+              for _ in range(3)]  # fmt: skip
+    warm = WeightedSum()  # the library code a fold runs is paged in (file pages too)
+    for i, s in enumerate(states):
+        warm.add(s, 1.0, key=str(i))
+    warm.mean()
+    blobs_ = [encode_tensors_to_file(s, tmp_path / f"{i}.part") for i, s in enumerate(states)]
+    mapped, plain = WeightedSum(), WeightedSum()
+    rss = []
+    for i, (s, b) in enumerate(zip(states, blobs_, strict=True)):
+        mapped.add(decode_tensors(b, copy=False), float(i + 1), key=str(i))
+        plain.add(s, float(i + 1), key=str(i))
+        rss.append(_rss_file_kib())
+    assert max(rss) - rss[0] < 4096  # 16 MiB per upload, none of it kept resident
+    for k, v in plain.mean().items():
+        assert mapped.mean()[k].numpy().tobytes() == v.numpy().tobytes()
+
+
+def _rss_file_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_a_consumed_mean_is_the_mean_and_the_next_sum_starts_clean() -> None:
+    """mean(consume=True) writes the float32 mean over the sum's float32 half (no third
+    buffer): bit for bit the mean; the mean keeps that half, and the next sum of the same
+    size gets a fresh one (the kept mean is never zeroed or summed into)."""
+    states, n = _states(4), [3.0, 70.0, 12.0, 5.0]
+    states = [{"w": s["w"]} for s in states]
+    plain, consumed = WeightedSum(), WeightedSum()
+    for i, s in enumerate(states):
+        plain.add(s, n[i], key=str(i))
+        consumed.add(s, n[i], key=str(i))
+    expected = plain.mean()["w"].numpy().tobytes()
+    mean = consumed.mean(consume=True)
+    consumed.recycle()
+    assert mean["w"].numpy().tobytes() == expected
+    again = WeightedSum()
+    for i, s in enumerate(reversed(states)):
+        again.add(s, n[3 - i], key=str(3 - i))
+    assert again.mean()["w"].numpy().tobytes() == expected
+    assert mean["w"].numpy().tobytes() == expected  # untouched by the next sum
+    with pytest.raises(EstuaryError):
+        consumed_again = WeightedSum()
+        consumed_again.add(states[0], 1.0)
+        consumed_again.add(states[1], 1.0)
+        consumed_again.mean(consume=True)
+        consumed_again.mean()

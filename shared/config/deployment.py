@@ -67,7 +67,7 @@ class BrokerSection(Section):
     session_expiry_s: int = Field(300, ge=0, le=7 * 86_400)
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="blob chunk size")
     max_blob_bytes: int = Field(1 << 30, ge=1, le=1 << 40)
-    max_inflight_bytes: int = Field(128 << 20, ge=4096, description="sent, not yet acknowledged")
+    max_inflight_bytes: int = Field(32 << 20, ge=4096, description="sent, not yet acknowledged")
     max_fetch_bytes: int = Field(2 << 30, ge=4096, description="partial blobs being received")
     chunk_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="re-ask after silence")
     max_update_fetches: int = Field(

@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from shared.atomic import atomic_write
 from shared.errors import EstuaryError, SignatureError
+from shared.wire.codec import Blob
 from shared.wire.messages import MODEL_BLOB_KIND as MODEL_BLOB_KIND  # the files' blob kinds
 from shared.wire.messages import SHARED_BLOB_KIND as SHARED_BLOB_KIND
 
@@ -301,7 +302,7 @@ def _check_file_entry(entry: str, value: Any, suffix: str) -> None:
         )
 
 
-def check_model_bytes(data: bytes, manifest: dict[str, Any], entry: str = "model") -> None:
+def check_model_bytes(data: Blob, manifest: dict[str, Any], entry: str = "model") -> None:
     """Raise ``SignatureError("hash_mismatch")`` unless ``data`` is the manifest's model (or
     the file of its ``entry``: ``"shared"``)."""
     want = manifest[entry]

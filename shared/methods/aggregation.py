@@ -21,6 +21,7 @@ import torch
 
 from shared.errors import EstuaryError
 from shared.methods.api import Fold, Update
+from shared.wire.codec import MappedViews
 
 #: a model state (or any named tensors) as aggregation sees it
 TensorDict = dict[str, torch.Tensor]
@@ -88,9 +89,12 @@ class WeightedSum:
         self._dtypes: dict[str, torch.dtype] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         #: the two buffers every summed tensor's hi and lo are views of, in ``_shapes`` order
-        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: the first state's summed tensors and weight, until a second state comes
-        self._pending: tuple[dict[str, torch.Tensor], float] | None = None
+        self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        #: the first state's summed tensors, weight and (views of a mapped blob) the call
+        #: that gives a tensor's pages back, until a second state comes
+        self._pending: (
+            tuple[dict[str, torch.Tensor], float, Callable[[torch.Tensor], None] | None] | None
+        ) = None
         self.total = 0.0
         self.count = 0
 
@@ -106,6 +110,9 @@ class WeightedSum:
         if self.count == 1 and self._pending is not None:
             self._materialize()
         summed: dict[str, torch.Tensor] = {}
+        # views of a mapped blob give each tensor's pages back once it is folded in
+        mapped = state.release if isinstance(state, MappedViews) else None
+        release = mapped if self.count else None
         for k, t in state.items():
             if not t.is_floating_point():
                 held = self._fixed.get(k)
@@ -122,8 +129,10 @@ class WeightedSum:
                     f"tensor {k!r}: shape {list(t.shape)}, expected {list(self._shapes[k])}"
                 )
             _two_sum_into(self._hi[k], self._lo[k], t.detach().reshape(-1), weight)
+            if release is not None:
+                release(t)
         if not self.count:
-            self._pending = (summed, weight)
+            self._pending = (summed, weight, mapped)
         self.total += weight
         self.count += 1
 
@@ -132,10 +141,12 @@ class WeightedSum:
         dropped)."""
         if self._pending is None:
             return
-        first, weight = self._pending
+        first, weight, release = self._pending
         self._allocate()
         for k, t in first.items():
             self._hi[k].copy_(t.reshape(-1)).mul_(weight)
+            if release is not None:
+                release(t)
         self._pending = None
 
     def _allocate(self) -> None:
@@ -146,8 +157,8 @@ class WeightedSum:
             if spare is not None:
                 _SPARE.remove(spare)
         if spare is not None:  # the last sum's buffers: no fresh pages to fault in
-            hi, lo = spare
-            lo.zero_()
+            hi, kept = spare
+            lo = kept.zero_() if kept is not None else torch.zeros(n, dtype=torch.float32)
         else:
             hi = torch.empty(n, dtype=torch.float64)
             lo = torch.zeros(n, dtype=torch.float32)
@@ -168,8 +179,10 @@ class WeightedSum:
             for k in self._dtypes
         }
 
-    def mean(self) -> TensorDict:
-        """The weighted mean, each tensor in its own dtype."""
+    def mean(self, *, consume: bool = False) -> TensorDict:
+        """The weighted mean, each tensor in its own dtype. With ``consume`` the sum is not
+        used again (but recycled): a float32 mean is then written over the sum's float32
+        half, which the mean keeps (no third buffer of the model's size at the peak)."""
         if not self.count:
             raise EstuaryError("cannot aggregate zero updates")
         if self.total <= 0:
@@ -189,7 +202,13 @@ class WeightedSum:
             return {k: out[k] for k in self._dtypes}
         self._materialize()
         if len(dtypes) == 1 and self._flat is not None:  # the usual case: one flat result
-            flat = self._mean_into(*self._flat, dtypes.pop())
+            hi, lo = self._flat
+            dtype = dtypes.pop()
+            into = lo if consume and lo is not None and dtype == lo.dtype else None
+            flat = self._mean_into(hi, lo, dtype, out=into)
+            if into is not None:
+                self._flat = (hi, None)  # the mean has it now: not recycled
+                self._lo = {}
             at = 0
             for k, shape in self._shapes.items():
                 size = math.prod(shape)
@@ -211,10 +230,19 @@ class WeightedSum:
         self._shapes, self._dtypes, self._fixed = {}, {}, {}
         self.total, self.count = 0.0, 0
 
-    def _mean_into(self, hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``(hi + lo) / total`` as a new flat tensor of ``dtype``, through one reused
+    def _mean_into(
+        self,
+        hi: torch.Tensor,
+        lo: torch.Tensor | None,
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(hi + lo) / total`` as a flat tensor of ``dtype`` (a new one, or ``out``, which
+        may be ``lo`` itself: each chunk is read before it is written), through one reused
         float64 buffer of :data:`MEAN_CHUNK` elements."""
-        out = torch.empty(hi.numel(), dtype=dtype)
+        if lo is None:
+            raise EstuaryError("this sum's buffers were consumed by its mean")
+        out = torch.empty(hi.numel(), dtype=dtype) if out is None else out
         tmp = torch.empty(min(MEAN_CHUNK, hi.numel()), dtype=torch.float64)
         for i in range(0, hi.numel(), MEAN_CHUNK):
             n = min(MEAN_CHUNK, hi.numel() - i)
@@ -228,7 +256,7 @@ class WeightedSum:
 _NARROW = (torch.float32, torch.float16, torch.bfloat16)
 
 #: the buffers of the last :meth:`WeightedSum.recycle`d sum (one pair at most)
-_SPARE: list[tuple[torch.Tensor, torch.Tensor]] = []
+_SPARE: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 _SPARE_LOCK = threading.Lock()
 
 #: elements per step of :func:`_two_sum_into`: its temporaries stay in the CPU's cache
@@ -283,7 +311,7 @@ class MeanFold(Fold):
         self.sum.add(update.tensors, float(update.n_samples), key=update.source)
 
     def result(self) -> TensorDict:
-        out = self.sum.mean()
+        out = self.sum.mean(consume=True)  # written over the sum's float32 half
         self.sum.recycle()  # its buffers serve the next round's sum
         return out
 

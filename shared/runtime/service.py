@@ -18,10 +18,10 @@ from shared.runtime.trace import Trace
 from shared.transport.bus import Bus, Endpoint
 from shared.transport.telemetry import Traffic
 from shared.wire.codec import (
+    Blob,
     TensorDict,
     TensorSpec,
     decode_tensors,
-    encode_tensors,
     encoded_size_limit,
 )
 from shared.wire.messages import (
@@ -130,9 +130,9 @@ class RoleService:
 
     def put_tensors(self, tensors: Mapping[str, Any], kind: str) -> BlobRef:
         """Encode tensors as safetensors and upload them as a blob."""
-        return self.put_encoded(encode_tensors(tensors), kind)
+        return self.put_encoded(self.ep.encode_tensors(tensors), kind)
 
-    def put_encoded(self, data: bytes, kind: str) -> BlobRef:
+    def put_encoded(self, data: Blob, kind: str) -> BlobRef:
         """Upload tensors already encoded (:func:`~shared.wire.codec.encode_tensors`)."""
         sha = self.ep.put_blob(data, kind=kind)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=self.home)
@@ -140,7 +140,7 @@ class RoleService:
     def put_private_tensors(self, tensors: Mapping[str, Any], kind: str, device: str) -> BlobRef:
         """Encode tensors as safetensors and upload them as a blob served to ``device`` alone,
         on its private downlink (the ref's ``src``), which only it and the cloud can read."""
-        data = encode_tensors(tensors)
+        data = self.ep.encode_tensors(tensors)
         sha = self.ep.put_blob(data, kind=kind, recipient=device)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=private_home(device))
 
@@ -148,7 +148,7 @@ class RoleService:
         """Encode tensors as safetensors and upload them as a blob served to the cloud alone,
         under :func:`~shared.wire.messages.cloud_only_home` of this role (the ref's ``src``),
         which no device reads."""
-        data = encode_tensors(tensors)
+        data = self.ep.encode_tensors(tensors)
         sha = self.ep.put_blob(data, kind=kind, recipient=CLOUD_RECIPIENT)
         return BlobRef(sha256=sha, size=len(data), kind=kind, src=cloud_only_home(self.home))
 

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shared.errors import CodecError, TransportError
@@ -22,6 +23,7 @@ from shared.transport.blob_transfer import (
     index_ranges,
     parse_index,
 )
+from shared.wire.codec import Blob, MappedBlob
 from shared.wire.messages import (
     BlobWant,
     encode,
@@ -29,6 +31,52 @@ from shared.wire.messages import (
 
 # the bus's logger, as for every part of the blob transfer
 log = logging.getLogger("shared.transport.mqtt")
+
+
+class FileSink:
+    """The in-order bytes of a large blob being received, written to a staged file instead
+    of memory (:meth:`BlobStore.staging <shared.transport.blobs.BlobStore.staging>`): a
+    fetch holds none of them in memory, and its reader gets a
+    :class:`~shared.wire.codec.MappedBlob` of the file, whose pages are read in as they
+    are used; a store that keeps the blob adopts the file as its disk copy."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "x+b")  # closed by finish or close
+
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk``."""
+        self._fh.write(chunk)
+
+    def finish(self, sha256: str) -> MappedBlob:
+        """The map of everything written, which hashes to ``sha256`` (the file now goes
+        with the map: removed when it is collected, unless a store adopted it)."""
+        self._fh.flush()
+        try:
+            blob = MappedBlob.of_file(self._fh.fileno(), sha256, self.path)
+        except BaseException:
+            self.close()
+            raise
+        self._fh.close()
+        return blob
+
+    def close(self) -> None:
+        """Close and remove the file of a fetch that did not finish (idempotent)."""
+        if not self._fh.closed:
+            self._fh.close()
+            self.path.unlink(missing_ok=True)
+
+
+def open_sink(ctx: BlobContext, sha256: str, size: int) -> io.BytesIO | FileSink:
+    """Where a fetch of ``sha256`` puts its bytes: a staged file for a blob the store
+    would spill (memory when the file cannot be made)."""
+    path = ctx.store.staging(size)
+    if path is not None:
+        try:
+            return FileSink(path)
+        except OSError as err:
+            log.warning("%s: receiving blob %s in memory: %s", ctx.name, sha256[:12], err)
+    return io.BytesIO()
 
 
 @dataclass
@@ -46,11 +94,25 @@ class Fetch:
     received: int = 0
     hashed: int = 0
     hasher: Any = field(default_factory=hashlib.sha256)
-    out: io.BytesIO = field(default_factory=io.BytesIO)  # in-order bytes, no zero-fill
+    out: io.BytesIO | FileSink = field(default_factory=io.BytesIO)  # in-order, no zero-fill
     done: threading.Event = field(default_factory=threading.Event)
     #: the verified bytes, for fetches of the same blob that waited on this one (set
     #: before ``done``; the fetch of an uncached blob leaves no copy in the store)
-    result: bytes | None = None
+    result: Blob | None = None
+
+    def received_bytes(self) -> Blob:
+        """Everything received, in order (verified as :attr:`sha256`): bytes, or the map of
+        the file it went to."""
+        if isinstance(self.out, FileSink):
+            return self.out.finish(self.sha256)
+        data = self.out.getvalue()  # sequential writes: CPython hands over its buffer
+        self.out = io.BytesIO()
+        return data
+
+    def close(self) -> None:
+        """Let go of what was received (a file is removed; its map, if made, lives on)."""
+        if isinstance(self.out, FileSink):
+            self.out.close()
 
     def expected_len(self, index: int) -> int:
         start = index * self.chunk_bytes
@@ -121,14 +183,16 @@ class BlobFetcher:
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored
         (with ``cache`` False not stored: the caller validates it first and stores it only
         if it passes, so a refused blob stays in no cache).
 
         Raises TransportError when it cannot be had in time or within limits, CodecError
         when what arrives is not the blob asked for. With ``stall_s`` a fetch that
-        receives no chunk for that long gives up (``timeout``) before ``timeout_s``."""
+        receives no chunk for that long gives up (``timeout``) before ``timeout_s``.
+        A blob the store would keep on disk is received into a file and returned as a
+        private map of it (:func:`open_sink`)."""
         data = self.ctx.store.get(sha256)
         if data is not None:
             self.ctx.traffic.note("blob_cache_hits")
@@ -153,8 +217,7 @@ class BlobFetcher:
                     f"{fetch.hasher.hexdigest()[:12]}…",
                     reason="blob_hash_mismatch",
                 )
-            data = fetch.out.getvalue()  # sequential writes: CPython hands over its buffer
-            fetch.out = io.BytesIO()
+            data = fetch.received_bytes()
             if cache:
                 self.ctx.store.put(data, sha256)
             fetch.result = data
@@ -162,6 +225,7 @@ class BlobFetcher:
             with self._fetch_lock:
                 self._fetches.pop(sha256, None)
                 self._fetch_bytes -= size
+            fetch.close()
             self._unsubscribe(self._chunk_pattern(fetch))
             fetch.done.set()
         self.ctx.traffic.note("blobs_fetched")
@@ -182,6 +246,13 @@ class BlobFetcher:
             fetch = Fetch(sha256, src, size, cs, n, chunks, bytearray(n))
             self._fetches[sha256] = fetch
             self._fetch_bytes += size
+        try:
+            fetch.out = open_sink(self.ctx, sha256, size)
+        except BaseException:
+            with self._fetch_lock:
+                self._fetches.pop(sha256, None)
+                self._fetch_bytes -= size
+            raise
         self._subscribe(self._chunk_pattern(fetch))
         return fetch
 
@@ -245,5 +316,12 @@ class BlobFetcher:
             while fetch.hashed in fetch.parked:  # hash and append in order as chunks arrive
                 chunk = fetch.parked.pop(fetch.hashed)
                 fetch.hasher.update(chunk)
-                fetch.out.write(chunk)
+                try:
+                    fetch.out.write(chunk)
+                except OSError as err:  # the disk is full or gone: this fetch cannot finish
+                    raise TransportError(
+                        f"blob {fetch.sha256[:12]}… from {fetch.src}: cannot keep what "
+                        f"arrives: {err}",
+                        reason="blob_unavailable",
+                    ) from None
                 fetch.hashed += 1

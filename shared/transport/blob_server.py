@@ -19,6 +19,7 @@ from shared.transport.blob_transfer import (
     chunk_count,
 )
 from shared.transport.blobs import BlobStore
+from shared.wire.codec import Blob
 from shared.wire.messages import (
     CLOUD_RECIPIENT,
     MODEL_BLOB_KIND,
@@ -150,7 +151,7 @@ class BlobServer:
         with self._current_lock:
             return any(sha256 in newest for newest in self._current.values())
 
-    def put_private(self, data: bytes, device: str) -> str:
+    def put_private(self, data: Blob, device: str) -> str:
         """Keep ``data`` for device ``device`` alone (served on its private downlink only;
         with ``device`` :data:`~shared.wire.messages.CLOUD_RECIPIENT`, for the cloud alone,
         under :func:`~shared.wire.messages.cloud_only_home`); returns its sha256. The same

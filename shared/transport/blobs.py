@@ -16,7 +16,9 @@ Thread-safe: the bus's I/O thread serves chunks while a role thread stores new b
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -24,7 +26,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from shared.wire.codec import sha256_hex
+from shared.wire.codec import Blob, MappedBlob, sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ SPILL_BYTES = 16 << 20
 MAX_TRUSTED_FILES = 4096
 #: bytes read at a time when a disk copy is verified
 VERIFY_BLOCK_BYTES = 8 << 20
+#: where blobs being received or encoded are written, under the store's directory
+STAGING_DIR = ".staging"
+_STAGED = itertools.count()
 
 
 class BlobStore:
@@ -56,16 +61,17 @@ class BlobStore:
         self.spill_bytes = spill_bytes if directory is not None else None
         #: sha256 -> (inode, size, mtime_ns) of a disk copy written or verified here
         self._trusted: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
-        self._mem: OrderedDict[str, bytes] = OrderedDict()
+        self._mem: OrderedDict[str, Blob] = OrderedDict()
         self._mem_bytes = 0
         self._lock = threading.RLock()
         #: blobs whose disk copy the writer thread has yet to write, by sha256
-        self._pending: OrderedDict[str, bytes] = OrderedDict()
+        self._pending: OrderedDict[str, Blob] = OrderedDict()
         self._pending_bytes = 0
         self._wake = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
+            _sweep_staging(directory / STAGING_DIR)
 
     def _path(self, sha256: str) -> Path | None:
         """Where the blob's disk copy lives, or None without a disk cache."""
@@ -73,10 +79,21 @@ class BlobStore:
             return None
         return self.directory / sha256[:2] / sha256
 
-    def put(self, data: bytes, sha256: str | None = None) -> str:
-        """Store ``data`` (hashing it unless the verified ``sha256`` is given); returns the hash."""
-        digest = sha256 or sha256_hex(data)
-        data = bytes(data)
+    def put(self, data: Blob, sha256: str | None = None) -> str:
+        """Store ``data`` (hashing it unless the verified ``sha256`` is given); returns the hash.
+
+        A mapped blob (:meth:`receiving`) is held as its map, not copied: its disk copy is
+        written from the map, and then it leaves the store's memory as any spilled blob."""
+        if isinstance(data, MappedBlob):
+            digest = data.sha256
+            if sha256 is not None and sha256 != digest:
+                raise ValueError(f"blob {digest[:12]}… put as {sha256[:12]}…")
+            if self._adopt(data):
+                return digest
+        else:
+            digest = sha256 or sha256_hex(data)
+        if not isinstance(data, (bytes, mmap.mmap)):
+            data = bytes(data)  # a caller's bytearray or memoryview could still change
         with self._lock:
             self._remember(digest, data)
         path = self._path(digest)
@@ -92,6 +109,26 @@ class BlobStore:
         if not queued and self._write(path, data):
             self._drop_spilled(digest, len(data))
         return digest
+
+    def _adopt(self, blob: MappedBlob) -> bool:
+        """Make a mapped blob's file the disk copy by renaming it (no second copy written,
+        none held in memory); whether this store now has it on disk. Not for a blob below
+        the spilled size (kept in memory as any other) or one already on disk here."""
+        path = self._path(blob.sha256)
+        if path is None or blob.path is None or not self._spills(len(blob)):
+            return False
+        if path.exists():  # a copy is here already: the staged file goes with the map
+            return False
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(blob.path, path)
+        except OSError as err:  # another file system, gone: written from the map instead
+            log.warning("cannot adopt blob %s: %s", blob.sha256[:12], err)
+            return False
+        blob.path = None
+        self._trust(blob.sha256, path)
+        self._evict_disk()
+        return path.is_file()
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every blob put so far is on disk; whether that happened in time."""
@@ -128,7 +165,7 @@ class BlobStore:
                     self._drop_spilled(digest, len(data))
                 self._wake.notify_all()
 
-    def get(self, sha256: str) -> bytes | None:
+    def get(self, sha256: str) -> Blob | None:
         """The blob's bytes, or None when neither tier holds a valid copy."""
         with self._lock:
             data = self._mem.get(sha256)
@@ -142,6 +179,15 @@ class BlobStore:
         path = self._path(sha256)
         if path is None:
             return None
+        if self.spill_bytes is not None:  # a spilled blob comes back mapped, not read whole
+            mapped = self._map_spilled(sha256)
+            if mapped is not None:
+                try:
+                    os.utime(path)  # LRU on disk follows access time we set ourselves
+                except OSError:
+                    pass
+                self._trust(sha256, path)  # its new time is ours
+                return mapped
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -206,6 +252,22 @@ class BlobStore:
             return None
         return data[start : start + chunk_bytes] if start < max(1, len(data)) else None
 
+    def staging(self, size: int) -> Path | None:
+        """A new file name for a blob of ``size`` bytes that is being received or encoded
+        (:class:`~shared.wire.codec.MappedBlob`), or None to build it in memory: a blob of
+        a spilled size when this store has a disk cache. The file lies beside the disk
+        copies (so :meth:`put` adopts it by renaming it), where eviction never looks, and
+        is named by this process, whose files a later store removes once it has gone."""
+        if self.directory is None or not self._spills(size):
+            return None
+        folder = self.directory / STAGING_DIR
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            log.warning("cannot stage a blob on disk: %s", err)
+            return None
+        return folder / f"{os.getpid()}.{next(_STAGED)}.part"
+
     def _spills(self, size: int) -> bool:
         return self.spill_bytes is not None and size >= self.spill_bytes
 
@@ -234,8 +296,39 @@ class BlobStore:
 
     def _read_range(self, sha256: str, start: int, length: int) -> bytes | None:
         """``length`` bytes at ``start`` of a spilled blob's disk copy, or None (not on disk,
-        not a spilled size, or failing verification: then deleted). The file is hashed again
-        whenever its identity is not the one this store wrote or verified."""
+        not a spilled size, or failing verification: then deleted)."""
+        opened = self._open_spilled(sha256)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            if start >= max(1, size):
+                return None
+            return os.pread(fd, min(length, size - start), start)
+        except OSError as err:
+            log.warning("cannot read cached blob %s: %s", sha256[:12], err)
+            return None
+        finally:
+            os.close(fd)
+
+    def _map_spilled(self, sha256: str) -> MappedBlob | None:
+        """A spilled blob's disk copy, mapped (:meth:`_open_spilled`), or None."""
+        opened = self._open_spilled(sha256)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            return MappedBlob.of_file(fd, sha256) if size else None
+        except OSError as err:
+            log.warning("cannot map cached blob %s: %s", sha256[:12], err)
+            return None
+        finally:
+            os.close(fd)
+
+    def _open_spilled(self, sha256: str) -> tuple[int, int] | None:
+        """An open descriptor and the size of a spilled blob's disk copy, or None (not on
+        disk, not a spilled size, or failing verification: then deleted). The file is
+        hashed again whenever its identity is not the one this store wrote or verified."""
         path = self._path(sha256)
         if path is None:
             return None
@@ -246,6 +339,7 @@ class BlobStore:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or not self._spills(st.st_size):
+                os.close(fd)
                 return None
             with self._lock:
                 known = self._trusted.get(sha256)
@@ -253,16 +347,14 @@ class BlobStore:
                 if not _file_hashes_to(fd, st.st_size, sha256):
                     log.warning("blob cache file %s is corrupt; deleting it", path)
                     path.unlink(missing_ok=True)
+                    os.close(fd)
                     return None
                 self._trust_identity(sha256, st)
-            if start >= max(1, st.st_size):
-                return None
-            return os.pread(fd, min(length, st.st_size - start), start)
+            return fd, st.st_size
         except OSError as err:
             log.warning("cannot read cached blob %s: %s", sha256[:12], err)
-            return None
-        finally:
             os.close(fd)
+            return None
 
     def release(self, sha256: str) -> bool:
         """Drop the blob from memory where a disk copy keeps it (written, or queued to be):
@@ -277,7 +369,7 @@ class BlobStore:
             self._mem_bytes -= len(self._mem.pop(sha256))
         return True
 
-    def _remember(self, digest: str, data: bytes) -> None:
+    def _remember(self, digest: str, data: Blob) -> None:
         if digest in self._mem:
             self._mem.move_to_end(digest)
             return
@@ -287,7 +379,7 @@ class BlobStore:
             _, old = self._mem.popitem(last=False)
             self._mem_bytes -= len(old)
 
-    def _write(self, path: Path, data: bytes) -> bool:
+    def _write(self, path: Path, data: Blob) -> bool:
         """Write a blob's disk copy to ``path`` atomically, then evict the oldest copies;
         whether it was written."""
         digest = path.name
@@ -297,6 +389,8 @@ class BlobStore:
             with tmp.open("wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)
+            if isinstance(data, MappedBlob):  # what writing it read in goes back to its file
+                data.drop_pages()
         except OSError as err:
             tmp.unlink(missing_ok=True)
             log.warning("cannot cache blob %s on disk: %s", digest[:12], err)
@@ -338,3 +432,29 @@ def _file_hashes_to(fd: int, size: int, sha256: str) -> bool:
         h.update(block)
         at += len(block)
     return h.hexdigest() == sha256
+
+
+def _sweep_staging(folder: Path) -> None:
+    """Remove staged files (:meth:`BlobStore.staging`) whose process has gone."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name.split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            (folder / name).unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: alive
+        return True
+    return True

@@ -20,14 +20,24 @@ import re
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 from shared.errors import CodecError, TransportError
 from shared.transport.telemetry import Traffic
-from shared.wire.codec import sha256_hex
+from shared.wire.codec import (
+    Blob,
+    encode_tensors,
+    encode_tensors_to_file,
+    encoded_size,
+    sha256_hex,
+)
 from shared.wire.messages import CLOUD_RECIPIENT, home_of
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +123,10 @@ class Bus(ABC):
     def _subscribe(self, pattern: str, handler: Handler) -> None: ...
 
     @abstractmethod
-    def _put_blob(self, data: bytes) -> str: ...
+    def _put_blob(self, data: Blob) -> str: ...
 
     @abstractmethod
-    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+    def _put_private_blob(self, data: Blob, recipient: str, owner: str) -> str:
         """Store a blob that only device ``recipient`` (and ``owner``, the home that puts it)
         may get; anyone else is answered as for a blob never put. Returns its sha256."""
 
@@ -131,14 +141,14 @@ class Bus(ABC):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         """Bytes of blob ``sha256`` for the role at home ``requester``, verified against the
         hash (raise CodecError if not). With ``cache`` False a fetched blob is not kept in
         the role's blob store (its caller validates it first, then :meth:`Endpoint.keep_blob`).
         With ``stall_s`` a download that receives nothing for that long gives up (a
         ``timeout``) before ``timeout_s``."""
 
-    def _keep_blob(self, data: bytes, sha256: str) -> None:  # noqa: B027 - optional hook
+    def _keep_blob(self, data: Blob, sha256: str) -> None:  # noqa: B027 - optional hook
         """Store a validated blob fetched uncached (no-op where blobs live on the bus)."""
 
     def _offer_blob(self, sha256: str, kind: str) -> None:  # noqa: B027 - optional hook
@@ -147,6 +157,12 @@ class Bus(ABC):
 
     def _release_blob(self, sha256: str) -> None:  # noqa: B027 - optional hook
         """Drop a blob from memory where a disk copy keeps it (no-op on an in-process bus)."""
+
+    def _staging(self, size: int) -> Path | None:
+        """Where a blob of ``size`` bytes about to be put is encoded, when not in memory
+        (:meth:`BlobStore.staging <shared.transport.blobs.BlobStore.staging>`); in memory
+        on an in-process bus."""
+        return None
 
     @abstractmethod
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
@@ -186,7 +202,20 @@ class Endpoint:
 
         self.bus._subscribe(pattern, counted)
 
-    def put_blob(self, data: bytes, *, kind: str, recipient: str | None = None) -> str:
+    def encode_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Blob:
+        """:func:`~shared.wire.codec.encode_tensors`, for :meth:`put_blob`: a blob of the
+        size the role's store keeps on disk is written straight to a staged file there
+        (:func:`~shared.wire.codec.encode_tensors_to_file`), which the store then adopts as
+        its disk copy, so the role holds no copy of its bytes in memory."""
+        path = self.bus._staging(encoded_size(tensors))
+        if path is not None:
+            try:
+                return encode_tensors_to_file(tensors, path)
+            except OSError as err:  # the disk is full or gone: encoded in memory
+                log.warning("%s: encoding a blob in memory: %s", self.name, err)
+        return encode_tensors(tensors)
+
+    def put_blob(self, data: Blob, *, kind: str, recipient: str | None = None) -> str:
         """Upload a blob once; returns its sha256.
 
         With ``recipient`` (a device id) the blob is private: it is served to that device
@@ -219,7 +248,7 @@ class Endpoint:
         timeout_s: float = 600.0,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         """Download a blob served by ``src`` and verify its hash and size. With ``cache``
         False a downloaded blob is not stored: the caller validates it and keeps it
         (:meth:`keep_blob`) only if it passes, so nothing refused stays in a cache. With
@@ -241,7 +270,7 @@ class Endpoint:
         self.bus.traffic.count("received", kind, len(data))
         return data
 
-    def keep_blob(self, data: bytes, sha256: str, *, kind: str = "") -> None:
+    def keep_blob(self, data: Blob, sha256: str, *, kind: str = "") -> None:
         """Keep a blob fetched with ``cache=False`` (and then validated) in the blob store,
         where this role serves it from (as a blob of ``kind``) and finds it again."""
         self.bus._keep_blob(data, sha256)
@@ -303,7 +332,7 @@ class MemoryBus(Bus):
         self._subs: list[tuple[str, Handler]] = []
         self._retained: dict[str, bytes] = {}
         self._queue: deque[tuple[Handler, str, bytes]] = deque()
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._blobs: OrderedDict[str, Blob] = OrderedDict()
         self._blob_bytes = 0
         #: private blobs (each lives as long as it is in ``_blobs``): the homes that may get it
         self._readers: dict[str, frozenset[str]] = {}
@@ -332,12 +361,12 @@ class MemoryBus(Bus):
             if topic_matches(pattern, topic):
                 self._enqueue(handler, topic, payload)
 
-    def _put_blob(self, data: bytes) -> str:
+    def _put_blob(self, data: Blob) -> str:
         digest = self._store(data)
         self._readers.pop(digest, None)  # the same bytes put in the open are no secret
         return digest
 
-    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+    def _put_private_blob(self, data: Blob, recipient: str, owner: str) -> str:
         digest = sha256_hex(data)
         if digest in self._blobs and digest not in self._readers:  # already public
             return self._store(data)
@@ -347,7 +376,7 @@ class MemoryBus(Bus):
         self._readers[digest] = readers | {reader, owner}
         return digest
 
-    def _store(self, data: bytes) -> str:
+    def _store(self, data: Blob) -> str:
         digest = sha256_hex(data)
         if digest in self._blobs:
             self._blobs.move_to_end(digest)
@@ -370,7 +399,7 @@ class MemoryBus(Bus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         data = self._blobs.get(sha256)
         readers = self._readers.get(sha256)
         if readers is not None and requester not in readers:

@@ -67,6 +67,7 @@ from shared.transport.connection import (
 )
 from shared.transport.paho_lean import client_class
 from shared.transport.telemetry import Traffic
+from shared.wire.codec import Blob
 from shared.wire.messages import CLOUD_RECIPIENT, DEPLOYER_HOME, MAX_MESSAGE_BYTES, Topics
 
 __all__ = ["PASSWORD_ENV", "QOS", "MqttBus", "max_packet_bytes", "read_password"]
@@ -562,13 +563,16 @@ class MqttBus(Bus):
                             timeout_s)  # fmt: skip
 
     # -- blobs ---------------------------------------------------------------------------
-    def _put_blob(self, data: bytes) -> str:
+    def _put_blob(self, data: Blob) -> str:
         return self.store.put(data)
+
+    def _staging(self, size: int) -> Path | None:
+        return self.store.staging(size)
 
     def _offer_blob(self, sha256: str, kind: str) -> None:
         self._blob_server.offer(sha256, kind)
 
-    def _put_private_blob(self, data: bytes, recipient: str, owner: str) -> str:
+    def _put_private_blob(self, data: Blob, recipient: str, owner: str) -> str:
         sha = self._blob_server.put_private(data, recipient)
         if recipient == CLOUD_RECIPIENT:
             if not self._serves_cloud_only:
@@ -592,14 +596,14 @@ class MqttBus(Bus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-    ) -> bytes:
+    ) -> Blob:
         if self._serves_private or self._serves_cloud_only:  # a private blob put here
             own = self._blob_server.private_store.get(sha256)
             if own is not None:
                 return own
         return self._blob_fetcher.get(sha256, size, timeout_s, src, cache=cache, stall_s=stall_s)
 
-    def _keep_blob(self, data: bytes, sha256: str) -> None:
+    def _keep_blob(self, data: Blob, sha256: str) -> None:
         self.store.put(data, sha256)
 
     def _release_blob(self, sha256: str) -> None:

@@ -12,8 +12,10 @@ import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,72 @@ TensorDict = dict[str, Any]
 MAX_METADATA_BYTES = 64 * 1024
 
 
-def sha256_hex(data: bytes) -> str:
+class MappedBlob(mmap.mmap):
+    """A blob's bytes in a file, mapped privately: its pages are read in as they are used
+    and given back with :meth:`drop_pages` (a write to the map, as to a ``bytes`` nobody
+    should change either, copies the page and never reaches the file). ``sha256`` is the
+    hash of the bytes, computed as they were written; ``path`` names the file until a blob
+    store adopts it as its disk copy (:meth:`~shared.transport.blobs.BlobStore.put`). A file
+    no store adopted is removed once the map is collected."""
+
+    sha256: str
+    path: Path | None
+
+    @classmethod
+    def of_file(cls, fd: int, sha256: str, staged: Path | None = None) -> MappedBlob:
+        """Map the whole of open file ``fd`` (holding the bytes of ``sha256``); ``staged``
+        names it where it is a staged file, not yet any store's disk copy."""
+        blob = cls(fd, 0, access=mmap.ACCESS_COPY)
+        blob.sha256, blob.path = sha256, staged
+        if staged is not None:
+            weakref.finalize(blob, _remove_quietly, staged)  # a no-op once a store renamed it
+        return blob
+
+    def drop_pages(self, start: int = 0, length: int | None = None) -> None:
+        """Give back the pages wholly inside ``[start, start + length)`` (all by default):
+        they are read from the file again if used."""
+        end = len(self) if length is None else min(len(self), start + length)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE if end < len(self) else len(self)
+        if last > first and not self.closed:
+            self.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+class MappedViews(dict[str, "torch.Tensor"]):
+    """Tensors that are views of a :class:`MappedBlob` (:func:`decode_tensors` with
+    ``copy=False``): a reader that is done with one for now gives its pages back with
+    :meth:`release` (a streaming fold, a tensor at a time); they are read in again if used.
+    Like any views of a blob's bytes they are never written to."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], blob: MappedBlob) -> None:
+        import torch
+
+        super().__init__(tensors)
+        self.blob = blob
+        self._base = torch.frombuffer(blob, dtype=torch.uint8, count=1).data_ptr()
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give back the pages of ``t`` (one of these views; anything else is left alone)."""
+        start = t.data_ptr() - self._base
+        nbytes = t.numel() * t.element_size()
+        if 0 <= start and start + nbytes <= len(self.blob):
+            self.blob.drop_pages(start, nbytes)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+Blob = bytes | mmap.mmap
+"""A blob's bytes: in memory, or (a large blob received or encoded into a file) a
+:class:`MappedBlob` of that file, whose pages the kernel reads in as they are used and can
+drop again."""
+
+
+def sha256_hex(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
@@ -138,18 +205,14 @@ _DIRECT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "
 _PLAIN = re.compile(r"[ -!#-\[\]-~]*")  # printable ASCII without '"' and '\\'
 
 
-def _encode_direct(
+def _direct_layout(
     tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
-) -> bytes | None:
-    """The bytes ``safetensors.torch.save`` writes for ``tensors`` (contiguous, on the CPU),
-    written straight into one growing buffer that becomes the result: one copy of the data
-    where the library makes three. Metadata comes first, in sorted key order (the library
-    writes it in no fixed order; readers do not care). None (the caller uses the library)
-    for anything outside what this writer lays out exactly as the library does: a dtype not
-    in :data:`_DIRECT_ORDER`, a tensor name that JSON would escape. ``tests/test_codec.py``
-    holds the two equal."""
-    import torch
-
+) -> tuple[bytes, list[str]] | None:
+    """The length-prefixed header ``safetensors.torch.save`` writes for ``tensors`` and the
+    order their data follows in, or None for anything outside what :func:`_encode_direct`
+    lays out exactly as the library does (a dtype not in :data:`_DIRECT_ORDER`, a tensor
+    name that JSON would escape). Metadata comes first, in sorted key order (the library
+    writes it in no fixed order; readers do not care)."""
     names: dict[str, str] = {}
     for name, t in tensors.items():
         dtype = _SAFETENSORS_NAMES.get(str(t.dtype).removeprefix("torch."))
@@ -175,14 +238,74 @@ def _encode_direct(
         offset += size
     header = ("{" + ",".join(entries) + "}").encode("utf-8")
     header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header, order
+
+
+def _data_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _encode_direct(
+    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
+) -> bytes | None:
+    """The bytes ``safetensors.torch.save`` writes for ``tensors`` (contiguous, on the CPU),
+    written straight into one growing buffer that becomes the result: one copy of the data
+    where the library makes three. None (the caller uses the library) where
+    :func:`_direct_layout` is. ``tests/test_codec.py`` holds the two equal."""
+    layout = _direct_layout(tensors, meta)
+    if layout is None:
+        return None
+    header, order = layout
     out = io.BytesIO()
-    out.write(len(header).to_bytes(8, "little"))
     out.write(header)
     for name in order:
-        t = tensors[name]
-        if t.numel():
-            out.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        if tensors[name].numel():
+            out.write(_data_of(tensors[name]))
     return out.getvalue()  # written in order: CPython hands over its buffer, no copy
+
+
+def encoded_size(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes :func:`encode_tensors` gives for ``tensors`` without metadata (an upper bound
+    within a header's length where the library encodes them)."""
+    layout = _direct_layout(tensors)
+    head = len(layout[0]) if layout is not None else 8 + 160 * len(tensors)
+    return head + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def encode_tensors_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> MappedBlob:
+    """:func:`encode_tensors` written to a new file ``path`` instead of memory (hashed as it
+    is written), returned as a :class:`MappedBlob` of it holding none of its pages: a role
+    that puts a large blob keeps no copy of its bytes in memory. Raises OSError when the
+    file cannot be written (nothing is left behind)."""
+    ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
+    layout = _direct_layout(ordered)
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as fh:
+            if layout is None:  # a layout only the library writes: through memory
+                data = encode_tensors(ordered)
+                fh.write(data)
+                h.update(data)
+            else:
+                header, order = layout
+                fh.write(header)
+                h.update(header)
+                for name in order:
+                    if ordered[name].numel():
+                        part = _data_of(ordered[name])
+                        fh.write(part)
+                        h.update(part)
+        blob = MappedBlob.of_file(fd, h.hexdigest(), path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return blob
 
 
 def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
@@ -201,7 +324,7 @@ def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[s
 
 
 def decode_tensors(
-    data: bytes,
+    data: Blob,
     *,
     sha256: str | None = None,
     expected: Mapping[str, TensorSpec] | None = None,
@@ -222,12 +345,27 @@ def decode_tensors(
     if sha256 is not None and sha256_hex(data) != sha256:
         raise CodecError(f"sha256 mismatch: expected {sha256[:16]}…, got {sha256_hex(data)[:16]}…")
     try:
-        tensors = st_load(data) if copy else _views(data)
+        if not copy:
+            tensors = _views(data)
+        elif isinstance(data, bytes):
+            tensors = st_load(data)
+        else:  # mapped: copied from views of the map, each one's pages given back at once
+            views = MappedViews(_views(data), data) if isinstance(data, MappedBlob) else None
+            tensors = {}
+            for name, t in (views or _views(data)).items():
+                tensors[name] = t.clone()
+                if views is not None:
+                    views.release(t)
     except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError) as err:
         # KeyError: a header dtype this torch has no mapping for (F8_E8M0, F4, ...)
         raise CodecError(f"not a valid safetensors payload: {type(err).__name__}: {err}") from None
     if expected is not None:
         check_spec(tensors, expected, partial=partial)
+    # a mapped blob's views give their pages back once checked: the caller reads them in
+    # again as it uses them (so two uploads checked at once hold a tensor each, not all)
+    mapped = None
+    if isinstance(data, MappedBlob) and not copy and len(data):
+        tensors = mapped = MappedViews(tensors, data)
     if not allow_nonfinite:
         for name, t in tensors.items():
             if not t.is_floating_point():
@@ -238,6 +376,8 @@ def decode_tensors(
                 raise CodecError(f"tensor {name!r} of {t.dtype}: {err}") from None
             if not finite:
                 raise CodecError(f"tensor {name!r} holds NaN or Inf")
+            if mapped is not None:
+                mapped.release(t)
     return tensors
 
 
@@ -264,7 +404,7 @@ def _header(data: bytes | bytearray | memoryview) -> tuple[int, Any]:
         raise CodecError(f"bad safetensors header: {err}") from None
 
 
-def _views(data: bytes | bytearray | memoryview) -> TensorDict:
+def _views(data: bytes | bytearray | memoryview | mmap.mmap) -> TensorDict:
     """The tensors of safetensors ``data`` as views of its bytes, with the checks the
     safetensors library makes: a header in range, known dtypes, each tensor's byte range
     matching its shape, the ranges covering the data exactly, in order, without overlap."""
