@@ -74,9 +74,10 @@ class BrokerSection(Section):
         2,
         ge=1,
         le=1024,
-        description="uploads an edge downloads at once; each holds one upload's bytes until "
-        "it is folded into the round's sum, the others wait their turn. A download silent "
-        "for 3 x chunk_timeout_s gives up, so a silent device holds a turn no longer",
+        description="uploads an edge downloads at once, the others wait their turn (one of "
+        "16 MiB or more is received into a file when the role has a disk cache, else into "
+        "memory until it is folded into the round's sum). A download silent for "
+        "3 x chunk_timeout_s gives up, so a silent device holds a turn no longer",
     )
     fetch_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     serve_repeat_s: float = Field(

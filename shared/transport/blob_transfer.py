@@ -10,7 +10,8 @@ lacks, hashes them as they arrive in order, asks again for whatever is still mis
 coalesces requests: a chunk already queued for sending is not queued twice, so several
 receivers asking at once share one stream (the broker fans it out). Received and published
 blobs live in a :class:`~shared.transport.blobs.BlobStore` (memory LRU + optional disk cache), so an
-edge fetches each global model once and serves it to all its devices.
+edge fetches each global model once and serves it to all its devices; a large blob is
+received into a file of that cache (:class:`~shared.transport.blob_fetcher.FileSink`).
 
 A private blob (``BlobServer.put_private``: the cloud's personal model for one device) is kept
 in a store of its own and served only under that device's private downlink

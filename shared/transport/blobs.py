@@ -9,7 +9,10 @@ disk (a corrupt cache file is deleted, never served). Both tiers evict least-rec
 blobs above their byte limits. A blob of at least ``spill_bytes`` leaves memory once its
 disk copy is written: its chunks are then read from that file, range by range (a role does
 not hold a second copy of a model it serves; the file is verified again whenever it changed
-since this store wrote or verified it).
+since this store wrote or verified it). Such a blob need not pass through memory at all: a
+fetch or an encoder writes it to a staged file (:meth:`BlobStore.staging`) and hands on a
+:class:`~shared.wire.codec.MappedBlob`, which ``put`` adopts as the disk copy by renaming the
+file, and ``get`` returns a spilled blob mapped from its file, not read whole.
 Thread-safe: the bus's I/O thread serves chunks while a role thread stores new blobs.
 """
 
