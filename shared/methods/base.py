@@ -85,10 +85,12 @@ OPTIMIZER_STATE = "optimizer.state"
 
 
 def optimizer_state_on_cpu(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with every tensor copied to the CPU."""
+    """The state dict of an optimizer its caller is done with, every tensor on the CPU: one
+    elsewhere is copied there, one already there is taken as it is (no second copy of the
+    moments at the end of a round; the optimizer that held them is dropped)."""
     return {
         "state": {
-            i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            i: {k: v.detach().to("cpu") if isinstance(v, torch.Tensor) else v
                 for k, v in entry.items()}
             for i, entry in state["state"].items()
         },
