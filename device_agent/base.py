@@ -88,6 +88,9 @@ class DeviceBase(RoleService):
         self.announced: OrderedDict[tuple[str, int, str], EdgeRound] = OrderedDict()
         #: the session of the last round trained (the first round of another one: a new run)
         self.state_session: str | None = None
+        #: the session of the last round whose model reached this device (a finished run's
+        #: retained announcement, whose model no one serves any more, does not count)
+        self.worked_session: str | None = None
         #: where the state is kept across restarts (``--state-dir``); None: memory only
         self.state_file = state_path(state_dir, device_id) if state_dir is not None else None
         self.config_digest = cfg.digest()
@@ -101,6 +104,13 @@ class DeviceBase(RoleService):
         """The session of the last round the cloud announced to this device or it trained in
         (restored state does not count: it may be a finished run's)."""
         return self.current[0] if self.current is not None else None
+
+    def worked_in_session(self) -> str | None:
+        """The session of the last round this device got the model of (and so trained in):
+        a round announcement of a finished run, left retained on the broker, makes the
+        device :meth:`joined_session` that run until the model's download fails, which must
+        not let that run's "done" end this process."""
+        return self.worked_session
 
     def _adopt_arch(self, plan: ChannelPlan | None) -> None:
         """Rebuild the module when the architecture changed (pruning)."""

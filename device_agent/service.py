@@ -270,6 +270,7 @@ class DeviceAgent(EdgeChoosing, StateKeeping):
         continuing = self.kept_local == (msg.session, msg.round - 1, msg.edge, msg.model_ref.sha256)
         if not continuing and not self._load_round_model(ctx, msg):
             return
+        self.worked_session = msg.session
         self.kept_local = None  # set again below once this round's training is known good
         self.trace.event("downloaded", msg.round, bytes=0 if continuing else msg.model_ref.size)
         result = self.algorithm.device.device_round(ctx, self.model, msg.round, upload=msg.upload)

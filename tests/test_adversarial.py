@@ -24,7 +24,10 @@ from typing import Any
 
 import pytest
 
+import torch
+
 from cloud import CloudServer
+from device_agent import DeviceAgent
 from edge_node import EdgeServer
 from estuary.launcher import Hierarchy
 from shared.evaluation.report import read_metrics
@@ -33,7 +36,16 @@ from shared.models.init import initial_model
 from shared.runtime.process import follow_cloud
 from shared.transport.bus import MemoryBus
 from shared.transport.local_broker import LocalBroker, find_mosquitto
-from shared.wire.messages import CloudState, DeviceHello, EdgeUpdate, Presence, Topics, encode
+from shared.wire.messages import (
+    BlobRef,
+    CloudState,
+    DeviceHello,
+    EdgeRound,
+    EdgeUpdate,
+    Presence,
+    Topics,
+    encode,
+)
 from tests.conftest import tiny_config
 from tests.hand_roles import registered_cloud
 
@@ -79,6 +91,43 @@ def test_a_stale_done_does_not_end_a_new_run_but_the_new_clouds_does() -> None:
     say(offline, topics.status("cloud"))
     say(_state(cfg, NEW, "done"), topics.cloud_state)
     assert left == ["done"]
+
+
+def test_a_finished_runs_retained_round_does_not_make_a_device_leave_with_it() -> None:
+    """A device of a new run that finds a finished run's retained "done" and its edge's
+    retained round announcement (whose model no one serves any more) tries that round,
+    fails to get the model, and still waits for the new cloud: the old session is not one it
+    worked in, so neither the old "done" nor the new cloud coming online ends it."""
+    cfg = tiny_config(federation={"num_devices": 1, "num_edges": 1})
+    bus = MemoryBus(raise_errors=False)
+    topics = Topics(cfg.run.name)
+    dev = DeviceAgent(cfg, bus, make_algorithm(cfg), device_id="dev000", index=0,
+                      home_edge="edge0", data=torch.zeros(4, 1, 28, 28),
+                      labels=torch.arange(4))  # fmt: skip
+    ended: list[str] = []
+    follow_cloud(dev, lambda: ended.append("done"))
+    dev.start()
+    cloud, edge = bus.endpoint("cloud", "cloud"), bus.endpoint("edge0", "edge/edge0")
+
+    def say(ep: Any, msg: Any, topic: str) -> None:
+        ep.publish(topic, encode(msg), kind="m", retain=True)
+        bus.run(lambda: False)  # deliver everything queued
+
+    gone = BlobRef(sha256="1f" * 32, size=1000, kind="edge_model", src="edge/edge0")
+    stale = EdgeRound(round=1, session=OLD, edge="edge0", devices=["dev000"], model_ref=gone,
+                      deadline_s=60.0)  # fmt: skip
+    # in the order a broker may hand the retained messages over: the presence comes last
+    say(cloud, _state(cfg, OLD, "done"), topics.cloud_state)
+    say(edge, stale, topics.edge_round("edge0"))
+    assert dev.joined_session() == OLD and dev.worked_in_session() is None
+    assert bus.traffic.snapshot()["rejected"].get("device:blob_unavailable") == 1
+    say(cloud, Presence(name="cloud", role="cloud", online=False), topics.status("cloud"))
+    assert ended == []  # the old "done", but not of a session this device worked in
+    say(cloud, _state(cfg, NEW, "waiting"), topics.cloud_state)  # the new cloud
+    say(cloud, Presence(name="cloud", role="cloud", online=True), topics.status("cloud"))
+    assert ended == []
+    say(cloud, _state(cfg, NEW, "done"), topics.cloud_state)
+    assert ended == ["done"]
 
 
 def test_a_run_no_device_ever_contributed_to_fails_instead_of_deploying() -> None:

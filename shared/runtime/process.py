@@ -208,8 +208,8 @@ def connect_bus(
 def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
     """Call ``on_done`` (once) when the cloud says the run of this config is over.
 
-    A "done" counts when this process took part in that session (a round of it reached
-    it: :meth:`~shared.runtime.service.RoleService.joined_session`) or while the cloud is
+    A "done" counts when this process took part in that session (it did a round's work in
+    it: :meth:`~shared.runtime.service.RoleService.worked_in_session`) or while the cloud is
     online (its retained presence). A finished run's retained "done", with its cloud gone,
     is stale: a process started to run the config again waits for the new cloud, which
     replaces that state with its own before it says it is online, instead of leaving at
@@ -223,7 +223,7 @@ def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
         nonlocal ended
         if ended or state is None or not state.done_for(digest):
             return
-        if online or state.session == service.joined_session():
+        if online or state.session == service.worked_in_session():
             ended = True
             on_done()
         elif state.session not in told and len(told) < 16:

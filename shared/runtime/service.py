@@ -77,6 +77,12 @@ class RoleService:
         """The cloud session whose rounds this process has taken part in (None: none yet)."""
         return None
 
+    def worked_in_session(self) -> str | None:
+        """The cloud session this process did a round's work in (:func:`follow_cloud
+        <shared.runtime.process.follow_cloud>` ends the process on that session's "done"
+        even with its cloud gone); by default :meth:`joined_session`."""
+        return self.joined_session()
+
     def stop(self) -> None:
         """Say goodbye (retained ``online: false``) before a clean shutdown."""
         self.announce_presence(False)
