@@ -21,7 +21,7 @@ from cloud.rounds import (
     largest_round_start,
     sample_participants,
 )
-from cloud.state import INIT_FROM_CONFIG, new_session
+from cloud.state import INIT_FROM_CONFIG, ReportBlobs, new_session
 from shared.data.datasets import NUM_CLASSES, histogram_problem
 from shared.errors import CodecError, TransportError
 from shared.methods.api import Update
@@ -250,7 +250,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         # downloaded off the message thread, within the round's deadline and a stall limit:
         # an edge that reports and then dies (or never serves) holds up nothing else
         left = max(1.0, self.deadline_at - self.ep.now())
-        job: WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]] = WorkerJob(
+        job: WorkerJob[ReportBlobs] = WorkerJob(
             self._report_fetcher(msg, left, self.stall_s),
             self.ep.call_later,
             lambda fetched, err: self._report_fetched(msg, fetched, err, job),
@@ -264,7 +264,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
 
     def _report_fetcher(
         self, msg: EdgeUpdate, timeout_s: float, stall_s: float | None
-    ) -> Callable[[], tuple[TensorDict | None, dict[str, TensorDict]]]:
+    ) -> Callable[[], ReportBlobs]:
         """What downloads an edge report's blobs, validated: its model (None when it sent
         none) and the devices' uploads it forwarded, within ``timeout_s`` in all. It raises
         CodecError or TransportError and touches no state of the cloud (it runs in a
@@ -286,7 +286,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         *,
         forwards: bool,
         views: bool,
-    ) -> tuple[TensorDict | None, dict[str, TensorDict]]:
+    ) -> ReportBlobs:
         end = time.monotonic() + timeout_s
 
         def left() -> float:
@@ -302,20 +302,22 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 forwarded[f.device] = self.load_tensors(
                     f.update_ref, upload_spec, timeout_s=left(), stall_s=stall_s
                 )
-        tensors = None
+        tensors, data = None, None
         if msg.model_ref is not None:
             # an edge sends the shared tensors only, where the algorithm has them; folded
             # into the round's aggregation and dropped (not kept in the blob store)
-            tensors = self.load_tensors(msg.model_ref, model_spec, timeout_s=left(), keep=False,
-                                        views=views, stall_s=stall_s)  # fmt: skip
-        return tensors, forwarded
+            tensors, data = self.load_blob_tensors(
+                msg.model_ref, model_spec, timeout_s=left(), keep=False, views=views,
+                stall_s=stall_s,
+            )  # fmt: skip
+        return tensors, data, forwarded
 
     def _report_fetched(
         self,
         msg: EdgeUpdate,
-        fetched: tuple[TensorDict | None, dict[str, TensorDict]] | None,
+        fetched: ReportBlobs | None,
         error: BaseException | None,
-        job: WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]] | None = None,
+        job: WorkerJob[ReportBlobs] | None = None,
     ) -> None:
         """An edge report's blobs arrived (``fetched``) or could not be had (``error``,
         counted by its reason): take the report into the round it came for, if still open."""
@@ -336,7 +338,7 @@ class CloudServer(CloudProducts, CloudCheckpoints):
         if msg.edge in self.reports:
             self.reject("duplicate", where)
             return
-        tensors, forwarded = fetched
+        tensors, data, forwarded = fetched
         if tensors is not None:
             size = msg.model_ref.size if msg.model_ref is not None else 0
             self.trace.event("edge_fetched", msg.round, edge=msg.edge, bytes=size)
@@ -350,9 +352,15 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                     self.reject("bad_update", f"{where}: {type(err).__name__}: {err}")
                     return
                 del update
+                # the only model so far: its bytes may become the global's (_put_global_as)
+                ref = msg.model_ref
+                self.first_report = (
+                    (ref, data) if len(self.fold) == 1 and ref is not None and data is not None
+                    else None
+                )  # fmt: skip
         self.reports[msg.edge] = (msg, tensors is not None)
         self.uploads.update(forwarded)
-        del tensors, fetched  # folded: its bytes are not kept through the close
+        del tensors, data, fetched  # folded: its bytes are not kept through the close
         self._maybe_close()
 
     def _forwards_ok(self, msg: EdgeUpdate) -> bool:
@@ -423,23 +431,33 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 self.edge_counts[edge] = list(m.label_counts)
             self.contributions += len(m.devices)
         fold, self.fold = self.fold, None
+        first, self.first_report = self.first_report, None
         if fold is not None:
             if len(fold):
                 self.metrics.phase.state("aggregating")
                 t0 = time.perf_counter()
                 self.checkpoints.wait()  # the last checkpoint precedes any state after it
-                self.model = fold.result()  # independent of the order the edges reported in
+                exact = fold.exact_source() is not None and first is not None
+                result = fold.result()  # independent of the order the edges reported in
                 del fold
                 aggregation = self.algorithm.aggregation
-                self.model, plan = aggregation.after_cloud_aggregate(r, self.model, self.plan)
-                if plan_digest(plan) != plan_digest(self.plan):
+                self.model, plan = aggregation.after_cloud_aggregate(r, result, self.plan)
+                same_arch = plan_digest(plan) == plan_digest(self.plan)
+                # the aggregate is the one edge's model as it sent it: its bytes are the global
+                exact = exact and self.model is result and same_arch
+                if not same_arch:
                     self.plan, self.spec = plan, spec_of(self.model)
                     self.metrics.model_params.set(self.model_params())
                     log.info("global architecture is now %s", plan_digest(plan))
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
-                self.global_put = False
-                self._put_global()  # the blob's hash is the model's digest
+                del result
+                if exact and first is not None and self._serves_whole_global():
+                    self._put_global_as(*first)
+                else:
+                    self.global_put = False
+                    self._put_global()  # the blob's hash is the model's digest
+                del first
                 assert self.global_ref is not None
                 self.model_sha = self.global_ref.sha256
                 self.trace.event("aggregated", r)

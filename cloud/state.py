@@ -18,6 +18,7 @@ from cloud.personal import PersonalizeJob
 from cloud.rounds import RoundSummary
 from shared.config import RunConfig
 from shared.data.datasets import NUM_CLASSES
+from shared.errors import EstuaryError
 from shared.evaluation.evaluator import model_from_state
 from shared.methods.api import FinalResult, Fold, Method, origin_of
 from shared.models.checkpoint import CheckpointWriter, model_digest
@@ -27,7 +28,7 @@ from shared.naming import edge_ids
 from shared.runtime.jobs import WorkerJob
 from shared.runtime.service import RoleService, TensorDict
 from shared.transport.bus import Bus, Timer
-from shared.wire.codec import decode_tensors, spec_of
+from shared.wire.codec import Blob, decode_tensors, spec_of
 from shared.wire.messages import (
     BlobRef,
     CloudState,
@@ -36,6 +37,10 @@ from shared.wire.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+#: what the download of an edge report gives: the edge's model (None: it sent none) and the
+#: bytes it was decoded from, and the devices' uploads it forwarded
+ReportBlobs = tuple[TensorDict | None, Blob | None, dict[str, TensorDict]]
 
 #: :class:`CloudServer`'s default ``init``: fingerprint the config's ``model.init`` file
 INIT_FROM_CONFIG = "from model.init"
@@ -114,6 +119,10 @@ class CloudBase(RoleService):
         #: the open round's aggregation, fed each edge's model as it arrives (None in a
         #: round without a cloud aggregation)
         self.fold: Fold | None = None
+        #: the fold's first model's ref and bytes while it is the fold's only one: when the
+        #: aggregate is that model exactly, its bytes are the new global's
+        #: (:meth:`_put_global_as`)
+        self.first_report: tuple[BlobRef, Blob] | None = None
         #: the global state's blob is :attr:`global_ref` (False: put it before announcing)
         self.global_put = False
         #: writes each checkpoint while the next round runs (inline on an in-process bus)
@@ -122,7 +131,7 @@ class CloudBase(RoleService):
         self.uploads: dict[str, TensorDict] = {}
         self.personal_job: PersonalizeJob | None = None
         #: the open round's edge downloads under way (each in a worker), by edge
-        self.fetching: dict[str, WorkerJob[tuple[TensorDict | None, dict[str, TensorDict]]]] = {}
+        self.fetching: dict[str, WorkerJob[ReportBlobs]] = {}
         #: when the open round's deadline fires (bus clock): no download waits past it
         self.deadline_at = 0.0
         #: a download that receives nothing for this long gives up (as the edges' do)
@@ -209,7 +218,7 @@ class CloudBase(RoleService):
         if not self.global_put or self.global_ref is None:
             old = self.global_ref
             shared = self.algorithm.format.shared_spec(self.spec)
-            if shared is None and self.algorithm.aggregation.aggregation_stateless:
+            if self._serves_whole_global():
                 # a plain mean is never written to: the model is read in place from its
                 # blob (one copy of the global in memory, not two)
                 data = self.ep.encode_tensors(self.model)
@@ -224,6 +233,32 @@ class CloudBase(RoleService):
             if old is not None and old.sha256 != self.global_ref.sha256:
                 self.ep.release_blob(old.sha256)  # a late asker reads it from disk
             self.metrics.model_bytes.set(self.global_ref.size)
+
+    def _serves_whole_global(self) -> bool:
+        """Whether the global travels as one blob of the whole model that the cloud reads in
+        place (a plain mean, no shared subset): the case :meth:`_put_global_as` serves."""
+        return (
+            self.algorithm.format.shared_spec(self.spec) is None
+            and self.algorithm.aggregation.aggregation_stateless
+        )
+
+    def _put_global_as(self, ref: BlobRef, data: Blob) -> None:
+        """Make the blob ``data`` (``ref``: an edge's model the round's aggregate equals bit
+        for bit, canonically encoded as every blob is) the global: its bytes are kept and
+        served as they are and the model is read in place from them, with no encoding and
+        no hashing of the same tensors again. The edge that sent it already holds it."""
+        old = self.global_ref
+        # put in the open (the edge's copy is served to the cloud alone): a blob received
+        # into a file is adopted with the hash it was verified against while arriving
+        self.global_ref, self.shared_ref = self.put_encoded(data, "global_model"), None
+        if self.global_ref.sha256 != ref.sha256:  # a bus that hashes what it stores
+            raise EstuaryError(f"the global put as {ref.sha256[:12]}… hashes to "
+                               f"{self.global_ref.sha256[:12]}…")  # fmt: skip
+        self.model = decode_tensors(data, copy=False)
+        self.global_put = True
+        if old is not None and old.sha256 != self.global_ref.sha256:
+            self.ep.release_blob(old.sha256)
+        self.metrics.model_bytes.set(self.global_ref.size)
 
     def _open_round(self) -> None:
         """Announce the next round (the server's)."""

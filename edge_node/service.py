@@ -198,7 +198,8 @@ class EdgeServer(UpdateFetching, EdgeReporting):
             self.timer.cancel()
             self.timer = None
         if self.report_sha is not None:  # the cloud took it: only disk keeps it now
-            self.ep.release_blob(self.report_sha)
+            if self.report_sha != self.global_sha:  # (unless it is the new global itself)
+                self.ep.release_blob(self.report_sha)
             self.report_sha = None
         self.session, self.round, self.closed = msg.session, msg.round, False
         if self.selecting:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import torch
 
 from cloud import CloudServer

@@ -37,3 +37,34 @@ def test_errors() -> None:
         weighted_average([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], [1, 1])
     with pytest.raises(EstuaryError):
         normalize([1, -1])
+
+
+def test_a_mean_of_one_float32_state_says_it_is_that_state() -> None:
+    """:meth:`WeightedSum.mean_is_first` (what lets the cloud serve one edge's bytes as the
+    global) holds for one float32 state, whose mean is then its copy bit for bit, and not
+    for two states, a float64 state or a zero weight."""
+    from shared.methods.aggregation import MeanFold, WeightedSum
+    from shared.methods.api import Update
+
+    g = torch.Generator().manual_seed(0)
+    x = {"w": torch.randn(1000, generator=g) * 1e3, "n": torch.tensor(7)}
+    one = WeightedSum()
+    one.add(x, 37.0)
+    assert one.mean_is_first()
+    mean = one.mean()
+    assert torch.equal(mean["w"], x["w"]) and mean["n"].item() == 7
+    two = WeightedSum()
+    two.add(x, 1.0)
+    two.add(x, 3.0)
+    assert not two.mean_is_first()
+    wide = WeightedSum()
+    wide.add({"w": x["w"].double()}, 1.0)
+    assert not wide.mean_is_first()
+    zero = WeightedSum()
+    zero.add(x, 0.0)
+    assert not zero.mean_is_first()
+    fold = MeanFold()
+    fold.add(Update("edge0", x, 5, (5,) + (0,) * 9))
+    assert fold.exact_source() == "edge0"
+    fold.add(Update("edge1", x, 5, (5,) + (0,) * 9))
+    assert fold.exact_source() is None

@@ -6,6 +6,7 @@ transport message is refused before anything connects."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -161,3 +162,60 @@ def test_cloud_process_fails_when_no_device_registers(tmp_path: Path) -> None:
     assert proc.returncode == 2, log[-2000:]
     assert "no device registered" in log and "stopped after round 0 of 1" in log
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def _one_edge_run(
+    monkeypatch: pytest.MonkeyPatch, *, shortcut: bool
+) -> tuple[Any, list[Any], list[int]]:
+    """A 1-edge, 2-device, 3-round federation in process; with ``shortcut`` False the cloud
+    never treats an aggregate as the edge's own bytes. The cloud, the round starts and edge
+    reports it saw, and the size of every blob the cloud encoded."""
+    from shared.methods.aggregation import MeanFold
+    from shared.wire.messages import RoundStart, decode
+    from tests.conftest import synthetic_federation
+
+    if not shortcut:
+        monkeypatch.setattr(MeanFold, "exact_source", lambda self: None)
+    cfg = tiny_config(run={"rounds": 3}, federation={"num_devices": 2, "num_edges": 1})
+    fed, bus, _ = synthetic_federation(cfg)
+    topics, seen = Topics(cfg.run.name), []
+    spy = bus.endpoint("spy")
+    for topic in (topics.cloud_round, topics.edge_up("edge0")):
+        spy.subscribe(topic, lambda t, p: seen.append(p))
+    encoded: list[int] = []
+    encode = fed.cloud.ep.encode_tensors
+
+    def counted(tensors: Any) -> Any:
+        data = encode(tensors)
+        encoded.append(len(data))
+        return data
+
+    monkeypatch.setattr(fed.cloud.ep, "encode_tensors", counted)
+    fed.start()
+    assert bus.run(lambda: fed.cloud.done)
+    msgs = [decode(p, RoundStart) if b'"round_start"' in p else decode(p, EdgeUpdate)
+            for p in seen]  # fmt: skip
+    return fed.cloud, msgs, encoded
+
+
+def test_a_one_edge_aggregate_is_served_as_the_edges_own_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one edge, each round's new global is the edge's model blob itself (the same
+    sha256: no encoding or hashing again, and the edge finds it in its own store), the
+    bytes are the canonical encoding of the cloud's model, and the run ends at the model of
+    a cloud that encodes and hashes the aggregate itself."""
+    from shared.wire.codec import encode_tensors
+    from shared.wire.messages import RoundStart
+
+    cloud, msgs, encoded = _one_edge_run(monkeypatch, shortcut=True)
+    assert len(encoded) == 1  # the initial global alone
+    reports = [m.model_ref.sha256 for m in msgs if isinstance(m, EdgeUpdate) and m.model_ref]
+    globals_ = [m.global_ref.sha256 for m in msgs if isinstance(m, RoundStart)]
+    assert len(reports) == 3 and globals_[1:] == reports[:2]
+    assert cloud.global_ref.sha256 == reports[2]
+    assert cloud.global_ref.sha256 == hashlib.sha256(encode_tensors(cloud.model)).hexdigest()
+    plain, plain_msgs, plain_encoded = _one_edge_run(monkeypatch, shortcut=False)
+    assert len(plain_encoded) == 4  # and one per aggregation
+    assert plain.global_ref.sha256 == cloud.global_ref.sha256
+    assert [m.global_ref.sha256 for m in plain_msgs if isinstance(m, RoundStart)] == globals_

@@ -179,6 +179,18 @@ class WeightedSum:
             for k in self._dtypes
         }
 
+    def mean_is_first(self) -> bool:
+        """Whether :meth:`mean` is a copy of the one state added, bit for bit: one state of
+        one float dtype no wider than float32 (see :meth:`mean`), with a positive weight."""
+        dtypes = {self._dtypes[k] for k in self._shapes}
+        return (
+            self.count == 1
+            and self._pending is not None
+            and self.total > 0
+            and len(dtypes) == 1
+            and next(iter(dtypes)) in _NARROW
+        )
+
     def mean(self, *, consume: bool = False) -> TensorDict:
         """The weighted mean, each tensor in its own dtype. With ``consume`` the sum is not
         used again (but recycled): a float32 mean is then written over the sum's float32
@@ -189,9 +201,10 @@ class WeightedSum:
             raise EstuaryError("aggregation weights sum to zero")
         out: TensorDict = {k: held for k, (_, held) in self._fixed.items()}
         dtypes = {self._dtypes[k] for k in self._shapes}
-        if self._pending is not None and len(dtypes) == 1 and next(iter(dtypes)) in _NARROW:
+        if self.mean_is_first():
             # one state: its copy. (w * x) / w in float64 is within 2**-52 of x, which
             # rounds back to x in x's float32 (or narrower): the mean the buffers give
+            assert self._pending is not None
             first = self._pending[0]
             flat = torch.empty(sum(math.prod(s) for s in self._shapes.values()), dtype=dtypes.pop())
             at = 0
@@ -309,6 +322,10 @@ class MeanFold(Fold):
 
     def _add(self, update: Update) -> None:
         self.sum.add(update.tensors, float(update.n_samples), key=update.source)
+
+    def exact_source(self) -> str | None:
+        """The one update's source when it is the only one: its mean is its copy."""
+        return self.sources[0] if self.sum.mean_is_first() else None
 
     def result(self) -> TensorDict:
         out = self.sum.mean(consume=True)  # written over the sum's float32 half

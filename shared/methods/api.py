@@ -72,6 +72,13 @@ class Fold(ABC):
     def result(self) -> TensorDict:
         """The aggregate of the updates added (at least one)."""
 
+    def exact_source(self) -> str | None:
+        """The source of the one update that :meth:`result` will return bit for bit (same
+        names, dtypes, shapes and values), asked before :meth:`result`; None when the result
+        is anything else. A role may then serve that update's own bytes as the result
+        instead of encoding and hashing the same tensors again. None by default."""
+        return None
+
     def __len__(self) -> int:
         return len(self.sources)
 

@@ -211,6 +211,25 @@ class RoleService:
         again. With ``views`` the tensors are read-only views of the downloaded bytes (no
         second copy; for a caller that only reads them, such as a streaming fold). With
         ``stall_s`` a download that receives nothing for that long gives up early."""
+        return self.load_blob_tensors(
+            ref, spec, timeout_s=timeout_s, partial=partial, keep=keep, views=views,
+            stall_s=stall_s,
+        )[0]  # fmt: skip
+
+    def load_blob_tensors(
+        self,
+        ref: BlobRef,
+        spec: Mapping[str, TensorSpec] | None,
+        *,
+        timeout_s: float = 600.0,
+        partial: bool = False,
+        keep: bool = True,
+        views: bool = False,
+        stall_s: float | None = None,
+    ) -> tuple[TensorDict, Blob]:
+        """:meth:`load_tensors`, and the blob's verified bytes the tensors were decoded from
+        (for a caller that may serve those very bytes again, as the cloud serves the one
+        edge's model as the new global)."""
         limit = None if spec is None else encoded_size_limit(spec)
         if limit is not None and ref.size > limit:
             raise TransportError(
@@ -230,4 +249,4 @@ class RoleService:
         tensors = decode_tensors(data, expected=spec, partial=partial, copy=not views)
         if keep:
             self.ep.keep_blob(data, ref.sha256, kind=ref.kind)
-        return tensors
+        return tensors, data
