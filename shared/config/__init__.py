@@ -104,6 +104,7 @@ PER_PROCESS_KEYS = (
     ("train", "threads"),
     ("train", "precision"),
     ("train", "activation_checkpointing"),
+    ("train", "micro_batch"),
     ("train", "cuda_graph"),
     ("train", "cuda_graph_reuse"),
     ("data", "local_dir"),
@@ -111,7 +112,7 @@ PER_PROCESS_KEYS = (
 )
 #: per-process keys added after format 2's digests were first recorded: left out of the
 #: digest altogether, so every stored run and every role of an older version keeps its digest
-LATER_PER_PROCESS_KEYS = (("train", "activation_checkpointing"),)
+LATER_PER_PROCESS_KEYS = (("train", "activation_checkpointing"), ("train", "micro_batch"))
 #: settings of the experiment's sections that say where the roles connect, not what they
 #: compute: left out of the digest (a run keeps its digest whichever broker layout carries it)
 TOPOLOGY_KEYS = (("federation", "brokers"),)

@@ -350,6 +350,16 @@ class TrainSection(Section):
         "the same steps and updates in less memory, for about a third more training time. "
         "Per process, like precision: a device short of memory may turn it on alone",
     )
+    micro_batch: int = Field(
+        0,
+        ge=0,
+        le=65_536,
+        description="DDPM training: run each step's batch through the model this many images "
+        "at a time, accumulating the gradient, so that only a micro-batch's activations are "
+        "held (0: the whole batch at once). The same draws and the same gradient up to float "
+        "rounding, for some speed on a CPU. Not for a custom loss (MOON: whole batches). Per "
+        "process, like precision: a device short of memory may set it alone",
+    )
     cuda_graph: bool = Field(
         False,
         description="on a CUDA device, capture each local round's training step as a CUDA "

@@ -136,15 +136,22 @@ def finish_step(
     grad_clip: float,
     extra_loss: ExtraLoss | None,
     grad_hook: GradHook | None,
+    backward: bool = True,
 ) -> None:
     """One training step after its data loss ``loss`` (gradients cleared, or to be written by
     a graph): ``loss`` added to the running ``total`` (before any regularizer), plus
     ``extra_loss``, backward, ``grad_hook`` on the gradients, clipping, the optimizer step.
-    The eager loop and the graphed body both end their steps here."""
+    The eager loop and the graphed body both end their steps here. With ``backward`` False
+    the data loss's gradients are in place already (micro-batches): only ``extra_loss``'s
+    are added."""
     total.add_(loss.detach())
-    if extra_loss is not None:
-        loss = loss + extra_loss(model)
-    loss.backward()
+    if not backward:
+        if extra_loss is not None:
+            extra_loss(model).backward()
+    else:
+        if extra_loss is not None:
+            loss = loss + extra_loss(model)
+        loss.backward()
     if grad_hook is not None:
         grad_hook(model)
     if grad_clip > 0:

@@ -25,7 +25,7 @@ from shared.diffusion.cuda_graph import (
     train_resident,
 )
 from shared.diffusion.hooks import ExtraLoss, GradHook, LossFn
-from shared.diffusion.schedule import ddpm_loss
+from shared.diffusion.schedule import ddpm_loss, denoising_loss, draw_noise
 from shared.errors import ConfigError
 from shared.models.presets import module_device
 
@@ -304,9 +304,20 @@ def train_local(
             )  # fmt: skip
         else:
             total = torch.zeros((), dtype=torch.float64, device=on)
+            micro = cfg.micro_batch if loss_fn is None else 0  # a custom loss: whole batches
             for idx in batch_indices(n, cfg.batch_size, steps, generator):
                 opt.zero_grad(set_to_none=True)
                 x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
+                if 0 < micro < len(idx):
+                    y = None if cond_labels is None else cond_labels[idx]
+                    y = y if y is None or on is None else y.to(on, non_blocking=True)
+                    loss = micro_batch_backward(model, x, y, scheduler, generator, micro, autocast)
+                    finish_step(model, opt, params, loss, total, grad_clip=cfg.grad_clip,
+                                extra_loss=extra_loss, grad_hook=grad_hook,
+                                backward=False)  # fmt: skip
+                    if after_step is not None:
+                        after_step(model)
+                    continue
                 with autocast:  # forward and loss; the regularizer and backward in fp32
                     if cond_labels is not None:
                         y = cond_labels[idx]
@@ -321,6 +332,35 @@ def train_local(
                     after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
     return TrainResult(float(total) / max(1, steps), steps, time.perf_counter() - start)
+
+
+def micro_batch_backward(
+    model: nn.Module,
+    x: torch.Tensor,
+    labels: torch.Tensor | None,
+    scheduler: DDPMScheduler,
+    generator: torch.Generator,
+    micro: int,
+    autocast: AbstractContextManager[object],
+) -> torch.Tensor:
+    """The DDPM loss of the batch ``x`` (its timesteps and noise drawn at once, as
+    :func:`~shared.diffusion.schedule.ddpm_loss` draws them) with its gradient accumulated
+    ``micro`` images at a time: each slice's mean loss weighted by its share of the batch,
+    so the gradient is the whole batch's up to float rounding while only one slice's
+    activations are held. Returns the batch's loss (detached)."""
+    t, noise = draw_noise(x.shape, x.dtype, scheduler, generator)
+    t, noise = t.to(x.device), noise.to(x.device)
+    n = x.shape[0]
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    for at in range(0, n, micro):
+        part = slice(at, min(at + micro, n))
+        with autocast:
+            y = None if labels is None else labels[part]
+            mean = denoising_loss(model, x[part], noise[part], t[part], scheduler, y)
+        share = mean.float() * ((part.stop - part.start) / n)
+        share.backward()
+        loss += share.detach()
+    return loss
 
 
 def resident_settings(cfg: TrainSection) -> str:
