@@ -30,7 +30,7 @@ from shared.naming import is_device_of
 from shared.runtime.jobs import WorkerJob
 from shared.runtime.memory import release_memory
 from shared.runtime.service import TensorDict
-from shared.wire.codec import TensorSpec, spec_of
+from shared.wire.codec import TensorSpec, decode_tensors, spec_of
 from shared.wire.messages import (
     DeviceHello,
     EdgeUpdate,
@@ -437,8 +437,14 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 self.metrics.phase.state("aggregating")
                 t0 = time.perf_counter()
                 self.checkpoints.wait()  # the last checkpoint precedes any state after it
-                exact = fold.exact_source() is not None and first is not None
-                result = fold.result()  # independent of the order the edges reported in
+                # the mean of one edge's model is that model: read in place from the bytes
+                # it came in (checked then), not copied
+                exact = (first is not None and fold.exact_source() is not None
+                         and self._serves_whole_global())  # fmt: skip
+                if exact and first is not None:
+                    result = decode_tensors(first[1], copy=False, allow_nonfinite=True)
+                else:
+                    result = fold.result()  # independent of the order the edges reported in
                 del fold
                 aggregation = self.algorithm.aggregation
                 self.model, plan = aggregation.after_cloud_aggregate(r, result, self.plan)
@@ -451,13 +457,12 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                     log.info("global architecture is now %s", plan_digest(plan))
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
-                del result
-                if exact and first is not None and self._serves_whole_global():
-                    self._put_global_as(*first)
+                if exact and first is not None:
+                    self._put_global_as(*first, model=result)
                 else:
                     self.global_put = False
                     self._put_global()  # the blob's hash is the model's digest
-                del first
+                del first, result
                 assert self.global_ref is not None
                 self.model_sha = self.global_ref.sha256
                 self.trace.event("aggregated", r)

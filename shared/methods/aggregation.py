@@ -21,7 +21,7 @@ import torch
 
 from shared.errors import EstuaryError
 from shared.methods.api import Fold, Update
-from shared.wire.codec import MappedViews
+from shared.wire.codec import SERIAL_CHUNK, MappedViews, serial_copy
 
 #: a model state (or any named tensors) as aggregation sees it
 TensorDict = dict[str, torch.Tensor]
@@ -144,7 +144,9 @@ class WeightedSum:
         first, weight, release = self._pending
         self._allocate()
         for k, t in first.items():
-            self._hi[k].copy_(t.reshape(-1)).mul_(weight)
+            hi, x = self._hi[k], t.reshape(-1)
+            for i in range(0, hi.numel(), SERIAL_CHUNK):  # on this thread (see SERIAL_CHUNK)
+                hi[i : i + SERIAL_CHUNK].copy_(x[i : i + SERIAL_CHUNK]).mul_(weight)
             if release is not None:
                 release(t)
         self._pending = None
@@ -210,7 +212,7 @@ class WeightedSum:
             at = 0
             for k, shape in self._shapes.items():
                 size = math.prod(shape)
-                out[k] = flat[at : at + size].copy_(first[k].reshape(-1)).view(shape)
+                out[k] = serial_copy(flat[at : at + size], first[k].reshape(-1)).view(shape)
                 at += size
             return {k: out[k] for k in self._dtypes}
         self._materialize()
@@ -274,8 +276,9 @@ _SPARE_LOCK = threading.Lock()
 
 #: elements per step of :func:`_two_sum_into`: its temporaries stay in the CPU's cache
 FOLD_CHUNK = 1 << 14
-#: elements per step of :meth:`WeightedSum.mean` (a few MiB of temporaries, reused)
-MEAN_CHUNK = 1 << 19
+#: elements per step of :meth:`WeightedSum.mean`: on the calling thread alone, as every
+#: step of a fold (:data:`~shared.wire.codec.SERIAL_CHUNK`)
+MEAN_CHUNK = SERIAL_CHUNK
 
 
 def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, weight: float) -> None:

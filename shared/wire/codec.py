@@ -323,6 +323,35 @@ def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[s
     return digest
 
 
+#: elements per step of the checks and copies a role makes over a whole model: fewer than
+#: PyTorch's grain size (32,768), so each op runs on the calling thread alone. An op over
+#: more elements is an OpenMP parallel region whose end waits for every thread of the pool;
+#: where a neighbour's job has taken a core, each such wait can last a scheduler time
+#: slice, and the hundreds of tensors of a model made a check many times slower instead of
+#: slower by the CPU lost (``benchmarks/round_phases.py --load 1``)
+SERIAL_CHUNK = 1 << 14
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of the floating-point tensor ``t`` is finite, checked
+    :data:`SERIAL_CHUNK` elements at a time on the calling thread."""
+    import torch
+
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), SERIAL_CHUNK):
+        if not bool(torch.isfinite(flat[i : i + SERIAL_CHUNK]).all()):
+            return False
+    return True
+
+
+def serial_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for flat tensors of the same size, :data:`SERIAL_CHUNK` elements
+    at a time on the calling thread; returns ``dst``."""
+    for i in range(0, dst.numel(), SERIAL_CHUNK):
+        dst[i : i + SERIAL_CHUNK].copy_(src[i : i + SERIAL_CHUNK])
+    return dst
+
+
 def decode_tensors(
     data: Blob,
     *,
@@ -338,7 +367,6 @@ def decode_tensors(
     With ``copy`` False the tensors are read-only views of ``data`` (no second buffer): for
     a caller that only reads them and drops them with the bytes (an aggregator folding an
     upload into its sum). Writing to such a tensor writes into ``data``."""
-    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load as st_load
 
@@ -371,7 +399,7 @@ def decode_tensors(
             if not t.is_floating_point():
                 continue
             try:
-                finite = bool(torch.isfinite(t).all())
+                finite = all_finite(t)
             except RuntimeError as err:  # a float dtype without isfinite (float8 variants)
                 raise CodecError(f"tensor {name!r} of {t.dtype}: {err}") from None
             if not finite:
