@@ -23,6 +23,7 @@ from shared import seeds
 from shared.errors import ConfigError
 from shared.methods.api import DeviceContext, LocalResult
 from shared.models.plan import Plan, model_spec, parse_plan, plan_digest
+from shared.wire.codec import all_finite
 from shared.wire.messages import (
     CloudState,
     DeviceHello,
@@ -221,7 +222,7 @@ class DeviceAgent(EdgeChoosing, StateKeeping):
         if not math.isfinite(result.train.mean_loss):
             return f"mean loss {result.train.mean_loss}"
         for name, t in self.model.state_dict().items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and not all_finite(t):  # on this thread: see all_finite
                 return f"non-finite weights in {name}"
         return ""
 
