@@ -439,9 +439,9 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 self.checkpoints.wait()  # the last checkpoint precedes any state after it
                 # the mean of one edge's model is that model: read in place from the bytes
                 # it came in (checked then), not copied
-                exact = (first is not None and fold.exact_source() is not None
-                         and self._serves_whole_global())  # fmt: skip
-                if exact and first is not None:
+                if fold.exact_source() is None or not self._serves_whole_global():
+                    first = None  # the aggregate is not one model as it came
+                if first is not None:
                     result = decode_tensors(first[1], copy=False, allow_nonfinite=True)
                 else:
                     result = fold.result()  # independent of the order the edges reported in
@@ -449,15 +449,15 @@ class CloudServer(CloudProducts, CloudCheckpoints):
                 aggregation = self.algorithm.aggregation
                 self.model, plan = aggregation.after_cloud_aggregate(r, result, self.plan)
                 same_arch = plan_digest(plan) == plan_digest(self.plan)
-                # the aggregate is the one edge's model as it sent it: its bytes are the global
-                exact = exact and self.model is result and same_arch
+                if self.model is not result or not same_arch:
+                    first = None  # the method changed it: encoded and hashed as any global
                 if not same_arch:
                     self.plan, self.spec = plan, spec_of(self.model)
                     self.metrics.model_params.set(self.model_params())
                     log.info("global architecture is now %s", plan_digest(plan))
                 agg_seconds = time.perf_counter() - t0
                 self.metrics.aggregation_seconds.observe(agg_seconds)
-                if exact and first is not None:
+                if first is not None:  # its bytes are the global
                     self._put_global_as(*first, model=result)
                 else:
                     self.global_put = False

@@ -242,12 +242,12 @@ class CloudBase(RoleService):
             and self.algorithm.aggregation.aggregation_stateless
         )
 
-    def _put_global_as(self, ref: BlobRef, data: Blob, *, model: TensorDict | None = None) -> None:
+    def _put_global_as(self, ref: BlobRef, data: Blob, *, model: TensorDict) -> None:
         """Make the blob ``data`` (``ref``: an edge's model the round's aggregate equals bit
         for bit, canonically encoded as every blob is) the global: its bytes are kept and
         served as they are and the model is read in place from them, with no encoding and
-        no hashing of the same tensors again (``model``: its tensors as views of ``data``,
-        when the caller has them). The edge that sent it already holds it."""
+        no hashing of the same tensors again (``model``: its tensors, views of ``data``,
+        checked when it arrived). The edge that sent it already holds it."""
         old = self.global_ref
         # put in the open (the edge's copy is served to the cloud alone): a blob received
         # into a file is adopted with the hash it was verified against while arriving
@@ -255,10 +255,7 @@ class CloudBase(RoleService):
         if self.global_ref.sha256 != ref.sha256:  # a bus that hashes what it stores
             raise EstuaryError(f"the global put as {ref.sha256[:12]}… hashes to "
                                f"{self.global_ref.sha256[:12]}…")  # fmt: skip
-        # checked when it arrived: views of its bytes, not checked again
-        self.model = (
-            model if model is not None else decode_tensors(data, copy=False, allow_nonfinite=True)
-        )
+        self.model = model
         self.global_put = True
         if old is not None and old.sha256 != self.global_ref.sha256:
             self.ep.release_blob(old.sha256)

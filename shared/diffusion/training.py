@@ -308,26 +308,21 @@ def train_local(
             for idx in batch_indices(n, cfg.batch_size, steps, generator):
                 opt.zero_grad(set_to_none=True)
                 x = data[idx] if on is None else data[idx].to(on, non_blocking=True)
-                if 0 < micro < len(idx):
-                    y = None if cond_labels is None else cond_labels[idx]
-                    y = y if y is None or on is None else y.to(on, non_blocking=True)
+                y = None if cond_labels is None else cond_labels[idx]
+                y = y if y is None or on is None else y.to(on, non_blocking=True)
+                sliced = 0 < micro < len(idx)  # backward per slice, inside the call
+                if sliced:
                     loss = micro_batch_backward(model, x, y, scheduler, generator, micro, autocast)
-                    finish_step(model, opt, params, loss, total, grad_clip=cfg.grad_clip,
-                                extra_loss=extra_loss, grad_hook=grad_hook,
-                                backward=False)  # fmt: skip
-                    if after_step is not None:
-                        after_step(model)
-                    continue
-                with autocast:  # forward and loss; the regularizer and backward in fp32
-                    if cond_labels is not None:
-                        y = cond_labels[idx]
-                        y = y if on is None else y.to(on, non_blocking=True)
-                        loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
-                    else:
-                        loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
+                else:
+                    with autocast:  # forward and loss; the regularizer and backward in fp32
+                        if y is not None:
+                            loss = ddpm_loss(model, x, scheduler, generator, class_labels=y)
+                        else:
+                            loss = (loss_fn or ddpm_loss)(model, x, scheduler, generator)
                 # summed where the loss lives (float64): no device sync per step
                 finish_step(model, opt, params, loss, total, grad_clip=cfg.grad_clip,
-                            extra_loss=extra_loss, grad_hook=grad_hook)  # fmt: skip
+                            extra_loss=extra_loss, grad_hook=grad_hook,
+                            backward=not sliced)  # fmt: skip
                 if after_step is not None:
                     after_step(model)
         opt.zero_grad(set_to_none=True)  # free gradient memory between rounds
