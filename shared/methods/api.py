@@ -178,10 +178,13 @@ class DeviceStep(Protocol):
         download only the shared tensors)."""
 
     def device_load(self, ctx: DeviceContext, model: nn.Module, state: TensorDict) -> None:
-        """Put the edge's state into the device's module."""
+        """Put the edge's state into the device's module. ``state``'s tensors are views of
+        the received bytes, to be read during this call: copy what is kept (as
+        ``load_state_dict`` and ``clone`` do), never write to them."""
 
     def device_personal(self, ctx: DeviceContext, model: nn.Module, tensors: TensorDict) -> None:
-        """Load the model the cloud sent this device for itself (downlink "per_device")."""
+        """Load the model the cloud sent this device for itself (downlink "per_device");
+        ``tensors`` are views as in :meth:`device_load`."""
 
     def device_round(
         self, ctx: DeviceContext, model: nn.Module, round_: int, *, upload: bool

@@ -331,13 +331,38 @@ def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[s
 #: slower by the CPU lost (``benchmarks/round_phases.py --load 1``)
 SERIAL_CHUNK = 1 << 14
 
+#: elements per step of :func:`all_finite`'s NumPy check (its boolean temporary, 64 KiB,
+#: stays in the CPU's cache)
+FINITE_CHUNK = 1 << 16
+
+#: the float dtypes NumPy reads in place (torch's names), checked and copied by NumPy: its
+#: element loops are vectorized and never leave the calling thread
+_NUMPY_FLOATS = frozenset({"float32", "float64", "float16"})
+
+
+def _numpy_view(t: torch.Tensor) -> Any:
+    """``t`` (flat, contiguous, on the CPU) as a NumPy array of the same memory, or None
+    for a tensor NumPy cannot read in place (bfloat16, another device)."""
+    if t.device.type != "cpu" or str(t.dtype).removeprefix("torch.") not in _NUMPY_FLOATS:
+        return None
+    return t.detach().numpy()
+
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of the floating-point tensor ``t`` is finite, checked
-    :data:`SERIAL_CHUNK` elements at a time on the calling thread."""
+    """Whether every element of the floating-point tensor ``t`` is finite, checked on the
+    calling thread: by NumPy, :data:`FINITE_CHUNK` elements at a time (float16/32/64, about
+    8x faster than torch's check), else :data:`SERIAL_CHUNK` elements at a time by torch."""
     import torch
 
-    flat = t.reshape(-1)
+    flat = t.detach().reshape(-1)
+    arr = _numpy_view(flat)
+    if arr is not None:
+        import numpy as np
+
+        for i in range(0, arr.size, FINITE_CHUNK):
+            if not np.isfinite(arr[i : i + FINITE_CHUNK]).all():
+                return False
+        return True
     for i in range(0, flat.numel(), SERIAL_CHUNK):
         if not bool(torch.isfinite(flat[i : i + SERIAL_CHUNK]).all()):
             return False
@@ -345,11 +370,28 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def serial_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)`` for flat tensors of the same size, :data:`SERIAL_CHUNK` elements
-    at a time on the calling thread; returns ``dst``."""
+    """``dst.copy_(src)`` for flat contiguous tensors of the same size and dtype, on the
+    calling thread (NumPy's copy, else :data:`SERIAL_CHUNK` elements at a time); returns
+    ``dst``."""
+    d, s = _numpy_view(dst), _numpy_view(src)
+    if d is not None and s is not None and d.dtype == s.dtype:
+        import numpy as np
+
+        np.copyto(d, s)
+        return dst
     for i in range(0, dst.numel(), SERIAL_CHUNK):
         dst[i : i + SERIAL_CHUNK].copy_(src[i : i + SERIAL_CHUNK])
     return dst
+
+
+def serial_clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (contiguous, same shape and dtype) made on the calling thread
+    (:func:`serial_copy`)."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=t.dtype)
+    serial_copy(out.reshape(-1), t.detach().reshape(-1))
+    return out
 
 
 def decode_tensors(
@@ -381,7 +423,7 @@ def decode_tensors(
             views = MappedViews(_views(data), data) if isinstance(data, MappedBlob) else None
             tensors = {}
             for name, t in (views or _views(data)).items():
-                tensors[name] = t.clone()
+                tensors[name] = serial_clone(t)  # on this thread (see SERIAL_CHUNK)
                 if views is not None:
                     views.release(t)
     except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError) as err:
