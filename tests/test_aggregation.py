@@ -68,3 +68,33 @@ def test_a_mean_of_one_float32_state_says_it_is_that_state() -> None:
     assert fold.exact_source() == "edge0"
     fold.add(Update("edge1", x, 5, (5,) + (0,) * 9))
     assert fold.exact_source() is None
+
+
+def test_the_numpy_fold_gives_the_bits_of_the_torch_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # WeightedSum folds, materializes and divides float32/float64 states with NumPy; the
+    # torch code (kept for other dtypes) is the reference: the same operations in the same
+    # order, so the same bits, over several chunks and a short last one
+    from shared.methods import aggregation
+
+    n = 3 * aggregation.FOLD_CHUNK + 11
+    gen = torch.Generator().manual_seed(0)
+    states = [
+        {"w": torch.randn(n, generator=gen) * 10**k, "d": torch.randn(5, generator=gen).double()}
+        for k in range(4)
+    ]
+    weights = [3.0, 0.25, 7.5, 1e-3]
+
+    def mean() -> dict[str, torch.Tensor]:
+        s = aggregation.WeightedSum()
+        for state, w in zip(states, weights, strict=True):
+            s.add(state, w)
+        out = s.mean()
+        s.recycle()
+        return out
+
+    fast = mean()
+    monkeypatch.setattr(aggregation, "_numpy_arrays", lambda *a: None)
+    monkeypatch.setattr(aggregation, "np", None)  # no NumPy call left anywhere
+    reference = mean()
+    for k in fast:
+        assert fast[k].dtype == reference[k].dtype and torch.equal(fast[k], reference[k]), k

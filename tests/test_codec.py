@@ -12,12 +12,17 @@ import torch
 
 from shared.errors import CodecError
 from shared.wire.codec import (
+    FINITE_CHUNK,
+    SERIAL_CHUNK,
     MappedBlob,
     TensorSpec,
+    all_finite,
     decode_tensors,
     encode_tensors,
     encode_tensors_to_file,
     read_metadata,
+    serial_clone,
+    serial_copy,
     sha256_hex,
     spec_of,
 )
@@ -159,6 +164,10 @@ def test_a_blob_encoded_to_a_file_is_the_same_blob_and_gives_its_pages_back(
         gc.collect()
         assert not path.exists()
 
+    # a first decode of each kind reads in the code it runs (library pages are RssFile too)
+    warm = encode_tensors_to_file(big, tmp_path / "warm.part")
+    decode_tensors(warm, copy=False)
+    decode_tensors(warm)
     blob = encode_tensors_to_file(big, tmp_path / "big.part")
     before = _rss_file_pages_kib()
     viewed = decode_tensors(blob, copy=False)
@@ -167,3 +176,28 @@ def test_a_blob_encoded_to_a_file_is_the_same_blob_and_gives_its_pages_back(
     assert _rss_file_pages_kib() - before >= 3 * 1024
     copied = decode_tensors(blob)
     assert _rss_file_pages_kib() - before < 1024 and torch.equal(copied["w"], big["w"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite_finds_every_non_finite_value_on_either_path(dtype: torch.dtype) -> None:
+    # NumPy checks float16/32/64 in FINITE_CHUNK steps, torch checks bfloat16 in
+    # SERIAL_CHUNK steps: a bad value at a chunk's first or last element, or in a short
+    # last chunk, is found all the same, in contiguous and strided tensors
+    n = 2 * FINITE_CHUNK + 5
+    assert all_finite(torch.zeros(n, dtype=dtype))
+    assert all_finite(torch.zeros(0, dtype=dtype))
+    for at in (0, FINITE_CHUNK - 1, FINITE_CHUNK, SERIAL_CHUNK, n - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            t = torch.zeros(n, dtype=dtype)
+            t[at] = bad
+            assert not all_finite(t), (at, bad)
+            assert not all_finite(t.view(-1, 1).expand(n, 2).t()), (at, bad)  # strided
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_serial_copies_are_exact_copies(dtype: torch.dtype) -> None:
+    src = (torch.randn(7 * (SERIAL_CHUNK + 3)) * 100).to(dtype)
+    dst = torch.empty_like(src)
+    assert serial_copy(dst, src) is dst and torch.equal(dst, src)
+    clone = serial_clone(src.view(-1, 7)[:, :5])  # a strided source
+    assert clone.is_contiguous() and torch.equal(clone, src.view(-1, 7)[:, :5])

@@ -147,8 +147,9 @@ class WeightedSum:
         self._allocate()
         for k, t in first.items():
             hi, x = self._hi[k], t.reshape(-1)
-            if x.dtype in (torch.float32, torch.float64):  # NumPy: the same bits, on this thread
-                np.multiply(x.detach().numpy(), weight, out=hi.numpy(), dtype=np.float64)
+            arrays = _numpy_arrays(hi, self._lo[k], x)
+            if arrays is not None:  # NumPy: the same bits, on this thread
+                np.multiply(arrays[2], weight, out=arrays[0], dtype=np.float64)
             else:
                 for i in range(0, hi.numel(), SERIAL_CHUNK):  # on this thread (see SERIAL_CHUNK)
                     hi[i : i + SERIAL_CHUNK].copy_(x[i : i + SERIAL_CHUNK]).mul_(weight)
