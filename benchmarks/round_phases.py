@@ -31,8 +31,16 @@ each process's ``VmHWM``; bytes on the wire are the blobs the roles fetched per 
 A busy machine: ``--load 1`` runs every federation twice, quiet and beside one process that
 keeps one core busy (a plain Python loop at normal priority, started before the roles and
 killed after them), the order alternating with ``--repeats``; the table gives per phase the
-median loaded / quiet ratio. ``--floor`` measures, beside each device count, the transfer
-floor of a round (``benchmarks/_round_floor.py``: the same bytes along the same four legs
+median loaded / quiet ratio. Every run also reads the CPU time of every role and of the
+broker (``/proc/<pid>/stat``, with the RSS samples) and gives per round the CPU seconds of
+each and their share of the machine's CPUs; with ``--load`` the comparison adds the least
+wall time a quiet round's CPU work can take on the cores the busy processes leave (a round
+that already kept the machine busy cannot be faster than that, whatever its code).
+``--placement split`` puts the devices on half the CPUs and the cloud, the edge, the broker
+and the busy processes on the other half (each thread pinned): devices on machines of their
+own beside server roles that share theirs with a neighbour.
+
+``--floor`` measures, beside each device count, the transfer floor of a round (``benchmarks/_round_floor.py``: the same bytes along the same four legs
 through the same broker by plain paho clients, no model work; and again with sha256 over
 the bytes on both sides, the least a content-addressed transfer adds) and the overhead / floor
 ratio::
@@ -121,6 +129,70 @@ def proc_status(pid: int) -> dict[str, float]:
     return out
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) of process ``pid`` in seconds; None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Keep every thread of process ``pid`` on ``cpus`` (threads it starts later inherit
+    the mask of the thread that starts them; a thread gone meanwhile is skipped)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (OSError, ValueError):
+            pass
+
+
+def placement_cpus(placement: str) -> tuple[set[int], set[int]] | None:
+    """The CPUs of the devices and of the servers (cloud, edges, broker and any busy
+    process) under ``placement``: ``shared``, everyone everywhere (None); ``split``,
+    the devices on the first half of this process's CPUs, the rest on the second half, as
+    devices on machines of their own beside an edge server and a cloud that share one."""
+    if placement == "shared":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--placement split needs at least 2 CPUs")
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+def cpu_per_round(
+    series: Sequence[tuple[float, Mapping[str, float]]], starts: Mapping[int, float], rounds: int
+) -> dict[int, dict[str, float]]:
+    """CPU seconds each process used between the cloud's announcements of round ``r`` and
+    ``r + 1`` (from ``series``: (unix time, cumulative CPU s by process), the samples
+    nearest each announcement), for every round with both."""
+    out: dict[int, dict[str, float]] = {}
+    times = [t for t, _ in series]
+
+    def at(t: float) -> Mapping[str, float]:
+        i = min(range(len(times)), key=lambda k: abs(times[k] - t))
+        return series[i][1]
+
+    for r in range(rounds - 1):
+        if r not in starts or r + 1 not in starts or not series:
+            continue
+        a, b = at(starts[r]), at(starts[r + 1])
+        row = {n: round(b[n] - a[n], 3) for n in b if n in a}
+        row["total"] = round(sum(row.values()), 3)
+        out[r] = row
+    return out
+
+
 def read_traces(directory: Path) -> list[dict[str, Any]]:
     """Every event of every role's trace file, in time order."""
     events: list[dict[str, Any]] = []
@@ -182,11 +254,13 @@ def phases_of(events: Sequence[Mapping[str, Any]], rounds: int) -> dict[int, dic
 
 
 class BusyLoad:
-    """``n`` processes that each keep one core busy (no affinity: the scheduler places them
-    as it would a neighbour's job), for the duration of a ``with`` block."""
+    """``n`` processes that each keep one core busy (on ``cpus``; by default anywhere: the
+    scheduler places them as it would a neighbour's job), for the duration of a ``with``
+    block."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, cpus: set[int] | None = None) -> None:
         self.n = n
+        self.cpus = cpus
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> BusyLoad:
@@ -194,6 +268,8 @@ class BusyLoad:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
                 start_new_session=True))  # fmt: skip
+            if self.cpus is not None:
+                pin(self.procs[-1].pid, self.cpus)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -242,6 +318,8 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     }
     peak: dict[str, float] = {}
     rss: list[tuple[float, dict[str, float]]] = []  # (unix time, VmRSS MiB by process)
+    cpu: list[tuple[float, dict[str, float]]] = []  # (unix time, CPU s so far by process)
+    split = placement_cpus(args.placement)
     wire: dict[str, dict[str, float]] = {}
     started = time.monotonic()
     code: int | None = None
@@ -253,13 +331,25 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
             try:
                 hier.start_all()
                 pids = {n: p.popen.pid for n, p in hier.procs.items() if p.popen}
-                last_scrape = 0.0
+                if broker.process is not None:
+                    pids["mosquitto"] = broker.process.pid
+                devices_of = {n for n, p in hier.procs.items() if p.role == "device"}
+                last_scrape = last_pin = 0.0
                 while hier.procs["cloud"].alive:
+                    if split is not None and time.monotonic() - last_pin >= 1.0:
+                        last_pin = time.monotonic()  # again: threads started since
+                        for name, pid in pids.items():
+                            pin(pid, split[0] if name in devices_of else split[1])
+                    now_cpu = {n: c for n, pid in pids.items()
+                               if (c := cpu_seconds(pid)) is not None}  # fmt: skip
+                    cpu.append((time.time(), now_cpu))
                     if time.monotonic() - started > args.timeout:
                         print(f"timed out after {args.timeout:.0f} s", file=sys.stderr)
                         break
                     now_rss: dict[str, float] = {}
                     for name, pid in pids.items():
+                        if name == "mosquitto":
+                            continue
                         st = proc_status(pid)
                         if "VmHWM" in st:
                             peak[name] = max(peak.get(name, 0.0), st["VmHWM"])
@@ -287,13 +377,25 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     rows = phases_of(events, args.rounds)
     measured = {r: row for r, row in rows.items() if r >= 1}
     keys = (*PHASES, "wall", "slowest_training", "overhead", "blob_bytes")
-    medians = (
+    medians: dict[str, Any] = (
         {k: round(statistics.median(row[k] for row in measured.values()), 3) for k in keys}
         if measured
         else {}
     )
+    starts = {e["round"]: e["t"] for e in events if e["who"] == "cloud" and e["ev"] == "announce"}
+    cpu_rounds = cpu_per_round(cpu, starts, args.rounds)
+    measured_cpu = [row for r, row in cpu_rounds.items() if r in measured]
+    if measured_cpu:
+        names = sorted(set.intersection(*(set(row) for row in measured_cpu)))
+        medians["cpu_s"] = {n: round(statistics.median(row[n] for row in measured_cpu), 2)
+                            for n in names}  # fmt: skip
+        cores = len(os.sched_getaffinity(0))
+        medians["cpu_utilization"] = round(
+            statistics.median(cpu_rounds[r]["total"] / (measured[r]["wall"] * cores)
+                              for r in measured if r in cpu_rounds), 3)  # fmt: skip
     return {
         "devices": devices,
+        "placement": args.placement,
         "cloud_exit": code,
         "failed": failed,
         "cloud_log_tail": tail if code != 0 else "",
@@ -302,9 +404,8 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         "median": medians,
         "peak_rss_mib": {n: round(v, 1) for n, v in sorted(peak.items())},
         "rss_mib_series": rss,
-        "round_starts": {
-            e["round"]: e["t"] for e in events if e["who"] == "cloud" and e["ev"] == "announce"
-        },
+        "round_starts": starts,
+        "cpu_per_round": {str(r): row for r, row in cpu_rounds.items()},
         "payload_bytes_whole_run": wire,
         "workdir": str(work) if args.keep else None,
     }
@@ -359,6 +460,10 @@ def _print_run(res: Mapping[str, Any]) -> None:
         print(f"   wall {m['wall']:.2f} s, slowest training {m['slowest_training']:.2f} s, "
               f"overhead {m['overhead']:.2f} s, blobs {m['blob_bytes'] / 2**20:.0f} MiB",
               flush=True)  # fmt: skip
+    if "cpu_s" in m:
+        print(f"   CPU per round {m['cpu_s']['total']:.2f} s ("
+              + " ".join(f"{k}={v:.2f}" for k, v in m["cpu_s"].items() if k != "total")
+              + f"), {m['cpu_utilization']:.0%} of the CPUs", flush=True)  # fmt: skip
     print("   peak RSS MiB " + " ".join(f"{k}={v:.0f}" for k, v in res["peak_rss_mib"].items()),
           flush=True)  # fmt: skip
     if res["cloud_exit"] != 0:
@@ -393,6 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each federation beside N busy processes (one core each)",
     )
     ap.add_argument(
+        "--placement",
+        choices=("shared", "split"),
+        default="shared",
+        help="shared: every process on every CPU; split: the devices on half the CPUs, the "
+        "cloud, edge, broker and busy processes on the other half",
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -424,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             for leg in legs if rep % 2 == 0 else legs[::-1]:
                 print(f"-- {n} devices, {leg}" + (f" ({args.load} busy)" if leg == "loaded"
                       else "") + f", repeat {rep + 1}/{args.repeats}", flush=True)  # fmt: skip
-                with BusyLoad(args.load if leg == "loaded" else 0):
+                split = placement_cpus(args.placement)
+                with BusyLoad(args.load if leg == "loaded" else 0, split and split[1]):
                     res = run_one(args, n)
                 res["load"] = args.load if leg == "loaded" else 0
                 res["repeat"] = rep
@@ -439,12 +552,29 @@ def main(argv: list[str] | None = None) -> int:
                 k: round(statistics.median(r["median"].get(k, float("nan")) for r in runs[leg]), 3)
                 for k in keys
             }
+        for leg in legs:
+            cpu = [r["median"]["cpu_s"]["total"] for r in runs[leg] if "cpu_s" in r["median"]]
+            if cpu:
+                row[leg]["cpu_s"] = round(statistics.median(cpu), 2)
+        if args.load and args.placement == "shared" and "cpu_s" in row["quiet"]:
+            # the least wall time a quiet round's CPU work can take with the busy cores gone
+            cores = len(os.sched_getaffinity(0)) - args.load
+            if cores > 0:
+                bound = row["quiet"]["cpu_s"] / cores
+                row["loaded_wall_bound"] = round(max(bound, row["quiet"]["wall"]), 2)
         if args.load:
             row["loaded_over_quiet"] = {
                 k: round(row["loaded"][k] / row["quiet"][k], 2) if row["quiet"][k] > 0 else None
                 for k in keys
             }
             ratio = row["loaded_over_quiet"]
+            if "loaded_wall_bound" in row:
+                row["loaded_bound_over_quiet"] = round(
+                    row["loaded_wall_bound"] / row["quiet"]["wall"], 2
+                )
+                print(f"   a quiet round's CPU work ({row['quiet']['cpu_s']:.1f} s) on the "
+                      f"cores left: at least {row['loaded_wall_bound']:.2f} s, "
+                      f"x{row['loaded_bound_over_quiet']}", flush=True)  # fmt: skip
             print(
                 f"   loaded / quiet: wall {ratio['wall']}, overhead {ratio['overhead']}, "
                 + ", ".join(f"{p} {ratio[p]}" for p in PHASES),
@@ -488,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "env": args.env,
         "load": args.load,
+        "placement": args.placement,
         "repeats": args.repeats,
         "loadavg_at_start": start_load,
         "results": results,
