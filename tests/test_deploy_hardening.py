@@ -297,7 +297,6 @@ class StallingBus(MemoryBus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         self.sources.append(src)
         if sha256 in self.stalled:
@@ -306,9 +305,8 @@ class StallingBus(MemoryBus):
             raise TransportError(f"blob {sha256[:12]}… from {src}: no chunk before the "
                                  "fetch timeout", reason="timeout")  # fmt: skip
         return super()._get_blob(
-            sha256, size, timeout_s, src, requester, cache=cache, stall_s=stall_s,
-            in_memory=in_memory,
-        )  # fmt: skip
+            sha256, size, timeout_s, src, requester, cache=cache, stall_s=stall_s
+        )
 
 
 def test_a_stalled_blob_source_does_not_stop_the_device(
