@@ -175,15 +175,14 @@ class DeviceAgent(EdgeChoosing, StateKeeping):
         """Load what round ``msg`` trains: this device's personal model when the cloud sent
         one, else the edge's (only its shared tensors when the device holds the rest);
         False when the download failed (rejected and counted)."""
-        # Every download is received into memory and read as views of its bytes: the method
-        # copies them into the model (``device_load`` keeps no view) and the bytes are
-        # dropped before training, so the device holds no second copy of the model then (a
-        # staged file would add a write, a map and reading the pages in again).
+        # Every download is read as views of the received bytes (``views=True``): the
+        # method copies them into the model (``device_load`` keeps no view), so the device
+        # holds no second copy of the model beside its own.
         personal = self.personal.pop((msg.session, msg.round), None)
         if personal is not None:
             tensors = self.fetch_tensors(personal.model_ref, model_spec(self.cfg.model.preset,
                                                                          self.plan),
-                                         views=True, in_memory=True)  # fmt: skip
+                                         views=True)  # fmt: skip
             if tensors is not None:
                 self.algorithm.device.device_personal(ctx, self.model, tensors)
                 return True
@@ -196,11 +195,9 @@ class DeviceAgent(EdgeChoosing, StateKeeping):
             and shared is not None
             and self.algorithm.device.device_holds_rest(ctx, self.spec)
         ):  # the device has the rest (its local parts): only the shared tensors travel
-            state = self.fetch_tensors(msg.shared_ref, shared, keep=False, views=True,
-                                       in_memory=True)  # fmt: skip
+            state = self.fetch_tensors(msg.shared_ref, shared, keep=False, views=True)
         else:
-            state = self.fetch_tensors(msg.model_ref, self.spec, keep=False, views=True,
-                                       in_memory=True)  # fmt: skip
+            state = self.fetch_tensors(msg.model_ref, self.spec, keep=False, views=True)
         # not kept: no one fetches the round's model from a device, and its bytes would sit
         # beside the training's activations (the device holds its own copy in the model)
         if state is None:

@@ -178,15 +178,13 @@ class RoleService:
         partial: bool = False,
         keep: bool = True,
         views: bool = False,
-        in_memory: bool = False,
     ) -> TensorDict | None:
         """Download and validate a tensor blob; ``None`` (rejected and counted) if bad.
         With ``partial`` a non-empty subset of ``spec`` is accepted."""
         try:
             return self.load_tensors(
-                ref, spec, timeout_s=timeout_s, partial=partial, keep=keep, views=views,
-                in_memory=in_memory,
-            )  # fmt: skip
+                ref, spec, timeout_s=timeout_s, partial=partial, keep=keep, views=views
+            )
         except (CodecError, TransportError) as err:
             self.reject(err.reason, str(err))
         return None
@@ -201,7 +199,6 @@ class RoleService:
         keep: bool = True,
         views: bool = False,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> TensorDict:
         """:meth:`fetch_tensors` that raises CodecError or TransportError instead of
         rejecting (safe to call from a worker thread: it touches no state of the role).
@@ -213,12 +210,10 @@ class RoleService:
         against the sha256 as they arrive (or were put here), so decoding hashes nothing
         again. With ``views`` the tensors are read-only views of the downloaded bytes (no
         second copy; for a caller that only reads them, such as a streaming fold). With
-        ``stall_s`` a download that receives nothing for that long gives up early. With
-        ``in_memory`` a large blob is received into memory, not a staged file
-        (:meth:`~shared.transport.bus.Endpoint.get_blob`)."""
+        ``stall_s`` a download that receives nothing for that long gives up early."""
         return self.load_blob_tensors(
             ref, spec, timeout_s=timeout_s, partial=partial, keep=keep, views=views,
-            stall_s=stall_s, in_memory=in_memory,
+            stall_s=stall_s,
         )[0]  # fmt: skip
 
     def load_blob_tensors(
@@ -231,7 +226,6 @@ class RoleService:
         keep: bool = True,
         views: bool = False,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> tuple[TensorDict, Blob]:
         """:meth:`load_tensors`, and the blob's verified bytes the tensors were decoded from
         (for a caller that may serve those very bytes again, as the cloud serves the one
@@ -251,7 +245,6 @@ class RoleService:
             timeout_s=timeout_s,
             cache=False,
             stall_s=stall_s,
-            in_memory=in_memory,
         )
         tensors = decode_tensors(data, expected=spec, partial=partial, copy=not views)
         if keep:

@@ -183,7 +183,6 @@ class BlobFetcher:
         *,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         """Bytes of blob ``sha256`` from the store, else fetched from ``src`` and stored
         (with ``cache`` False not stored: the caller validates it first and stores it only
@@ -193,7 +192,7 @@ class BlobFetcher:
         when what arrives is not the blob asked for. With ``stall_s`` a fetch that
         receives no chunk for that long gives up (``timeout``) before ``timeout_s``.
         A blob the store would keep on disk is received into a file and returned as a
-        private map of it (:func:`open_sink`), unless ``in_memory``."""
+        private map of it (:func:`open_sink`)."""
         data = self.ctx.store.get(sha256)
         if data is not None:
             self.ctx.traffic.note("blob_cache_hits")
@@ -209,7 +208,7 @@ class BlobFetcher:
             if data is None:
                 raise TransportError(f"blob {sha256[:12]}… could not be fetched", reason="timeout")
             return data
-        fetch = self._start_fetch(sha256, size, src, in_memory)
+        fetch = self._start_fetch(sha256, size, src)
         try:
             self._receive(fetch, deadline, stall_s)
             if fetch.hasher.hexdigest() != sha256:
@@ -232,7 +231,7 @@ class BlobFetcher:
         self.ctx.traffic.note("blobs_fetched")
         return data
 
-    def _start_fetch(self, sha256: str, size: int, src: str, in_memory: bool = False) -> Fetch:
+    def _start_fetch(self, sha256: str, size: int, src: str) -> Fetch:
         cs = self.ctx.settings.chunk_bytes
         n = chunk_count(size, cs)
         with self._fetch_lock:
@@ -248,8 +247,7 @@ class BlobFetcher:
             self._fetches[sha256] = fetch
             self._fetch_bytes += size
         try:
-            if not in_memory:
-                fetch.out = open_sink(self.ctx, sha256, size)
+            fetch.out = open_sink(self.ctx, sha256, size)
         except BaseException:
             with self._fetch_lock:
                 self._fetches.pop(sha256, None)

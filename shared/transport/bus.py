@@ -141,14 +141,12 @@ class Bus(ABC):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         """Bytes of blob ``sha256`` for the role at home ``requester``, verified against the
         hash (raise CodecError if not). With ``cache`` False a fetched blob is not kept in
         the role's blob store (its caller validates it first, then :meth:`Endpoint.keep_blob`).
         With ``stall_s`` a download that receives nothing for that long gives up (a
-        ``timeout``) before ``timeout_s``. With ``in_memory`` a download is received into
-        memory even where the store would stage it in a file (see :meth:`Endpoint.get_blob`)."""
+        ``timeout``) before ``timeout_s``."""
 
     def _keep_blob(self, data: Blob, sha256: str) -> None:  # noqa: B027 - optional hook
         """Store a validated blob fetched uncached (no-op where blobs live on the bus)."""
@@ -250,23 +248,18 @@ class Endpoint:
         timeout_s: float = 600.0,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         """Download a blob served by ``src`` and verify its hash and size. With ``cache``
         False a downloaded blob is not stored: the caller validates it and keeps it
         (:meth:`keep_blob`) only if it passes, so nothing refused stays in a cache. With
-        ``stall_s`` a download silent for that long gives up early (``timeout``). With
-        ``in_memory`` a large download is received into memory, not into a staged file:
-        for a caller that reads it at once, all of it, and drops it (its pages are in
-        memory then either way; the file would only add a write and a map)."""
+        ``stall_s`` a download silent for that long gives up early (``timeout``)."""
         if size > self.bus.max_blob_bytes:
             raise TransportError(
                 f"blob of {size} bytes exceeds {self.bus.max_blob_bytes}", reason="blob_too_large"
             )
         data = self.bus._get_blob(
-            sha256, size, timeout_s, src, self.home, cache=cache, stall_s=stall_s,
-            in_memory=in_memory,
-        )  # fmt: skip
+            sha256, size, timeout_s, src, self.home, cache=cache, stall_s=stall_s
+        )
         # _get_blob returns verified bytes (MemoryBus keys by the hash it computed, MqttBus
         # hashes while receiving, BlobStore re-hashes disk reads); the size is checked here.
         if len(data) != size:
@@ -406,7 +399,6 @@ class MemoryBus(Bus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         data = self._blobs.get(sha256)
         readers = self._readers.get(sha256)

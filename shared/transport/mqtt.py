@@ -596,15 +596,12 @@ class MqttBus(Bus):
         *,
         cache: bool = True,
         stall_s: float | None = None,
-        in_memory: bool = False,
     ) -> Blob:
         if self._serves_private or self._serves_cloud_only:  # a private blob put here
             own = self._blob_server.private_store.get(sha256)
             if own is not None:
                 return own
-        return self._blob_fetcher.get(
-            sha256, size, timeout_s, src, cache=cache, stall_s=stall_s, in_memory=in_memory
-        )
+        return self._blob_fetcher.get(sha256, size, timeout_s, src, cache=cache, stall_s=stall_s)
 
     def _keep_blob(self, data: Blob, sha256: str) -> None:
         self.store.put(data, sha256)
