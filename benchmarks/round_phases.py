@@ -40,10 +40,10 @@ that already kept the machine busy cannot be faster than that, whatever its code
 and the busy processes on the other half (each thread pinned): devices on machines of their
 own beside server roles that share theirs with a neighbour.
 
-``--floor`` measures, beside each device count, the transfer floor of a round (``benchmarks/_round_floor.py``: the same bytes along the same four legs
-through the same broker by plain paho clients, no model work; and again with sha256 over
-the bytes on both sides, the least a content-addressed transfer adds) and the overhead / floor
-ratio::
+``--floor`` measures, beside each device count, the transfer floor of a round
+(``benchmarks/_round_floor.py``: the same bytes along the same four legs through the same
+broker by plain paho clients, no model work; and again with sha256 over the bytes on both
+sides, the least a content-addressed transfer adds) and the overhead / floor ratio::
 
     python benchmarks/round_phases.py --devices 4 8 --load 1 --floor \\
         --out benchmarks/results/round_phases_load.json
