@@ -301,7 +301,9 @@ def floor_of(devices: int, size: int, rounds: int, hashed: bool = False) -> dict
     }
 
 
-def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, devices: int, split: tuple[set[int], set[int]] | None = None
+) -> dict[str, Any]:
     """One federation of ``devices`` devices: its per-round phases, peak RSS and bytes."""
     cfg = bench_config(args.rounds, devices, args.preset, args.batch, args.samples, args.deadline)
     if args.workdir:
@@ -319,7 +321,6 @@ def run_one(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     peak: dict[str, float] = {}
     rss: list[tuple[float, dict[str, float]]] = []  # (unix time, VmRSS MiB by process)
     cpu: list[tuple[float, dict[str, float]]] = []  # (unix time, CPU s so far by process)
-    split = placement_cpus(args.placement)
     wire: dict[str, dict[str, float]] = {}
     started = time.monotonic()
     code: int | None = None
@@ -529,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     results = []
     comparisons = []
+    split = placement_cpus(args.placement)  # (devices' CPUs, the servers'), or None
     for n in args.devices:
         legs = ["quiet", "loaded"] if args.load else ["quiet"]
         runs: dict[str, list[dict[str, Any]]] = {leg: [] for leg in legs}
@@ -536,9 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             for leg in legs if rep % 2 == 0 else legs[::-1]:
                 print(f"-- {n} devices, {leg}" + (f" ({args.load} busy)" if leg == "loaded"
                       else "") + f", repeat {rep + 1}/{args.repeats}", flush=True)  # fmt: skip
-                split = placement_cpus(args.placement)
                 with BusyLoad(args.load if leg == "loaded" else 0, split and split[1]):
-                    res = run_one(args, n)
+                    res = run_one(args, n, split)
                 res["load"] = args.load if leg == "loaded" else 0
                 res["repeat"] = rep
                 runs[leg].append(res)

@@ -341,8 +341,8 @@ _NUMPY_FLOATS = frozenset({"float32", "float64", "float16"})
 
 
 def _numpy_view(t: torch.Tensor) -> Any:
-    """``t`` (flat, contiguous, on the CPU) as a NumPy array of the same memory, or None
-    for a tensor NumPy cannot read in place (bfloat16, another device)."""
+    """``t`` (on the CPU, any strides) as a NumPy array of the same memory, or None for a
+    tensor NumPy cannot read in place (bfloat16, another device)."""
     if t.device.type != "cpu" or str(t.dtype).removeprefix("torch.") not in _NUMPY_FLOATS:
         return None
     return t.detach().numpy()
@@ -354,7 +354,7 @@ def all_finite(t: torch.Tensor) -> bool:
     8x faster than torch's check), else :data:`SERIAL_CHUNK` elements at a time by torch."""
     import torch
 
-    flat = t.detach().reshape(-1)
+    flat = t.reshape(-1)
     arr = _numpy_view(flat)
     if arr is not None:
         import numpy as np
