@@ -268,7 +268,8 @@ def _run(hier: Hierarchy, scrapes: dict[str, dict[str, float]], *, progress: boo
             print(f"broker of edge site {site}: {b.kind} at {b.url}, bridged to the cloud's")
     hier.start_all()
     if progress:
-        ports = ", ".join(f"{p.name}:{p.metrics_port}" for p in hier.procs.values())
+        bound = hier.metrics_ports(timeout_s=30)
+        ports = ", ".join(f"{name}:{port or '?'}" for name, port in bound.items())
         print(f"started {len(hier.procs)} processes; Prometheus /metrics ports: {ports}")
     scrapes.update(_follow(hier, hier.cfg, hier.run_dir, progress=progress, evaluate=hier.evaluate))
     code = hier.wait("cloud", 60)

@@ -42,7 +42,7 @@ from shared.errors import ConfigError, EstuaryError
 from shared.federation.topology import CLOUD_SITE, site_of, sites
 from shared.metrics.prometheus import scrape
 from shared.naming import device_name, edge_ids
-from shared.transport.local_broker import LocalBroker, free_port
+from shared.transport.local_broker import LocalBroker
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,22 @@ class RoleProcess:
     role: str
     argv: list[str]
     log_path: Path
-    metrics_port: int | None
+    #: where the process writes the port it serves ``/metrics`` on (None: metrics off). It
+    #: binds port 0 itself: a port picked here and bound later by the child could be taken
+    #: in between by any other process on the machine.
+    metrics_port_file: Path | None
     popen: Child | None = None
     restarts: int = 0
+    _metrics_port: int | None = field(default=None, repr=False)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port this process serves ``/metrics`` on; None until it has bound one (and
+        with metrics off)."""
+        if self._metrics_port is None and self.metrics_port_file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._metrics_port = int(self.metrics_port_file.read_text())
+        return self._metrics_port
 
     @property
     def alive(self) -> bool:
@@ -238,7 +251,11 @@ class Hierarchy:
             password = self.credentials / "credentials" / f"{proc.name}.password"
             env["ESTUARY__BROKER__PASSWORD_FILE"] = str(password)
         argv = list(proc.argv)
-        argv += ["--metrics-port", str(proc.metrics_port if proc.metrics_port else -1)]
+        if proc.metrics_port_file is None:
+            argv += ["--metrics-port", "-1"]
+        else:
+            proc.metrics_port_file.unlink(missing_ok=True)  # a restarted process's old port
+            argv += ["--metrics-port", "0", "--metrics-port-file", str(proc.metrics_port_file)]
         if self._forks(env):
             proc.popen = ForkedRole(MODULES[proc.role], argv[3:], proc.log_path, env)
             return
@@ -259,13 +276,13 @@ class Hierarchy:
         old = self.procs.get(name)
         if old is not None and old.alive:
             raise EstuaryError(f"{name} is already running")
-        port = (old.metrics_port if old else None) or (free_port() if self.metrics else None)
+        logs = self.run_dir / "logs"
         proc = RoleProcess(
             name=name,
             role=role,
             argv=self._argv(role, name),
-            log_path=self.run_dir / "logs" / f"{name}.log",
-            metrics_port=port,
+            log_path=logs / f"{name}.log",
+            metrics_port_file=logs / f"{name}.metrics-port" if self.metrics else None,
             restarts=old.restarts + 1 if old else 0,
         )
         self._spawn(proc)
@@ -302,6 +319,20 @@ class Hierarchy:
     def failed(self) -> list[RoleProcess]:
         """Processes that exited with an error (not killed by us, not clean)."""
         return [p for p in self.procs.values() if p.returncode not in (None, 0, -9, -15, 130)]
+
+    def metrics_ports(self, timeout_s: float) -> dict[str, int | None]:
+        """Every process's ``/metrics`` port by name, waiting at most ``timeout_s`` for the
+        live ones that serve metrics to bind theirs (None: not bound in time, or off)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ports = {p.name: p.metrics_port for p in self.procs.values()}
+            pending = [
+                p for p in self.procs.values()
+                if p.metrics_port_file is not None and p.alive and ports[p.name] is None
+            ]  # fmt: skip
+            if not pending or time.monotonic() >= deadline:
+                return ports
+            time.sleep(0.05)
 
     def scrape_all(self, timeout_s: float = 2.0) -> dict[str, dict[str, float]]:
         """Current ``/metrics`` of every live process that serves them."""

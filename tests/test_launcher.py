@@ -76,3 +76,35 @@ def test_a_killed_forked_role_reports_the_signal(tmp_path: Path, broker: LocalBr
         assert hier.failed() == []
     finally:
         hier.stop_all(timeout_s=5)
+
+
+def test_a_role_binds_its_own_metrics_port_and_tells_the_launcher(
+    tmp_path: Path, broker: LocalBroker
+) -> None:
+    """A role serves ``/metrics`` on a port it binds itself and writes it to its port file,
+    so no other process can take the port between the launcher's pick and the role's bind;
+    a restarted role binds a fresh one and the launcher scrapes that."""
+    hier = _hierarchy(tmp_path, broker, "fork")
+    try:
+        proc = hier.start("edge", "edge0")
+        assert proc.metrics_port_file is not None
+        first = hier.metrics_ports(timeout_s=60)["edge0"]
+        assert first is not None and first > 0, proc.log_tail()
+        assert proc.metrics_port_file.read_text().strip() == str(first)
+        assert any(k.startswith("estuary_") for k in hier.scrape_all()["edge0"])
+        hier.kill("edge0")
+        again = hier.start("edge", "edge0")
+        second = hier.metrics_ports(timeout_s=60)["edge0"]
+        assert second is not None and again.restarts == 1, again.log_tail()
+        assert "edge0" in hier.scrape_all()
+    finally:
+        hier.stop_all(timeout_s=5)
+    (tmp_path / "off").mkdir()
+    off = _hierarchy(tmp_path / "off", broker, "fork")
+    off.metrics = False
+    try:
+        quiet = off.start("edge", "edge0")
+        assert quiet.metrics_port_file is None
+        assert off.metrics_ports(timeout_s=1) == {"edge0": None}
+    finally:
+        off.stop_all(timeout_s=5)

@@ -194,6 +194,11 @@ class MetricsSection(Section):
     enabled: bool = True
     addr: str = "0.0.0.0"
     port: int = Field(9100, ge=0, le=65_535, description="0 = any free port")
+    port_file: str | None = Field(
+        None,
+        description="once serving, write the bound port (decimal text) to this file, so a "
+        "process started with port 0 tells its launcher where its /metrics is",
+    )
     final_scrape_s: float = Field(
         0.0,
         ge=0,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
+from shared.atomic import atomic_write
 from shared.config import BrokerSection, RunConfig, load_config, with_overrides
 from shared.errors import EstuaryError
 from shared.lifetime import die_with_parent
@@ -44,6 +45,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help="HOST:PORT of the MQTT broker (overrides broker.host/port)")
     p.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port (0 = any free port, -1 = off)"
+    )
+    p.add_argument(
+        "--metrics-port-file",
+        help="write the bound /metrics port to this file once serving (with --metrics-port 0)",
     )
     p.add_argument("--log-level", default=os.environ.get("ESTUARY_LOG_LEVEL", "INFO"))
     p.add_argument(
@@ -79,6 +84,8 @@ def load_role_config(args: argparse.Namespace) -> RunConfig:
         if args.metrics_port < -1:
             raise EstuaryError(f"--metrics-port must be >= -1, got {args.metrics_port}")
         updates["metrics"] = {"enabled": args.metrics_port >= 0, "port": max(0, args.metrics_port)}
+    if getattr(args, "metrics_port_file", None):
+        updates.setdefault("metrics", {})["port_file"] = args.metrics_port_file
     return with_overrides(cfg, updates, source="command line") if updates else cfg
 
 
@@ -250,10 +257,19 @@ def follow_cloud(service: RoleService, on_done: Callable[[], None]) -> None:
 
 
 def serve_metrics(service: RoleService, cfg: RunConfig) -> int | None:
-    """Start ``/metrics`` for ``service`` when enabled; returns the bound port."""
+    """Start ``/metrics`` for ``service`` when enabled; returns the bound port, which is
+    also written to ``metrics.port_file`` when the config names one."""
     if not cfg.metrics.enabled:
         return None
-    return service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)  # it logs the address
+    port = service.metrics.serve(cfg.metrics.port, cfg.metrics.addr)  # it logs the address
+    if cfg.metrics.port_file:
+        try:
+            atomic_write(Path(cfg.metrics.port_file), f"{port}\n".encode())
+        except OSError as exc:
+            raise EstuaryError(
+                f"cannot write the metrics port to {cfg.metrics.port_file}: {exc}"
+            ) from exc
+    return port
 
 
 def serve_until_cloud_done(service: RoleService, bus: MqttBus, *, stay: bool) -> int:
