@@ -40,10 +40,12 @@ that already kept the machine busy cannot be faster than that, whatever its code
 and the busy processes on the other half (each thread pinned): devices on machines of their
 own beside server roles that share theirs with a neighbour.
 
-``--floor`` measures, beside each device count, the transfer floor of a round
-(``benchmarks/_round_floor.py``: the same bytes along the same four legs through the same
-broker by plain paho clients, no model work; and again with sha256 over the bytes on both
-sides, the least a content-addressed transfer adds) and the overhead / floor ratio::
+``--floor`` measures the transfer floor of a round right after each quiet run, in the same
+machine state (``benchmarks/_round_floor.py``: the same bytes along the same four legs
+through the same broker by plain paho clients, no model work), each run's overhead / floor
+ratio and, per device count, their median and range over ``--repeats``; and once per device
+count the floor with sha256 over the bytes on both sides, the least a content-addressed
+transfer adds::
 
     python benchmarks/round_phases.py --devices 4 8 --load 1 --floor \\
         --out benchmarks/results/round_phases_load.json
@@ -280,6 +282,23 @@ class BusyLoad:
         self.procs = []
 
 
+def _floor_beside(res: dict[str, Any], devices: int, rounds: int) -> None:
+    """Measure the transfer floor right after quiet run ``res`` (its model's bytes) and add
+    it and the run's overhead over it to ``res`` (or the error that stopped it)."""
+    size = int(res["median"]["blob_bytes"]) // (2 * devices + 2)  # 2n + 2 models a round
+    try:
+        res["floor"] = floor_of(devices, size, rounds)
+    except (TimeoutError, OSError) as err:  # the figures so far are still written
+        res["floor_error"] = f"{type(err).__name__}: {err}"
+        print(f"   no floor: {res['floor_error']}", flush=True)
+        return
+    f = res["floor"]["median"]["floor"]
+    res["overhead_over_floor"] = round(res["median"]["overhead"] / f, 2)
+    print(f"   transfer floor ({size / 2**20:.0f} MiB model) {f:.2f} s; this run's overhead "
+          f"{res['median']['overhead']:.2f} s = {res['overhead_over_floor']}x it",
+          flush=True)  # fmt: skip
+
+
 def floor_of(devices: int, size: int, rounds: int, hashed: bool = False) -> dict[str, Any]:
     """The transfer floor of a round of ``devices`` devices and a ``size``-byte model
     (``_round_floor.FloorRound``; ``hashed``: with sha256 on both sides) through a fresh
@@ -296,6 +315,7 @@ def floor_of(devices: int, size: int, rounds: int, hashed: bool = False) -> dict
         finally:
             floor.close()
     return {
+        "model_bytes": size,
         "rounds": rows,
         "median": {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]},
     }
@@ -546,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                 if leg == "quiet" and rep == 0:
                     results.append(res)
                 _print_run(res)
+                if args.floor and leg == "quiet" and res["median"]:
+                    _floor_beside(res, n, args.floor_rounds)
         row: dict[str, Any] = {"devices": n}
         keys = (*PHASES, "wall", "slowest_training", "overhead")
         for leg in legs:
@@ -581,24 +603,30 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{p} {ratio[p]}" for p in PHASES),
                 flush=True,
             )
-        if args.floor:
-            size = int(statistics.median(r["median"]["blob_bytes"] for r in runs["quiet"]))
-            size //= 2 * n + 2  # the round's blob bytes are 2n + 2 models (see phases_of)
-            print(f"-- {n} devices, transfer floor ({size / 2**20:.0f} MiB model)", flush=True)
-            try:
-                row["floor"] = floor_of(n, size, args.floor_rounds)
-            except (TimeoutError, OSError) as err:  # the figures so far are still written
-                row["floor_error"] = f"{type(err).__name__}: {err}"
-                print(f"   no floor: {row['floor_error']}", flush=True)
-                row["runs"] = runs
-                comparisons.append(row)
-                continue
+        floored = [r for r in runs["quiet"] if "floor" in r]
+        if args.floor and not floored:
+            row["floor_error"] = "no quiet run measured a floor"
+            print(f"   no floor: {row['floor_error']}", flush=True)
+        elif floored:
+            # each quiet run's overhead over the floor measured right after it (the same
+            # machine state): their median, and the spread over the repeats
+            ratios = [r["overhead_over_floor"] for r in floored]
+            row["floor"] = {
+                "runs": [r["floor"] for r in floored],
+                "median": {
+                    k: round(statistics.median(r["floor"]["median"][k] for r in floored), 3)
+                    for k in floored[0]["floor"]["median"]
+                },
+            }
+            row["overhead_over_floor"] = round(statistics.median(ratios), 2)
+            row["overhead_over_floor_runs"] = ratios
             f = row["floor"]["median"]["floor"]
-            row["overhead_over_floor"] = round(row["quiet"]["overhead"] / f, 2)
             print(f"   floor {f:.2f} s (" + ", ".join(
                 f"{k} {v:.2f}" for k, v in row["floor"]["median"].items() if k != "floor")
-                + f"); quiet overhead {row['quiet']['overhead']:.2f} s = "
-                f"{row['overhead_over_floor']}x the floor", flush=True)  # fmt: skip
+                + f"); quiet overhead {row['quiet']['overhead']:.2f} s; overhead / floor "
+                f"{row['overhead_over_floor']}x (median of {len(ratios)}: "
+                f"{min(ratios)}-{max(ratios)})", flush=True)  # fmt: skip
+            size = floored[0]["floor"]["model_bytes"]
             try:  # the same with the sha256 a content-addressed transfer cannot skip
                 row["floor_hashed"] = floor_of(n, size, args.floor_rounds, hashed=True)
             except (TimeoutError, OSError) as err:

@@ -110,6 +110,9 @@ class CloudBase(RoleService):
         self.round = start_round
         self.fresh_global = True  # the edges have not received the current global yet
         self.global_ref: BlobRef | None = None
+        #: the global before :attr:`global_ref`, released (a late asker reads it from disk);
+        #: the one before that is retired when the next global is put
+        self.released_global: str | None = None
         self.opened_wall = 0  # the open round's start, Unix time in whole seconds
         self.shared_ref: BlobRef | None = None  # the shared tensors of global_ref's state
         self.assignment: dict[str, list[str]] = {}
@@ -232,6 +235,7 @@ class CloudBase(RoleService):
             self.global_put = True
             if old is not None and old.sha256 != self.global_ref.sha256:
                 self.ep.release_blob(old.sha256)  # a late asker reads it from disk
+                self._retire_global_before(old.sha256)
             self.metrics.model_bytes.set(self.global_ref.size)
 
     def _serves_whole_global(self) -> bool:
@@ -259,7 +263,17 @@ class CloudBase(RoleService):
         self.global_put = True
         if old is not None and old.sha256 != self.global_ref.sha256:
             self.ep.release_blob(old.sha256)
+            self._retire_global_before(old.sha256)
         self.metrics.model_bytes.set(self.global_ref.size)
+
+    def _retire_global_before(self, released: str) -> None:
+        """The global ``released`` was just released: the one released before it is two
+        rounds old, and no edge asks for it again; its file takes the next blob the cloud
+        receives (:meth:`~shared.transport.bus.Endpoint.retire_blob`)."""
+        before, self.released_global = self.released_global, released
+        current = None if self.global_ref is None else self.global_ref.sha256
+        if before is not None and before not in (released, current):
+            self.ep.retire_blob(before)
 
     def _open_round(self) -> None:
         """Announce the next round (the server's)."""

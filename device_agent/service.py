@@ -250,6 +250,10 @@ class DeviceAgent(EdgeChoosing, StateKeeping):
         # a device of a static assignment hears no RoundStart: its edge's announcement is
         # how it joins the session (its deployment reports name it)
         self._advance(msg.session, msg.round)
+        if last is not None and last.update_ref is not None:
+            # a later round is announced: no one asks for the last upload again (a resend
+            # is of the round announced again, above), and its file takes this round's model
+            self.ep.retire_blob(last.update_ref.sha256)
         if not self._adopt_announced(msg.arch):
             return
         if not waited and self._await_personal(msg):

@@ -200,6 +200,11 @@ class EdgeServer(UpdateFetching, EdgeReporting):
         if self.report_sha is not None:  # the cloud took it: only disk keeps it now
             if self.report_sha != self.global_sha:  # (unless it is the new global itself)
                 self.ep.release_blob(self.report_sha)
+            # the report before it is two rounds old (no device or cloud asks for it
+            # again): its file takes the next blob this edge receives
+            before, self.released_report = self.released_report, self.report_sha
+            if before is not None and before not in (self.report_sha, self.global_sha):
+                self.ep.retire_blob(before)
             self.report_sha = None
         self.session, self.round, self.closed = msg.session, msg.round, False
         if self.selecting:

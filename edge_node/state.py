@@ -96,6 +96,8 @@ class EdgeRoundState(RoleService):
         self.timer: Timer | None = None
         #: the blob of the last report's model (the cloud has it once the next round opens)
         self.report_sha: str | None = None
+        #: the report before :attr:`report_sha`, released: retired at the next round start
+        self.released_report: str | None = None
         self.deadline_at = 0.0
         self.rejected_this_round = 0
         # running sums over ``reported``, checked against what the EdgeUpdate may carry

@@ -257,10 +257,10 @@ def test_a_large_blob_is_received_into_a_file_and_mapped(
     broker: LocalBroker, tmp_path: Path
 ) -> None:
     """A blob the receiver's store would spill arrives in a staged file, never whole in
-    memory: the fetch returns a map of it (the same bytes); the file goes when the map of
-    an uncached fetch does, a kept one becomes the disk copy (renamed, not copied) that the
-    receiver then serves from, and a blob whose bytes are not the ones asked for leaves
-    nothing behind."""
+    memory: the fetch returns a map of it (the same bytes); the file of an uncached fetch is
+    kept once its map goes and the next fetch is written over it, a kept blob's file becomes
+    the disk copy (renamed, not copied) that the receiver then serves from, and a blob whose
+    bytes are not the ones asked for leaves nothing behind."""
     cs = 64 * 1024
     sender = _bus(broker, "recv", "cloud", "cloud", Traffic(), chunk_bytes=cs)
     store = BlobStore(tmp_path / "edge", spill_bytes=4 * cs)
@@ -278,14 +278,17 @@ def test_a_large_blob_is_received_into_a_file_and_mapped(
         got = ep.get_blob(sha_other, len(other), kind="x", src="cloud", cache=False)
         assert isinstance(got, MappedBlob) and got[:] == other and got.sha256 == sha_other
         assert not store.has(sha_other) and len(list(staged.iterdir())) == 1
+        (first,) = staged.iterdir()
         del got
         gc.collect()
-        assert not list(staged.iterdir())  # an uncached blob's file goes with its map
+        # an uncached blob's file stays, to write the next one over
+        assert [p.stat().st_size for p in staged.iterdir()] == [len(other)]
 
         small_got = ep.get_blob(sha_small, len(small), kind="x", src="cloud", cache=False)
         assert isinstance(small_got, bytes) and small_got == small  # below the spill size
 
         got = ep.get_blob(sha, len(big), kind="x", src="cloud", cache=False)
+        assert isinstance(got, MappedBlob) and got.path == first  # written over the kept file
         ep.keep_blob(got, sha, kind="x")  # validated: kept, its file renamed into the store
         assert not list(staged.iterdir()) and sha not in store._mem
         assert (tmp_path / "edge" / sha[:2] / sha).read_bytes() == big

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from shared.wire.messages import (
     BlobWant,
     encode,
 )
+from shared.wire.staged import open_staged
 
 # the bus's logger, as for every part of the blob transfer
 log = logging.getLogger("shared.transport.mqtt")
@@ -42,7 +44,9 @@ class FileSink:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh = open(path, "x+b")  # closed by finish or close
+        # a new file, or a kept one written over (shared.wire.staged); closed by finish or
+        # close
+        self._fh = os.fdopen(open_staged(path), "r+b")
 
     def write(self, chunk: bytes) -> None:
         """Append ``chunk``."""
@@ -50,8 +54,9 @@ class FileSink:
 
     def finish(self, sha256: str) -> MappedBlob:
         """The map of everything written, which hashes to ``sha256`` (the file now goes
-        with the map: removed when it is collected, unless a store adopted it)."""
-        self._fh.flush()
+        with the map: kept to write over or removed when the map is collected, unless a
+        store adopted it)."""
+        self._fh.truncate()  # the end of a longer blob written there before (flushes)
         try:
             blob = MappedBlob.of_file(self._fh.fileno(), sha256, self.path)
         except BaseException:

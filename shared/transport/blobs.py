@@ -26,10 +26,12 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 from shared.wire.codec import Blob, MappedBlob, sha256_hex
+from shared.wire.staged import StagedFiles, remove_quietly
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class BlobStore:
         memory_limit_bytes: int = 2 << 30,
         disk_limit_bytes: int = 8 << 30,
         spill_bytes: int | None = SPILL_BYTES,
+        staged_with: BlobStore | None = None,
     ) -> None:
         self.directory = directory
         self.memory_limit_bytes = memory_limit_bytes
@@ -72,9 +75,19 @@ class BlobStore:
         self._pending_bytes = 0
         self._wake = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
+        #: finished staged files kept to write the next blobs over (None without a disk)
+        self._staged: StagedFiles | None = None
+        #: maps of disk copies handed out (:meth:`get`), alive while someone reads them
+        self._maps: weakref.WeakSet[MappedBlob] = weakref.WeakSet()
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             _sweep_staging(directory / STAGING_DIR)
+            # the staged files of ``staged_with`` (a store on the same file system whose
+            # blobs are staged for this one too, as a role's private blobs are) or its own
+            if staged_with is not None and staged_with._staged is not None:
+                self._staged = staged_with._staged
+            else:
+                self._staged = StagedFiles.of(directory / STAGING_DIR)
 
     def _path(self, sha256: str) -> Path | None:
         """Where the blob's disk copy lives, or None without a disk cache."""
@@ -118,10 +131,12 @@ class BlobStore:
         none held in memory); whether this store now has it on disk. Not for a blob below
         the spilled size (kept in memory as any other) or one already on disk here."""
         path = self._path(blob.sha256)
-        if path is None or blob.path is None or not self._spills(len(blob)):
+        if path is None or not self._spills(len(blob)):
             return False
         if path.exists():  # a copy is here already: the staged file goes with the map
             return False
+        if blob.path is None:
+            return self._link(blob, path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(blob.path, path)
@@ -129,7 +144,28 @@ class BlobStore:
             log.warning("cannot adopt blob %s: %s", blob.sha256[:12], err)
             return False
         blob.path = None
+        with self._lock:
+            self._maps.add(blob)  # its reader's map: not retired into a staged file in use
         self._trust(blob.sha256, path)
+        self._evict_disk()
+        return path.is_file()
+
+    def _link(self, blob: MappedBlob, path: Path) -> bool:
+        """Make another store's disk copy that ``blob`` maps (its ``origin``) this store's
+        too, by a hard link (no second copy written); whether this store now has it."""
+        if blob.origin is None:
+            return False
+        origin, identity = blob.origin
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(origin, path)
+            st = path.stat()
+        except OSError:  # another file system, gone: written from the map instead
+            return False
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != identity:
+            path.unlink(missing_ok=True)  # not the file mapped any more
+            return False
+        self._trust_identity(blob.sha256, st)  # the bytes its store verified
         self._evict_disk()
         return path.is_file()
 
@@ -190,6 +226,10 @@ class BlobStore:
                 except OSError:
                     pass
                 self._trust(sha256, path)  # its new time is ours
+                with self._lock:
+                    known = self._trusted.get(sha256)
+                if known is not None:  # another store here links it (_link)
+                    mapped.origin = (path, known)
                 return mapped
         try:
             data = path.read_bytes()
@@ -260,16 +300,64 @@ class BlobStore:
         (:class:`~shared.wire.codec.MappedBlob`), or None to build it in memory: a blob of
         a spilled size when this store has a disk cache. The file lies beside the disk
         copies (so :meth:`put` adopts it by renaming it), where eviction never looks, and
-        is named by this process, whose files a later store removes once it has gone."""
-        if self.directory is None or not self._spills(size):
+        is named by this process, whose files a later store removes once it has gone. It
+        may be a file kept from a finished blob (:mod:`shared.wire.staged`), whose pages
+        the page cache still holds: the writer writes over it and truncates it."""
+        if self.directory is None or self._staged is None or not self._spills(size):
             return None
-        folder = self.directory / STAGING_DIR
+        kept = self._staged.take()
+        if kept is not None:
+            return kept
+        return self._staged_name()
+
+    def _staged_name(self) -> Path | None:
+        """A new name in the staging folder (made if need be), or None when it cannot be."""
+        assert self._staged is not None
+        folder = self._staged.folder
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             log.warning("cannot stage a blob on disk: %s", err)
             return None
         return folder / f"{os.getpid()}.{next(_STAGED)}.part"
+
+    def retire(self, sha256: str) -> bool:
+        """Forget a blob no one will ask for again (a device's upload of a round that is
+        over): out of memory, and its disk copy's file kept among the staged files to write
+        the next blob over (:mod:`shared.wire.staged`), or removed while a map of it is in
+        use, linked by another store or smaller than a spilled blob. A chunk read from the
+        file as it goes is never served (:meth:`_read_range`); an asker gets the
+        ``missing`` answer. Whether a disk copy went."""
+        path = self._path(sha256)
+        with self._lock:
+            if sha256 in self._pending:
+                return False  # its disk copy is still to be written: left as it is
+            data = self._mem.pop(sha256, None)
+            if data is not None:
+                self._mem_bytes -= len(data)
+            self._trusted.pop(sha256, None)
+        if path is None or self._staged is None:
+            return False
+        target = self._staged_name()
+        if target is None:
+            return False
+        with self._lock:  # no map of it is made as it goes (_map_spilled)
+            try:
+                os.replace(path, target)
+            except OSError:  # not on disk (never written, evicted)
+                return False
+            in_use = any(m.sha256 == sha256 and not m.closed for m in list(self._maps))
+        try:
+            st = os.stat(target)
+        except OSError:  # gone already (a sweep)
+            return True
+        if in_use or st.st_nlink > 1 or not self._spills(st.st_size):
+            # read through a map, another store's copy of the same file, or too small to
+            # be worth keeping (blobs that small are built in memory)
+            remove_quietly(target)
+        else:
+            self._staged.give_back(target)
+        return True
 
     def _spills(self, size: int) -> bool:
         return self.spill_bytes is not None and size >= self.spill_bytes
@@ -303,11 +391,18 @@ class BlobStore:
         opened = self._open_spilled(sha256)
         if opened is None:
             return None
-        fd, size = opened
+        fd, st = opened
+        size = st.st_size
         try:
             if start >= max(1, size):
                 return None
-            return os.pread(fd, min(length, size - start), start)
+            part = os.pread(fd, min(length, size - start), start)
+            # a file retired while it was read may be being written over: a write changes
+            # its time before its bytes, so bytes read before the same time are the blob's
+            after = os.fstat(fd)
+            if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
+                return None
+            return part
         except OSError as err:
             log.warning("cannot read cached blob %s: %s", sha256[:12], err)
             return None
@@ -319,17 +414,26 @@ class BlobStore:
         opened = self._open_spilled(sha256)
         if opened is None:
             return None
-        fd, size = opened
+        fd, st = opened
         try:
-            return MappedBlob.of_file(fd, sha256) if size else None
+            if not st.st_size:
+                return None
+            blob = MappedBlob.of_file(fd, sha256)
+            path = self._path(sha256)
+            with self._lock:  # retire() moves files under this lock
+                if path is None or _inode(path) != st.st_ino:  # retired as it was mapped
+                    blob.close()
+                    return None
+                self._maps.add(blob)  # not retired into a staged file while in use
+            return blob
         except OSError as err:
             log.warning("cannot map cached blob %s: %s", sha256[:12], err)
             return None
         finally:
             os.close(fd)
 
-    def _open_spilled(self, sha256: str) -> tuple[int, int] | None:
-        """An open descriptor and the size of a spilled blob's disk copy, or None (not on
+    def _open_spilled(self, sha256: str) -> tuple[int, os.stat_result] | None:
+        """An open descriptor and the status of a spilled blob's disk copy, or None (not on
         disk, not a spilled size, or failing verification: then deleted). The file is
         hashed again whenever its identity is not the one this store wrote or verified."""
         path = self._path(sha256)
@@ -353,7 +457,7 @@ class BlobStore:
                     os.close(fd)
                     return None
                 self._trust_identity(sha256, st)
-            return fd, st.st_size
+            return fd, st
         except OSError as err:
             log.warning("cannot read cached blob %s: %s", sha256[:12], err)
             os.close(fd)
@@ -421,6 +525,14 @@ class BlobStore:
                 break
             total -= sizes[p].st_size
             p.unlink(missing_ok=True)
+
+
+def _inode(path: Path) -> int | None:
+    """The inode ``path`` names, or None when it names nothing."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _file_hashes_to(fd: int, size: int, sha256: str) -> bool:

@@ -158,6 +158,10 @@ class Bus(ABC):
     def _release_blob(self, sha256: str) -> None:  # noqa: B027 - optional hook
         """Drop a blob from memory where a disk copy keeps it (no-op on an in-process bus)."""
 
+    def _retire_blob(self, sha256: str) -> None:  # noqa: B027 - optional hook
+        """Forget a blob no one will ask for again, its disk copy too (no-op on an
+        in-process bus)."""
+
     def _staging(self, size: int) -> Path | None:
         """Where a blob of ``size`` bytes about to be put is encoded, when not in memory
         (:meth:`BlobStore.staging <shared.transport.blobs.BlobStore.staging>`); in memory
@@ -280,6 +284,13 @@ class Endpoint:
         """Free the memory of a blob this role put or kept and expects no one to ask for
         again (the previous round's model): its disk copy, if any, still serves it."""
         self.bus._release_blob(sha256)
+
+    def retire_blob(self, sha256: str) -> None:
+        """Forget a blob this role put and no one will ask for again (a device's upload of
+        a round that is over), its disk copy too: the file is written over by the next
+        blob this role receives or encodes (:meth:`BlobStore.retire
+        <shared.transport.blobs.BlobStore.retire>`)."""
+        self.bus._retire_blob(sha256)
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:
         """Schedule ``fn`` on the bus thread."""

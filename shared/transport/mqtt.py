@@ -161,6 +161,7 @@ class MqttBus(Bus):
                 self.store.directory / "private",
                 memory_limit_bytes=settings.memory_limit_bytes,
                 disk_limit_bytes=settings.cache_limit_bytes,
+                staged_with=self.store,  # blobs put privately are staged in the store's
             )
         self._blob_server = BlobServer(ctx, on_served=self._fetched,  # driven by _io
                                        private_store=private)  # fmt: skip
@@ -608,6 +609,10 @@ class MqttBus(Bus):
 
     def _release_blob(self, sha256: str) -> None:
         self.store.release(sha256)
+
+    def _retire_blob(self, sha256: str) -> None:
+        self.store.retire(sha256)
+        self._blob_server.private_store.retire(sha256)
 
     # -- timers and the role loop --------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> Timer:

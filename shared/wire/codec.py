@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.atomic import atomic_write
 from shared.errors import CodecError
+from shared.wire import staged as staged_files
 
 if TYPE_CHECKING:
     import torch
@@ -41,10 +42,14 @@ class MappedBlob(mmap.mmap):
     should change either, copies the page and never reaches the file). ``sha256`` is the
     hash of the bytes, computed as they were written; ``path`` names the file until a blob
     store adopts it as its disk copy (:meth:`~shared.transport.blobs.BlobStore.put`). A file
-    no store adopted is removed once the map is collected."""
+    no store adopted is kept to be written over, or removed, once the map is collected
+    (:mod:`shared.wire.staged`). ``origin`` is a store's disk copy the map was made of, with
+    its identity (inode, size, modification time) then: another store on the same file
+    system links it instead of copying it."""
 
     sha256: str
     path: Path | None
+    origin: tuple[Path, tuple[int, int, int]] | None = None
 
     @classmethod
     def of_file(cls, fd: int, sha256: str, staged: Path | None = None) -> MappedBlob:
@@ -53,7 +58,8 @@ class MappedBlob(mmap.mmap):
         blob = cls(fd, 0, access=mmap.ACCESS_COPY)
         blob.sha256, blob.path = sha256, staged
         if staged is not None:
-            weakref.finalize(blob, _remove_quietly, staged)  # a no-op once a store renamed it
+            # kept to write the next blob over (staged.py); a no-op once a store renamed it
+            weakref.finalize(blob, staged_files.finished, staged)
         return blob
 
     def drop_pages(self, start: int = 0, length: int | None = None) -> None:
@@ -85,13 +91,6 @@ class MappedViews(dict[str, "torch.Tensor"]):
         nbytes = t.numel() * t.element_size()
         if 0 <= start and start + nbytes <= len(self.blob):
             self.blob.drop_pages(start, nbytes)
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 Blob = bytes | mmap.mmap
@@ -276,14 +275,15 @@ def encoded_size(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def encode_tensors_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> MappedBlob:
-    """:func:`encode_tensors` written to a new file ``path`` instead of memory (hashed as it
-    is written), returned as a :class:`MappedBlob` of it holding none of its pages: a role
-    that puts a large blob keeps no copy of its bytes in memory. Raises OSError when the
-    file cannot be written (nothing is left behind)."""
+    """:func:`encode_tensors` written to staged file ``path`` (new, or kept to be written
+    over: :mod:`shared.wire.staged`) instead of memory (hashed as it is written), returned
+    as a :class:`MappedBlob` of it holding none of its pages: a role that puts a large blob
+    keeps no copy of its bytes in memory. Raises OSError when the file cannot be written
+    (nothing is left behind)."""
     ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
     layout = _direct_layout(ordered)
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = staged_files.open_staged(path)  # a new file, or a kept one written over
     try:
         with os.fdopen(os.dup(fd), "wb") as fh:
             if layout is None:  # a layout only the library writes: through memory
@@ -299,6 +299,8 @@ def encode_tensors_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> M
                         part = _data_of(ordered[name])
                         fh.write(part)
                         h.update(part)
+            fh.flush()
+            os.ftruncate(fd, fh.tell())  # the end of a longer blob written there before
         blob = MappedBlob.of_file(fd, h.hexdigest(), path)
     except BaseException:
         path.unlink(missing_ok=True)
