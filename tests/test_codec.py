@@ -25,6 +25,7 @@ from shared.wire.codec import (
     serial_copy,
     sha256_hex,
     spec_of,
+    write_tensors,
 )
 
 T = {"b": torch.arange(3, dtype=torch.float32), "a": torch.ones(2, 2, dtype=torch.float16)}
@@ -201,3 +202,28 @@ def test_serial_copies_are_exact_copies(dtype: torch.dtype) -> None:
     assert serial_copy(dst, src) is dst and torch.equal(dst, src)
     clone = serial_clone(src.view(-1, 7)[:, :5])  # a strided source
     assert clone.is_contiguous() and torch.equal(clone, src.view(-1, 7)[:, :5])
+
+
+def test_write_tensors_writes_encode_tensors_bytes_without_building_them(
+    tmp_path: Path,
+) -> None:
+    """write_tensors (a checkpoint's writer) leaves exactly encode_tensors' bytes at the
+    path, metadata included, for the layouts it writes itself, and the same tensors and
+    metadata for one only the library writes (whose metadata order is its own); no
+    temporary file stays beside them, and an existing file is replaced whole."""
+    big = {"w": torch.randn(256, 256), "b": torch.arange(7, dtype=torch.int64)}
+    meta = {"round": "3", "config": '{"a": 1}'}
+    for i, tensors in enumerate((_mixed(), big)):
+        path = tmp_path / f"{i}.safetensors"
+        path.write_bytes(b"x" * 10_000_000)  # a longer file there before
+        write_tensors(path, tensors, meta)
+        assert path.read_bytes() == encode_tensors(tensors, meta)
+    path = tmp_path / "2.safetensors"
+    write_tensors(path, {'say "hi"': torch.ones(3)}, meta)
+    data = path.read_bytes()
+    assert torch.equal(decode_tensors(data)['say "hi"'], torch.ones(3))
+    assert read_metadata(data) == meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{i}.safetensors" for i in range(3)]
+    with pytest.raises(CodecError, match="metadata larger"):
+        write_tensors(tmp_path / "x.safetensors", big, {"k": "v" * 70_000})
+    assert not (tmp_path / "x.safetensors").exists()

@@ -22,7 +22,14 @@ from shared.atomic import atomic_write
 from shared.config import RunConfig, config_from_dict
 from shared.errors import CodecError, EstuaryError
 from shared.models.plan import ChannelPlan, model_spec, parse_plan
-from shared.wire.codec import check_spec, decode_tensors, encode_tensors, read_metadata, sha256_hex
+from shared.wire.codec import (
+    check_spec,
+    decode_tensors,
+    encode_tensors,
+    read_metadata,
+    sha256_hex,
+    write_tensors,
+)
 
 __all__ = [
     "Checkpoint",
@@ -99,7 +106,7 @@ def save_checkpoint(
     if init is not None:
         meta["init"] = init
     path = directory / checkpoint_name(round_)
-    atomic_write(path, encode_tensors(tensors, meta))
+    write_tensors(path, tensors, meta)  # streamed: no copy of the model's bytes in memory
     pointer = {"round": round_ + 1, "file": path.name, "model_sha256": meta["model_sha256"]}
     atomic_write(directory / "latest.json", json.dumps(pointer, indent=2).encode())
     return path

@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 import re
+import tempfile
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -308,6 +309,37 @@ def encode_tensors_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> M
     finally:
         os.close(fd)
     return blob
+
+
+def write_tensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """:func:`encode_tensors` written to ``path`` atomically (a temporary file beside it,
+    synced, then renamed), a tensor at a time: no copy of a model's bytes is built in
+    memory first (a checkpoint written every round would take fresh pages for one)."""
+    ordered = {k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)}
+    meta = dict(metadata or {})
+    if len(json.dumps(meta)) > MAX_METADATA_BYTES:
+        raise CodecError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
+    layout = _direct_layout(ordered, meta)
+    if layout is None:  # a layout only the library writes: through memory
+        atomic_write(path, encode_tensors(ordered, meta))
+        return
+    header, order = layout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(header)
+            for name in order:
+                if ordered[name].numel():
+                    fh.write(_data_of(ordered[name]))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
