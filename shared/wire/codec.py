@@ -15,14 +15,13 @@ import math
 import mmap
 import os
 import re
-import tempfile
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.atomic import atomic_write
+from shared.atomic import atomic_write, atomic_write_with
 from shared.errors import CodecError
 from shared.wire import staged as staged_files
 
@@ -258,13 +257,22 @@ def _encode_direct(
     layout = _direct_layout(tensors, meta)
     if layout is None:
         return None
-    header, order = layout
     out = io.BytesIO()
-    out.write(header)
+    for part in _direct_parts(tensors, layout):
+        out.write(part)
+    return out.getvalue()  # written in order: CPython hands over its buffer, no copy
+
+
+def _direct_parts(
+    tensors: Mapping[str, torch.Tensor], layout: tuple[bytes, list[str]]
+) -> Iterator[bytes | memoryview]:
+    """The pieces of :func:`_encode_direct`'s bytes in order: the header of ``layout``
+    (:func:`_direct_layout`), then each tensor's data, without a copy."""
+    header, order = layout
+    yield header
     for name in order:
         if tensors[name].numel():
-            out.write(_data_of(tensors[name]))
-    return out.getvalue()  # written in order: CPython hands over its buffer, no copy
+            yield _data_of(tensors[name])
 
 
 def encoded_size(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -292,14 +300,9 @@ def encode_tensors_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> M
                 fh.write(data)
                 h.update(data)
             else:
-                header, order = layout
-                fh.write(header)
-                h.update(header)
-                for name in order:
-                    if ordered[name].numel():
-                        part = _data_of(ordered[name])
-                        fh.write(part)
-                        h.update(part)
+                for part in _direct_parts(ordered, layout):
+                    fh.write(part)
+                    h.update(part)
             fh.flush()
             os.ftruncate(fd, fh.tell())  # the end of a longer blob written there before
         blob = MappedBlob.of_file(fd, h.hexdigest(), path)
@@ -325,21 +328,7 @@ def write_tensors(
     if layout is None:  # a layout only the library writes: through memory
         atomic_write(path, encode_tensors(ordered, meta))
         return
-    header, order = layout
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(header)
-            for name in order:
-                if ordered[name].numel():
-                    fh.write(_data_of(ordered[name]))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_with(path, lambda fh: fh.writelines(_direct_parts(ordered, layout)))
 
 
 def write_asset(path: Path, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> str:
